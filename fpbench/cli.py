@@ -1,0 +1,315 @@
+"""The `fpbench` command line: thin commands that parse, call one library function and print."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+import fpbench
+from fpbench.errors import FpbenchError
+
+app = typer.Typer(help="Benchmark suite for federated prompt tuning.", no_args_is_help=True,
+                  add_completion=False, pretty_exceptions_enable=False)
+plot_app = typer.Typer(help="Draw plots from the results database.", no_args_is_help=True)
+app.add_typer(plot_app, name="plot")
+console = Console()
+err = Console(stderr=True)
+
+DEFAULT_DB = "results/fpbench.db"
+DEFAULT_METRICS = ["acc_global", "acc_local_mean", "acc_local_worst"]
+DbOpt = Annotated[str, typer.Option("--db", help="results database: a path or SQLAlchemy URL")]
+SuiteOpt = Annotated[str, typer.Option("--suite", "-s", help="suite name or path to a .toml")]
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def user_errors(fn: F) -> F:
+    """Turn an FpbenchError into one red line on stderr and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except FpbenchError as e:
+            err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"fpbench {fpbench.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="print the version and exit")] = False
+          ) -> None:
+    """Benchmark suite for federated prompt tuning of frozen pretrained models."""
+
+
+def _open_store(db: str, *, must_exist: bool = False):
+    from fpbench.store import Store
+
+    url = Store.url_from_path_or_url(db)
+    if must_exist and url.startswith("sqlite:///") and not Path(url[10:]).exists():
+        raise FpbenchError(f"no results database at {db}; run `fpbench run` first or pass --db")
+    return Store(url)
+
+
+def _select_cells(suite, methods: list[str] | None, seeds: list[int] | None):
+    cells = list(suite.cells)
+    if methods:
+        known = sorted({c.method.label for c in cells} | {c.method.name for c in cells})
+        unknown = [m for m in methods if m not in known]
+        if unknown:
+            raise FpbenchError(f"method(s) {unknown} not in suite {suite.name}; "
+                               f"valid: {', '.join(known)}")
+        cells = [c for c in cells if c.method.label in methods or c.method.name in methods]
+    if seeds:
+        cells = [c for c in cells if c.seed in seeds]
+    if not cells:
+        raise FpbenchError(f"no cells of suite {suite.name} match the filters")
+    return cells
+
+
+class _ProgressObserver:
+    """Rich progress: one bar over the suite's cells, one over the current cell's rounds."""
+
+    def __init__(self, progress: Progress, total_cells: int) -> None:
+        self.progress = progress
+        self.cells = progress.add_task("cells", total=total_cells)
+        self.rounds: Any = None
+
+    def cell_start(self, cfg, start_round: int) -> None:
+        if self.rounds is not None:
+            self.progress.remove_task(self.rounds)
+        label = f"{cfg.method.label} / {cfg.dataset.label} / {cfg.partition.label} / s{cfg.seed}"
+        self.rounds = self.progress.add_task(f"  {label}", total=cfg.train.rounds,
+                                             completed=start_round)
+
+    def round_end(self, cfg, round_idx: int, metrics: dict[str, float]) -> None:
+        self.progress.update(self.rounds, completed=round_idx + 1)
+
+    def cell_done(self) -> None:
+        self.progress.advance(self.cells)
+
+
+@app.command()
+@user_errors
+def run(
+    suite: SuiteOpt = "smoke",
+    method: Annotated[list[str] | None, typer.Option(help="only these methods (repeatable)")] = None,
+    seed: Annotated[list[int] | None, typer.Option(help="only these seeds (repeatable)")] = None,
+    db: DbOpt = DEFAULT_DB,
+    device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N")] = None,
+    executor: Annotated[str | None, typer.Option(help="lockstep or reference")] = None,
+    checkpoint_dir: Annotated[Path, typer.Option(help="where per-round checkpoints live")] = Path(
+        "results/checkpoints"),
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="list the cells and their status")
+                       ] = False,
+) -> None:
+    """Run (or resume) every cell of a suite; finished cells are skipped."""
+    from fpbench.engine.runner import run_suite
+    from fpbench.specs import load_suite
+
+    loaded = load_suite(suite)
+    cells = _select_cells(loaded, method, seed)
+    runtime = {k: v for k, v in {"device": device, "executor": executor}.items() if v}
+    if executor and executor not in ("lockstep", "reference"):
+        raise FpbenchError(f"--executor must be lockstep or reference, got {executor!r}")
+    cells = [c.model_copy(update={"runtime": c.runtime.model_copy(update=runtime)})
+             for c in cells]
+    if dry_run:
+        _print_cells(loaded.name, cells, db)
+        return
+    store = _open_store(db)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err, transient=False) as progress:
+        observer = _ProgressObserver(progress, len(cells))
+        results = []
+        for cfg in cells:
+            results += run_suite([cfg], store, checkpoint_dir=checkpoint_dir, observer=observer)
+            observer.cell_done()
+    _report_results(loaded.name, results)
+
+
+def _report_results(suite: str, results) -> None:
+    counts = {s: sum(r.status == s for r in results) for s in ("done", "skipped", "failed")}
+    console.print(f"suite [bold]{suite}[/]: {counts['done']} run, {counts['skipped']} already "
+                  f"done, {counts['failed']} failed")
+    for r in results:
+        if r.status == "failed":
+            err.print(f"[red]failed:[/] {r.cfg.method.label} / {r.cfg.dataset.label} / "
+                      f"{r.cfg.partition.label} / seed {r.cfg.seed}: {r.error}", highlight=False)
+    if counts["failed"]:
+        raise typer.Exit(1)
+
+
+def _print_cells(suite: str, cells, db: str) -> None:
+    from fpbench.store import Store
+
+    url = Store.url_from_path_or_url(db)
+    exists = not url.startswith("sqlite:///") or Path(url[10:]).exists()
+    store = Store(url) if exists else None
+    table = Table(title=f"suite {suite}: {len(cells)} cells")
+    for col in ("run_key", "method", "dataset", "partition", "seed", "status"):
+        table.add_column(col)
+    for c in cells:
+        record = store.find_run(c.run_key) if store else None
+        status = record.status if record else "new"
+        table.add_row(c.run_key, c.method.label, c.dataset.label, c.partition.label,
+                      str(c.seed), status)
+    console.print(table)
+
+
+class Listable(str, Enum):
+    suites = "suites"
+    methods = "methods"
+    datasets = "datasets"
+    partitions = "partitions"
+    backbones = "backbones"
+
+
+@app.command("list")
+@user_errors
+def list_(what: Annotated[Listable, typer.Argument(help="what to list")]) -> None:
+    """List the registered suites, methods, datasets, partitions or backbones."""
+    import fpbench.methods  # noqa: F401  (registration)
+    from fpbench.registry import BACKBONES, DATASETS, METHODS, PARTITIONS
+    from fpbench.specs import list_suites
+
+    if what is Listable.suites:
+        rows = [(name, "") for name in list_suites()]
+    else:
+        registry = {"methods": METHODS, "datasets": DATASETS, "partitions": PARTITIONS,
+                    "backbones": BACKBONES}[what.value]
+        rows = [(name, _summary_line(registry.get(name))) for name in registry.names()]
+    table = Table(title=what.value)
+    table.add_column("name")
+    table.add_column("description")
+    for name, desc in rows:
+        table.add_row(name, desc)
+    console.print(table)
+
+
+def _summary_line(obj: Any) -> str:
+    text = getattr(obj, "description", None) or (obj.__doc__ or "")
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
+@app.command()
+@user_errors
+def show(run_ref: Annotated[str, typer.Argument(metavar="RUN", help="run id or run_key prefix")],
+         db: DbOpt = DEFAULT_DB) -> None:
+    """Show one run: its identity, status, config and final metrics."""
+    store = _open_store(db, must_exist=True)
+    record = store.get_run(run_ref)
+    console.print(f"[bold]run {record.id}[/] {record.run_key}  status={record.status}  "
+                  f"suite={record.suite} method={record.method} dataset={record.dataset} "
+                  f"partition={record.partition} seed={record.seed}")
+    console.print(f"device={record.device} torch={record.torch_version} "
+                  f"fpbench={record.fpbench_version} wall_s={record.wall_s}")
+    if record.error:
+        err.print(f"[red]error:[/] {record.error}", highlight=False)
+    console.print_json(json.dumps(record.config))
+    metrics = store.metrics(run_ids=[record.id])
+    if not metrics.empty:
+        last = metrics[metrics["round"] == metrics["round"].max()]
+        table = Table(title=f"aggregates at round {int(last['round'].iloc[0])}")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for name, value in sorted(zip(last["name"], last["value"], strict=True)):
+            table.add_row(name, f"{value:.4f}")
+        console.print(table)
+
+
+class TableFormat(str, Enum):
+    md = "md"
+    csv = "csv"
+    latex = "latex"
+
+
+@app.command()
+@user_errors
+def table(
+    suite: SuiteOpt,
+    metric: Annotated[list[str] | None, typer.Option(help="metric(s) (repeatable)")] = None,
+    fmt: Annotated[TableFormat, typer.Option("--format", help="output format")] = TableFormat.md,
+    out: Annotated[Path | None, typer.Option(help="write to this file instead of stdout")] = None,
+    db: DbOpt = DEFAULT_DB,
+) -> None:
+    """Mean +- std over seeds of each method's final metrics (mean of the last 10 evals)."""
+    from fpbench.report.tables import render, summary_table
+
+    store = _open_store(db, must_exist=True)
+    frame = store.metrics(suite=_suite_name(suite))
+    text = render(summary_table(frame, metric or DEFAULT_METRICS), fmt.value)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        console.print(f"wrote {out}")
+    else:
+        print(text)
+
+
+def _suite_name(suite: str) -> str:
+    """The name runs were stored under: a suite file's `name` or its stem."""
+    from fpbench.specs import find_suite
+
+    try:
+        import tomllib
+
+        path = find_suite(suite)
+        return tomllib.loads(path.read_text()).get("name", path.stem)
+    except (FpbenchError, ValueError):
+        return suite
+
+
+@plot_app.command("tradeoff")
+@user_errors
+def plot_tradeoff(
+    suite: SuiteOpt,
+    out: Annotated[Path, typer.Option(help="output image (png, pdf, svg)")],
+    db: DbOpt = DEFAULT_DB,
+) -> None:
+    """Global accuracy (x) vs worst local accuracy (y), one marker per method (SGPT Fig. 1)."""
+    from fpbench.report.plots import tradeoff
+
+    store = _open_store(db, must_exist=True)
+    _save(tradeoff(store.metrics(suite=_suite_name(suite))), out)
+
+
+@plot_app.command("curves")
+@user_errors
+def plot_curves(
+    suite: SuiteOpt,
+    out: Annotated[Path, typer.Option(help="output image (png, pdf, svg)")],
+    metric: Annotated[str, typer.Option(help="metric to plot against rounds")] = "acc_global",
+    db: DbOpt = DEFAULT_DB,
+) -> None:
+    """A metric against communication rounds, one line per method."""
+    from fpbench.report.plots import curves
+
+    store = _open_store(db, must_exist=True)
+    _save(curves(store.metrics(suite=_suite_name(suite)), metric), out)
+
+
+def _save(fig: Any, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=150, bbox_inches="tight")
+    console.print(f"wrote {out}")
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,46 @@
+"""Per-round checkpoints: server state and metric history, written atomically."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fpbench.methods.base import ServerState
+
+
+@dataclass
+class Checkpoint:
+    run_key: str
+    round: int  # the last completed round
+    server: ServerState
+    history: list[dict[str, float]]  # aggregates of each evaluated round so far
+    elapsed_s: float
+
+
+def checkpoint_path(folder: Path, run_key: str) -> Path:
+    return folder / f"{run_key}.pt"
+
+
+def save(path: Path, ckpt: Checkpoint) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {k: {n: t.detach().cpu() for n, t in d.items()}
+             for k, d in ckpt.server.state_dict().items()}
+    blob = {"run_key": ckpt.run_key, "round": ckpt.round, "server": state,
+            "history": ckpt.history, "elapsed_s": ckpt.elapsed_s}
+    tmp = path.with_suffix(".tmp")
+    torch.save(blob, tmp)
+    os.replace(tmp, path)
+
+
+def load(path: Path, run_key: str, device: torch.device) -> Checkpoint | None:
+    """The checkpoint of this run, or None if there is none (or it belongs to another run)."""
+    if not path.is_file():
+        return None
+    blob = torch.load(path, map_location=device, weights_only=True)
+    if blob.get("run_key") != run_key:
+        return None
+    return Checkpoint(run_key, blob["round"], ServerState.from_state_dict(blob["server"]),
+                      blob["history"], blob["elapsed_s"])

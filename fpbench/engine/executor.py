@@ -1,0 +1,112 @@
+"""Local training executors: reference (one client at a time) and lockstep (all together).
+
+Both run the same group-training function; they differ only in how clients are grouped. In a
+group, each local step draws one minibatch per client that still has one, concatenates them, runs
+one forward and one backward, and minimises the sum over clients of each client's mean loss, so
+every client's gradient is what it would be alone. Each client's batch order comes from its own
+generator, seeded by (seed, round, client, phase, epoch), so grouping never changes the data a
+client sees, and a resumed run replays exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fpbench.engine.optim import make_optimizer
+from fpbench.engine.task import Task
+from fpbench.methods.base import Context, Method, ServerState
+from fpbench.specs import TrainConfig
+
+
+@dataclass
+class LocalResult:
+    """Trained parameters stacked (K, ...) in the order of `client_ids`, stats and losses."""
+
+    client_ids: Tensor  # (K,)
+    params: dict[str, Tensor]
+    stats: dict[str, Tensor]
+    loss: Tensor  # (K,) mean training loss of each client over its local steps
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 63-bit seed from any tuple of parts (stable across processes and platforms)."""
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def client_batches(indices: Tensor, batch_size: int, seed: int) -> list[Tensor]:
+    """One epoch of shuffled minibatches of a client's train indices (last one may be short)."""
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(indices), generator=gen).to(indices.device)
+    return list(indices[order].split(batch_size))
+
+
+def train_clients(method: Method, server: ServerState, task: Task, client_ids: list[int],
+                  cfg: TrainConfig, *, round_idx: int, seed: int,
+                  executor: str = "lockstep") -> LocalResult:
+    """Local training of this round's clients with the chosen executor."""
+    if executor == "lockstep":
+        groups = [client_ids]
+    elif executor == "reference":
+        groups = [[c] for c in client_ids]
+    else:
+        raise ValueError(f"unknown executor {executor!r}")
+    results = [train_group(method, server, task, g, cfg, round_idx=round_idx, seed=seed)
+               for g in groups]
+    return LocalResult(
+        client_ids=torch.cat([r.client_ids for r in results]),
+        params={k: torch.cat([r.params[k] for r in results]) for k in results[0].params},
+        stats={k: torch.cat([r.stats[k] for r in results]) for k in results[0].stats},
+        loss=torch.cat([r.loss for r in results]),
+    )
+
+
+def train_group(method: Method, server: ServerState, task: Task, client_ids: list[int],
+                cfg: TrainConfig, *, round_idx: int, seed: int) -> LocalResult:
+    """Train K clients together: one forward/backward per step over all their minibatches."""
+    device = task.priors.device
+    ids = torch.tensor(client_ids, dtype=torch.long)
+    k = len(client_ids)
+    params = {n: p.to(device) for n, p in method.client_params(server, ids).items()}
+    ctx = Context(training=True, priors=task.priors[ids.to(device)], buffers=server.buffers)
+    loss_sum = torch.zeros(k, device=device)
+    loss_steps = torch.zeros(k, device=device)
+    lr = cfg.lr * cfg.lr_decay**round_idx
+    for phase_idx, phase in enumerate(method.phases(cfg.local_epochs, tuple(params))):
+        ctx.phase = phase.name
+        leaves = {n: p.detach().requires_grad_(n in phase.trainable) for n, p in params.items()}
+        opt = make_optimizer(cfg.optimizer, [leaves[n] for n in phase.trainable], lr=lr,
+                             momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                             grad_clip=cfg.grad_clip)
+        for epoch in range(phase.epochs):
+            batches = [client_batches(task.train_idx[c], cfg.batch_size,
+                                      derive_seed(seed, round_idx, c, phase_idx, epoch))
+                       for c in client_ids]
+            for step in range(max(len(b) for b in batches)):
+                active = torch.tensor([step < len(b) for b in batches], device=device)
+                per_client = _step(method, leaves, task, batches, step, ctx, k)
+                opt.zero_grad()
+                per_client.sum().backward()
+                opt.step(active)
+                loss_sum += per_client.detach()
+                loss_steps += active
+        params = {n: t.detach() for n, t in leaves.items()}
+    return LocalResult(ids, params, ctx.stats, loss_sum / loss_steps.clamp(min=1))
+
+
+def _step(method: Method, leaves: dict[str, Tensor], task: Task, batches: list[list[Tensor]],
+          step: int, ctx: Context, k: int) -> Tensor:
+    """Per-client mean loss (K,) of one lockstep minibatch; zero for clients without a batch."""
+    parts = [(row, b[step]) for row, b in enumerate(batches) if step < len(b)]
+    idx = torch.cat([b for _, b in parts])
+    rows = torch.cat([torch.full((len(b),), row, dtype=torch.long) for row, b in parts])
+    rows = rows.to(idx.device)
+    x = method.backbone.preprocess(task.data.train_images[idx])
+    per_sample = method.loss(leaves, x, task.data.train_labels[idx], rows, ctx)  # (B,)
+    counts = torch.zeros(k, device=idx.device).index_add_(0, rows, torch.ones_like(per_sample))
+    sums = torch.zeros(k, device=idx.device, dtype=per_sample.dtype).index_add(0, rows, per_sample)
+    return sums / counts.clamp(min=1)

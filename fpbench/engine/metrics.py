@@ -1,0 +1,89 @@
+"""Metric definitions (SGPT sec. 5.2.1, PEP-FedPT sec. 5), as pure functions on per-client counts.
+
+* `acc_local` (per client): accuracy on the client's local test set.
+* `acc_local_mean` / `acc_local_worst`: mean / minimum of `acc_local` over participating clients
+  (clients with an empty local test set are left out); `acc_local_p05/p10/p15`: the 5/10/15th
+  percentiles (numpy's linear interpolation), PEP-FedPT's lower-tail view of "worst".
+* `acc_global`: accuracy on the full test split; for personal and client-conditioned methods
+  each client's model is scored on it and the mean over participating clients is reported
+  (SGPT: "the mean accuracy made by each client over all testing images").
+* `acc_pooled`: correct / total over the union of the local test sets (what SGPT's code calls
+  "global accuracy").
+* `acc_heldout_mean` / `acc_heldout_worst`: the same on held-out clients, which never train;
+  not applicable (absent) for personal methods.
+* `<name>_last10`: the mean of an aggregate over the last 10 evaluated rounds (the papers' figure).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+PERCENTILES = (5, 10, 15)
+SUMMARY_SUFFIX = "_last"
+
+
+@dataclass(frozen=True)
+class EvalCounts:
+    """Per-client evaluation counts of one round (arrays over all N clients)."""
+
+    correct_local: np.ndarray  # (N,) correct predictions on each local test set
+    total_local: np.ndarray  # (N,) local test set sizes
+    heldout: np.ndarray  # (N,) bool
+    global_acc: np.ndarray  # (N,) per-client accuracy on the full test split, or (1,) if global
+    global_total: int  # size of the full test split
+    heldout_applicable: bool = True
+
+
+MetricRow = tuple[int | None, str, float, int | None]  # client_id, name, value, count
+
+
+def client_rows(ev: EvalCounts) -> list[MetricRow]:
+    """Per-client rows: acc_local / acc_heldout, plus acc_global for per-client models."""
+    rows: list[MetricRow] = []
+    for c in range(len(ev.total_local)):
+        if ev.total_local[c] == 0 or (ev.heldout[c] and not ev.heldout_applicable):
+            continue
+        name = "acc_heldout" if ev.heldout[c] else "acc_local"
+        rows.append((c, name, float(ev.correct_local[c] / ev.total_local[c]),
+                     int(ev.total_local[c])))
+    if len(ev.global_acc) > 1:
+        rows += [(c, "acc_global", float(a), ev.global_total) for c, a in enumerate(ev.global_acc)
+                 if not ev.heldout[c] and not np.isnan(a)]
+    return rows
+
+
+def aggregates(ev: EvalCounts) -> dict[str, float]:
+    """The per-round aggregate metrics (client_id NULL rows)."""
+    has_test = ev.total_local > 0
+    part = has_test & ~ev.heldout
+    acc = ev.correct_local[part] / ev.total_local[part]
+    out: dict[str, float] = {}
+    if acc.size:
+        out["acc_local_mean"] = float(acc.mean())
+        out["acc_local_worst"] = float(acc.min())
+        for q in PERCENTILES:
+            out[f"acc_local_p{q:02d}"] = float(np.percentile(acc, q))
+        out["acc_pooled"] = float(ev.correct_local[part].sum() / ev.total_local[part].sum())
+    glob = ev.global_acc if len(ev.global_acc) == 1 else ev.global_acc[~ev.heldout]
+    glob = glob[~np.isnan(glob)]
+    if glob.size:
+        out["acc_global"] = float(glob.mean())
+    held = has_test & ev.heldout
+    if held.any() and ev.heldout_applicable:
+        hacc = ev.correct_local[held] / ev.total_local[held]
+        out["acc_heldout_mean"] = float(hacc.mean())
+        out["acc_heldout_worst"] = float(hacc.min())
+    return out
+
+
+def summary(history: list[dict[str, float]], window: int) -> dict[str, float]:
+    """Mean of each aggregate over the last `window` evaluated rounds: `<name>_last<window>`."""
+    recent = history[-window:]
+    names = sorted({k for h in recent for k in h})
+    out = {}
+    for name in names:
+        values = [h[name] for h in recent if name in h]
+        out[f"{name}{SUMMARY_SUFFIX}{window}"] = float(np.mean(values))
+    return out

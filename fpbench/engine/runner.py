@@ -1,0 +1,187 @@
+"""The round loop of one run and the loop over a suite's cells, with resume and storage."""
+
+from __future__ import annotations
+
+import math
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+import fpbench
+from fpbench.backbones import create_backbone
+from fpbench.engine import checkpoint as ckpt_io
+from fpbench.engine.evaluate import evaluate
+from fpbench.engine.executor import derive_seed, train_clients
+from fpbench.engine.metrics import aggregates, client_rows, summary
+from fpbench.engine.task import Task, build_task
+from fpbench.errors import FpbenchError
+from fpbench.methods.base import Method, ServerState, TaskInfo
+from fpbench.registry import METHODS
+from fpbench.specs import RunConfig, TrainConfig
+from fpbench.store import Store
+
+
+class Observer(Protocol):
+    """Progress callbacks (the CLI shows them as rich progress bars)."""
+
+    def cell_start(self, cfg: RunConfig, start_round: int) -> None: ...
+    def round_end(self, cfg: RunConfig, round_idx: int, metrics: dict[str, float]) -> None: ...
+
+
+class _Silent:
+    def cell_start(self, cfg: RunConfig, start_round: int) -> None:
+        pass
+
+    def round_end(self, cfg: RunConfig, round_idx: int, metrics: dict[str, float]) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class CellResult:
+    cfg: RunConfig
+    status: str  # done, skipped, failed
+    error: str | None = None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise FpbenchError(f"device {name!r} requested but CUDA is not available; use --device cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise FpbenchError(f"invalid device {name!r}; use auto, cpu, cuda or cuda:N") from None
+
+
+def sampling_schedule(seed: int, rounds: int, clients: list[int],
+                      participation: float) -> list[list[int]]:
+    """The clients of every round, pre-drawn from the seed so every method sees the same ones."""
+    rng = np.random.default_rng(derive_seed(seed, "client-sampling"))
+    m = max(1, math.floor(participation * len(clients) + 1e-9))
+    return [[int(c) for c in rng.choice(clients, m, replace=False)] for _ in range(rounds)]
+
+
+def should_eval(r: int, train: TrainConfig) -> bool:
+    return (r + 1) % train.eval_every == 0 or r >= train.rounds - train.eval_last \
+        or r == train.rounds - 1
+
+
+def build_method(cfg: RunConfig, task: Task, device: torch.device) -> Method:
+    backbone = create_backbone(cfg.backbone.name, weights=cfg.backbone.weights).to(device)
+    method_cls = METHODS.get(cfg.method.name)
+    info = TaskInfo(num_classes=task.data.num_classes, num_clients=task.num_clients,
+                    class_priors=task.priors, train_sizes=task.train_sizes)
+    return method_cls(method_cls.Config(**cfg.method.args), backbone, info)
+
+
+def run_suite(cells: list[RunConfig], store: Store, *, checkpoint_dir: Path,
+              observer: Observer | None = None) -> list[CellResult]:
+    """Run (or resume) every cell; finished cells are skipped, a failed cell does not stop the rest."""
+    results = []
+    for cfg in cells:
+        try:
+            results.append(run_cell(cfg, store, checkpoint_dir=checkpoint_dir, observer=observer))
+        except FpbenchError:
+            raise
+        except Exception as e:  # a crashed run is recorded as failed; the suite goes on
+            results.append(CellResult(cfg, "failed", f"{type(e).__name__}: {e}"))
+    return results
+
+
+def run_cell(cfg: RunConfig, store: Store, *, checkpoint_dir: Path,
+             observer: Observer | None = None) -> CellResult:
+    """Run or resume one cell. Missing data or weights raise before anything is written."""
+    record = store.find_run(cfg.run_key)
+    if record is not None and record.status == "done":
+        return CellResult(cfg, "skipped")
+    device = resolve_device(cfg.runtime.device)
+    torch.manual_seed(derive_seed(cfg.seed, "torch"))
+    task = build_task(cfg, device)
+    method = build_method(cfg, task, device)
+    if record is None:
+        record = store.create_run(
+            run_key=cfg.run_key, suite=cfg.suite, method=cfg.method.label,
+            dataset=cfg.dataset.label, partition=cfg.partition.label, seed=cfg.seed,
+            config=cfg.model_dump(mode="json"), fpbench_version=fpbench.__version__,
+            torch_version=torch.__version__, device=_device_name(device))
+    store.set_status(record.id, "running")
+    try:
+        elapsed = _rounds(cfg, method, task, store, record.id, checkpoint_dir,
+                          observer or _Silent())
+    except BaseException as e:
+        store.set_status(record.id, "failed", error=f"{type(e).__name__}: {e}")
+        raise
+    store.set_status(record.id, "done", wall_s=elapsed)
+    return CellResult(cfg, "done")
+
+
+def _rounds(cfg: RunConfig, method: Method, task: Task, store: Store, run_id: int,
+            checkpoint_dir: Path, observer: Observer) -> float:
+    """The round loop, from the last checkpoint on; returns the run's total training time."""
+    device = task.priors.device
+    path = ckpt_io.checkpoint_path(checkpoint_dir, cfg.run_key)
+    ckpt = ckpt_io.load(path, cfg.run_key, device)
+    if ckpt is None:
+        gen = torch.Generator().manual_seed(derive_seed(cfg.seed, "init-params"))
+        server = _to(method.init_server(gen), device)
+        ckpt = ckpt_io.Checkpoint(cfg.run_key, -1, server, [], 0.0)
+    store.truncate_after(run_id, ckpt.round)
+    observer.cell_start(cfg, ckpt.round + 1)
+    schedule = sampling_schedule(cfg.seed, cfg.train.rounds, task.trainable_clients(),
+                                 cfg.train.participation)
+    for r in range(ckpt.round + 1, cfg.train.rounds):
+        start = time.perf_counter()
+        server, rows, scalars = _round(method, ckpt.server, task, cfg, r, schedule[r],
+                                       ckpt.history)
+        wall = time.perf_counter() - start
+        store.write_round(run_id, r, wall_s=wall, metrics=rows, **scalars)
+        ckpt = ckpt_io.Checkpoint(cfg.run_key, r, server, ckpt.history, ckpt.elapsed_s + wall)
+        ckpt_io.save(path, ckpt)
+        observer.round_end(cfg, r, ckpt.history[-1] if should_eval(r, cfg.train) else {})
+    path.unlink(missing_ok=True)
+    return ckpt.elapsed_s
+
+
+def _round(method: Method, server: ServerState, task: Task, cfg: RunConfig, r: int,
+           client_ids: list[int], history: list[dict[str, float]]):
+    """One round: local training, aggregation, evaluation; returns the rows to store."""
+    local = train_clients(method, server, task, client_ids, cfg.train, round_idx=r,
+                          seed=cfg.seed, executor=cfg.runtime.executor)
+    weights = task.train_sizes[local.client_ids].to(task.priors.device)
+    down, up = method.communication(server)
+    server = method.aggregate(server, local.params, local.client_ids.to(weights.device), weights,
+                              local.stats)
+    loss = float(local.loss.mean())
+    rows = [(None, "loss_train", loss, len(client_ids))]
+    if should_eval(r, cfg.train):
+        counts = evaluate(method, server, task, cfg.train.eval_batch_size)
+        agg = aggregates(counts)
+        history.append(agg)
+        rows += client_rows(counts) + [(None, k, v, None) for k, v in agg.items()]
+        if r == cfg.train.rounds - 1:
+            rows += [(None, k, v, None) for k, v in
+                     summary(history, cfg.train.summary_window).items()]
+    scalars = {"loss_train": loss, "bytes_up": _nbytes(up) * len(client_ids),
+               "bytes_down": _nbytes(down) * len(client_ids)}
+    return server, rows, scalars
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _to(server: ServerState, device: torch.device) -> ServerState:
+    move = lambda d: {k: v.to(device) for k, v in d.items()}  # noqa: E731
+    return ServerState(move(server.params), move(server.personal), move(server.buffers))
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"

@@ -1,0 +1,72 @@
+"""A run's task: the dataset on the device and its clients, built from a RunConfig."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fpbench.data import ImageDataset
+from fpbench.partition import Client, make_clients
+from fpbench.registry import DATASETS
+from fpbench.specs import Component, RunConfig
+
+
+@dataclass
+class Task:
+    """Images stay uint8 on the device; clients index into them."""
+
+    data: ImageDataset
+    clients: list[Client]
+    train_idx: list[Tensor]  # per client, on the device
+    test_idx: list[Tensor]
+    priors: Tensor  # (N, C)
+    train_sizes: Tensor  # (N,)
+    heldout: Tensor  # (N,) bool
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.clients)
+
+    def trainable_clients(self) -> list[int]:
+        return [c.id for c in self.clients if not c.heldout]
+
+
+def data_root() -> Path:
+    return Path(os.environ.get("FPBENCH_DATA", "data"))
+
+
+@lru_cache(maxsize=2)
+def _load(name: str, args_json: str) -> ImageDataset:
+    dataset = DATASETS.get(name)
+    return dataset.load(dataset.Config(**json.loads(args_json)), data_root())
+
+
+def load_dataset(comp: Component) -> ImageDataset:
+    return _load(comp.name, json.dumps(comp.args, sort_keys=True))
+
+
+def build_task(cfg: RunConfig, device: torch.device) -> Task:
+    data = load_dataset(cfg.dataset)
+    clients = make_clients(cfg.partition.name, cfg.partition.args, data, seed=cfg.seed)
+    on_device = ImageDataset(**{**vars(data), "train_images": data.train_images.to(device),
+                                "train_labels": data.train_labels.to(device),
+                                "test_images": data.test_images.to(device),
+                                "test_labels": data.test_labels.to(device)})
+    as_t = lambda a: torch.tensor(np.asarray(a), dtype=torch.long, device=device)  # noqa: E731
+    return Task(
+        data=on_device,
+        clients=clients,
+        train_idx=[as_t(c.train_idx) for c in clients],
+        test_idx=[as_t(c.test_idx) for c in clients],
+        priors=torch.as_tensor(np.stack([c.class_prior for c in clients]), dtype=torch.float32,
+                               device=device),
+        train_sizes=torch.tensor([len(c.train_idx) for c in clients], dtype=torch.float32),
+        heldout=torch.tensor([c.heldout for c in clients]),
+    )

@@ -1,0 +1,176 @@
+"""The method interface: stacked client parameters, one forward, a few hooks.
+
+Every trainable tensor carries a leading client axis K and every sample carries the index of its
+row (`client_index`). The same forward then serves K = 1 (the reference executor) and K = all
+clients of a round (the lockstep executor). The engine owns loops, optimisers, batching,
+evaluation and storage; a method owns its parameters and its math.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict
+from torch import Tensor
+
+from fpbench.backbones import PromptedViT
+
+Inference = Literal["global", "client-conditioned", "personal"]
+
+
+class MethodConfig(BaseModel):
+    """Base of every method's typed, frozen config."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    """What a method may know about the federation when it builds its parameters."""
+
+    num_classes: int
+    num_clients: int
+    class_priors: Tensor  # (N, C) each client's train label distribution
+    train_sizes: Tensor  # (N,) each client's number of train samples
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One block of local training: which parameters train, for how many epochs."""
+
+    name: str
+    trainable: tuple[str, ...]
+    epochs: int
+
+
+@dataclass
+class ServerState:
+    """Global parameters (no client axis), per-client personal tables (N, ...) and buffers."""
+
+    params: dict[str, Tensor]
+    personal: dict[str, Tensor] = field(default_factory=dict)
+    buffers: dict[str, Tensor] = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, dict[str, Tensor]]:
+        return {"params": self.params, "personal": self.personal, "buffers": self.buffers}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, dict[str, Tensor]]) -> ServerState:
+        return cls(state["params"], state["personal"], state["buffers"])
+
+
+@dataclass
+class Context:
+    """Per-call information the forward may use.
+
+    `priors` are the class priors of the K rows (client-conditioned methods use them);
+    `buffers` are the server's buffers (read-only); `stats` collects per-row statistics
+    that the forward wants the engine to sum over the round (e.g. selection counts).
+    """
+
+    training: bool
+    phase: str = "eval"
+    priors: Tensor | None = None  # (K, C)
+    buffers: dict[str, Tensor] = field(default_factory=dict)
+    stats: dict[str, Tensor] = field(default_factory=dict)
+
+
+class Method:
+    """Base class; subclasses set `name`, `Config`, `inference` and implement the hooks."""
+
+    name: ClassVar[str]
+    Config: ClassVar[type[MethodConfig]] = MethodConfig
+    inference: ClassVar[Inference] = "global"
+    personal: ClassVar[frozenset[str]] = frozenset()  # parameter names kept per client
+
+    def __init__(self, cfg: MethodConfig, backbone: PromptedViT, task: TaskInfo) -> None:
+        self.cfg = cfg
+        self.backbone = backbone
+        self.task = task
+
+    # -- parameters -------------------------------------------------------------------------
+    def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
+        """Initial values of every trainable tensor, without the client axis."""
+        raise NotImplementedError
+
+    def init_server(self, gen: torch.Generator) -> ServerState:
+        params = self.init_params(gen)
+        n = self.task.num_clients
+        personal = {k: v.unsqueeze(0).repeat(n, *[1] * v.dim()) for k, v in params.items()
+                    if k in self.personal}
+        shared = {k: v for k, v in params.items() if k not in self.personal}
+        return ServerState(shared, personal)
+
+    def client_params(self, server: ServerState, client_ids: Tensor) -> dict[str, Tensor]:
+        """What the K clients start local training from, stacked (K, ...)."""
+        k = len(client_ids)
+        out = {name: p.unsqueeze(0).expand(k, *p.shape).clone() for name, p in server.params.items()}
+        out.update({name: t[client_ids].clone() for name, t in server.personal.items()})
+        return out
+
+    def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
+        """The local schedule over the parameter `names`; default one phase training all."""
+        return [Phase("local", names, local_epochs)]
+
+    # -- math -------------------------------------------------------------------------------
+    def forward(self, params: dict[str, Tensor], x: Tensor, client_index: Tensor,
+                ctx: Context) -> Tensor:
+        """Logits (B, C) for preprocessed images x (B, 3, S, S); row of each sample: client_index."""
+        raise NotImplementedError
+
+    def loss(self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor,
+             ctx: Context) -> Tensor:
+        """Per-sample training loss (B,); the engine averages it per client."""
+        return F.cross_entropy(self.forward(params, x, client_index, ctx), y, reduction="none")
+
+    # -- server -----------------------------------------------------------------------------
+    def aggregate(self, server: ServerState, trained: dict[str, Tensor], client_ids: Tensor,
+                  weights: Tensor, stats: dict[str, Tensor]) -> ServerState:
+        """New server state from the K clients' trained parameters; default FedAvg.
+
+        `weights` (K,) are the clients' train sizes; personal tensors are written back.
+        """
+        w = (weights / weights.sum()).to(next(iter(trained.values())).dtype)
+        params = {name: weighted_mean(trained[name], w) for name in server.params}
+        personal = {name: t.index_copy(0, client_ids, trained[name].detach())
+                    for name, t in server.personal.items()}
+        return ServerState(params, personal, server.buffers)
+
+    def communication(self, server: ServerState) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """Tensors (down, up) exchanged per participating client (default: global params)."""
+        return server.params, server.params
+
+    def eval_params(self, server: ServerState, client_ids: Tensor) -> dict[str, Tensor]:
+        """Parameters used at evaluation for these clients, stacked (K, ...)."""
+        return self.client_params(server, client_ids)
+
+
+def weighted_mean(stacked: Tensor, w: Tensor) -> Tensor:
+    """sum_k w_k * stacked[k] for stacked (K, ...) and weights (K,)."""
+    return torch.tensordot(w, stacked.detach(), dims=1)
+
+
+# -- small building blocks shared by methods --------------------------------------------------
+def init_linear(gen: torch.Generator, out_dim: int, in_dim: int) -> tuple[Tensor, Tensor]:
+    """PyTorch's default nn.Linear init: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias."""
+    bound = 1.0 / math.sqrt(in_dim)
+    w = (torch.rand(out_dim, in_dim, generator=gen) * 2 - 1) * bound
+    b = (torch.rand(out_dim, generator=gen) * 2 - 1) * bound
+    return w, b
+
+
+def init_prompts(gen: torch.Generator, length: int, dim: int, patch_size: int) -> Tensor:
+    """VPT's uniform init: U(-v, v), v = sqrt(6 / (3 * patch^2 + d))."""
+    v = math.sqrt(6.0 / (3 * patch_size**2 + dim))
+    return (torch.rand(length, dim, generator=gen) * 2 - 1) * v
+
+
+def per_client_linear(feats: Tensor, w: Tensor, b: Tensor, client_index: Tensor) -> Tensor:
+    """Apply each sample's client head: feats (B, d), w (K, C, d), b (K, C) -> (B, C)."""
+    if w.shape[0] == 1:
+        return feats @ w[0].T + b[0]
+    return torch.einsum("bd,bcd->bc", feats, w[client_index]) + b[client_index]

@@ -1,0 +1,30 @@
+"""Head-Tune: train only a linear classifier on the frozen backbone's cls feature, FedAvg.
+
+The simplest parameter-efficient baseline of SGPT (Deng et al., CVPR 2024, Table 1) and
+PEP-FedPT. Client: cross-entropy on a linear head over the frozen cls token. Server: FedAvg of
+the head weighted by client train sizes. No prompts, so the backbone's features are fixed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fpbench.methods.base import Context, Method, MethodConfig, init_linear, per_client_linear
+from fpbench.registry import METHODS
+
+
+@METHODS.register()
+class HeadTune(Method):
+    name = "head-tune"
+    Config = MethodConfig
+
+    def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
+        w, b = init_linear(gen, self.task.num_classes, self.backbone.embed_dim)
+        return {"head_w": w, "head_b": b}
+
+    def forward(self, params: dict[str, Tensor], x: Tensor, client_index: Tensor,
+                ctx: Context) -> Tensor:
+        with torch.no_grad():
+            feats = self.backbone.forward_features(x).cls  # (B, d)
+        return per_client_linear(feats, params["head_w"], params["head_b"], client_index)

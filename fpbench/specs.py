@@ -1,0 +1,260 @@
+"""Suites and run configs: TOML in, validated pydantic models out, each run hashed to a `run_key`.
+
+A suite file (``benchmarks/NAME.toml``) holds ``defaults`` plus one list per grid axis::
+
+    seeds = [0, 1]
+    [defaults]                 # any RunConfig field; component args merge into every entry
+    backbone = { name = "vit-smoke" }
+    train = { rounds = 10 }
+    [[datasets]]               # each entry: name, optional label, optional overrides, the rest = args
+    name = "synthetic"
+    [[partitions]]
+    name = "dirichlet"
+    alpha = 0.3
+    [[methods]]
+    name = "fedvpt"
+    overrides = { train = { lr = 0.1 } }
+
+The cells are datasets x partitions x methods x seeds. A cell's config is the deep merge of the
+defaults, the three entries (in that order) and their ``overrides``; every component's args are
+validated by that component's own ``Config`` so the stored config carries all defaults.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from fpbench.errors import FpbenchError
+from fpbench.registry import BACKBONES, DATASETS, METHODS, PARTITIONS, Registry
+
+AXES = {"datasets": "dataset", "partitions": "partition", "methods": "method"}
+SUITE_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TrainConfig(_Strict):
+    """Federated schedule and local optimisation, shared by every method."""
+
+    rounds: int = Field(10, ge=1, description="communication rounds")
+    participation: float = Field(1.0, gt=0, le=1, description="fraction of clients per round")
+    local_epochs: int = Field(1, ge=1, description="local epochs per phase")
+    batch_size: int = Field(32, ge=1)
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    lr: float = Field(0.01, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum / Adam beta1")
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float | None = Field(None, gt=0, description="per-client gradient-norm clip")
+    lr_decay: float = Field(1.0, gt=0, le=1, description="lr multiplier per round (exponential)")
+    eval_every: int = Field(1, ge=1, description="evaluate every this many rounds")
+    eval_last: int = Field(10, ge=0, description="also evaluate each of the last this many rounds")
+    summary_window: int = Field(10, ge=1, description="`*_last10` = mean over this many evals")
+    eval_batch_size: int = Field(256, ge=1)
+
+
+class RuntimeConfig(_Strict):
+    """How a run executes; not part of its identity (the numbers do not depend on it)."""
+
+    device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
+    executor: Literal["reference", "lockstep"] = "lockstep"
+
+
+class Component(_Strict):
+    """A registered component by name, its validated args, and the label shown in tables."""
+
+    name: str
+    label: str
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class BackboneRef(_Strict):
+    name: str = "vit-smoke"
+    weights: str | None = Field(None, description="local weights file; None: hub or built-in")
+
+
+class RunConfig(_Strict):
+    """The fully resolved config of one run (one cell of a suite)."""
+
+    suite: str
+    seed: int
+    dataset: Component
+    partition: Component
+    method: Component
+    backbone: BackboneRef = BackboneRef()
+    train: TrainConfig = TrainConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+
+    def identity(self) -> dict[str, Any]:
+        """Everything that determines the results (the runtime section does not)."""
+        return self.model_dump(mode="json", exclude={"runtime"})
+
+    @property
+    def run_key(self) -> str:
+        blob = json.dumps(self.identity(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class Suite(_Strict):
+    name: str
+    description: str = ""
+    path: str
+    cells: tuple[RunConfig, ...]
+
+
+def find_suite(name_or_path: str) -> Path:
+    """A suite file by path, or by name in $FPBENCH_SUITES, ./benchmarks, or fpbench's own."""
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        if not path.is_file():
+            raise FpbenchError(f"suite file not found: {name_or_path}")
+        return path
+    for folder in suite_dirs():
+        candidate = folder / f"{name_or_path}.toml"
+        if candidate.is_file():
+            return candidate
+    names = ", ".join(list_suites()) or "none"
+    raise FpbenchError(f"unknown suite {name_or_path!r}. Valid: {names}")
+
+
+def suite_dirs() -> list[Path]:
+    extra = [Path(p) for p in os.environ.get("FPBENCH_SUITES", "").split(os.pathsep) if p]
+    dirs = [*extra, Path.cwd() / "benchmarks", SUITE_DIR]
+    return list(dict.fromkeys(d.resolve() for d in dirs if d.is_dir()))
+
+
+def list_suites() -> list[str]:
+    return sorted({p.stem for d in suite_dirs() for p in d.glob("*.toml")})
+
+
+def load_suite(name_or_path: str) -> Suite:
+    """Read, expand and validate a suite; raises FpbenchError with file and field on bad input."""
+    path = find_suite(name_or_path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise FpbenchError(f"malformed suite file {path}: {e}") from None
+    return expand_suite(raw, name=raw.get("name", path.stem), path=str(path))
+
+
+def expand_suite(raw: dict[str, Any], *, name: str, path: str = "<memory>") -> Suite:
+    known = {"name", "description", "seeds", "defaults", *AXES}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise FpbenchError(f"{path}: unknown top-level key(s) {unknown}; valid: {sorted(known)}")
+    seeds = raw.get("seeds", [0])
+    if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) for s in seeds)):
+        raise FpbenchError(f"{path}: seeds must be a non-empty list of integers, got {seeds!r}")
+    defaults = raw.get("defaults", {})
+    axes = {axis: _entries(raw, axis, path) for axis in AXES}
+    cells = []
+    for ds, part, meth, seed in itertools.product(*axes.values(), seeds):
+        cells.append(resolve_cell(defaults, (ds, part, meth), suite=name, seed=seed, path=path))
+    keys = [c.run_key for c in cells]
+    if len(set(keys)) != len(keys):
+        raise FpbenchError(f"{path}: two cells resolve to the same config; remove the duplicate")
+    return Suite(name=name, description=raw.get("description", ""), path=path, cells=tuple(cells))
+
+
+def _entries(raw: dict[str, Any], axis: str, path: str) -> list[dict[str, Any]]:
+    entries = raw.get(axis)
+    if not isinstance(entries, list) or not entries:
+        raise FpbenchError(f"{path}: needs at least one [[{axis}]] entry with a name")
+    labels = []
+    for entry in entries:
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise FpbenchError(f"{path}: every [[{axis}]] entry needs name = \"...\"")
+        labels.append(entry.get("label", entry["name"]))
+    dupes = sorted({label for label in labels if labels.count(label) > 1})
+    if dupes:
+        raise FpbenchError(f"{path}: [[{axis}]] entries share the label {dupes}; give each a label")
+    return entries
+
+
+def resolve_cell(
+    defaults: dict[str, Any],
+    entries: tuple[dict[str, Any], ...],
+    *,
+    suite: str,
+    seed: int,
+    path: str = "<memory>",
+) -> RunConfig:
+    """Merge defaults and one entry per axis into a validated RunConfig."""
+    merged = _deep_merge({}, defaults)
+    for axis_key, entry in zip(AXES.values(), entries, strict=True):
+        args = {k: v for k, v in entry.items() if k not in ("name", "label", "overrides")}
+        base = merged.get(axis_key, {})
+        merged[axis_key] = {
+            "name": entry["name"],
+            "label": entry.get("label", entry["name"]),
+            "args": _deep_merge(_deep_merge({}, base), args),
+        }
+    for entry in entries:
+        merged = _deep_merge(merged, entry.get("overrides", {}))
+    where = f"{path} [{'/'.join(e.get('label', e['name']) for e in entries)}, seed {seed}]"
+    try:
+        cfg = RunConfig(suite=suite, seed=seed, **merged)
+    except ValidationError as e:
+        raise FpbenchError(f"{where}: {_first_error(e)}") from None
+    return _validate_components(cfg, where)
+
+
+def _validate_components(cfg: RunConfig, where: str) -> RunConfig:
+    """Validate each component's args with its own Config; fill in all defaults."""
+    resolved = {}
+    for field, registry in (("dataset", DATASETS), ("partition", PARTITIONS), ("method", METHODS)):
+        comp: Component = getattr(cfg, field)
+        config_cls = _lookup(registry, comp.name, where).Config
+        try:
+            args = config_cls(**comp.args)
+        except ValidationError as e:
+            raise FpbenchError(f"{where}: {field}.{_first_error(e)}") from None
+        resolved[field] = comp.model_copy(update={"args": args.model_dump(mode="json")})
+    _lookup(BACKBONES, cfg.backbone.name, where)
+    cfg = cfg.model_copy(update=resolved)
+    _check_compatibility(cfg, where)
+    return cfg
+
+
+def _check_compatibility(cfg: RunConfig, where: str) -> None:
+    """Cross-component checks that need the dataset's shape (e.g. s <= number of classes)."""
+    dataset = DATASETS.get(cfg.dataset.name)
+    partition = PARTITIONS.get(cfg.partition.name)
+    info = dataset.info(dataset.Config(**cfg.dataset.args))
+    try:
+        partition.check(partition.Config(**cfg.partition.args), info)
+    except FpbenchError as e:
+        raise FpbenchError(f"{where}: {e}") from None
+
+
+def _lookup(registry: Registry, name: str, where: str) -> Any:
+    try:
+        return registry.get(name)
+    except FpbenchError as e:
+        raise FpbenchError(f"{where}: {e}") from None
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+    return f"{loc}: {err['msg']}{got}"
+
+
+def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
