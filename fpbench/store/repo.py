@@ -1,0 +1,400 @@
+"""The results-database facade: the only way the engine, reports and CLI touch the store.
+
+Every method opens and commits its own short transaction and returns plain dataclasses or
+pandas DataFrames, never ORM rows, so callers never hold a session.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from sqlalchemy import Engine, create_engine, delete, event, func, insert, select
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from fpbench.errors import FpbenchError
+from fpbench.store.models import FINAL_STATUSES, STATUSES, Base, Metric, Round, Run
+
+MIN_KEY_PREFIX = 4
+RUN_COLUMNS = [
+    "id", "run_key", "suite", "method", "dataset", "partition", "seed", "status", "error",
+    "created_at", "finished_at", "wall_s", "fpbench_version", "torch_version", "device",
+]  # fmt: skip
+METRIC_COLUMNS = [
+    "run_id", "suite", "method", "dataset", "partition", "seed", "round", "client_id", "name",
+    "value", "count",
+]  # fmt: skip
+ROUND_COLUMNS = ["run_id", "round", "loss_train", "wall_s", "bytes_up", "bytes_down"]
+
+MetricRow = tuple[int | None, str, float, int | None]  # (client_id, name, value, count)
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """A run as stored, with its config parsed back from JSON."""
+
+    id: int
+    run_key: str
+    suite: str
+    method: str
+    dataset: str
+    partition: str
+    seed: int
+    status: str
+    config: dict[str, Any]
+    error: str | None
+    created_at: dt.datetime
+    finished_at: dt.datetime | None
+    wall_s: float | None
+    fpbench_version: str
+    torch_version: str
+    device: str
+
+
+def _record(run: Run) -> RunRecord:
+    return RunRecord(
+        id=run.id,
+        run_key=run.run_key,
+        suite=run.suite,
+        method=run.method,
+        dataset=run.dataset,
+        partition=run.partition,
+        seed=run.seed,
+        status=run.status,
+        config=json.loads(run.config_json),
+        error=run.error,
+        created_at=run.created_at,
+        finished_at=run.finished_at,
+        wall_s=run.wall_s,
+        fpbench_version=run.fpbench_version,
+        torch_version=run.torch_version,
+        device=run.device,
+    )
+
+
+def _reason(exc: BaseException) -> str:
+    """First line of the underlying driver error, without SQLAlchemy's boilerplate."""
+    inner = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+    text = str(inner).strip() or type(inner).__name__
+    return text.splitlines()[0]
+
+
+def _safe_url(url: str) -> str:
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url
+
+
+def _prepare_sqlite_path(url: URL) -> None:
+    """Create the parent folder of a file-backed SQLite database."""
+    database = url.database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return
+    Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+
+
+def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA busy_timeout=30000")  # several processes may share one file
+    finally:
+        cursor.close()
+
+
+def _open_engine(url: str) -> Engine:
+    parsed = make_url(url)
+    is_sqlite = parsed.get_backend_name() == "sqlite"
+    if is_sqlite:
+        _prepare_sqlite_path(parsed)
+    engine = create_engine(parsed)
+    if is_sqlite:
+        event.listen(engine, "connect", _sqlite_on_connect)
+    try:
+        Base.metadata.create_all(engine)
+    except BaseException:
+        engine.dispose()
+        raise
+    return engine
+
+
+def _metric_dicts(run_id: int, round_: int, rows: Iterable[MetricRow]) -> list[dict[str, Any]]:
+    """Normalize metric tuples to insert dicts; reject duplicates and NaN values."""
+    out, seen = [], set()
+    for client_id, name, value, count in rows:
+        key = (client_id, name)
+        if key in seen:
+            raise ValueError(f"metric {name!r} for client {client_id} given twice in one round")
+        seen.add(key)
+        if math.isnan(value):
+            raise ValueError(f"metric {name!r} for client {client_id} is NaN; omit it instead")
+        out.append(
+            {
+                "run_id": run_id,
+                "round": round_,
+                "client_id": None if client_id is None else int(client_id),
+                "name": str(name),
+                "value": float(value),
+                "count": None if count is None else int(count),
+            }
+        )
+    return out
+
+
+class Store:
+    """Results database: runs, per-round scalars and long-format metrics.
+
+    Args:
+        url: any SQLAlchemy URL; SQLite files get WAL mode and foreign keys, and their parent
+            folder is created. Tables are created when missing.
+
+    Raises:
+        FpbenchError: the database cannot be opened or created.
+    """
+
+    def __init__(self, url: str):
+        self.url = url
+        try:
+            self._engine = _open_engine(url)
+        except (SQLAlchemyError, OSError, ValueError, ImportError) as exc:
+            raise FpbenchError(
+                f"cannot open results database {_safe_url(url)}: {_reason(exc)}"
+            ) from exc
+        self._session = sessionmaker(self._engine, expire_on_commit=False)
+
+    def close(self) -> None:
+        """Release pooled connections (the Store is unusable afterwards)."""
+        self._engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Store({_safe_url(self.url)!r})"
+
+    @staticmethod
+    def url_from_path_or_url(s: str | os.PathLike[str]) -> str:
+        """Turn a file path into a SQLite URL; a string containing '://' passes through."""
+        s = os.fspath(s)
+        if "://" in s:
+            return s
+        return f"sqlite:///{os.path.expanduser(s)}"
+
+    # -- runs ---------------------------------------------------------------------------------
+
+    def find_run(self, run_key: str) -> RunRecord | None:
+        """The run with exactly this key, or None."""
+        with self._session() as s:
+            run = s.scalar(select(Run).where(Run.run_key == run_key))
+            return None if run is None else _record(run)
+
+    def create_run(
+        self,
+        *,
+        run_key: str,
+        suite: str,
+        method: str,
+        dataset: str,
+        partition: str,
+        seed: int,
+        config: dict[str, Any],
+        fpbench_version: str,
+        torch_version: str,
+        device: str,
+    ) -> RunRecord:
+        """Insert a new run with status 'pending'.
+
+        Raises:
+            FpbenchError: a run with this key already exists.
+        """
+        run = Run(
+            run_key=run_key,
+            suite=suite,
+            method=method,
+            dataset=dataset,
+            partition=partition,
+            seed=int(seed),
+            config_json=json.dumps(config, sort_keys=True),
+            status="pending",
+            created_at=dt.datetime.now(dt.timezone.utc),
+            fpbench_version=fpbench_version,
+            torch_version=torch_version,
+            device=device,
+        )
+        try:
+            with self._session.begin() as s:
+                s.add(run)
+        except IntegrityError as exc:
+            raise FpbenchError(
+                f"run_key {run_key!r} already exists; use find_run to resume it"
+            ) from exc
+        return _record(run)
+
+    def set_status(
+        self, run_id: int, status: str, *, error: str | None = None, wall_s: float | None = None
+    ) -> None:
+        """Move a run to `status`; 'done'/'failed' stamp finished_at, others clear it.
+
+        `error` is always written (None clears an old error); `wall_s` only when given.
+        """
+        if status not in STATUSES:
+            raise FpbenchError(f"status {status!r} is not one of {', '.join(STATUSES)}")
+        with self._session.begin() as s:
+            run = self._get(s, run_id)
+            run.status = status
+            run.error = error
+            final = status in FINAL_STATUSES
+            run.finished_at = dt.datetime.now(dt.timezone.utc) if final else None
+            if wall_s is not None:
+                run.wall_s = float(wall_s)
+
+    @staticmethod
+    def _get(s: Session, run_id: int) -> Run:
+        run = s.get(Run, run_id)
+        if run is None:
+            raise FpbenchError(f"no run with id {run_id}; see `fpbench list`")
+        return run
+
+    def runs(self, suite: str | None = None) -> pd.DataFrame:
+        """One row per run (config omitted) plus `last_round` (None before any round)."""
+        last = (
+            select(Round.run_id, func.max(Round.round).label("last_round"))
+            .group_by(Round.run_id)
+            .subquery()
+        )
+        cols = [getattr(Run, c) for c in RUN_COLUMNS]
+        stmt = select(*cols, last.c.last_round).outerjoin(last, last.c.run_id == Run.id)
+        if suite is not None:
+            stmt = stmt.where(Run.suite == suite)
+        with self._session() as s:
+            rows = s.execute(stmt.order_by(Run.id)).all()
+        df = pd.DataFrame(rows, columns=[*RUN_COLUMNS, "last_round"])
+        return df.astype({"last_round": "Int64"})
+
+    def get_run(self, ref: str | int) -> RunRecord:
+        """A run by numeric id, or by a unique prefix (>= 4 characters) of its run key.
+
+        A numeric ref that is not an id is tried as a key prefix (keys are hex hashes).
+
+        Raises:
+            FpbenchError: no run matches, or the prefix matches several runs.
+        """
+        ref = str(ref).strip()
+        with self._session() as s:
+            if ref.isdigit() and (run := s.get(Run, int(ref))) is not None:
+                return _record(run)
+            if len(ref) < MIN_KEY_PREFIX:
+                raise FpbenchError(
+                    f"no run {ref!r}: give a run id or at least {MIN_KEY_PREFIX} characters "
+                    "of a run key (see `fpbench list`)"
+                )
+            stmt = select(Run).where(Run.run_key.startswith(ref, autoescape=True)).limit(6)
+            found = s.scalars(stmt).all()
+        if not found:
+            raise FpbenchError(f"no run with id or key prefix {ref!r}; see `fpbench list`")
+        if len(found) > 1:
+            keys = ", ".join(r.run_key for r in found[:5])
+            raise FpbenchError(f"run key prefix {ref!r} is ambiguous ({keys}, ...): give more")
+        return _record(found[0])
+
+    # -- rounds and metrics --------------------------------------------------------------------
+
+    def write_round(
+        self,
+        run_id: int,
+        round: int,
+        *,
+        loss_train: float | None,
+        wall_s: float,
+        bytes_up: int,
+        bytes_down: int,
+        metrics: Iterable[MetricRow],
+    ) -> None:
+        """Write one round's scalars and metric rows, replacing any earlier copy of that round.
+
+        Args:
+            metrics: (client_id or None for aggregates, name, value, count or None) tuples.
+        """
+        metric_rows = _metric_dicts(int(run_id), int(round), metrics)
+        loss = None if loss_train is None or math.isnan(loss_train) else float(loss_train)
+        with self._session.begin() as s:
+            self._get(s, run_id)
+            s.execute(delete(Metric).where(Metric.run_id == run_id, Metric.round == round))
+            s.execute(delete(Round).where(Round.run_id == run_id, Round.round == round))
+            s.execute(
+                insert(Round).values(
+                    run_id=run_id,
+                    round=int(round),
+                    loss_train=loss,
+                    wall_s=float(wall_s),
+                    bytes_up=int(bytes_up),
+                    bytes_down=int(bytes_down),
+                )
+            )
+            if metric_rows:
+                s.execute(insert(Metric), metric_rows)
+
+    def truncate_after(self, run_id: int, round: int) -> None:
+        """Delete rounds and metrics with round > `round` (before resuming from a checkpoint)."""
+        with self._session.begin() as s:
+            s.execute(delete(Metric).where(Metric.run_id == run_id, Metric.round > round))
+            s.execute(delete(Round).where(Round.run_id == run_id, Round.round > round))
+
+    def last_round(self, run_id: int) -> int | None:
+        """The highest round written for this run, or None."""
+        with self._session() as s:
+            return s.scalar(select(func.max(Round.round)).where(Round.run_id == run_id))
+
+    def rounds(self, run_id: int) -> pd.DataFrame:
+        """Per-round scalars of one run, ordered by round."""
+        stmt = select(*[getattr(Round, c) for c in ROUND_COLUMNS]).where(Round.run_id == run_id)
+        with self._session() as s:
+            rows = s.execute(stmt.order_by(Round.round)).all()
+        return pd.DataFrame(rows, columns=ROUND_COLUMNS)
+
+    def metrics(
+        self,
+        *,
+        suite: str | None = None,
+        run_ids: Sequence[int] | None = None,
+        names: Sequence[str] | None = None,
+        aggregate_only: bool = True,
+    ) -> pd.DataFrame:
+        """Metric rows joined with their run labels (columns `METRIC_COLUMNS`).
+
+        Args:
+            suite: only runs of this suite.
+            run_ids: only these runs.
+            names: only these metric names (exact, e.g. "acc_global_last10").
+            aggregate_only: only rows with client_id NULL (aggregates over clients).
+        """
+        run_cols = [Run.suite, Run.method, Run.dataset, Run.partition, Run.seed]
+        metric_cols = [Metric.round, Metric.client_id, Metric.name, Metric.value, Metric.count]
+        stmt = select(Metric.run_id, *run_cols, *metric_cols).join(Run, Run.id == Metric.run_id)
+        if suite is not None:
+            stmt = stmt.where(Run.suite == suite)
+        if run_ids is not None:
+            stmt = stmt.where(Metric.run_id.in_([int(i) for i in run_ids]))
+        if names is not None:
+            stmt = stmt.where(Metric.name.in_(list(names)))
+        if aggregate_only:
+            stmt = stmt.where(Metric.client_id.is_(None))
+        order = (Metric.run_id, Metric.round, Metric.client_id, Metric.name)
+        with self._session() as s:
+            rows = s.execute(stmt.order_by(*order)).all()
+        df = pd.DataFrame(rows, columns=METRIC_COLUMNS)
+        return df.astype({"client_id": "Int64", "count": "Int64", "value": "float64"})

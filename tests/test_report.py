@@ -1,0 +1,256 @@
+"""Tests for summary tables and plots (fpbench.report)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fpbench.errors import FpbenchError
+from fpbench.report import plots
+from fpbench.report.tables import render, summary_stats, summary_table
+from fpbench.store import Store
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+class Rows:
+    """Builds a metric frame shaped like `Store.metrics()`."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def add(
+        self, run_id, method, seed, rnd, name, value, *, ds="cifar100", part="dir-0.1", client=None
+    ):  # noqa: E501
+        self.rows.append(
+            {
+                "run_id": run_id,
+                "suite": "label-het",
+                "method": method,
+                "dataset": ds,
+                "partition": part,
+                "seed": seed,
+                "round": rnd,
+                "client_id": client,
+                "name": name,
+                "value": value,
+                "count": None,
+            }
+        )
+
+    def frame(self) -> pd.DataFrame:
+        return pd.DataFrame(self.rows).astype({"client_id": "Int64", "count": "Int64"})
+
+
+@pytest.fixture
+def metrics() -> pd.DataFrame:
+    """2 methods x 2 seeds on one (dataset, partition).
+
+    fedavg (seen first) has no `_last10` rows, so its last-round values count; sgpt has them,
+    so its per-round values (and a per-client row) must be ignored.
+    """
+    r = Rows()
+    r.add(1, "fedavg", 0, 10, "acc_global", 0.99)
+    r.add(1, "fedavg", 0, 20, "acc_global", 0.70)
+    r.add(1, "fedavg", 0, 20, "acc_local_worst", 0.30)
+    r.add(2, "fedavg", 1, 20, "acc_global", 0.75)
+    r.add(2, "fedavg", 1, 20, "acc_local_worst", 0.36)
+    r.add(3, "sgpt", 0, 20, "acc_global", 0.10)
+    r.add(3, "sgpt", 0, 20, "acc_global_last10", 0.80)
+    r.add(3, "sgpt", 0, 20, "acc_local_worst_last10", 0.50)
+    r.add(3, "sgpt", 0, 20, "acc_global", 0.0, client=7)
+    r.add(4, "sgpt", 1, 20, "acc_global", 0.20)
+    r.add(4, "sgpt", 1, 20, "acc_global_last10", 0.82)
+    r.add(4, "sgpt", 1, 20, "acc_local_worst_last10", 0.54)
+    return r.frame()
+
+
+@pytest.fixture
+def two_panels(metrics: pd.DataFrame) -> pd.DataFrame:
+    """Adds a second (dataset, partition) with one seed of fedavg only."""
+    r = Rows()
+    r.add(5, "fedavg", 0, 5, "acc_global", 0.40, ds="domainnet", part="domain")
+    r.add(5, "fedavg", 0, 10, "acc_global", 0.60, ds="domainnet", part="domain")
+    r.add(5, "fedavg", 0, 10, "acc_local_worst", 0.20, ds="domainnet", part="domain")
+    return pd.concat([metrics, r.frame()], ignore_index=True)
+
+
+# -- tables ----------------------------------------------------------------------------------
+
+
+def test_summary_table_strings(metrics: pd.DataFrame) -> None:
+    table = summary_table(metrics, ["acc_global", "acc_local_worst"])
+    assert table.index.tolist() == ["fedavg", "sgpt"]  # first-seen order
+    assert table.index.name == "method"
+    assert table.columns.names == ["dataset", "partition", "metric"]
+    # fedavg: 0.70, 0.75 -> mean 72.50, sample std 3.5355; sgpt: 0.80, 0.82 -> 81.00 +- 1.4142
+    assert table.loc["fedavg", ("cifar100", "dir-0.1", "acc_global")] == "72.50 ± 3.54"
+    assert table.loc["sgpt", ("cifar100", "dir-0.1", "acc_global")] == "81.00 ± 1.41"
+    assert table.loc["fedavg", ("cifar100", "dir-0.1", "acc_local_worst")] == "33.00 ± 4.24"
+    assert table.loc["sgpt", ("cifar100", "dir-0.1", "acc_local_worst")] == "52.00 ± 2.83"
+
+
+def test_summary_table_one_seed_order_and_missing_cells(two_panels: pd.DataFrame) -> None:
+    table = summary_table(two_panels, ["acc_global"], order={"method": ["sgpt"]})
+    assert table.index.tolist() == ["sgpt", "fedavg"]
+    assert table.columns.tolist() == [
+        ("cifar100", "dir-0.1", "acc_global"),
+        ("domainnet", "domain", "acc_global"),
+    ]
+    assert table.loc["fedavg", ("domainnet", "domain", "acc_global")] == "60.00"  # one seed
+    assert table.loc["sgpt", ("domainnet", "domain", "acc_global")] == "-"
+
+
+def test_summary_stats_numbers(metrics: pd.DataFrame) -> None:
+    stats = summary_stats(metrics, ["acc_local_worst", "acc_global"])
+    assert stats.columns.tolist() == [
+        "method", "dataset", "partition", "metric", "mean", "std", "n",
+    ]  # fmt: skip
+    assert stats["metric"].tolist()[:2] == ["acc_local_worst", "acc_global"]  # given order
+    sgpt = stats[(stats["method"] == "sgpt") & (stats["metric"] == "acc_global")].iloc[0]
+    assert sgpt["mean"] == pytest.approx(0.81)
+    assert sgpt["std"] == pytest.approx(np.std([0.80, 0.82], ddof=1))
+    assert sgpt["n"] == 2
+    pop = summary_stats(metrics, ["acc_global"], ddof=0)
+    assert pop.loc[pop["method"] == "sgpt", "std"].item() == pytest.approx(0.01)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.floats(0, 1), min_size=1, max_size=6))
+def test_summary_stats_match_numpy(values: list[float]) -> None:
+    r = Rows()
+    for seed, v in enumerate(values):
+        r.add(seed, "m", seed, 3, "acc_global", 0.0)
+        r.add(seed, "m", seed, 9, "acc_global", v)
+    row = summary_stats(r.frame(), ["acc_global"]).iloc[0]
+    assert row["n"] == len(values)
+    assert row["mean"] == pytest.approx(np.mean(values))
+    if len(values) > 1:
+        assert row["std"] == pytest.approx(np.std(values, ddof=1), abs=1e-12)
+    else:
+        assert np.isnan(row["std"])
+
+
+def test_empty_and_unknown_metric_errors(metrics: pd.DataFrame) -> None:
+    with pytest.raises(FpbenchError, match=r"run `fpbench run --suite label-het` first"):
+        summary_table(metrics.iloc[:0], ["acc_global"], suite="label-het")
+    with pytest.raises(FpbenchError, match="no results"):
+        plots.curves(metrics.iloc[:0])
+    with pytest.raises(FpbenchError, match="acc_nope.*stored metrics: acc_global"):
+        summary_table(metrics, ["acc_nope"])
+
+
+def test_render_markdown(metrics: pd.DataFrame) -> None:
+    md = render(summary_table(metrics, ["acc_global"]), "md")
+    assert md.splitlines() == [
+        "| method | cifar100 / dir-0.1 / acc_global |",
+        "| :-- | --: |",
+        "| fedavg | 72.50 ± 3.54 |",
+        "| sgpt | 81.00 ± 1.41 |",
+    ]
+
+
+def test_render_csv_round_trips(metrics: pd.DataFrame) -> None:
+    csv = render(summary_table(metrics, ["acc_global", "acc_local_worst"]), "csv")
+    back = pd.read_csv(io.StringIO(csv), index_col="method")
+    assert back.columns.tolist() == [
+        "cifar100/dir-0.1/acc_global",
+        "cifar100/dir-0.1/acc_local_worst",
+    ]
+    assert back.loc["sgpt", "cifar100/dir-0.1/acc_local_worst"] == "52.00 ± 2.83"
+
+
+def test_render_latex_booktabs(two_panels: pd.DataFrame) -> None:
+    tex = render(summary_table(two_panels, ["acc_global", "acc_local_worst"]), "latex")
+    lines = tex.splitlines()
+    assert lines[0] == r"\begin{tabular}{lrrrr}" and lines[-1] == r"\end{tabular}"
+    assert lines[1] == r"\toprule"
+    assert lines[2] == r" & \multicolumn{2}{c}{cifar100} & \multicolumn{2}{c}{domainnet} \\"
+    assert lines[3] == r"\cmidrule(lr){2-3} \cmidrule(lr){4-5}"
+    assert r"method & acc\_global & acc\_local\_worst & acc\_global & acc\_local\_worst \\" in lines
+    assert r"sgpt & 81.00 $\pm$ 1.41 & 52.00 $\pm$ 2.83 & - & - \\" in lines
+    assert r"fedavg & 72.50 $\pm$ 3.54 & 33.00 $\pm$ 4.24 & 60.00 & 20.00 \\" in lines
+    assert lines.index(r"\midrule") < lines.index(r"\bottomrule")
+
+
+def test_render_escapes_and_unknown_format() -> None:
+    table = pd.DataFrame({"a|b_c": ["50%"]}, index=pd.Index(["x&y"], name="method"))
+    assert "| x&y | 50% |" in render(table, "md") and "a\\|b_c" in render(table, "md")
+    assert r"x\&y & 50\% \\" in render(table, "latex")
+    with pytest.raises(FpbenchError, match="'html'.*md, csv, latex"):
+        render(table, "html")
+
+
+# -- plots -----------------------------------------------------------------------------------
+
+
+def saved_png(fig, path: Path) -> bytes:
+    fig.savefig(path)
+    data = path.read_bytes()
+    assert data.startswith(PNG_SIGNATURE) and len(data) > 1000
+    return data
+
+
+def test_tradeoff_markers(metrics: pd.DataFrame, tmp_path: Path) -> None:
+    fig = plots.tradeoff(metrics)
+    (ax,) = fig.axes
+    assert [c.get_label() for c in ax.containers] == ["fedavg", "sgpt"]
+    points = {c.get_label(): c.lines[0].get_xydata()[0] for c in ax.containers}
+    assert points["fedavg"] == pytest.approx([72.5, 33.0])
+    assert points["sgpt"] == pytest.approx([81.0, 52.0])
+    assert all(c.has_xerr and c.has_yerr for c in ax.containers)  # two seeds each
+    assert sorted(t.get_text() for t in ax.texts) == ["fedavg", "sgpt"]
+    assert ax.get_xlabel() == "global accuracy (%)"
+    assert ax.get_ylabel() == "worst local accuracy (%)"
+    saved_png(fig, tmp_path / "tradeoff.png")
+
+
+def test_tradeoff_panels_per_dataset_partition(two_panels: pd.DataFrame, tmp_path: Path) -> None:
+    fig = plots.tradeoff(two_panels)
+    assert [ax.get_title() for ax in fig.axes] == ["cifar100 / dir-0.1", "domainnet / domain"]
+    assert [len(ax.containers) for ax in fig.axes] == [2, 1]
+    single = fig.axes[1].containers[0]
+    assert not single.has_xerr and single.lines[0].get_xydata()[0] == pytest.approx([60, 20])
+    assert single.lines[0].get_color() == fig.axes[0].containers[0].lines[0].get_color()
+    saved_png(fig, tmp_path / "tradeoff2.png")
+    with pytest.raises(FpbenchError, match="no run has both"):
+        plots.tradeoff(two_panels, y="acc_heldout_worst")
+
+
+def test_curves(two_panels: pd.DataFrame, tmp_path: Path) -> None:
+    fig = plots.curves(two_panels, "acc_global")
+    assert len(fig.axes) == 2
+    first, second = fig.axes
+    assert [line.get_label() for line in first.lines] == ["fedavg", "sgpt"]
+    fedavg = first.lines[0].get_xydata()
+    assert fedavg == pytest.approx(np.array([[10, 99.0], [20, 72.5]]))  # mean over seeds
+    assert first.lines[1].get_xydata() == pytest.approx(np.array([[20, 15.0]]))  # no client row
+    assert (len(first.collections), len(second.collections)) == (2, 0)  # std bands: 2 seeds only
+    assert second.lines[0].get_xydata() == pytest.approx(np.array([[5, 40.0], [10, 60.0]]))
+    assert first.get_ylabel() == "global accuracy (%)"
+    saved_png(fig, tmp_path / "curves.png")
+    with pytest.raises(FpbenchError, match="no rows for metric 'acc_pooled'"):
+        plots.curves(two_panels, "acc_pooled")
+
+
+def test_store_frames_feed_the_report(tmp_path: Path) -> None:
+    with Store(f"sqlite:///{tmp_path / 'r.db'}") as store:
+        for seed, acc in enumerate([0.6, 0.7]):
+            run = store.create_run(
+                run_key=f"key{seed:04d}", suite="s", method="sgpt", dataset="d", partition="p",
+                seed=seed, config={}, fpbench_version="0", torch_version="0", device="cpu",
+            )  # fmt: skip
+            for rnd in (1, 2):
+                rows = [(None, "acc_global", acc * rnd / 2, None), (0, "acc_global", 0.0, 5)]
+                store.write_round(
+                    run.id, rnd, loss_train=None, wall_s=1, bytes_up=1, bytes_down=1, metrics=rows
+                )
+        df = store.metrics(suite="s")
+    assert summary_table(df, ["acc_global"]).iloc[0, 0] == "65.00 ± 7.07"
+    assert len(plots.curves(df).axes[0].lines) == 1
