@@ -1,0 +1,3 @@
+from fpbench.cli import main
+
+main()

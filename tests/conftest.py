@@ -1,0 +1,43 @@
+"""Shared fixtures: a tiny federation on synthetic data with the test-sized ViT."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fpbench.engine.runner import build_method
+from fpbench.engine.task import build_task
+from fpbench.specs import RunConfig, expand_suite
+
+TINY = {
+    "seeds": [0],
+    "defaults": {
+        "backbone": {"name": "vit-test"},
+        "train": {"rounds": 3, "participation": 0.75, "batch_size": 8, "lr": 0.05,
+                  "eval_batch_size": 64},
+        "dataset": {"num_classes": 6, "image_size": 16, "train_per_class": 12,
+                    "test_per_class": 6},
+        "partition": {"num_clients": 4, "heldout_frac": 0.25},
+    },
+    "datasets": [{"name": "synthetic"}],
+    "partitions": [{"name": "dirichlet", "alpha": 0.5, "min_size": 4}],
+    "methods": [{"name": "fedvpt"}],
+}
+
+
+def tiny_config(method: str = "fedvpt", **train) -> RunConfig:
+    raw = {**TINY, "methods": [{"name": method}]}
+    raw["defaults"] = {**TINY["defaults"], "train": {**TINY["defaults"]["train"], **train}}
+    return expand_suite(raw, name="tiny").cells[0]
+
+
+@pytest.fixture
+def tiny():
+    """(cfg, task, method) for a method name, on the CPU."""
+
+    def make(method: str = "fedvpt", **train):
+        cfg = tiny_config(method, **train)
+        task = build_task(cfg, torch.device("cpu"))
+        return cfg, task, build_method(cfg, task, torch.device("cpu"))
+
+    return make

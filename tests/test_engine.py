@@ -1,0 +1,106 @@
+"""The round loop: sampling, evaluation, storage, checkpoints and resume."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from fpbench.engine.evaluate import evaluate
+from fpbench.engine.runner import run_cell, sampling_schedule, should_eval
+from fpbench.store import Store
+from tests.conftest import tiny_config
+
+
+def test_sampling_schedule_is_seeded_and_respects_participation():
+    a = sampling_schedule(0, 20, [0, 1, 2, 4, 5], 0.4)
+    assert a == sampling_schedule(0, 20, [0, 1, 2, 4, 5], 0.4)
+    assert a != sampling_schedule(1, 20, [0, 1, 2, 4, 5], 0.4)
+    assert all(len(r) == 2 and len(set(r)) == 2 and set(r) <= {0, 1, 2, 4, 5} for r in a)
+    assert sampling_schedule(0, 3, list(range(100)), 0.05)[0].__len__() == 5  # floor(N * p)
+
+
+def test_eval_schedule():
+    cfg = tiny_config(rounds=10, eval_every=4, eval_last=2)
+    assert [r for r in range(10) if should_eval(r, cfg.train)] == [3, 7, 8, 9]
+
+
+def test_global_evaluation_indexes_one_prediction_pass(tiny):
+    cfg, task, method = tiny("fedvpt")
+    server = method.init_server(torch.Generator().manual_seed(0))
+    ev = evaluate(method, server, task, batch_size=7)
+    assert len(ev.global_acc) == 1
+    assert ev.total_local.tolist() == [len(i) for i in task.test_idx]
+    # the same counts from a per-client pass of the same global model
+    for c, idx in enumerate(task.test_idx):
+        x = method.backbone.preprocess(task.data.test_images[idx])
+        params = method.eval_params(server, torch.tensor([0]))
+        pred = method.forward(params, x, torch.zeros(len(idx), dtype=torch.long), None).argmax(-1)
+        assert int((pred == task.data.test_labels[idx]).sum()) == ev.correct_local[c]
+
+
+def test_personal_evaluation_skips_heldout(tiny):
+    cfg, task, method = tiny("local")
+    server = method.init_server(torch.Generator().manual_seed(0))
+    ev = evaluate(method, server, task, batch_size=64)
+    held = task.heldout.numpy()
+    assert held.any() and not ev.heldout_applicable
+    assert pd.isna(ev.global_acc[held]).all() and not pd.isna(ev.global_acc[~held]).any()
+
+
+class _Crash(Exception):
+    pass
+
+
+class _CrashAfter:
+    def __init__(self, round_idx: int) -> None:
+        self.round_idx = round_idx
+
+    def cell_start(self, cfg, start_round):
+        pass
+
+    def round_end(self, cfg, round_idx, metrics):
+        if round_idx == self.round_idx:
+            raise _Crash()
+
+
+def _table(store: Store) -> pd.DataFrame:
+    m = store.metrics(aggregate_only=False)
+    return m.sort_values(["round", "client_id", "name"], na_position="first").reset_index(drop=True)
+
+
+def test_killed_run_resumes_where_it_stopped_with_identical_results(tmp_path):
+    cfg = tiny_config(rounds=4)
+    whole = Store(f"sqlite:///{tmp_path / 'whole.db'}")
+    assert run_cell(cfg, whole, checkpoint_dir=tmp_path / "ck1").status == "done"
+
+    split = Store(f"sqlite:///{tmp_path / 'split.db'}")
+    with pytest.raises(_Crash):
+        run_cell(cfg, split, checkpoint_dir=tmp_path / "ck2", observer=_CrashAfter(1))
+    record = split.find_run(cfg.run_key)
+    assert record.status == "failed" and split.last_round(record.id) == 1
+    assert (tmp_path / "ck2" / f"{cfg.run_key}.pt").exists()
+    assert run_cell(cfg, split, checkpoint_dir=tmp_path / "ck2").status == "done"
+    assert not (tmp_path / "ck2" / f"{cfg.run_key}.pt").exists()
+
+    a, b = _table(whole), _table(split)
+    pd.testing.assert_frame_equal(a.drop(columns="run_id"), b.drop(columns="run_id"))
+    rounds = split.rounds(record.id)
+    assert rounds["round"].tolist() == [0, 1, 2, 3]
+
+
+def test_finished_run_is_skipped_and_adds_no_rows(tmp_path):
+    cfg = tiny_config(rounds=2)
+    store = Store(f"sqlite:///{tmp_path / 'r.db'}")
+    run_cell(cfg, store, checkpoint_dir=tmp_path)
+    n = len(store.metrics(aggregate_only=False))
+    assert run_cell(cfg, store, checkpoint_dir=tmp_path).status == "skipped"
+    assert len(store.metrics(aggregate_only=False)) == n
+    names = set(store.metrics()["name"])
+    expected = {"acc_global", "acc_pooled", "acc_local_mean", "acc_local_worst", "acc_local_p05",
+                "acc_local_p10", "acc_local_p15", "acc_heldout_mean", "acc_heldout_worst",
+                "loss_train"}
+    assert expected <= names
+    assert {f"{n}_last10" for n in expected - {"loss_train"}} <= names
+    rounds = store.rounds(store.find_run(cfg.run_key).id)
+    assert (rounds["bytes_up"] > 0).all() and (rounds["bytes_down"] > 0).all()

@@ -1,0 +1,131 @@
+"""Method conformance: every registered method, picked up automatically."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fpbench.engine.executor import train_clients
+from fpbench.methods.base import ServerState, per_client_linear, weighted_mean
+from fpbench.registry import METHODS
+
+ALL = METHODS.names()
+
+
+def _server(method):
+    return method.init_server(torch.Generator().manual_seed(0))
+
+
+def _round(method, task, cfg, executor, server=None):
+    server = server or _server(method)
+    ids = task.trainable_clients()
+    local = train_clients(method, server, task, ids, cfg.train, round_idx=0, seed=cfg.seed,
+                          executor=executor)
+    return server, local
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_reference_and_lockstep_executors_agree(tiny, name):
+    cfg, task, method = tiny(name, local_epochs=2, weight_decay=1e-3, grad_clip=1.0)
+    server, ref = _round(method, task, cfg, "reference")
+    _, lock = _round(method, task, cfg, "lockstep", server)
+    assert ref.client_ids.tolist() == lock.client_ids.tolist()
+    for k in ref.params:
+        torch.testing.assert_close(lock.params[k], ref.params[k], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lock.loss, ref.loss, atol=1e-5, rtol=1e-5)
+    assert ref.stats.keys() == lock.stats.keys()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_training_changes_params_leaves_backbone_and_is_finite(tiny, name):
+    cfg, task, method = tiny(name)
+    before = {k: v.clone() for k, v in method.backbone.state_dict().items()}
+    server, local = _round(method, task, cfg, "lockstep")
+    for k, v in method.backbone.state_dict().items():
+        assert torch.equal(v, before[k]), f"backbone tensor {k} changed"
+    assert torch.isfinite(local.loss).all()
+    start = method.client_params(server, local.client_ids)
+    assert any(not torch.equal(start[k], local.params[k]) for k in start)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_same_seed_same_result(tiny, name):
+    cfg, task, method = tiny(name)
+    _, a = _round(method, task, cfg, "lockstep")
+    _, b = _round(method, task, cfg, "lockstep")
+    for k in a.params:
+        assert torch.equal(a.params[k], b.params[k])
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_only_declared_tensors_are_communicated(tiny, name):
+    cfg, task, method = tiny(name)
+    server = _server(method)
+    down, up = method.communication(server)
+    declared = set(server.params) | set(server.buffers)
+    assert set(down) <= declared and set(up) <= declared
+    assert not (set(down) | set(up)) & set(server.personal)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_aggregate_keeps_shapes(tiny, name):
+    cfg, task, method = tiny(name)
+    server, local = _round(method, task, cfg, "lockstep")
+    weights = task.train_sizes[local.client_ids]
+    new = method.aggregate(server, local.params, local.client_ids, weights, local.stats)
+    for part in ("params", "personal", "buffers"):
+        old, cur = getattr(server, part), getattr(new, part)
+        assert {k: v.shape for k, v in old.items()} == {k: v.shape for k, v in cur.items()}
+
+
+def test_fedavg_is_sample_weighted_mean(tiny):
+    _, _, method = tiny("fedvpt")
+    server = _server(method)
+    trained = {k: torch.stack([torch.full_like(v, 1.0), torch.full_like(v, 4.0)])
+               for k, v in server.params.items()}
+    new = method.aggregate(server, trained, torch.tensor([0, 2]), torch.tensor([30.0, 10.0]), {})
+    for v in new.params.values():  # (30 * 1 + 10 * 4) / 40 = 1.75
+        torch.testing.assert_close(v, torch.full_like(v, 1.75))
+
+
+def test_local_writes_back_personal_rows_only(tiny):
+    _, task, method = tiny("local")
+    server = _server(method)
+    assert server.params == {}
+    rows = {k: torch.stack([torch.full_like(v[0], 7.0)]) for k, v in server.personal.items()}
+    new = method.aggregate(server, rows, torch.tensor([1]), torch.tensor([5.0]), {})
+    for k, v in new.personal.items():
+        assert torch.equal(v[1], torch.full_like(v[1], 7.0))
+        assert torch.equal(v[0], server.personal[k][0])
+    assert method.communication(new) == ({}, {})
+
+
+def test_per_client_linear_gathers_each_samples_head():
+    feats = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    w = torch.stack([torch.eye(2), 2 * torch.eye(2)])  # (K=2, C=2, d=2)
+    b = torch.tensor([[0.0, 1.0], [1.0, 0.0]])
+    out = per_client_linear(feats, w, b, torch.tensor([1, 0]))
+    torch.testing.assert_close(out, torch.tensor([[3.0, 4.0], [3.0, 5.0]]))
+
+
+def test_weighted_mean():
+    stacked = torch.tensor([[1.0, 2.0], [3.0, 6.0]])
+    torch.testing.assert_close(weighted_mean(stacked, torch.tensor([0.25, 0.75])),
+                               torch.tensor([2.5, 5.0]))
+
+
+def test_head_tune_trains_only_the_head_on_frozen_cls(tiny):
+    _, task, method = tiny("head-tune")
+    server = _server(method)
+    assert set(server.params) == {"head_w", "head_b"}
+    x = method.backbone.preprocess(task.data.train_images[:3])
+    params = method.client_params(server, torch.tensor([0]))
+    logits = method.forward(params, x, torch.zeros(3, dtype=torch.long), None)
+    cls = method.backbone.forward_features(x).cls
+    torch.testing.assert_close(logits, cls @ server.params["head_w"].T + server.params["head_b"])
+
+
+def test_server_state_round_trips():
+    s = ServerState({"a": torch.ones(2)}, {"b": torch.zeros(3, 2)}, {"c": torch.arange(3)})
+    t = ServerState.from_state_dict(s.state_dict())
+    assert torch.equal(t.params["a"], s.params["a"]) and torch.equal(t.buffers["c"], s.buffers["c"])
