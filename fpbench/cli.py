@@ -120,6 +120,7 @@ def run(
                        ] = False,
 ) -> None:
     """Run (or resume) every cell of a suite; finished cells are skipped."""
+    from fpbench.engine.inputs import FeatureCache
     from fpbench.engine.runner import run_suite
     from fpbench.specs import load_suite
 
@@ -137,9 +138,11 @@ def run(
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err, transient=False) as progress:
         observer = _ProgressObserver(progress, len(cells))
+        cache = FeatureCache()  # frozen features shared by the cells of this process
         results = []
         for cfg in cells:
-            results += run_suite([cfg], store, checkpoint_dir=checkpoint_dir, observer=observer)
+            results += run_suite([cfg], store, checkpoint_dir=checkpoint_dir, observer=observer,
+                                 cache=cache)
             observer.cell_done()
     _report_results(loaded.name, results)
 

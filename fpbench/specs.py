@@ -67,6 +67,8 @@ class RuntimeConfig(_Strict):
 
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     executor: Literal["reference", "lockstep"] = "lockstep"
+    cache_features: bool = Field(True, description="compute frozen features once (head-tune)")
+    feature_cache_dir: str | None = Field(None, description="also keep them on disk here")
 
 
 class Component(_Strict):

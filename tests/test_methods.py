@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fpbench.engine.executor import train_clients
+from fpbench.engine.inputs import FeatureCache, Inputs
 from fpbench.methods.base import ServerState, per_client_linear, weighted_mean
 from fpbench.registry import METHODS
 
@@ -114,15 +115,34 @@ def test_weighted_mean():
                                torch.tensor([2.5, 5.0]))
 
 
-def test_head_tune_trains_only_the_head_on_frozen_cls(tiny):
+def test_head_tune_is_a_linear_head_on_cached_frozen_cls(tiny):
     _, task, method = tiny("head-tune")
     server = _server(method)
-    assert set(server.params) == {"head_w", "head_b"}
-    x = method.backbone.preprocess(task.data.train_images[:3])
+    assert set(server.params) == {"head_w", "head_b"} and method.frozen_input == "cls"
+    idx = torch.arange(3)
+    cached = Inputs(method.backbone, task, "cls", cache=FeatureCache(), batch_size=2).train(idx)
+    on_the_fly = Inputs(method.backbone, task, "cls", cache=None, batch_size=2).train(idx)
+    cls = method.backbone.forward_features(
+        method.backbone.preprocess(task.data.train_images[idx])).cls
+    torch.testing.assert_close(cached, cls)
+    torch.testing.assert_close(on_the_fly, cls)
     params = method.client_params(server, torch.tensor([0]))
-    logits = method.forward(params, x, torch.zeros(3, dtype=torch.long), None)
-    cls = method.backbone.forward_features(x).cls
+    logits = method.forward(params, cached, torch.zeros(3, dtype=torch.long), None)
     torch.testing.assert_close(logits, cls @ server.params["head_w"].T + server.params["head_b"])
+
+
+def test_feature_cache_computes_once_and_persists(tmp_path):
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return torch.arange(6.0).view(3, 2)
+
+    cache = FeatureCache(tmp_path)
+    a = cache.get("k", compute, torch.device("cpu"))
+    b = cache.get("k", compute, torch.device("cpu"))
+    c = FeatureCache(tmp_path).get("k", compute, torch.device("cpu"))  # a new process: from disk
+    assert len(calls) == 1 and torch.equal(a, b) and torch.equal(a, c)
 
 
 def test_server_state_round_trips():

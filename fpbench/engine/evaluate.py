@@ -11,36 +11,42 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fpbench.engine.inputs import Inputs
 from fpbench.engine.metrics import EvalCounts
 from fpbench.engine.task import Task
 from fpbench.methods.base import Context, Method, ServerState
 
 
 @torch.no_grad()
-def predict(method: Method, params: dict[str, Tensor], images: Tensor, rows: Tensor,
-            ctx: Context, batch_size: int) -> Tensor:
-    """Predicted labels (M,) for uint8 images (M, 3, H, W); rows[i] = the param row of image i."""
+def predict(method: Method, params: dict[str, Tensor], inputs: Inputs, idx: Tensor,
+            rows: Tensor, ctx: Context, batch_size: int) -> Tensor:
+    """Predicted labels (M,) for test samples idx (M,); rows[i] = the param row of sample i."""
     preds = []
-    for start in range(0, len(images), batch_size):
-        x = method.backbone.preprocess(images[start:start + batch_size])
+    for start in range(0, len(idx), batch_size):
+        x = inputs.test(idx[start:start + batch_size])
         logits = method.forward(params, x, rows[start:start + batch_size], ctx)
         preds.append(logits.argmax(-1))
-    return torch.cat(preds) if preds else torch.empty(0, dtype=torch.long)
+    return torch.cat(preds) if preds else torch.empty(0, dtype=torch.long, device=idx.device)
 
 
-def evaluate(method: Method, server: ServerState, task: Task, batch_size: int) -> EvalCounts:
+def evaluate(method: Method, server: ServerState, task: Task, batch_size: int,
+             inputs: Inputs | None = None) -> EvalCounts:
+    inputs = inputs or Inputs(method.backbone, task, method.frozen_input, cache=None,
+                              batch_size=batch_size)
     if method.inference == "global":
-        return _evaluate_global(method, server, task, batch_size)
-    return _evaluate_per_client(method, server, task, batch_size)
+        return _evaluate_global(method, server, task, inputs, batch_size)
+    return _evaluate_per_client(method, server, task, inputs, batch_size)
 
 
-def _evaluate_global(method: Method, server: ServerState, task: Task,
+def _evaluate_global(method: Method, server: ServerState, task: Task, inputs: Inputs,
                      batch_size: int) -> EvalCounts:
     data = task.data
     params = method.eval_params(server, torch.zeros(1, dtype=torch.long))
     ctx = Context(training=False, buffers=server.buffers)
-    rows = torch.zeros(len(data.test_labels), dtype=torch.long, device=data.test_labels.device)
-    correct = predict(method, params, data.test_images, rows, ctx, batch_size) == data.test_labels
+    everything = torch.arange(len(data.test_labels), device=data.test_labels.device)
+    rows = torch.zeros_like(everything)
+    correct = predict(method, params, inputs, everything, rows, ctx, batch_size) \
+        == data.test_labels
     return EvalCounts(
         correct_local=np.array([int(correct[idx].sum()) for idx in task.test_idx]),
         total_local=np.array([len(idx) for idx in task.test_idx]),
@@ -50,7 +56,7 @@ def _evaluate_global(method: Method, server: ServerState, task: Task,
     )
 
 
-def _evaluate_per_client(method: Method, server: ServerState, task: Task,
+def _evaluate_per_client(method: Method, server: ServerState, task: Task, inputs: Inputs,
                          batch_size: int) -> EvalCounts:
     data = task.data
     applicable_heldout = method.inference == "client-conditioned"
@@ -66,11 +72,12 @@ def _evaluate_per_client(method: Method, server: ServerState, task: Task,
                       buffers=server.buffers)
         idx = task.test_idx[c]
         rows = torch.zeros(len(idx), dtype=torch.long, device=idx.device)
-        pred = predict(method, params, data.test_images[idx], rows, ctx, batch_size)
+        pred = predict(method, params, inputs, idx, rows, ctx, batch_size)
         correct_local[c] = int((pred == data.test_labels[idx]).sum())
         if not task.heldout[c]:
-            rows = torch.zeros(len(data.test_labels), dtype=torch.long, device=idx.device)
-            pred = predict(method, params, data.test_images, rows, ctx, batch_size)
+            everything = torch.arange(len(data.test_labels), device=idx.device)
+            pred = predict(method, params, inputs, everything, torch.zeros_like(everything), ctx,
+                           batch_size)
             global_acc[c] = (pred == data.test_labels).float().mean().item()
     return EvalCounts(
         correct_local=correct_local,

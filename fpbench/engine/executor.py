@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from fpbench.engine.inputs import Inputs
 from fpbench.engine.optim import make_optimizer
 from fpbench.engine.task import Task
 from fpbench.methods.base import Context, Method, ServerState
@@ -46,16 +47,18 @@ def client_batches(indices: Tensor, batch_size: int, seed: int) -> list[Tensor]:
 
 
 def train_clients(method: Method, server: ServerState, task: Task, client_ids: list[int],
-                  cfg: TrainConfig, *, round_idx: int, seed: int,
-                  executor: str = "lockstep") -> LocalResult:
+                  cfg: TrainConfig, *, round_idx: int, seed: int, executor: str = "lockstep",
+                  inputs: Inputs | None = None) -> LocalResult:
     """Local training of this round's clients with the chosen executor."""
+    inputs = inputs or Inputs(method.backbone, task, method.frozen_input, cache=None,
+                              batch_size=cfg.eval_batch_size)
     if executor == "lockstep":
         groups = [client_ids]
     elif executor == "reference":
         groups = [[c] for c in client_ids]
     else:
         raise ValueError(f"unknown executor {executor!r}")
-    results = [train_group(method, server, task, g, cfg, round_idx=round_idx, seed=seed)
+    results = [train_group(method, server, task, inputs, g, cfg, round_idx=round_idx, seed=seed)
                for g in groups]
     return LocalResult(
         client_ids=torch.cat([r.client_ids for r in results]),
@@ -65,8 +68,9 @@ def train_clients(method: Method, server: ServerState, task: Task, client_ids: l
     )
 
 
-def train_group(method: Method, server: ServerState, task: Task, client_ids: list[int],
-                cfg: TrainConfig, *, round_idx: int, seed: int) -> LocalResult:
+def train_group(method: Method, server: ServerState, task: Task, inputs: Inputs,
+                client_ids: list[int], cfg: TrainConfig, *, round_idx: int,
+                seed: int) -> LocalResult:
     """Train K clients together: one forward/backward per step over all their minibatches."""
     device = task.priors.device
     ids = torch.tensor(client_ids, dtype=torch.long)
@@ -88,7 +92,7 @@ def train_group(method: Method, server: ServerState, task: Task, client_ids: lis
                        for c in client_ids]
             for step in range(max(len(b) for b in batches)):
                 active = torch.tensor([step < len(b) for b in batches], device=device)
-                per_client = _step(method, leaves, task, batches, step, ctx, k)
+                per_client = _step(method, leaves, task, inputs, batches, step, ctx, k)
                 opt.zero_grad()
                 per_client.sum().backward()
                 opt.step(active)
@@ -98,14 +102,14 @@ def train_group(method: Method, server: ServerState, task: Task, client_ids: lis
     return LocalResult(ids, params, ctx.stats, loss_sum / loss_steps.clamp(min=1))
 
 
-def _step(method: Method, leaves: dict[str, Tensor], task: Task, batches: list[list[Tensor]],
-          step: int, ctx: Context, k: int) -> Tensor:
+def _step(method: Method, leaves: dict[str, Tensor], task: Task, inputs: Inputs,
+          batches: list[list[Tensor]], step: int, ctx: Context, k: int) -> Tensor:
     """Per-client mean loss (K,) of one lockstep minibatch; zero for clients without a batch."""
     parts = [(row, b[step]) for row, b in enumerate(batches) if step < len(b)]
     idx = torch.cat([b for _, b in parts])
     rows = torch.cat([torch.full((len(b),), row, dtype=torch.long) for row, b in parts])
     rows = rows.to(idx.device)
-    x = method.backbone.preprocess(task.data.train_images[idx])
+    x = inputs.train(idx)
     per_sample = method.loss(leaves, x, task.data.train_labels[idx], rows, ctx)  # (B,)
     counts = torch.zeros(k, device=idx.device).index_add_(0, rows, torch.ones_like(per_sample))
     sums = torch.zeros(k, device=idx.device, dtype=per_sample.dtype).index_add(0, rows, per_sample)

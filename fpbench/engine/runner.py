@@ -17,6 +17,7 @@ from fpbench.backbones import create_backbone
 from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.evaluate import evaluate
 from fpbench.engine.executor import derive_seed, train_clients
+from fpbench.engine.inputs import FeatureCache, Inputs
 from fpbench.engine.metrics import aggregates, client_rows, summary
 from fpbench.engine.task import Task, build_task
 from fpbench.errors import FpbenchError
@@ -81,12 +82,14 @@ def build_method(cfg: RunConfig, task: Task, device: torch.device) -> Method:
 
 
 def run_suite(cells: list[RunConfig], store: Store, *, checkpoint_dir: Path,
-              observer: Observer | None = None) -> list[CellResult]:
+              observer: Observer | None = None,
+              cache: FeatureCache | None = None) -> list[CellResult]:
     """Run (or resume) every cell; finished cells are skipped, a failed cell does not stop the rest."""
     results = []
     for cfg in cells:
         try:
-            results.append(run_cell(cfg, store, checkpoint_dir=checkpoint_dir, observer=observer))
+            results.append(run_cell(cfg, store, checkpoint_dir=checkpoint_dir, observer=observer,
+                                    cache=cache))
         except FpbenchError:
             raise
         except Exception as e:  # a crashed run is recorded as failed; the suite goes on
@@ -95,7 +98,7 @@ def run_suite(cells: list[RunConfig], store: Store, *, checkpoint_dir: Path,
 
 
 def run_cell(cfg: RunConfig, store: Store, *, checkpoint_dir: Path,
-             observer: Observer | None = None) -> CellResult:
+             observer: Observer | None = None, cache: FeatureCache | None = None) -> CellResult:
     """Run or resume one cell. Missing data or weights raise before anything is written."""
     record = store.find_run(cfg.run_key)
     if record is not None and record.status == "done":
@@ -104,6 +107,7 @@ def run_cell(cfg: RunConfig, store: Store, *, checkpoint_dir: Path,
     torch.manual_seed(derive_seed(cfg.seed, "torch"))
     task = build_task(cfg, device)
     method = build_method(cfg, task, device)
+    inputs = _inputs(cfg, method, task, cache)
     if record is None:
         record = store.create_run(
             run_key=cfg.run_key, suite=cfg.suite, method=cfg.method.label,
@@ -112,7 +116,7 @@ def run_cell(cfg: RunConfig, store: Store, *, checkpoint_dir: Path,
             torch_version=torch.__version__, device=_device_name(device))
     store.set_status(record.id, "running")
     try:
-        elapsed = _rounds(cfg, method, task, store, record.id, checkpoint_dir,
+        elapsed = _rounds(cfg, method, task, inputs, store, record.id, checkpoint_dir,
                           observer or _Silent())
     except BaseException as e:
         store.set_status(record.id, "failed", error=f"{type(e).__name__}: {e}")
@@ -121,8 +125,18 @@ def run_cell(cfg: RunConfig, store: Store, *, checkpoint_dir: Path,
     return CellResult(cfg, "done")
 
 
-def _rounds(cfg: RunConfig, method: Method, task: Task, store: Store, run_id: int,
-            checkpoint_dir: Path, observer: Observer) -> float:
+def _inputs(cfg: RunConfig, method: Method, task: Task, cache: FeatureCache | None) -> Inputs:
+    if cfg.runtime.cache_features:
+        folder = cfg.runtime.feature_cache_dir
+        cache = cache or FeatureCache(Path(folder) if folder else None)
+    else:
+        cache = None
+    return Inputs(method.backbone, task, method.frozen_input, cache=cache,
+                  batch_size=cfg.train.eval_batch_size)
+
+
+def _rounds(cfg: RunConfig, method: Method, task: Task, inputs: Inputs, store: Store,
+            run_id: int, checkpoint_dir: Path, observer: Observer) -> float:
     """The round loop, from the last checkpoint on; returns the run's total training time."""
     device = task.priors.device
     path = ckpt_io.checkpoint_path(checkpoint_dir, cfg.run_key)
@@ -137,7 +151,7 @@ def _rounds(cfg: RunConfig, method: Method, task: Task, store: Store, run_id: in
                                  cfg.train.participation)
     for r in range(ckpt.round + 1, cfg.train.rounds):
         start = time.perf_counter()
-        server, rows, scalars = _round(method, ckpt.server, task, cfg, r, schedule[r],
+        server, rows, scalars = _round(method, ckpt.server, task, inputs, cfg, r, schedule[r],
                                        ckpt.history)
         wall = time.perf_counter() - start
         store.write_round(run_id, r, wall_s=wall, metrics=rows, **scalars)
@@ -148,11 +162,11 @@ def _rounds(cfg: RunConfig, method: Method, task: Task, store: Store, run_id: in
     return ckpt.elapsed_s
 
 
-def _round(method: Method, server: ServerState, task: Task, cfg: RunConfig, r: int,
-           client_ids: list[int], history: list[dict[str, float]]):
+def _round(method: Method, server: ServerState, task: Task, inputs: Inputs, cfg: RunConfig,
+           r: int, client_ids: list[int], history: list[dict[str, float]]):
     """One round: local training, aggregation, evaluation; returns the rows to store."""
     local = train_clients(method, server, task, client_ids, cfg.train, round_idx=r,
-                          seed=cfg.seed, executor=cfg.runtime.executor)
+                          seed=cfg.seed, executor=cfg.runtime.executor, inputs=inputs)
     weights = task.train_sizes[local.client_ids].to(task.priors.device)
     down, up = method.communication(server)
     server = method.aggregate(server, local.params, local.client_ids.to(weights.device), weights,
@@ -160,7 +174,7 @@ def _round(method: Method, server: ServerState, task: Task, cfg: RunConfig, r: i
     loss = float(local.loss.mean())
     rows = [(None, "loss_train", loss, len(client_ids))]
     if should_eval(r, cfg.train):
-        counts = evaluate(method, server, task, cfg.train.eval_batch_size)
+        counts = evaluate(method, server, task, cfg.train.eval_batch_size, inputs)
         agg = aggregates(counts)
         history.append(agg)
         rows += client_rows(counts) + [(None, k, v, None) for k, v in agg.items()]

@@ -86,6 +86,9 @@ class Method:
     Config: ClassVar[type[MethodConfig]] = MethodConfig
     inference: ClassVar[Inference] = "global"
     personal: ClassVar[frozenset[str]] = frozenset()  # parameter names kept per client
+    # None: forward takes preprocessed images; "cls": the frozen backbone's final cls features
+    # (B, d), which the engine computes once and caches.
+    frozen_input: ClassVar[str | None] = None
 
     def __init__(self, cfg: MethodConfig, backbone: PromptedViT, task: TaskInfo) -> None:
         self.cfg = cfg
@@ -119,7 +122,7 @@ class Method:
     # -- math -------------------------------------------------------------------------------
     def forward(self, params: dict[str, Tensor], x: Tensor, client_index: Tensor,
                 ctx: Context) -> Tensor:
-        """Logits (B, C) for preprocessed images x (B, 3, S, S); row of each sample: client_index."""
+        """Logits (B, C) for inputs x (see `frozen_input`); row of each sample: client_index."""
         raise NotImplementedError
 
     def loss(self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor,

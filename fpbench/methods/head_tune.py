@@ -2,7 +2,8 @@
 
 The simplest parameter-efficient baseline of SGPT (Deng et al., CVPR 2024, Table 1) and
 PEP-FedPT. Client: cross-entropy on a linear head over the frozen cls token. Server: FedAvg of
-the head weighted by client train sizes. No prompts, so the backbone's features are fixed.
+the head weighted by client train sizes. No prompts, so the backbone's features are fixed: the
+method asks for them as its input (`frozen_input = "cls"`) and the engine computes them once.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from fpbench.registry import METHODS
 class HeadTune(Method):
     name = "head-tune"
     Config = MethodConfig
+    frozen_input = "cls"
 
     def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
         w, b = init_linear(gen, self.task.num_classes, self.backbone.embed_dim)
@@ -25,6 +27,4 @@ class HeadTune(Method):
 
     def forward(self, params: dict[str, Tensor], x: Tensor, client_index: Tensor,
                 ctx: Context) -> Tensor:
-        with torch.no_grad():
-            feats = self.backbone.forward_features(x).cls  # (B, d)
-        return per_client_linear(feats, params["head_w"], params["head_b"], client_index)
+        return per_client_linear(x, params["head_w"], params["head_b"], client_index)  # x: (B, d)

@@ -1,0 +1,88 @@
+"""What a method's forward receives as `x`, and the cache that computes frozen work once.
+
+Most methods take preprocessed images: uint8 images stay on the device and are resized and
+normalised there per batch. A method that declares `frozen_input = "cls"` (e.g. head-tune) takes
+the frozen backbone's final cls features instead; those do not depend on anything trained, so
+they are computed once per (backbone, dataset, split), kept in memory and optionally on disk,
+and training a head on them skips the backbone entirely.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from fpbench.backbones import PromptedViT
+from fpbench.engine.task import Task
+
+
+class FeatureCache:
+    """Frozen features by key, in memory and (with a folder) on disk."""
+
+    def __init__(self, folder: Path | None = None) -> None:
+        self.folder = folder
+        self._memory: dict[str, Tensor] = {}
+
+    def get(self, key: str, compute, device: torch.device) -> Tensor:
+        if key in self._memory:
+            return self._memory[key]
+        path = self.folder / f"{key}.pt" if self.folder else None
+        if path is not None and path.is_file():
+            feats = torch.load(path, map_location=device, weights_only=True)
+        else:
+            feats = compute()
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(feats.cpu(), path.with_suffix(".tmp"))
+                path.with_suffix(".tmp").replace(path)
+        self._memory[key] = feats
+        return feats
+
+
+def backbone_fingerprint(backbone: PromptedViT) -> str:
+    h = hashlib.sha256(backbone.name.encode())
+    for t in list(backbone.vit.state_dict().values())[:4]:
+        h.update(t.detach().float().cpu().numpy().tobytes()[: 1 << 16])
+    return h.hexdigest()[:12]
+
+
+@torch.no_grad()
+def cls_features(backbone: PromptedViT, images: Tensor, batch_size: int) -> Tensor:
+    """Final cls features (N, d) of uint8 images, computed in batches."""
+    out = [backbone.forward_features(backbone.preprocess(images[i:i + batch_size])).cls
+           for i in range(0, len(images), batch_size)]
+    return torch.cat(out).float() if out else images.new_zeros(0, backbone.embed_dim).float()
+
+
+class Inputs:
+    """Builds `x` for a batch of train or test indices, as the method's `frozen_input` asks."""
+
+    def __init__(self, backbone: PromptedViT, task: Task, frozen_input: str | None, *,
+                 cache: FeatureCache | None, batch_size: int) -> None:
+        self.backbone, self.task, self.frozen_input = backbone, task, frozen_input
+        self.cached: dict[str, Tensor] = {}
+        if frozen_input == "cls" and cache is not None:
+            data, device = task.data, task.priors.device
+            base = f"{backbone_fingerprint(backbone)}-{data.fingerprint()}-cls"
+            for split, images in (("train", data.train_images), ("test", data.test_images)):
+                self.cached[split] = cache.get(
+                    f"{base}-{split}", lambda im=images: cls_features(backbone, im, batch_size),
+                    device)
+
+    def train(self, idx: Tensor) -> Tensor:
+        return self._get("train", self.task.data.train_images, idx)
+
+    def test(self, idx: Tensor | slice) -> Tensor:
+        return self._get("test", self.task.data.test_images, idx)
+
+    def _get(self, split: str, images: Tensor, idx: Tensor | slice) -> Tensor:
+        if split in self.cached:
+            return self.cached[split][idx]
+        x = self.backbone.preprocess(images[idx])
+        if self.frozen_input == "cls":
+            with torch.no_grad():
+                return self.backbone.forward_features(x).cls
+        return x
