@@ -126,11 +126,13 @@ def run_cell(cfg: RunConfig, store: Store, *, checkpoint_dir: Path,
 
 
 def _inputs(cfg: RunConfig, method: Method, task: Task, cache: FeatureCache | None) -> Inputs:
-    if cfg.runtime.cache_features:
-        folder = cfg.runtime.feature_cache_dir
-        cache = cache or FeatureCache(Path(folder) if folder else None)
-    else:
+    folder = cfg.runtime.feature_cache_dir
+    if not cfg.runtime.cache_features:
         cache = None
+    elif folder:
+        cache = FeatureCache(Path(folder))
+    else:
+        cache = cache or FeatureCache()
     return Inputs(method.backbone, task, method.frozen_input, cache=cache,
                   batch_size=cfg.train.eval_batch_size)
 

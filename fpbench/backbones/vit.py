@@ -1,0 +1,383 @@
+"""A frozen timm VisionTransformer that takes per-sample prompt tokens at any layer.
+
+The forward pass is rebuilt from timm's public stages (`patch_embed`, `_pos_embed`,
+`patch_drop`, `norm_pre`, `blocks`, `norm`); the timm model itself is never patched. With no
+prompts the output equals timm's `forward_features` (tested).
+
+Prompt styles, for `prompts[l]` of shape (B, p_l, d) given before block l (0-based):
+
+* ``accumulate`` (SGPT's reference code): insert right after the prefix (cls) tokens and never
+  remove, so the sequence grows; the most recent insertion sits first after cls.
+* ``deep`` (VPT-deep): replace the prompt tokens currently in the sequence (insert if none);
+  every layer's prompts must have the same length.
+* ``shallow`` (VPT-shallow): layer 0 only; same as ``accumulate`` there.
+
+`BackboneSpec` describes a registered backbone and builds it through timm's own weight-loading
+path (hub, a local file, fpbench's self-pretrained `vit-smoke` weights, or a seeded random init).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import urllib.parse
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import timm
+import torch
+import torch.nn.functional as F
+from timm.models.vision_transformer import VisionTransformer
+from torch import Tensor, nn
+
+from fpbench.errors import FpbenchError
+
+PromptStyle = Literal["accumulate", "deep", "shallow"]
+STYLES: tuple[str, ...] = ("accumulate", "deep", "shallow")
+
+
+@dataclass
+class ViTFeatures:
+    """Outputs of `PromptedViT.forward_features`.
+
+    Attributes:
+        tokens: (B, T, d) all tokens after the final norm.
+        cls: (B, d) the cls token after the final norm (`tokens[:, 0]`).
+        prompt_tokens: (B, P, d) final-normed outputs at the prompt positions (P may be 0).
+        layer_cls: block index l -> (B, d) cls token output by block l (before the final norm).
+    """
+
+    tokens: Tensor
+    cls: Tensor
+    prompt_tokens: Tensor
+    layer_cls: dict[int, Tensor] = field(default_factory=dict)
+
+
+def preprocess_images(
+    images: Tensor, size: int, mean: tuple[float, ...], std: tuple[float, ...]
+) -> Tensor:
+    """uint8 (B, 3, H, W) -> normalized float32 (B, 3, size, size), on the images' device.
+
+    Bilinear resize with half-pixel centres (align_corners=False), antialiased when shrinking.
+    """
+    if images.dtype != torch.uint8 or images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(
+            f"expected uint8 images (B, 3, H, W), got {images.dtype} {tuple(images.shape)}"
+        )
+    x = images.to(torch.float32) / 255.0  # (B, 3, H, W)
+    h, w = x.shape[-2:]
+    if (h, w) != (size, size):
+        shrink = h > size or w > size
+        x = F.interpolate(
+            x, size=(size, size), mode="bilinear", align_corners=False, antialias=shrink
+        )
+    m = torch.tensor(mean, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+    s = torch.tensor(std, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+    return (x - m) / s
+
+
+class PromptedViT(nn.Module):
+    """A frozen, always-eval timm ViT whose blocks accept per-sample prompt tokens.
+
+    Attributes: `embed_dim`, `depth`, `num_prefix_tokens`, `img_size`, `patch_size` (ints),
+    `mean`, `std` (normalization tuples), `name` (registry name), `vit` (the timm model).
+
+    Args:
+        model: A timm `VisionTransformer` with a class token.
+        name: The registry name this backbone was built from.
+        mean: Per-channel normalization mean (default: the model's pretrained_cfg).
+        std: Per-channel normalization std (default: the model's pretrained_cfg).
+    """
+
+    def __init__(
+        self,
+        model: VisionTransformer,
+        name: str = "",
+        mean: tuple[float, ...] | None = None,
+        std: tuple[float, ...] | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(model, VisionTransformer) or model.cls_token is None:
+            raise ValueError("PromptedViT needs a timm VisionTransformer with a class token")
+        if getattr(model, "dynamic_img_size", False):
+            raise ValueError("PromptedViT needs a fixed input size (dynamic_img_size=False)")
+        self.vit = model.requires_grad_(False)
+        self.name = name
+        self.embed_dim: int = model.embed_dim
+        self.depth: int = len(model.blocks)
+        self.num_prefix_tokens: int = model.num_prefix_tokens
+        self.img_size: int = _square_size(model.patch_embed.img_size)
+        self.patch_size: int = _square_size(model.patch_embed.patch_size)
+        cfg = getattr(model, "pretrained_cfg", None) or {}
+        self.mean = tuple(float(v) for v in (mean or cfg.get("mean", (0.5, 0.5, 0.5))))
+        self.std = tuple(float(v) for v in (std or cfg.get("std", (0.5, 0.5, 0.5))))
+        self.train(False)
+
+    def train(self, mode: bool = True) -> PromptedViT:
+        """Stay in eval mode whatever is asked: dropout and drop-path never fire."""
+        return super().train(False)
+
+    def preprocess(self, images: Tensor) -> Tensor:
+        """uint8 (B, 3, H, W) -> normalized float32 (B, 3, img_size, img_size), same device."""
+        return preprocess_images(images, self.img_size, self.mean, self.std)
+
+    def embed(self, x: Tensor) -> Tensor:
+        """Preprocessed images (B, 3, S, S) -> the tokens entering block 0, (B, T0, d)."""
+        vit = self.vit
+        tokens = vit._pos_embed(vit.patch_embed(x))  # (B, T0, d): prefix + patches
+        return vit.norm_pre(vit.patch_drop(tokens))
+
+    def run_blocks(
+        self,
+        tokens: Tensor,
+        start: int,
+        end: int,
+        prompts: Mapping[int, Tensor] | None = None,
+        style: str = "accumulate",
+        num_prompt_tokens: int = 0,
+        return_layers: Iterable[int] = (),
+    ) -> tuple[Tensor, dict[int, Tensor], int]:
+        """Run blocks start..end-1, inserting prompts before each prompted block.
+
+        Args:
+            tokens: (B, T, d) hidden states entering block `start`.
+            start: First block to run.
+            end: One past the last block to run.
+            prompts: layer -> (B, p_l, d) prompt tokens (batch 1 broadcasts); layers outside
+                [start, end) are ignored, so a caller resuming from cached states may pass all.
+            style: "accumulate", "deep" or "shallow" (see the module docstring).
+            num_prompt_tokens: How many prompt tokens `tokens` already holds after the prefix.
+            return_layers: Blocks in [start, end) whose output cls token to return.
+
+        Returns:
+            The hidden states after block end-1 (B, T', d), {l: (B, d) cls output by block l},
+            and the number of prompt tokens now in the sequence.
+        """
+        prompts = dict(prompts or {})
+        _check_prompts(prompts, style, self.depth, num_prompt_tokens)
+        if not 0 <= start <= end <= self.depth:
+            raise ValueError(f"need 0 <= start <= end <= depth={self.depth}, got {start}, {end}")
+        wanted = set(return_layers)
+        if not wanted <= set(range(start, end)):
+            raise ValueError(f"return_layers {sorted(wanted)} outside blocks [{start}, {end})")
+        layer_cls: dict[int, Tensor] = {}
+        for layer in range(start, end):
+            if layer in prompts:
+                tokens, num_prompt_tokens = self._insert(
+                    tokens, prompts[layer], style, num_prompt_tokens
+                )
+            tokens = self.vit.blocks[layer](tokens)  # (B, T, d)
+            if layer in wanted:
+                layer_cls[layer] = tokens[:, 0]  # (B, d)
+        return tokens, layer_cls, num_prompt_tokens
+
+    def forward_features(
+        self,
+        x: Tensor,
+        prompts: Mapping[int, Tensor] | None = None,
+        style: str = "accumulate",
+        return_layers: Iterable[int] = (),
+    ) -> ViTFeatures:
+        """Full prompted forward of preprocessed images x (B, 3, S, S)."""
+        tokens, layer_cls, num_prompts = self.run_blocks(
+            self.embed(x), 0, self.depth, prompts, style, 0, return_layers
+        )
+        return self.finish(tokens, num_prompts, layer_cls)
+
+    def finish(
+        self, tokens: Tensor, num_prompt_tokens: int, layer_cls: dict[int, Tensor] | None = None
+    ) -> ViTFeatures:
+        """Apply the final norm to the output of the last block and split the tokens."""
+        tokens = self.vit.norm(tokens)  # (B, T, d)
+        first = self.num_prefix_tokens
+        return ViTFeatures(
+            tokens=tokens,
+            cls=tokens[:, 0],
+            prompt_tokens=tokens[:, first : first + num_prompt_tokens],  # (B, P, d)
+            layer_cls=layer_cls or {},
+        )
+
+    forward = forward_features
+
+    def _insert(
+        self, tokens: Tensor, prompt: Tensor, style: str, num_prompt_tokens: int
+    ) -> tuple[Tensor, int]:
+        """Put `prompt` (B, p, d) right after the prefix tokens; deep replaces old prompts."""
+        batch, _, dim = tokens.shape
+        if prompt.ndim != 3 or prompt.shape[0] not in (1, batch) or prompt.shape[2] != dim:
+            raise ValueError(
+                f"prompts must be (B={batch}, p, d={dim}) (or batch 1), got {tuple(prompt.shape)}"
+            )
+        prompt = prompt.to(tokens.dtype).expand(batch, -1, -1)  # (B, p, d)
+        first = self.num_prefix_tokens
+        rest = first + num_prompt_tokens if style == "deep" else first
+        tokens = torch.cat([tokens[:, :first], prompt, tokens[:, rest:]], dim=1)
+        kept = 0 if style == "deep" else num_prompt_tokens
+        return tokens, kept + prompt.shape[1]
+
+
+def _square_size(size: int | tuple[int, int]) -> int:
+    if isinstance(size, int):
+        return size
+    if size[0] != size[1]:
+        raise ValueError(f"PromptedViT needs square images and patches, got {tuple(size)}")
+    return int(size[0])
+
+
+def _check_prompts(
+    prompts: dict[int, Tensor], style: str, depth: int, num_prompt_tokens: int
+) -> None:
+    """Raise ValueError for prompts that the style does not allow."""
+    if style not in STYLES:
+        raise ValueError(f"unknown prompt style {style!r}; use one of {', '.join(STYLES)}")
+    bad = [layer for layer in prompts if not 0 <= layer < depth]
+    if bad:
+        raise ValueError(f"prompt layers {bad} outside blocks [0, {depth})")
+    if style == "shallow" and set(prompts) - {0}:
+        raise ValueError(f"shallow prompts go at layer 0 only, got layers {sorted(prompts)}")
+    if style == "deep":
+        lengths = {int(p.shape[1]) for p in prompts.values() if p.ndim == 3}
+        if num_prompt_tokens and prompts:
+            lengths.add(num_prompt_tokens)
+        if len(lengths) > 1:
+            raise ValueError(f"deep prompts need one length at every layer, got {sorted(lengths)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry specs and weight loading
+
+
+@dataclass(frozen=True)
+class BackboneSpec:
+    """A registered ViT backbone: which timm model, which weights, which normalization.
+
+    Attributes:
+        name: Registry name (e.g. "vit-b16-in21k").
+        timm_name: timm model name, with pretrained tag where it matters.
+        timm_kwargs: Extra `timm.create_model` arguments (architecture overrides).
+        description: One line for `fpbench list backbones`.
+        pretrained: "hub" (timm / Hugging Face hub), "smoke" (fpbench's own offline
+            pretraining, see `fpbench.backbones.smoke`) or "none" (seeded random init).
+        mean: Normalization mean override (default: timm's pretrained_cfg).
+        std: Normalization std override (default: timm's pretrained_cfg).
+        seed: Seed of the random init (used before any weights are loaded).
+    """
+
+    name: str
+    timm_name: str
+    timm_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    description: str = ""
+    pretrained: Literal["hub", "smoke", "none"] = "none"
+    mean: tuple[float, float, float] | None = None
+    std: tuple[float, float, float] | None = None
+    seed: int = 0
+
+    def create(
+        self, weights: str | Path | None = None, cache_dir: Path | None = None
+    ) -> PromptedViT:
+        """Build the frozen `PromptedViT`; see `fpbench.backbones.create_backbone`."""
+        if weights is not None:
+            model = self._from_file(Path(weights).expanduser())
+        elif self.pretrained == "hub":
+            model = self._from_hub()
+        elif self.pretrained == "smoke":
+            from fpbench.backbones import smoke
+
+            model = self._from_file(smoke.ensure_pretrained(cache_dir))
+        else:
+            model = self._timm(pretrained=False)
+        return PromptedViT(model, name=self.name, mean=self.mean, std=self.std)
+
+    def _timm(self, **kwargs: Any) -> VisionTransformer:
+        """timm.create_model with a seeded init that leaves the global RNG untouched."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            return timm.create_model(self.timm_name, num_classes=0, **self.timm_kwargs, **kwargs)
+
+    def _from_file(self, path: Path) -> VisionTransformer:
+        """Load a local weights file through timm's `pretrained_cfg_overlay=dict(file=...)`."""
+        if not path.is_file():
+            raise FpbenchError(
+                f"backbone weights file {str(path)!r} for {self.name} does not exist; "
+                "fix the path given by --weights / backbone_weights"
+            )
+        overlay: dict[str, Any] = {"file": str(path), "custom_load": path.suffix == ".npz"}
+        if self.pretrained != "hub":
+            overlay["num_classes"] = 0  # fpbench's own files have no head: load strictly
+        try:
+            return self._timm(pretrained=True, pretrained_cfg_overlay=overlay)
+        except Exception as err:  # unreadable file, wrong format or wrong architecture
+            raise FpbenchError(
+                f"weights file {str(path)!r} does not fit backbone {self.name} "
+                f"({self.timm_name}): {_first_line(err)}"
+            ) from err
+
+    def _from_hub(self) -> VisionTransformer:
+        """Download (or reuse cached) hub weights; fail fast and clearly when offline."""
+        cached = _hub_cached_file(self.timm_name)
+        if cached is not None and _hub_offline():
+            return self._from_file(cached)  # no network call at all
+        if cached is None and not _hub_reachable():
+            raise FpbenchError(self._download_hint("no network, or HF_HUB_OFFLINE is set"))
+        try:
+            return self._timm(pretrained=True)
+        except Exception as err:  # any hub / network failure ends up here
+            raise FpbenchError(self._download_hint(_first_line(err))) from err
+
+    def _download_hint(self, why: str) -> str:
+        return (
+            f"the weights for {self.name} ({self.timm_name}) could not be downloaded ({why}); "
+            "run once with network access, or pass a local file with --weights PATH / "
+            'backbone_weights = "PATH" in the suite'
+        )
+
+
+def _hub_offline() -> bool:
+    """HF_HUB_OFFLINE as set now (huggingface_hub reads it only at import time)."""
+    import huggingface_hub.constants as hf
+
+    flag = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return hf.HF_HUB_OFFLINE or flag.strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _hub_cached_file(timm_name: str) -> Path | None:
+    """The hub weights file of a timm model if it is already in the Hugging Face cache."""
+    from huggingface_hub import try_to_load_from_cache
+
+    cfg = timm.models.get_pretrained_cfg(timm_name)
+    repo = getattr(cfg, "hf_hub_id", None) if cfg is not None else None
+    if not repo:
+        return None
+    names = [getattr(cfg, "hf_hub_filename", None), "model.safetensors", "pytorch_model.bin"]
+    for name in filter(None, names):
+        found = try_to_load_from_cache(repo, name)
+        if isinstance(found, str):
+            return Path(found)
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """A quick TCP probe of the hub endpoint, so an offline machine fails in seconds.
+
+    Under an HTTP(S) proxy the probe is skipped (the proxy decides).
+    """
+    if _hub_offline():
+        return False
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    import huggingface_hub.constants as hf
+
+    url = urllib.parse.urlparse(hf.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname or "", port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
