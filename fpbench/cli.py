@@ -137,6 +137,7 @@ def run(
     store = _open_store(db)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err, transient=False) as progress:
+        _pretrain_smoke_backbone(cells, progress)
         observer = _ProgressObserver(progress, len(cells))
         cache = FeatureCache()  # frozen features shared by the cells of this process
         results = []
@@ -145,6 +146,25 @@ def run(
                                  cache=cache)
             observer.cell_done()
     _report_results(loaded.name, results)
+
+
+def _pretrain_smoke_backbone(cells, progress: Progress) -> None:
+    """Pretrain `vit-smoke` once (cached) with a progress bar, before the cells need it."""
+    from fpbench.backbones.smoke import ensure_pretrained
+    from fpbench.registry import BACKBONES
+
+    if not any(BACKBONES.get(c.backbone.name).pretrained == "smoke" and not c.backbone.weights
+               for c in cells):
+        return
+    task = None
+
+    def show(step: int, total: int, loss: float) -> None:
+        nonlocal task
+        if task is None:
+            task = progress.add_task("pretraining vit-smoke (once)", total=total)
+        progress.update(task, completed=step)
+
+    ensure_pretrained(progress=show)
 
 
 def _report_results(suite: str, results) -> None:
@@ -312,6 +332,39 @@ def _save(fig: Any, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=150, bbox_inches="tight")
     console.print(f"wrote {out}")
+
+
+@app.command("bench")
+@user_errors
+def bench_cmd(
+    backbone: Annotated[str, typer.Option(help="backbone to measure")] = "vit-smoke",
+    clients: Annotated[int, typer.Option(min=1, help="clients trained per round")] = 5,
+    batch: Annotated[int, typer.Option(min=1, help="minibatch size per client")] = 32,
+    steps: Annotated[int, typer.Option(min=1, help="minibatches per client per round")] = 4,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
+    precision: Annotated[str, typer.Option(help="auto, fp32 or bf16")] = "auto",
+    repeats: Annotated[int, typer.Option(min=1, help="timed repeats (median)")] = 3,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the figures here")
+                        ] = None,
+) -> None:
+    """Throughput of the executors, the feature cache and evaluation (random weights)."""
+    from fpbench.bench import bench
+    from fpbench.registry import BACKBONES
+
+    BACKBONES.get(backbone)
+    if precision not in ("auto", "fp32", "bf16"):
+        raise FpbenchError(f"--precision must be auto, fp32 or bf16, got {precision!r}")
+    figures = bench(backbone, clients, batch, steps, device, precision, repeats)
+    table = Table(title=f"fpbench bench: {backbone}, {clients} clients x {batch} x {steps} steps")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, value in figures.items():
+        table.add_row(key, f"{value:,.3f}" if isinstance(value, float) else str(value))
+    console.print(table)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(figures, indent=2))
+        console.print(f"wrote {json_out}")
 
 
 def main() -> None:

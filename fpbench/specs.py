@@ -67,6 +67,9 @@ class RuntimeConfig(_Strict):
 
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     executor: Literal["reference", "lockstep"] = "lockstep"
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto: bf16 autocast on CUDA, fp32 on CPU")
+    compile: bool = Field(False, description="torch.compile the backbone's blocks")
     cache_features: bool = Field(True, description="compute frozen features once (head-tune)")
     feature_cache_dir: str | None = Field(None, description="also keep them on disk here")
 

@@ -104,3 +104,15 @@ def test_finished_run_is_skipped_and_adds_no_rows(tmp_path):
     assert {f"{n}_last10" for n in expected - {"loss_train"}} <= names
     rounds = store.rounds(store.find_run(cfg.run_key).id)
     assert (rounds["bytes_up"] > 0).all() and (rounds["bytes_down"] > 0).all()
+
+
+def test_batched_personal_evaluation_equals_one_client_at_a_time(tiny):
+    cfg, task, method = tiny("local")
+    server = method.init_server(torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(1)
+    server.personal = {k: v + 0.5 * torch.randn(v.shape, generator=gen)
+                       for k, v in server.personal.items()}  # clients now differ
+    one = evaluate(method, server, task, batch_size=16)  # chunks of 1 client
+    many = evaluate(method, server, task, batch_size=128)  # 4 clients per forward
+    assert one.correct_local.tolist() == many.correct_local.tolist()
+    assert pd.Series(one.global_acc).equals(pd.Series(many.global_acc))

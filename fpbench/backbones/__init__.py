@@ -76,7 +76,10 @@ for _spec in _SPECS:
 
 
 def create_backbone(
-    name: str, weights: str | Path | None = None, cache_dir: Path | None = None
+    name: str,
+    weights: str | Path | None = None,
+    cache_dir: Path | None = None,
+    pretrained: bool = True,
 ) -> PromptedViT:
     """Build a registered backbone, frozen and in eval mode.
 
@@ -87,8 +90,9 @@ def create_backbone(
         cache_dir: fpbench's cache folder, where `vit-smoke` keeps its self-pretrained weights
             (default `$FPBENCH_CACHE` or `~/.cache/fpbench`). Hub weights use the Hugging Face
             cache (`HF_HOME`).
+        pretrained: False builds the architecture with seeded random weights (benchmarks).
 
     Raises:
         FpbenchError: unknown name, missing or unfitting weights file, hub weights unavailable.
     """
-    return BACKBONES.get(name).create(weights=weights, cache_dir=cache_dir)
+    return BACKBONES.get(name).create(weights=weights, cache_dir=cache_dir, pretrained=pretrained)

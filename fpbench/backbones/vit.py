@@ -275,10 +275,15 @@ class BackboneSpec:
     seed: int = 0
 
     def create(
-        self, weights: str | Path | None = None, cache_dir: Path | None = None
+        self,
+        weights: str | Path | None = None,
+        cache_dir: Path | None = None,
+        pretrained: bool = True,
     ) -> PromptedViT:
         """Build the frozen `PromptedViT`; see `fpbench.backbones.create_backbone`."""
-        if weights is not None:
+        if not pretrained:
+            model = self._timm(pretrained=False)
+        elif weights is not None:
             model = self._from_file(Path(weights).expanduser())
         elif self.pretrained == "hub":
             model = self._from_hub()
@@ -301,7 +306,7 @@ class BackboneSpec:
         if not path.is_file():
             raise FpbenchError(
                 f"backbone weights file {str(path)!r} for {self.name} does not exist; "
-                "fix the path given by --weights / backbone_weights"
+                "fix backbone.weights in the suite"
             )
         overlay: dict[str, Any] = {"file": str(path), "custom_load": path.suffix == ".npz"}
         if self.pretrained != "hub":
@@ -329,8 +334,8 @@ class BackboneSpec:
     def _download_hint(self, why: str) -> str:
         return (
             f"the weights for {self.name} ({self.timm_name}) could not be downloaded ({why}); "
-            "run once with network access, or pass a local file with --weights PATH / "
-            'backbone_weights = "PATH" in the suite'
+            "run once with network access, or give a local file in the suite: "
+            f'backbone = {{ name = "{self.name}", weights = "PATH" }}'
         )
 
 

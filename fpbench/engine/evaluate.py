@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fpbench.engine.executor import autocast
 from fpbench.engine.inputs import Inputs
 from fpbench.engine.metrics import EvalCounts
 from fpbench.engine.task import Task
@@ -30,12 +31,13 @@ def predict(method: Method, params: dict[str, Tensor], inputs: Inputs, idx: Tens
 
 
 def evaluate(method: Method, server: ServerState, task: Task, batch_size: int,
-             inputs: Inputs | None = None) -> EvalCounts:
+             inputs: Inputs | None = None, precision: str = "fp32") -> EvalCounts:
     inputs = inputs or Inputs(method.backbone, task, method.frozen_input, cache=None,
                               batch_size=batch_size)
-    if method.inference == "global":
-        return _evaluate_global(method, server, task, inputs, batch_size)
-    return _evaluate_per_client(method, server, task, inputs, batch_size)
+    with autocast(task.priors.device, precision):
+        if method.inference == "global":
+            return _evaluate_global(method, server, task, inputs, batch_size)
+        return _evaluate_per_client(method, server, task, inputs, batch_size)
 
 
 def _evaluate_global(method: Method, server: ServerState, task: Task, inputs: Inputs,
@@ -58,32 +60,49 @@ def _evaluate_global(method: Method, server: ServerState, task: Task, inputs: In
 
 def _evaluate_per_client(method: Method, server: ServerState, task: Task, inputs: Inputs,
                          batch_size: int) -> EvalCounts:
+    """Each client with its own parameters / context, many clients per batch.
+
+    Clients are evaluated in chunks: the chunk's parameters are stacked (K, ...) and the local
+    test sets (and, for participants, K copies of the full test split) are concatenated with
+    each sample's row, so one forward serves several clients, as in lockstep training.
+    """
     data = task.data
-    applicable_heldout = method.inference == "client-conditioned"
-    n = task.num_clients
-    correct_local = np.zeros(n, dtype=np.int64)
-    global_acc = np.full(n, np.nan)
-    for c in range(n):
-        if task.heldout[c] and not applicable_heldout:
-            continue
-        ids = torch.tensor([c])
+    heldout_ok = method.inference == "client-conditioned"
+    clients = [c for c in range(task.num_clients) if heldout_ok or not task.heldout[c]]
+    correct_local = np.zeros(task.num_clients, dtype=np.int64)
+    global_acc = np.full(task.num_clients, np.nan)
+    everything = torch.arange(len(data.test_labels), device=data.test_labels.device)
+    chunk = max(1, batch_size // 32)
+    for start in range(0, len(clients), chunk):
+        ids = torch.tensor(clients[start:start + chunk])
         params = method.eval_params(server, ids)
         ctx = Context(training=False, priors=task.priors[ids.to(task.priors.device)],
                       buffers=server.buffers)
-        idx = task.test_idx[c]
-        rows = torch.zeros(len(idx), dtype=torch.long, device=idx.device)
-        pred = predict(method, params, inputs, idx, rows, ctx, batch_size)
-        correct_local[c] = int((pred == data.test_labels[idx]).sum())
-        if not task.heldout[c]:
-            everything = torch.arange(len(data.test_labels), device=idx.device)
-            pred = predict(method, params, inputs, everything, torch.zeros_like(everything), ctx,
-                           batch_size)
-            global_acc[c] = (pred == data.test_labels).float().mean().item()
+        local = [task.test_idx[c] for c in ids.tolist()]
+        correct = _correct(method, params, inputs, local, ctx, batch_size)
+        for row, c in enumerate(ids.tolist()):
+            correct_local[c] = int(correct[row].sum())
+        participants = [row for row, c in enumerate(ids.tolist()) if not task.heldout[c]]
+        full = [everything if row in participants else everything[:0] for row in range(len(ids))]
+        correct = _correct(method, params, inputs, full, ctx, batch_size)
+        for row in participants:
+            global_acc[ids[row]] = correct[row].float().mean().item()
     return EvalCounts(
         correct_local=correct_local,
         total_local=np.array([len(idx) for idx in task.test_idx]),
         heldout=task.heldout.numpy(),
         global_acc=global_acc,
         global_total=len(data.test_labels),
-        heldout_applicable=applicable_heldout,
+        heldout_applicable=heldout_ok,
     )
+
+
+def _correct(method: Method, params: dict[str, Tensor], inputs: Inputs, idx: list[Tensor],
+             ctx: Context, batch_size: int) -> list[Tensor]:
+    """Per row k: a bool tensor of which of the test samples idx[k] row k predicts right."""
+    flat = torch.cat(idx)
+    rows = torch.cat([torch.full((len(t),), k, dtype=torch.long, device=flat.device)
+                      for k, t in enumerate(idx)])
+    right = predict(method, params, inputs, flat, rows, ctx, batch_size) \
+        == inputs.task.data.test_labels[flat]
+    return list(right.split([len(t) for t in idx]))

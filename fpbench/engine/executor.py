@@ -10,6 +10,7 @@ client sees, and a resumed run replays exactly.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass
 
@@ -39,6 +40,13 @@ def derive_seed(*parts: int | str) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """bf16 autocast where asked for (CUDA); parameters and optimiser stay fp32."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def client_batches(indices: Tensor, batch_size: int, seed: int) -> list[Tensor]:
     """One epoch of shuffled minibatches of a client's train indices (last one may be short)."""
     gen = torch.Generator().manual_seed(seed)
@@ -48,7 +56,7 @@ def client_batches(indices: Tensor, batch_size: int, seed: int) -> list[Tensor]:
 
 def train_clients(method: Method, server: ServerState, task: Task, client_ids: list[int],
                   cfg: TrainConfig, *, round_idx: int, seed: int, executor: str = "lockstep",
-                  inputs: Inputs | None = None) -> LocalResult:
+                  inputs: Inputs | None = None, precision: str = "fp32") -> LocalResult:
     """Local training of this round's clients with the chosen executor."""
     inputs = inputs or Inputs(method.backbone, task, method.frozen_input, cache=None,
                               batch_size=cfg.eval_batch_size)
@@ -58,8 +66,9 @@ def train_clients(method: Method, server: ServerState, task: Task, client_ids: l
         groups = [[c] for c in client_ids]
     else:
         raise ValueError(f"unknown executor {executor!r}")
-    results = [train_group(method, server, task, inputs, g, cfg, round_idx=round_idx, seed=seed)
-               for g in groups]
+    with autocast(task.priors.device, precision):
+        results = [train_group(method, server, task, inputs, g, cfg, round_idx=round_idx,
+                               seed=seed) for g in groups]
     return LocalResult(
         client_ids=torch.cat([r.client_ids for r in results]),
         params={k: torch.cat([r.params[k] for r in results]) for k in results[0].params},

@@ -73,8 +73,19 @@ def should_eval(r: int, train: TrainConfig) -> bool:
         or r == train.rounds - 1
 
 
-def build_method(cfg: RunConfig, task: Task, device: torch.device) -> Method:
-    backbone = create_backbone(cfg.backbone.name, weights=cfg.backbone.weights).to(device)
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return precision
+
+
+def build_method(cfg: RunConfig, task: Task, device: torch.device,
+                 pretrained: bool = True) -> Method:
+    backbone = create_backbone(cfg.backbone.name, weights=cfg.backbone.weights,
+                               pretrained=pretrained).to(device)
+    if cfg.runtime.compile:
+        for block in backbone.vit.blocks:
+            block.compile(dynamic=True)
     method_cls = METHODS.get(cfg.method.name)
     info = TaskInfo(num_classes=task.data.num_classes, num_clients=task.num_clients,
                     class_priors=task.priors, train_sizes=task.train_sizes)
@@ -113,7 +124,7 @@ def run_cell(cfg: RunConfig, store: Store, *, checkpoint_dir: Path,
             run_key=cfg.run_key, suite=cfg.suite, method=cfg.method.label,
             dataset=cfg.dataset.label, partition=cfg.partition.label, seed=cfg.seed,
             config=cfg.model_dump(mode="json"), fpbench_version=fpbench.__version__,
-            torch_version=torch.__version__, device=_device_name(device))
+            torch_version=torch.__version__, device=_device_name(device, cfg))
     store.set_status(record.id, "running")
     try:
         elapsed = _rounds(cfg, method, task, inputs, store, record.id, checkpoint_dir,
@@ -167,8 +178,10 @@ def _rounds(cfg: RunConfig, method: Method, task: Task, inputs: Inputs, store: S
 def _round(method: Method, server: ServerState, task: Task, inputs: Inputs, cfg: RunConfig,
            r: int, client_ids: list[int], history: list[dict[str, float]]):
     """One round: local training, aggregation, evaluation; returns the rows to store."""
+    precision = resolve_precision(cfg.runtime.precision, task.priors.device)
     local = train_clients(method, server, task, client_ids, cfg.train, round_idx=r,
-                          seed=cfg.seed, executor=cfg.runtime.executor, inputs=inputs)
+                          seed=cfg.seed, executor=cfg.runtime.executor, inputs=inputs,
+                          precision=precision)
     weights = task.train_sizes[local.client_ids].to(task.priors.device)
     down, up = method.communication(server)
     server = method.aggregate(server, local.params, local.client_ids.to(weights.device), weights,
@@ -176,7 +189,7 @@ def _round(method: Method, server: ServerState, task: Task, inputs: Inputs, cfg:
     loss = float(local.loss.mean())
     rows = [(None, "loss_train", loss, len(client_ids))]
     if should_eval(r, cfg.train):
-        counts = evaluate(method, server, task, cfg.train.eval_batch_size, inputs)
+        counts = evaluate(method, server, task, cfg.train.eval_batch_size, inputs, precision)
         agg = aggregates(counts)
         history.append(agg)
         rows += client_rows(counts) + [(None, k, v, None) for k, v in agg.items()]
@@ -197,7 +210,8 @@ def _to(server: ServerState, device: torch.device) -> ServerState:
     return ServerState(move(server.params), move(server.personal), move(server.buffers))
 
 
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()})"
+def _device_name(device: torch.device, cfg: RunConfig) -> str:
+    """The device and the numerics it ran with, e.g. 'NVIDIA H200 (bf16)'."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"cpu ({platform.processor() or platform.machine()})"
+    return f"{name} ({resolve_precision(cfg.runtime.precision, device)})"
