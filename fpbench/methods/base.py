@@ -173,7 +173,14 @@ def init_prompts(gen: torch.Generator, length: int, dim: int, patch_size: int) -
 
 
 def per_client_linear(feats: Tensor, w: Tensor, b: Tensor, client_index: Tensor) -> Tensor:
-    """Apply each sample's client head: feats (B, d), w (K, C, d), b (K, C) -> (B, C)."""
+    """Apply each sample's client head: feats (B, d), w (K, C, d), b (K, C) -> (B, C).
+
+    All K heads are applied densely and each sample keeps its own row: for the few clients of
+    a round this is one matmul, much cheaper (forward and backward) than gathering a (B, C, d)
+    copy of the weights.
+    """
     if w.shape[0] == 1:
         return feats @ w[0].T + b[0]
-    return torch.einsum("bd,bcd->bc", feats, w[client_index]) + b[client_index]
+    k, c, d = w.shape
+    logits = (feats @ w.reshape(k * c, d).T).view(-1, k, c) + b  # (B, K, C)
+    return logits[torch.arange(len(feats), device=feats.device), client_index]
