@@ -27,12 +27,26 @@ from fpbench.engine.task import build_task
 from fpbench.specs import expand_suite
 
 # Dense bf16 tensor-core peaks (FLOP/s), from the vendors' data sheets.
-BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,
-             "A10": 125e12, "RTX 4090": 165e12}
+BF16_PEAK = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10": 125e12,
+    "RTX 4090": 165e12,
+}
 
 
-def bench(backbone: str = "vit-smoke", clients: int = 5, batch: int = 32, steps: int = 4,
-          device: str = "auto", precision: str = "auto", repeats: int = 3) -> dict[str, object]:
+def bench(
+    backbone: str = "vit-smoke",
+    clients: int = 5,
+    batch: int = 32,
+    steps: int = 4,
+    device: str = "auto",
+    precision: str = "auto",
+    repeats: int = 3,
+) -> dict[str, object]:
     """Run the benchmark; returns the figures (see the module docstring)."""
     dev = resolve_device(device)
     prec = resolve_precision(precision, dev)
@@ -41,19 +55,41 @@ def bench(backbone: str = "vit-smoke", clients: int = 5, batch: int = 32, steps:
     fedvpt = build_method(cfg, task, dev, pretrained=False)
     ids = task.trainable_clients()
     samples = sum(len(task.train_idx[c]) for c in ids)
-    out: dict[str, object] = {"backbone": backbone, "device": str(dev), "precision": prec,
-                              "clients": clients, "batch": batch, "steps": steps}
+    out: dict[str, object] = {
+        "backbone": backbone,
+        "device": str(dev),
+        "precision": prec,
+        "clients": clients,
+        "batch": batch,
+        "steps": steps,
+    }
     server = fedvpt.init_server(torch.Generator().manual_seed(0))
     for executor in ("reference", "lockstep"):
-        secs = _time(lambda e=executor: train_clients(fedvpt, server, task, ids, cfg.train,
-                                                      round_idx=0, seed=0, executor=e,
-                                                      precision=prec), dev, repeats)
+        secs = _time(
+            lambda e=executor: train_clients(
+                fedvpt,
+                server,
+                task,
+                ids,
+                cfg.train,
+                round_idx=0,
+                seed=0,
+                executor=e,
+                precision=prec,
+            ),
+            dev,
+            repeats,
+        )
         out[f"train_samples_per_s_{executor}"] = samples / secs
-    out["lockstep_vs_reference"] = (out["train_samples_per_s_lockstep"]
-                                    / out["train_samples_per_s_reference"])
+    out["lockstep_vs_reference"] = (
+        out["train_samples_per_s_lockstep"] / out["train_samples_per_s_reference"]
+    )
     out.update(_headtune(cfg, task, dev, prec, ids, repeats))
-    test_s = _time(lambda: evaluate(fedvpt, server, task, cfg.train.eval_batch_size,
-                                    precision=prec), dev, repeats)
+    test_s = _time(
+        lambda: evaluate(fedvpt, server, task, cfg.train.eval_batch_size, precision=prec),
+        dev,
+        repeats,
+    )
     out["eval_samples_per_s"] = len(task.data.test_labels) / test_s
     if dev.type == "cuda":
         out.update(_flops(fedvpt, server, task, ids, cfg, prec, dev, out))
@@ -78,32 +114,42 @@ def _config(backbone: str, clients: int, batch: int, steps: int, dev: torch.devi
     return expand_suite(raw, name="bench").cells[0]
 
 
-def _headtune(cfg, task, dev: torch.device, prec: str, ids: list[int],
-              repeats: int) -> dict[str, float]:
-    cfg = cfg.model_copy(update={"method": cfg.method.model_copy(
-        update={"name": "head-tune", "args": {}})})
+def _headtune(
+    cfg, task, dev: torch.device, prec: str, ids: list[int], repeats: int
+) -> dict[str, float]:
+    cfg = cfg.model_copy(
+        update={"method": cfg.method.model_copy(update={"name": "head-tune", "args": {}})}
+    )
     method = build_method(cfg, task, dev, pretrained=False)
     server = method.init_server(torch.Generator().manual_seed(0))
     start = time.perf_counter()
     with autocast(dev, prec):
-        cached = Inputs(method.backbone, task, "cls", cache=FeatureCache(),
-                        batch_size=cfg.train.eval_batch_size)
+        cached = Inputs(
+            method.backbone, task, "cls", cache=FeatureCache(), batch_size=cfg.train.eval_batch_size
+        )
     _sync(dev)
     build_s = time.perf_counter() - start
     on_the_fly = Inputs(method.backbone, task, "cls", cache=None, batch_size=1)
     times = {}
     for name, inputs in (("uncached", on_the_fly), ("cached", cached)):
-        times[name] = _time(lambda i=inputs: train_clients(
-            method, server, task, ids, cfg.train, round_idx=0, seed=0, inputs=i,
-            precision=prec), dev, repeats)
-    return {"headtune_round_s_uncached": times["uncached"],
-            "headtune_round_s_cached": times["cached"],
-            "headtune_cached_speedup": times["uncached"] / times["cached"],
-            "headtune_cache_build_s": build_s}
+        times[name] = _time(
+            lambda i=inputs: train_clients(
+                method, server, task, ids, cfg.train, round_idx=0, seed=0, inputs=i, precision=prec
+            ),
+            dev,
+            repeats,
+        )
+    return {
+        "headtune_round_s_uncached": times["uncached"],
+        "headtune_round_s_cached": times["cached"],
+        "headtune_cached_speedup": times["uncached"] / times["cached"],
+        "headtune_cache_build_s": build_s,
+    }
 
 
-def _flops(method, server, task, ids, cfg, prec: str, dev: torch.device,
-           out: dict[str, object]) -> dict[str, object]:
+def _flops(
+    method, server, task, ids, cfg, prec: str, dev: torch.device, out: dict[str, object]
+) -> dict[str, object]:
     """FLOPs of one lockstep round, counted by torch, over its measured time."""
     with FlopCounterMode(display=False) as counter:
         train_clients(method, server, task, ids, cfg.train, round_idx=0, seed=0, precision=prec)
@@ -112,8 +158,11 @@ def _flops(method, server, task, ids, cfg, prec: str, dev: torch.device,
     achieved = counter.get_total_flops() / seconds
     name = torch.cuda.get_device_name(dev)
     peak = next((v for k, v in BF16_PEAK.items() if k in name), None)
-    return {"gpu": name, "tflops": achieved / 1e12,
-            "bf16_peak_fraction": achieved / peak if peak else None}
+    return {
+        "gpu": name,
+        "tflops": achieved / 1e12,
+        "bf16_peak_fraction": achieved / peak if peak else None,
+    }
 
 
 def _sync(dev: torch.device) -> None:

@@ -17,8 +17,12 @@ from rich.table import Table
 import fpbench
 from fpbench.errors import FpbenchError
 
-app = typer.Typer(help="Benchmark suite for federated prompt tuning.", no_args_is_help=True,
-                  add_completion=False, pretty_exceptions_enable=False)
+app = typer.Typer(
+    help="Benchmark suite for federated prompt tuning.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
 plot_app = typer.Typer(help="Draw plots from the results database.", no_args_is_help=True)
 app.add_typer(plot_app, name="plot")
 console = Console()
@@ -52,9 +56,14 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
-                                                help="print the version and exit")] = False
-          ) -> None:
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="print the version and exit"
+        ),
+    ] = False,
+) -> None:
     """Benchmark suite for federated prompt tuning of frozen pretrained models."""
 
 
@@ -73,8 +82,9 @@ def _select_cells(suite, methods: list[str] | None, seeds: list[int] | None):
         known = sorted({c.method.label for c in cells} | {c.method.name for c in cells})
         unknown = [m for m in methods if m not in known]
         if unknown:
-            raise FpbenchError(f"method(s) {unknown} not in suite {suite.name}; "
-                               f"valid: {', '.join(known)}")
+            raise FpbenchError(
+                f"method(s) {unknown} not in suite {suite.name}; valid: {', '.join(known)}"
+            )
         cells = [c for c in cells if c.method.label in methods or c.method.name in methods]
     if seeds:
         cells = [c for c in cells if c.seed in seeds]
@@ -95,8 +105,9 @@ class _ProgressObserver:
         if self.rounds is not None:
             self.progress.remove_task(self.rounds)
         label = f"{cfg.method.label} / {cfg.dataset.label} / {cfg.partition.label} / s{cfg.seed}"
-        self.rounds = self.progress.add_task(f"  {label}", total=cfg.train.rounds,
-                                             completed=start_round)
+        self.rounds = self.progress.add_task(
+            f"  {label}", total=cfg.train.rounds, completed=start_round
+        )
 
     def round_end(self, cfg, round_idx: int, metrics: dict[str, float]) -> None:
         self.progress.update(self.rounds, completed=round_idx + 1)
@@ -109,15 +120,19 @@ class _ProgressObserver:
 @user_errors
 def run(
     suite: SuiteOpt = "smoke",
-    method: Annotated[list[str] | None, typer.Option(help="only these methods (repeatable)")] = None,
+    method: Annotated[
+        list[str] | None, typer.Option(help="only these methods (repeatable)")
+    ] = None,
     seed: Annotated[list[int] | None, typer.Option(help="only these seeds (repeatable)")] = None,
     db: DbOpt = DEFAULT_DB,
     device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N")] = None,
     executor: Annotated[str | None, typer.Option(help="lockstep or reference")] = None,
     checkpoint_dir: Annotated[Path, typer.Option(help="where per-round checkpoints live")] = Path(
-        "results/checkpoints"),
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="list the cells and their status")
-                       ] = False,
+        "results/checkpoints"
+    ),
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="list the cells and their status")
+    ] = False,
 ) -> None:
     """Run (or resume) every cell of a suite; finished cells are skipped."""
     from fpbench.engine.inputs import FeatureCache
@@ -129,21 +144,27 @@ def run(
     runtime = {k: v for k, v in {"device": device, "executor": executor}.items() if v}
     if executor and executor not in ("lockstep", "reference"):
         raise FpbenchError(f"--executor must be lockstep or reference, got {executor!r}")
-    cells = [c.model_copy(update={"runtime": c.runtime.model_copy(update=runtime)})
-             for c in cells]
+    cells = [c.model_copy(update={"runtime": c.runtime.model_copy(update=runtime)}) for c in cells]
     if dry_run:
         _print_cells(loaded.name, cells, db)
         return
     store = _open_store(db)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=err, transient=False) as progress:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=False,
+    ) as progress:
         _pretrain_smoke_backbone(cells, progress)
         observer = _ProgressObserver(progress, len(cells))
         cache = FeatureCache()  # frozen features shared by the cells of this process
         results = []
         for cfg in cells:
-            results += run_suite([cfg], store, checkpoint_dir=checkpoint_dir, observer=observer,
-                                 cache=cache)
+            results += run_suite(
+                [cfg], store, checkpoint_dir=checkpoint_dir, observer=observer, cache=cache
+            )
             observer.cell_done()
     _report_results(loaded.name, results)
 
@@ -153,8 +174,10 @@ def _pretrain_smoke_backbone(cells, progress: Progress) -> None:
     from fpbench.backbones.smoke import ensure_pretrained
     from fpbench.registry import BACKBONES
 
-    if not any(BACKBONES.get(c.backbone.name).pretrained == "smoke" and not c.backbone.weights
-               for c in cells):
+    if not any(
+        BACKBONES.get(c.backbone.name).pretrained == "smoke" and not c.backbone.weights
+        for c in cells
+    ):
         return
     task = None
 
@@ -169,12 +192,17 @@ def _pretrain_smoke_backbone(cells, progress: Progress) -> None:
 
 def _report_results(suite: str, results) -> None:
     counts = {s: sum(r.status == s for r in results) for s in ("done", "skipped", "failed")}
-    console.print(f"suite [bold]{suite}[/]: {counts['done']} run, {counts['skipped']} already "
-                  f"done, {counts['failed']} failed")
+    console.print(
+        f"suite [bold]{suite}[/]: {counts['done']} run, {counts['skipped']} already "
+        f"done, {counts['failed']} failed"
+    )
     for r in results:
         if r.status == "failed":
-            err.print(f"[red]failed:[/] {r.cfg.method.label} / {r.cfg.dataset.label} / "
-                      f"{r.cfg.partition.label} / seed {r.cfg.seed}: {r.error}", highlight=False)
+            err.print(
+                f"[red]failed:[/] {r.cfg.method.label} / {r.cfg.dataset.label} / "
+                f"{r.cfg.partition.label} / seed {r.cfg.seed}: {r.error}",
+                highlight=False,
+            )
     if counts["failed"]:
         raise typer.Exit(1)
 
@@ -191,8 +219,9 @@ def _print_cells(suite: str, cells, db: str) -> None:
     for c in cells:
         record = store.find_run(c.run_key) if store else None
         status = record.status if record else "new"
-        table.add_row(c.run_key, c.method.label, c.dataset.label, c.partition.label,
-                      str(c.seed), status)
+        table.add_row(
+            c.run_key, c.method.label, c.dataset.label, c.partition.label, str(c.seed), status
+        )
     console.print(table)
 
 
@@ -215,8 +244,12 @@ def list_(what: Annotated[Listable, typer.Argument(help="what to list")]) -> Non
     if what is Listable.suites:
         rows = [(name, "") for name in list_suites()]
     else:
-        registry = {"methods": METHODS, "datasets": DATASETS, "partitions": PARTITIONS,
-                    "backbones": BACKBONES}[what.value]
+        registry = {
+            "methods": METHODS,
+            "datasets": DATASETS,
+            "partitions": PARTITIONS,
+            "backbones": BACKBONES,
+        }[what.value]
         rows = [(name, _summary_line(registry.get(name))) for name in registry.names()]
     table = Table(title=what.value)
     table.add_column("name")
@@ -233,16 +266,22 @@ def _summary_line(obj: Any) -> str:
 
 @app.command()
 @user_errors
-def show(run_ref: Annotated[str, typer.Argument(metavar="RUN", help="run id or run_key prefix")],
-         db: DbOpt = DEFAULT_DB) -> None:
+def show(
+    run_ref: Annotated[str, typer.Argument(metavar="RUN", help="run id or run_key prefix")],
+    db: DbOpt = DEFAULT_DB,
+) -> None:
     """Show one run: its identity, status, config and final metrics."""
     store = _open_store(db, must_exist=True)
     record = store.get_run(run_ref)
-    console.print(f"[bold]run {record.id}[/] {record.run_key}  status={record.status}  "
-                  f"suite={record.suite} method={record.method} dataset={record.dataset} "
-                  f"partition={record.partition} seed={record.seed}")
-    console.print(f"device={record.device} torch={record.torch_version} "
-                  f"fpbench={record.fpbench_version} wall_s={record.wall_s}")
+    console.print(
+        f"[bold]run {record.id}[/] {record.run_key}  status={record.status}  "
+        f"suite={record.suite} method={record.method} dataset={record.dataset} "
+        f"partition={record.partition} seed={record.seed}"
+    )
+    console.print(
+        f"device={record.device} torch={record.torch_version} "
+        f"fpbench={record.fpbench_version} wall_s={record.wall_s}"
+    )
     if record.error:
         err.print(f"[red]error:[/] {record.error}", highlight=False)
     console.print_json(json.dumps(record.config))
@@ -344,8 +383,9 @@ def bench_cmd(
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
     precision: Annotated[str, typer.Option(help="auto, fp32 or bf16")] = "auto",
     repeats: Annotated[int, typer.Option(min=1, help="timed repeats (median)")] = 3,
-    json_out: Annotated[Path | None, typer.Option("--json", help="also write the figures here")
-                        ] = None,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="also write the figures here")
+    ] = None,
 ) -> None:
     """Throughput of the executors, the feature cache and evaluation (random weights)."""
     from fpbench.bench import bench

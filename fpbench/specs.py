@@ -6,7 +6,7 @@ A suite file (``benchmarks/NAME.toml``) holds ``defaults`` plus one list per gri
     [defaults]                 # any RunConfig field; component args merge into every entry
     backbone = { name = "vit-smoke" }
     train = { rounds = 10 }
-    [[datasets]]               # each entry: name, optional label, optional overrides, the rest = args
+    [[datasets]]               # each entry: name, optional label and overrides; the rest = args
     name = "synthetic"
     [[partitions]]
     name = "dirichlet"
@@ -26,10 +26,10 @@ import hashlib
 import itertools
 import json
 import os
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fpbench.errors import FpbenchError
@@ -68,7 +68,8 @@ class RuntimeConfig(_Strict):
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     executor: Literal["reference", "lockstep"] = "lockstep"
     precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="auto: bf16 autocast on CUDA, fp32 on CPU")
+        "auto", description="auto: bf16 autocast on CUDA, fp32 on CPU"
+    )
     compile: bool = Field(False, description="torch.compile the backbone's blocks")
     cache_features: bool = Field(True, description="compute frozen features once (head-tune)")
     feature_cache_dir: str | None = Field(None, description="also keep them on disk here")
@@ -177,7 +178,7 @@ def _entries(raw: dict[str, Any], axis: str, path: str) -> list[dict[str, Any]]:
     labels = []
     for entry in entries:
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-            raise FpbenchError(f"{path}: every [[{axis}]] entry needs name = \"...\"")
+            raise FpbenchError(f'{path}: every [[{axis}]] entry needs name = "..."')
         labels.append(entry.get("label", entry["name"]))
     dupes = sorted({label for label in labels if labels.count(label) > 1})
     if dupes:
@@ -251,7 +252,9 @@ def _lookup(registry: Registry, name: str, where: str) -> Any:
 def _first_error(e: ValidationError) -> str:
     err = e.errors()[0]
     loc = ".".join(str(p) for p in err["loc"])
-    got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+    got = (
+        f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+    )
     return f"{loc}: {err['msg']}{got}"
 
 

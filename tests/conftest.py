@@ -13,10 +13,14 @@ TINY = {
     "seeds": [0],
     "defaults": {
         "backbone": {"name": "vit-test"},
-        "train": {"rounds": 3, "participation": 0.75, "batch_size": 8, "lr": 0.05,
-                  "eval_batch_size": 64},
-        "dataset": {"num_classes": 6, "image_size": 16, "train_per_class": 12,
-                    "test_per_class": 6},
+        "train": {
+            "rounds": 3,
+            "participation": 0.75,
+            "batch_size": 8,
+            "lr": 0.05,
+            "eval_batch_size": 64,
+        },
+        "dataset": {"num_classes": 6, "image_size": 16, "train_per_class": 12, "test_per_class": 6},
         "partition": {"num_clients": 4, "heldout_frac": 0.25},
     },
     "datasets": [{"name": "synthetic"}],

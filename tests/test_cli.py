@@ -48,8 +48,10 @@ def invoke(*args: str):
 
 def counts(db: Path) -> tuple[int, int, int]:
     with sqlite3.connect(db) as con:
-        return tuple(con.execute(f"select count(*) from {t}").fetchone()[0]
-                     for t in ("runs", "rounds", "metrics"))
+        return tuple(
+            con.execute(f"select count(*) from {t}").fetchone()[0]
+            for t in ("runs", "rounds", "metrics")
+        )
 
 
 @pytest.fixture
@@ -86,8 +88,9 @@ def test_dry_run_writes_nothing(workdir):
     assert not (workdir / "results").exists()
 
 
-@pytest.mark.parametrize("fmt, needle", [("md", "| fedvpt"), ("csv", "fedvpt,"),
-                                         ("latex", "\\toprule")])
+@pytest.mark.parametrize(
+    "fmt, needle", [("md", "| fedvpt"), ("csv", "fedvpt,"), ("latex", "\\toprule")]
+)
 def test_table_formats(ran, fmt, needle):
     result = invoke("table", "--suite", "tiny", "--format", fmt)
     assert result.exit_code == 0, result.output
@@ -105,9 +108,13 @@ def test_plots_write_pngs(ran):
 def test_show_and_list(ran):
     shown = invoke("show", "1")
     assert shown.exit_code == 0 and "status=done" in shown.output and "acc_global" in shown.output
-    for what, needle in [("methods", "fedvpt"), ("datasets", "synthetic"),
-                         ("partitions", "dirichlet"), ("backbones", "vit-smoke"),
-                         ("suites", "tiny")]:
+    for what, needle in [
+        ("methods", "fedvpt"),
+        ("datasets", "synthetic"),
+        ("partitions", "dirichlet"),
+        ("backbones", "vit-smoke"),
+        ("suites", "tiny"),
+    ]:
         result = invoke("list", what)
         assert result.exit_code == 0 and needle in result.output
 
@@ -128,8 +135,11 @@ BAD_SUITES = {
 def test_bad_suites_exit_2_with_one_line_and_write_nothing(workdir, case):
     spec = BAD_SUITES[case]
     if len(spec) == 2:
-        text = SUITE.replace('name = "fedvpt"', spec[0], 1) if "method" in case else \
-            SUITE.replace('name = "synthetic"', spec[0], 1)
+        text = (
+            SUITE.replace('name = "fedvpt"', spec[0], 1)
+            if "method" in case
+            else SUITE.replace('name = "synthetic"', spec[0], 1)
+        )
         needle = spec[1]
     else:
         text, needle = SUITE.replace(spec[0], spec[1], 1), spec[2]
@@ -140,12 +150,15 @@ def test_bad_suites_exit_2_with_one_line_and_write_nothing(workdir, case):
     assert not (workdir / "results").exists()
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["run", "--suite", "nope"], "unknown suite 'nope'"),
-    (["run", "--suite", "tiny", "--method", "sgpt"], "not in suite tiny"),
-    (["run", "--suite", "tiny", "--db", "nosuchdialect://x"], "cannot open results database"),
-    (["table", "--suite", "tiny"], "no results database"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["run", "--suite", "nope"], "unknown suite 'nope'"),
+        (["run", "--suite", "tiny", "--method", "sgpt"], "not in suite tiny"),
+        (["run", "--suite", "tiny", "--db", "nosuchdialect://x"], "cannot open results database"),
+        (["table", "--suite", "tiny"], "no results database"),
+    ],
+)
 def test_bad_arguments_exit_2(workdir, args, needle):
     result = invoke(*args)
     assert result.exit_code == 2 and needle in result.output
@@ -153,8 +166,12 @@ def test_bad_arguments_exit_2(workdir, args, needle):
 
 
 def test_console_script_reports_errors_without_traceback(workdir):
-    proc = subprocess.run([sys.executable, "-m", "fpbench", "run", "--suite", "nope"],
-                          capture_output=True, text=True, cwd=workdir)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fpbench", "run", "--suite", "nope"],
+        capture_output=True,
+        text=True,
+        cwd=workdir,
+    )
     assert proc.returncode == 2
     assert "unknown suite" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1

@@ -97,9 +97,18 @@ def test_finished_run_is_skipped_and_adds_no_rows(tmp_path):
     assert run_cell(cfg, store, checkpoint_dir=tmp_path).status == "skipped"
     assert len(store.metrics(aggregate_only=False)) == n
     names = set(store.metrics()["name"])
-    expected = {"acc_global", "acc_pooled", "acc_local_mean", "acc_local_worst", "acc_local_p05",
-                "acc_local_p10", "acc_local_p15", "acc_heldout_mean", "acc_heldout_worst",
-                "loss_train"}
+    expected = {
+        "acc_global",
+        "acc_pooled",
+        "acc_local_mean",
+        "acc_local_worst",
+        "acc_local_p05",
+        "acc_local_p10",
+        "acc_local_p15",
+        "acc_heldout_mean",
+        "acc_heldout_worst",
+        "loss_train",
+    }
     assert expected <= names
     assert {f"{n}_last10" for n in expected - {"loss_train"}} <= names
     rounds = store.rounds(store.find_run(cfg.run_key).id)
@@ -110,8 +119,9 @@ def test_batched_personal_evaluation_equals_one_client_at_a_time(tiny):
     cfg, task, method = tiny("local")
     server = method.init_server(torch.Generator().manual_seed(0))
     gen = torch.Generator().manual_seed(1)
-    server.personal = {k: v + 0.5 * torch.randn(v.shape, generator=gen)
-                       for k, v in server.personal.items()}  # clients now differ
+    server.personal = {
+        k: v + 0.5 * torch.randn(v.shape, generator=gen) for k, v in server.personal.items()
+    }  # clients now differ
     one = evaluate(method, server, task, batch_size=16)  # chunks of 1 client
     many = evaluate(method, server, task, batch_size=128)  # 4 clients per forward
     assert one.correct_local.tolist() == many.correct_local.tolist()

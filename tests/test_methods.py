@@ -20,8 +20,9 @@ def _server(method):
 def _round(method, task, cfg, executor, server=None):
     server = server or _server(method)
     ids = task.trainable_clients()
-    local = train_clients(method, server, task, ids, cfg.train, round_idx=0, seed=cfg.seed,
-                          executor=executor)
+    local = train_clients(
+        method, server, task, ids, cfg.train, round_idx=0, seed=cfg.seed, executor=executor
+    )
     return server, local
 
 
@@ -82,8 +83,10 @@ def test_aggregate_keeps_shapes(tiny, name):
 def test_fedavg_is_sample_weighted_mean(tiny):
     _, _, method = tiny("fedvpt")
     server = _server(method)
-    trained = {k: torch.stack([torch.full_like(v, 1.0), torch.full_like(v, 4.0)])
-               for k, v in server.params.items()}
+    trained = {
+        k: torch.stack([torch.full_like(v, 1.0), torch.full_like(v, 4.0)])
+        for k, v in server.params.items()
+    }
     new = method.aggregate(server, trained, torch.tensor([0, 2]), torch.tensor([30.0, 10.0]), {})
     for v in new.params.values():  # (30 * 1 + 10 * 4) / 40 = 1.75
         torch.testing.assert_close(v, torch.full_like(v, 1.75))
@@ -111,8 +114,9 @@ def test_per_client_linear_gathers_each_samples_head():
 
 def test_weighted_mean():
     stacked = torch.tensor([[1.0, 2.0], [3.0, 6.0]])
-    torch.testing.assert_close(weighted_mean(stacked, torch.tensor([0.25, 0.75])),
-                               torch.tensor([2.5, 5.0]))
+    torch.testing.assert_close(
+        weighted_mean(stacked, torch.tensor([0.25, 0.75])), torch.tensor([2.5, 5.0])
+    )
 
 
 def test_head_tune_is_a_linear_head_on_cached_frozen_cls(tiny):
@@ -123,7 +127,8 @@ def test_head_tune_is_a_linear_head_on_cached_frozen_cls(tiny):
     cached = Inputs(method.backbone, task, "cls", cache=FeatureCache(), batch_size=2).train(idx)
     on_the_fly = Inputs(method.backbone, task, "cls", cache=None, batch_size=2).train(idx)
     cls = method.backbone.forward_features(
-        method.backbone.preprocess(task.data.train_images[idx])).cls
+        method.backbone.preprocess(task.data.train_images[idx])
+    ).cls
     torch.testing.assert_close(cached, cls)
     torch.testing.assert_close(on_the_fly, cls)
     params = method.client_params(server, torch.tensor([0]))

@@ -32,8 +32,9 @@ def test_percentiles_order_and_bounds():
     rng = np.random.default_rng(0)
     total = rng.integers(5, 50, size=40)
     correct = rng.integers(0, total + 1)
-    agg = aggregates(counts(correct_local=correct, total_local=total,
-                            heldout=np.zeros(40, dtype=bool)))
+    agg = aggregates(
+        counts(correct_local=correct, total_local=total, heldout=np.zeros(40, dtype=bool))
+    )
     assert agg["acc_local_worst"] <= agg["acc_local_p05"] <= agg["acc_local_p10"]
     assert agg["acc_local_p10"] <= agg["acc_local_p15"] <= agg["acc_local_mean"] + 1e-12
 
@@ -46,13 +47,19 @@ def test_personal_methods_have_no_heldout_and_per_client_global():
     rows = client_rows(ev)
     assert (3, "acc_heldout", 0.75, 4) not in rows
     assert [r for r in rows if r[1] == "acc_global"] == [
-        (0, "acc_global", 0.7, 50), (1, "acc_global", 0.5, 50), (2, "acc_global", 0.4, 50)]
+        (0, "acc_global", 0.7, 50),
+        (1, "acc_global", 0.5, 50),
+        (2, "acc_global", 0.4, 50),
+    ]
 
 
 def test_client_rows_names_and_counts():
     rows = client_rows(counts())
-    assert rows == [(0, "acc_local", 0.8, 10), (1, "acc_local", 0.5, 10),
-                    (3, "acc_heldout", 0.75, 4)]
+    assert rows == [
+        (0, "acc_local", 0.8, 10),
+        (1, "acc_local", 0.5, 10),
+        (3, "acc_heldout", 0.75, 4),
+    ]
 
 
 def test_summary_is_mean_of_last_window():

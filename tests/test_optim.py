@@ -27,8 +27,13 @@ def test_sgd_rows_match_torch_sgd(clip):
         p.grad = g.clone()
         opt.step(torch.ones(3, dtype=torch.bool))
     for k in range(3):
-        ref = _run_plain(torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01),
-                         p0[k], [g[k] for g in grads], clip)
+        ref = _run_plain(
+            torch.optim.SGD,
+            dict(lr=0.1, momentum=0.9, weight_decay=0.01),
+            p0[k],
+            [g[k] for g in grads],
+            clip,
+        )
         torch.testing.assert_close(p[k], ref)
 
 
@@ -42,8 +47,9 @@ def test_adam_rows_match_torch_adam():
         p.grad = g.clone()
         opt.step(torch.ones(2, dtype=torch.bool))
     for k in range(2):
-        ref = _run_plain(torch.optim.Adam, dict(lr=0.01, weight_decay=0.1), p0[k],
-                         [g[k] for g in grads])
+        ref = _run_plain(
+            torch.optim.Adam, dict(lr=0.01, weight_decay=0.1), p0[k], [g[k] for g in grads]
+        )
         torch.testing.assert_close(p[k], ref)
 
 
@@ -61,8 +67,9 @@ def test_masked_rows_do_not_change_and_resume_like_alone():
         opt.step(m)
         if not m[1]:
             torch.testing.assert_close(p[1], before)
-    ref = _run_plain(torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.1), p0[1],
-                     [g[0][1], g[2][1]])
+    ref = _run_plain(
+        torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.1), p0[1], [g[0][1], g[2][1]]
+    )
     torch.testing.assert_close(p[1], ref)
 
 

@@ -44,5 +44,6 @@ def test_builtin_components_are_registered():
     assert {"head-tune", "fedvpt", "local"} <= set(METHODS.names())
     assert "synthetic" in DATASETS.names()
     assert {"pathological", "dirichlet", "pachinko", "domain", "domain-dirichlet"} <= set(
-        PARTITIONS.names())
+        PARTITIONS.names()
+    )
     assert {"vit-test", "vit-smoke", "vit-b16-in21k"} <= set(BACKBONES.names())

@@ -7,12 +7,15 @@ from fpbench.specs import expand_suite, load_suite
 def suite(**over):
     raw = {
         "seeds": [0, 1],
-        "defaults": {"backbone": {"name": "vit-test"}, "train": {"rounds": 2},
-                     "dataset": {"num_classes": 6}, "partition": {"num_clients": 3}},
+        "defaults": {
+            "backbone": {"name": "vit-test"},
+            "train": {"rounds": 2},
+            "dataset": {"num_classes": 6},
+            "partition": {"num_clients": 3},
+        },
         "datasets": [{"name": "synthetic"}],
         "partitions": [{"name": "dirichlet", "alpha": 0.5}, {"name": "iid"}],
-        "methods": [{"name": "fedvpt", "overrides": {"train": {"lr": 0.1}}},
-                    {"name": "head-tune"}],
+        "methods": [{"name": "fedvpt", "overrides": {"train": {"lr": 0.1}}}, {"name": "head-tune"}],
     }
     raw.update(over)
     return expand_suite(raw, name="t")
@@ -44,26 +47,30 @@ def test_run_key_is_stable_and_ignores_runtime():
 
 def test_default_args_written_explicitly_hash_the_same():
     implicit = suite().cells[0]
-    explicit = suite(methods=[{"name": "fedvpt", "prompt_len": 5,
-                               "overrides": {"train": {"lr": 0.1}}}]).cells[0]
+    explicit = suite(
+        methods=[{"name": "fedvpt", "prompt_len": 5, "overrides": {"train": {"lr": 0.1}}}]
+    ).cells[0]
     assert implicit.run_key == explicit.run_key
 
 
-@pytest.mark.parametrize("over, needle", [
-    ({"methods": [{"name": "nope"}]}, "unknown method 'nope'"),
-    ({"datasets": [{"name": "cifar1000"}]}, "unknown dataset"),
-    ({"defaults": {"backbone": {"name": "vit-huge"}}}, "unknown backbone"),
-    ({"defaults": {"train": {"rounds": 0}}}, "train.rounds"),
-    ({"defaults": {"train": {"participation": 1.5}}}, "train.participation"),
-    ({"defaults": {"train": {"participation": 0}}}, "train.participation"),
-    ({"partitions": [{"name": "pathological", "s": 30}]}, "s"),
-    ({"methods": [{"name": "fedvpt", "prompt_len": 0}]}, "method.prompt_len"),
-    ({"methods": [{"name": "fedvpt", "typo": 1}]}, "method.typo"),
-    ({"seeds": []}, "seeds"),
-    ({"methods": []}, "[[methods]]"),
-    ({"methods": [{"name": "fedvpt"}, {"name": "fedvpt"}]}, "label"),
-    ({"bogus": 1}, "bogus"),
-])
+@pytest.mark.parametrize(
+    "over, needle",
+    [
+        ({"methods": [{"name": "nope"}]}, "unknown method 'nope'"),
+        ({"datasets": [{"name": "cifar1000"}]}, "unknown dataset"),
+        ({"defaults": {"backbone": {"name": "vit-huge"}}}, "unknown backbone"),
+        ({"defaults": {"train": {"rounds": 0}}}, "train.rounds"),
+        ({"defaults": {"train": {"participation": 1.5}}}, "train.participation"),
+        ({"defaults": {"train": {"participation": 0}}}, "train.participation"),
+        ({"partitions": [{"name": "pathological", "s": 30}]}, "s"),
+        ({"methods": [{"name": "fedvpt", "prompt_len": 0}]}, "method.prompt_len"),
+        ({"methods": [{"name": "fedvpt", "typo": 1}]}, "method.typo"),
+        ({"seeds": []}, "seeds"),
+        ({"methods": []}, "[[methods]]"),
+        ({"methods": [{"name": "fedvpt"}, {"name": "fedvpt"}]}, "label"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
 def test_bad_input_names_the_problem(over, needle):
     with pytest.raises(FpbenchError, match=None) as e:
         suite(**over)
@@ -72,7 +79,7 @@ def test_bad_input_names_the_problem(over, needle):
 
 def test_malformed_toml_reports_file_and_line(tmp_path):
     path = tmp_path / "bad.toml"
-    path.write_text('seeds = [0]\n[defaults\nx = 1\n')
+    path.write_text("seeds = [0]\n[defaults\nx = 1\n")
     with pytest.raises(FpbenchError) as e:
         load_suite(str(path))
     assert "bad.toml" in str(e.value) and "line 2" in str(e.value)

@@ -303,7 +303,7 @@ def test_hub_offline_fails_fast_with_a_fix(tmp_path, monkeypatch) -> None:
     assert time.monotonic() - start < 5
     msg = str(err.value)
     assert "vit-b16-in21k" in msg and "vit_base_patch16_224.orig_in21k" in msg
-    assert "weights = \"PATH\"" in msg and "\n" not in msg
+    assert 'weights = "PATH"' in msg and "\n" not in msg
 
 
 def test_hub_offline_uses_cached_weights_without_network(tmp_path, monkeypatch) -> None:

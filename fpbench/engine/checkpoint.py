@@ -26,10 +26,16 @@ def checkpoint_path(folder: Path, run_key: str) -> Path:
 
 def save(path: Path, ckpt: Checkpoint) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {k: {n: t.detach().cpu() for n, t in d.items()}
-             for k, d in ckpt.server.state_dict().items()}
-    blob = {"run_key": ckpt.run_key, "round": ckpt.round, "server": state,
-            "history": ckpt.history, "elapsed_s": ckpt.elapsed_s}
+    state = {
+        k: {n: t.detach().cpu() for n, t in d.items()} for k, d in ckpt.server.state_dict().items()
+    }
+    blob = {
+        "run_key": ckpt.run_key,
+        "round": ckpt.round,
+        "server": state,
+        "history": ckpt.history,
+        "elapsed_s": ckpt.elapsed_s,
+    }
     tmp = path.with_suffix(".tmp")
     torch.save(blob, tmp)
     os.replace(tmp, path)
@@ -42,5 +48,10 @@ def load(path: Path, run_key: str, device: torch.device) -> Checkpoint | None:
     blob = torch.load(path, map_location=device, weights_only=True)
     if blob.get("run_key") != run_key:
         return None
-    return Checkpoint(run_key, blob["round"], ServerState.from_state_dict(blob["server"]),
-                      blob["history"], blob["elapsed_s"])
+    return Checkpoint(
+        run_key,
+        blob["round"],
+        ServerState.from_state_dict(blob["server"]),
+        blob["history"],
+        blob["elapsed_s"],
+    )

@@ -19,36 +19,50 @@ from fpbench.methods.base import Context, Method, ServerState
 
 
 @torch.no_grad()
-def predict(method: Method, params: dict[str, Tensor], inputs: Inputs, idx: Tensor,
-            rows: Tensor, ctx: Context, batch_size: int) -> Tensor:
+def predict(
+    method: Method,
+    params: dict[str, Tensor],
+    inputs: Inputs,
+    idx: Tensor,
+    rows: Tensor,
+    ctx: Context,
+    batch_size: int,
+) -> Tensor:
     """Predicted labels (M,) for test samples idx (M,); rows[i] = the param row of sample i."""
     preds = []
     for start in range(0, len(idx), batch_size):
-        x = inputs.test(idx[start:start + batch_size])
-        logits = method.forward(params, x, rows[start:start + batch_size], ctx)
+        x = inputs.test(idx[start : start + batch_size])
+        logits = method.forward(params, x, rows[start : start + batch_size], ctx)
         preds.append(logits.argmax(-1))
     return torch.cat(preds) if preds else torch.empty(0, dtype=torch.long, device=idx.device)
 
 
-def evaluate(method: Method, server: ServerState, task: Task, batch_size: int,
-             inputs: Inputs | None = None, precision: str = "fp32") -> EvalCounts:
-    inputs = inputs or Inputs(method.backbone, task, method.frozen_input, cache=None,
-                              batch_size=batch_size)
+def evaluate(
+    method: Method,
+    server: ServerState,
+    task: Task,
+    batch_size: int,
+    inputs: Inputs | None = None,
+    precision: str = "fp32",
+) -> EvalCounts:
+    inputs = inputs or Inputs(
+        method.backbone, task, method.frozen_input, cache=None, batch_size=batch_size
+    )
     with autocast(task.priors.device, precision):
         if method.inference == "global":
             return _evaluate_global(method, server, task, inputs, batch_size)
         return _evaluate_per_client(method, server, task, inputs, batch_size)
 
 
-def _evaluate_global(method: Method, server: ServerState, task: Task, inputs: Inputs,
-                     batch_size: int) -> EvalCounts:
+def _evaluate_global(
+    method: Method, server: ServerState, task: Task, inputs: Inputs, batch_size: int
+) -> EvalCounts:
     data = task.data
     params = method.eval_params(server, torch.zeros(1, dtype=torch.long))
     ctx = Context(training=False, buffers=server.buffers)
     everything = torch.arange(len(data.test_labels), device=data.test_labels.device)
     rows = torch.zeros_like(everything)
-    correct = predict(method, params, inputs, everything, rows, ctx, batch_size) \
-        == data.test_labels
+    correct = predict(method, params, inputs, everything, rows, ctx, batch_size) == data.test_labels
     return EvalCounts(
         correct_local=np.array([int(correct[idx].sum()) for idx in task.test_idx]),
         total_local=np.array([len(idx) for idx in task.test_idx]),
@@ -58,8 +72,9 @@ def _evaluate_global(method: Method, server: ServerState, task: Task, inputs: In
     )
 
 
-def _evaluate_per_client(method: Method, server: ServerState, task: Task, inputs: Inputs,
-                         batch_size: int) -> EvalCounts:
+def _evaluate_per_client(
+    method: Method, server: ServerState, task: Task, inputs: Inputs, batch_size: int
+) -> EvalCounts:
     """Each client with its own parameters / context, many clients per batch.
 
     Clients are evaluated in chunks: the chunk's parameters are stacked (K, ...) and the local
@@ -74,10 +89,11 @@ def _evaluate_per_client(method: Method, server: ServerState, task: Task, inputs
     everything = torch.arange(len(data.test_labels), device=data.test_labels.device)
     chunk = max(1, batch_size // 32)
     for start in range(0, len(clients), chunk):
-        ids = torch.tensor(clients[start:start + chunk])
+        ids = torch.tensor(clients[start : start + chunk])
         params = method.eval_params(server, ids)
-        ctx = Context(training=False, priors=task.priors[ids.to(task.priors.device)],
-                      buffers=server.buffers)
+        ctx = Context(
+            training=False, priors=task.priors[ids.to(task.priors.device)], buffers=server.buffers
+        )
         local = [task.test_idx[c] for c in ids.tolist()]
         correct = _correct(method, params, inputs, local, ctx, batch_size)
         for row, c in enumerate(ids.tolist()):
@@ -97,12 +113,21 @@ def _evaluate_per_client(method: Method, server: ServerState, task: Task, inputs
     )
 
 
-def _correct(method: Method, params: dict[str, Tensor], inputs: Inputs, idx: list[Tensor],
-             ctx: Context, batch_size: int) -> list[Tensor]:
+def _correct(
+    method: Method,
+    params: dict[str, Tensor],
+    inputs: Inputs,
+    idx: list[Tensor],
+    ctx: Context,
+    batch_size: int,
+) -> list[Tensor]:
     """Per row k: a bool tensor of which of the test samples idx[k] row k predicts right."""
     flat = torch.cat(idx)
-    rows = torch.cat([torch.full((len(t),), k, dtype=torch.long, device=flat.device)
-                      for k, t in enumerate(idx)])
-    right = predict(method, params, inputs, flat, rows, ctx, batch_size) \
+    rows = torch.cat(
+        [torch.full((len(t),), k, dtype=torch.long, device=flat.device) for k, t in enumerate(idx)]
+    )
+    right = (
+        predict(method, params, inputs, flat, rows, ctx, batch_size)
         == inputs.task.data.test_labels[flat]
+    )
     return list(right.split([len(t) for t in idx]))

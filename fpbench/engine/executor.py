@@ -54,12 +54,23 @@ def client_batches(indices: Tensor, batch_size: int, seed: int) -> list[Tensor]:
     return list(indices[order].split(batch_size))
 
 
-def train_clients(method: Method, server: ServerState, task: Task, client_ids: list[int],
-                  cfg: TrainConfig, *, round_idx: int, seed: int, executor: str = "lockstep",
-                  inputs: Inputs | None = None, precision: str = "fp32") -> LocalResult:
+def train_clients(
+    method: Method,
+    server: ServerState,
+    task: Task,
+    client_ids: list[int],
+    cfg: TrainConfig,
+    *,
+    round_idx: int,
+    seed: int,
+    executor: str = "lockstep",
+    inputs: Inputs | None = None,
+    precision: str = "fp32",
+) -> LocalResult:
     """Local training of this round's clients with the chosen executor."""
-    inputs = inputs or Inputs(method.backbone, task, method.frozen_input, cache=None,
-                              batch_size=cfg.eval_batch_size)
+    inputs = inputs or Inputs(
+        method.backbone, task, method.frozen_input, cache=None, batch_size=cfg.eval_batch_size
+    )
     if executor == "lockstep":
         groups = [client_ids]
     elif executor == "reference":
@@ -67,8 +78,10 @@ def train_clients(method: Method, server: ServerState, task: Task, client_ids: l
     else:
         raise ValueError(f"unknown executor {executor!r}")
     with autocast(task.priors.device, precision):
-        results = [train_group(method, server, task, inputs, g, cfg, round_idx=round_idx,
-                               seed=seed) for g in groups]
+        results = [
+            train_group(method, server, task, inputs, g, cfg, round_idx=round_idx, seed=seed)
+            for g in groups
+        ]
     return LocalResult(
         client_ids=torch.cat([r.client_ids for r in results]),
         params={k: torch.cat([r.params[k] for r in results]) for k in results[0].params},
@@ -77,9 +90,17 @@ def train_clients(method: Method, server: ServerState, task: Task, client_ids: l
     )
 
 
-def train_group(method: Method, server: ServerState, task: Task, inputs: Inputs,
-                client_ids: list[int], cfg: TrainConfig, *, round_idx: int,
-                seed: int) -> LocalResult:
+def train_group(
+    method: Method,
+    server: ServerState,
+    task: Task,
+    inputs: Inputs,
+    client_ids: list[int],
+    cfg: TrainConfig,
+    *,
+    round_idx: int,
+    seed: int,
+) -> LocalResult:
     """Train K clients together: one forward/backward per step over all their minibatches."""
     device = task.priors.device
     ids = torch.tensor(client_ids, dtype=torch.long)
@@ -92,13 +113,23 @@ def train_group(method: Method, server: ServerState, task: Task, inputs: Inputs,
     for phase_idx, phase in enumerate(method.phases(cfg.local_epochs, tuple(params))):
         ctx.phase = phase.name
         leaves = {n: p.detach().requires_grad_(n in phase.trainable) for n, p in params.items()}
-        opt = make_optimizer(cfg.optimizer, [leaves[n] for n in phase.trainable], lr=lr,
-                             momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                             grad_clip=cfg.grad_clip)
+        opt = make_optimizer(
+            cfg.optimizer,
+            [leaves[n] for n in phase.trainable],
+            lr=lr,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+            grad_clip=cfg.grad_clip,
+        )
         for epoch in range(phase.epochs):
-            batches = [client_batches(task.train_idx[c], cfg.batch_size,
-                                      derive_seed(seed, round_idx, c, phase_idx, epoch))
-                       for c in client_ids]
+            batches = [
+                client_batches(
+                    task.train_idx[c],
+                    cfg.batch_size,
+                    derive_seed(seed, round_idx, c, phase_idx, epoch),
+                )
+                for c in client_ids
+            ]
             for step in range(max(len(b) for b in batches)):
                 active = torch.tensor([step < len(b) for b in batches], device=device)
                 per_client = _step(method, leaves, task, inputs, batches, step, ctx, k)
@@ -111,8 +142,16 @@ def train_group(method: Method, server: ServerState, task: Task, inputs: Inputs,
     return LocalResult(ids, params, ctx.stats, loss_sum / loss_steps.clamp(min=1))
 
 
-def _step(method: Method, leaves: dict[str, Tensor], task: Task, inputs: Inputs,
-          batches: list[list[Tensor]], step: int, ctx: Context, k: int) -> Tensor:
+def _step(
+    method: Method,
+    leaves: dict[str, Tensor],
+    task: Task,
+    inputs: Inputs,
+    batches: list[list[Tensor]],
+    step: int,
+    ctx: Context,
+    k: int,
+) -> Tensor:
     """Per-client mean loss (K,) of one lockstep minibatch; zero for clients without a batch."""
     parts = [(row, b[step]) for row, b in enumerate(batches) if step < len(b)]
     idx = torch.cat([b for _, b in parts])

@@ -52,16 +52,25 @@ def backbone_fingerprint(backbone: PromptedViT) -> str:
 @torch.no_grad()
 def cls_features(backbone: PromptedViT, images: Tensor, batch_size: int) -> Tensor:
     """Final cls features (N, d) of uint8 images, computed in batches."""
-    out = [backbone.forward_features(backbone.preprocess(images[i:i + batch_size])).cls
-           for i in range(0, len(images), batch_size)]
+    out = [
+        backbone.forward_features(backbone.preprocess(images[i : i + batch_size])).cls
+        for i in range(0, len(images), batch_size)
+    ]
     return torch.cat(out).float() if out else images.new_zeros(0, backbone.embed_dim).float()
 
 
 class Inputs:
     """Builds `x` for a batch of train or test indices, as the method's `frozen_input` asks."""
 
-    def __init__(self, backbone: PromptedViT, task: Task, frozen_input: str | None, *,
-                 cache: FeatureCache | None, batch_size: int) -> None:
+    def __init__(
+        self,
+        backbone: PromptedViT,
+        task: Task,
+        frozen_input: str | None,
+        *,
+        cache: FeatureCache | None,
+        batch_size: int,
+    ) -> None:
         self.backbone, self.task, self.frozen_input = backbone, task, frozen_input
         self.cached: dict[str, Tensor] = {}
         if frozen_input == "cls" and cache is not None:
@@ -69,8 +78,10 @@ class Inputs:
             base = f"{backbone_fingerprint(backbone)}-{data.fingerprint()}-cls"
             for split, images in (("train", data.train_images), ("test", data.test_images)):
                 self.cached[split] = cache.get(
-                    f"{base}-{split}", lambda im=images: cls_features(backbone, im, batch_size),
-                    device)
+                    f"{base}-{split}",
+                    lambda im=images: cls_features(backbone, im, batch_size),
+                    device,
+                )
 
     def train(self, idx: Tensor) -> Tensor:
         return self._get("train", self.task.data.train_images, idx)

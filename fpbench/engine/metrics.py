@@ -46,11 +46,15 @@ def client_rows(ev: EvalCounts) -> list[MetricRow]:
         if ev.total_local[c] == 0 or (ev.heldout[c] and not ev.heldout_applicable):
             continue
         name = "acc_heldout" if ev.heldout[c] else "acc_local"
-        rows.append((c, name, float(ev.correct_local[c] / ev.total_local[c]),
-                     int(ev.total_local[c])))
+        rows.append(
+            (c, name, float(ev.correct_local[c] / ev.total_local[c]), int(ev.total_local[c]))
+        )
     if len(ev.global_acc) > 1:
-        rows += [(c, "acc_global", float(a), ev.global_total) for c, a in enumerate(ev.global_acc)
-                 if not ev.heldout[c] and not np.isnan(a)]
+        rows += [
+            (c, "acc_global", float(a), ev.global_total)
+            for c, a in enumerate(ev.global_acc)
+            if not ev.heldout[c] and not np.isnan(a)
+        ]
     return rows
 
 

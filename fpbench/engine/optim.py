@@ -18,8 +18,13 @@ def _rows(mask: Tensor, like: Tensor) -> Tensor:
 
 
 class StackedOptimizer:
-    def __init__(self, params: list[Tensor], lr: float, weight_decay: float = 0.0,
-                 grad_clip: float | None = None) -> None:
+    def __init__(
+        self,
+        params: list[Tensor],
+        lr: float,
+        weight_decay: float = 0.0,
+        grad_clip: float | None = None,
+    ) -> None:
         self.params = params
         self.lr = lr
         self.weight_decay = weight_decay
@@ -61,8 +66,14 @@ class StackedOptimizer:
 class StackedSGD(StackedOptimizer):
     """SGD with momentum (torch semantics: the first step's buffer is the gradient itself)."""
 
-    def __init__(self, params: list[Tensor], lr: float, momentum: float = 0.0,
-                 weight_decay: float = 0.0, grad_clip: float | None = None) -> None:
+    def __init__(
+        self,
+        params: list[Tensor],
+        lr: float,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        grad_clip: float | None = None,
+    ) -> None:
         super().__init__(params, lr, weight_decay, grad_clip)
         self.momentum = momentum
         self.bufs = [torch.zeros_like(p) for p in params]
@@ -80,9 +91,15 @@ class StackedSGD(StackedOptimizer):
 class StackedAdam(StackedOptimizer):
     """Adam with per-client step counts for the bias correction."""
 
-    def __init__(self, params: list[Tensor], lr: float, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0,
-                 grad_clip: float | None = None) -> None:
+    def __init__(
+        self,
+        params: list[Tensor],
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        grad_clip: float | None = None,
+    ) -> None:
         super().__init__(params, lr, weight_decay, grad_clip)
         self.betas, self.eps = betas, eps
         self.exp_avg = [torch.zeros_like(p) for p in params]
@@ -92,19 +109,28 @@ class StackedAdam(StackedOptimizer):
         b1, b2 = self.betas
         m = _rows(mask, p)
         self.exp_avg[i] = torch.where(m, b1 * self.exp_avg[i] + (1 - b1) * g, self.exp_avg[i])
-        self.exp_avg_sq[i] = torch.where(m, b2 * self.exp_avg_sq[i] + (1 - b2) * g * g,
-                                         self.exp_avg_sq[i])
+        self.exp_avg_sq[i] = torch.where(
+            m, b2 * self.exp_avg_sq[i] + (1 - b2) * g * g, self.exp_avg_sq[i]
+        )
         t = self.steps.clamp(min=1).to(p.dtype)
         bc1 = _rows(1 - b1**t, p)
         bc2 = _rows(1 - b2**t, p)
         return self.lr * (self.exp_avg[i] / bc1) / ((self.exp_avg_sq[i] / bc2).sqrt() + self.eps)
 
 
-def make_optimizer(name: str, params: list[Tensor], *, lr: float, momentum: float,
-                   weight_decay: float, grad_clip: float | None) -> StackedOptimizer:
+def make_optimizer(
+    name: str,
+    params: list[Tensor],
+    *,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    grad_clip: float | None,
+) -> StackedOptimizer:
     if name == "sgd":
         return StackedSGD(params, lr, momentum, weight_decay, grad_clip)
     if name == "adam":
-        return StackedAdam(params, lr, (momentum, 0.999), weight_decay=weight_decay,
-                           grad_clip=grad_clip)
+        return StackedAdam(
+            params, lr, (momentum, 0.999), weight_decay=weight_decay, grad_clip=grad_clip
+        )
     raise ValueError(f"unknown optimizer {name!r}")

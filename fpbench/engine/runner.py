@@ -60,8 +60,9 @@ def resolve_device(name: str) -> torch.device:
         raise FpbenchError(f"invalid device {name!r}; use auto, cpu, cuda or cuda:N") from None
 
 
-def sampling_schedule(seed: int, rounds: int, clients: list[int],
-                      participation: float) -> list[list[int]]:
+def sampling_schedule(
+    seed: int, rounds: int, clients: list[int], participation: float
+) -> list[list[int]]:
     """The clients of every round, pre-drawn from the seed so every method sees the same ones."""
     rng = np.random.default_rng(derive_seed(seed, "client-sampling"))
     m = max(1, math.floor(participation * len(clients) + 1e-9))
@@ -69,8 +70,11 @@ def sampling_schedule(seed: int, rounds: int, clients: list[int],
 
 
 def should_eval(r: int, train: TrainConfig) -> bool:
-    return (r + 1) % train.eval_every == 0 or r >= train.rounds - train.eval_last \
+    return (
+        (r + 1) % train.eval_every == 0
+        or r >= train.rounds - train.eval_last
         or r == train.rounds - 1
+    )
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -79,28 +83,40 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return precision
 
 
-def build_method(cfg: RunConfig, task: Task, device: torch.device,
-                 pretrained: bool = True) -> Method:
-    backbone = create_backbone(cfg.backbone.name, weights=cfg.backbone.weights,
-                               pretrained=pretrained).to(device)
+def build_method(
+    cfg: RunConfig, task: Task, device: torch.device, pretrained: bool = True
+) -> Method:
+    backbone = create_backbone(
+        cfg.backbone.name, weights=cfg.backbone.weights, pretrained=pretrained
+    ).to(device)
     if cfg.runtime.compile:
         for block in backbone.vit.blocks:
             block.compile(dynamic=True)
     method_cls = METHODS.get(cfg.method.name)
-    info = TaskInfo(num_classes=task.data.num_classes, num_clients=task.num_clients,
-                    class_priors=task.priors, train_sizes=task.train_sizes)
+    info = TaskInfo(
+        num_classes=task.data.num_classes,
+        num_clients=task.num_clients,
+        class_priors=task.priors,
+        train_sizes=task.train_sizes,
+    )
     return method_cls(method_cls.Config(**cfg.method.args), backbone, info)
 
 
-def run_suite(cells: list[RunConfig], store: Store, *, checkpoint_dir: Path,
-              observer: Observer | None = None,
-              cache: FeatureCache | None = None) -> list[CellResult]:
-    """Run (or resume) every cell; finished cells are skipped, a failed cell does not stop the rest."""
+def run_suite(
+    cells: list[RunConfig],
+    store: Store,
+    *,
+    checkpoint_dir: Path,
+    observer: Observer | None = None,
+    cache: FeatureCache | None = None,
+) -> list[CellResult]:
+    """Run or resume every cell; finished cells are skipped, a failed one does not stop the rest."""
     results = []
     for cfg in cells:
         try:
-            results.append(run_cell(cfg, store, checkpoint_dir=checkpoint_dir, observer=observer,
-                                    cache=cache))
+            results.append(
+                run_cell(cfg, store, checkpoint_dir=checkpoint_dir, observer=observer, cache=cache)
+            )
         except FpbenchError:
             raise
         except Exception as e:  # a crashed run is recorded as failed; the suite goes on
@@ -108,8 +124,14 @@ def run_suite(cells: list[RunConfig], store: Store, *, checkpoint_dir: Path,
     return results
 
 
-def run_cell(cfg: RunConfig, store: Store, *, checkpoint_dir: Path,
-             observer: Observer | None = None, cache: FeatureCache | None = None) -> CellResult:
+def run_cell(
+    cfg: RunConfig,
+    store: Store,
+    *,
+    checkpoint_dir: Path,
+    observer: Observer | None = None,
+    cache: FeatureCache | None = None,
+) -> CellResult:
     """Run or resume one cell. Missing data or weights raise before anything is written."""
     record = store.find_run(cfg.run_key)
     if record is not None and record.status == "done":
@@ -121,14 +143,22 @@ def run_cell(cfg: RunConfig, store: Store, *, checkpoint_dir: Path,
     inputs = _inputs(cfg, method, task, cache)
     if record is None:
         record = store.create_run(
-            run_key=cfg.run_key, suite=cfg.suite, method=cfg.method.label,
-            dataset=cfg.dataset.label, partition=cfg.partition.label, seed=cfg.seed,
-            config=cfg.model_dump(mode="json"), fpbench_version=fpbench.__version__,
-            torch_version=torch.__version__, device=_device_name(device, cfg))
+            run_key=cfg.run_key,
+            suite=cfg.suite,
+            method=cfg.method.label,
+            dataset=cfg.dataset.label,
+            partition=cfg.partition.label,
+            seed=cfg.seed,
+            config=cfg.model_dump(mode="json"),
+            fpbench_version=fpbench.__version__,
+            torch_version=torch.__version__,
+            device=_device_name(device, cfg),
+        )
     store.set_status(record.id, "running")
     try:
-        elapsed = _rounds(cfg, method, task, inputs, store, record.id, checkpoint_dir,
-                          observer or _Silent())
+        elapsed = _rounds(
+            cfg, method, task, inputs, store, record.id, checkpoint_dir, observer or _Silent()
+        )
     except BaseException as e:
         store.set_status(record.id, "failed", error=f"{type(e).__name__}: {e}")
         raise
@@ -144,12 +174,25 @@ def _inputs(cfg: RunConfig, method: Method, task: Task, cache: FeatureCache | No
         cache = FeatureCache(Path(folder))
     else:
         cache = cache or FeatureCache()
-    return Inputs(method.backbone, task, method.frozen_input, cache=cache,
-                  batch_size=cfg.train.eval_batch_size)
+    return Inputs(
+        method.backbone,
+        task,
+        method.frozen_input,
+        cache=cache,
+        batch_size=cfg.train.eval_batch_size,
+    )
 
 
-def _rounds(cfg: RunConfig, method: Method, task: Task, inputs: Inputs, store: Store,
-            run_id: int, checkpoint_dir: Path, observer: Observer) -> float:
+def _rounds(
+    cfg: RunConfig,
+    method: Method,
+    task: Task,
+    inputs: Inputs,
+    store: Store,
+    run_id: int,
+    checkpoint_dir: Path,
+    observer: Observer,
+) -> float:
     """The round loop, from the last checkpoint on; returns the run's total training time."""
     device = task.priors.device
     path = ckpt_io.checkpoint_path(checkpoint_dir, cfg.run_key)
@@ -160,12 +203,14 @@ def _rounds(cfg: RunConfig, method: Method, task: Task, inputs: Inputs, store: S
         ckpt = ckpt_io.Checkpoint(cfg.run_key, -1, server, [], 0.0)
     store.truncate_after(run_id, ckpt.round)
     observer.cell_start(cfg, ckpt.round + 1)
-    schedule = sampling_schedule(cfg.seed, cfg.train.rounds, task.trainable_clients(),
-                                 cfg.train.participation)
+    schedule = sampling_schedule(
+        cfg.seed, cfg.train.rounds, task.trainable_clients(), cfg.train.participation
+    )
     for r in range(ckpt.round + 1, cfg.train.rounds):
         start = time.perf_counter()
-        server, rows, scalars = _round(method, ckpt.server, task, inputs, cfg, r, schedule[r],
-                                       ckpt.history)
+        server, rows, scalars = _round(
+            method, ckpt.server, task, inputs, cfg, r, schedule[r], ckpt.history
+        )
         wall = time.perf_counter() - start
         store.write_round(run_id, r, wall_s=wall, metrics=rows, **scalars)
         ckpt = ckpt_io.Checkpoint(cfg.run_key, r, server, ckpt.history, ckpt.elapsed_s + wall)
@@ -175,17 +220,35 @@ def _rounds(cfg: RunConfig, method: Method, task: Task, inputs: Inputs, store: S
     return ckpt.elapsed_s
 
 
-def _round(method: Method, server: ServerState, task: Task, inputs: Inputs, cfg: RunConfig,
-           r: int, client_ids: list[int], history: list[dict[str, float]]):
+def _round(
+    method: Method,
+    server: ServerState,
+    task: Task,
+    inputs: Inputs,
+    cfg: RunConfig,
+    r: int,
+    client_ids: list[int],
+    history: list[dict[str, float]],
+):
     """One round: local training, aggregation, evaluation; returns the rows to store."""
     precision = resolve_precision(cfg.runtime.precision, task.priors.device)
-    local = train_clients(method, server, task, client_ids, cfg.train, round_idx=r,
-                          seed=cfg.seed, executor=cfg.runtime.executor, inputs=inputs,
-                          precision=precision)
+    local = train_clients(
+        method,
+        server,
+        task,
+        client_ids,
+        cfg.train,
+        round_idx=r,
+        seed=cfg.seed,
+        executor=cfg.runtime.executor,
+        inputs=inputs,
+        precision=precision,
+    )
     weights = task.train_sizes[local.client_ids].to(task.priors.device)
     down, up = method.communication(server)
-    server = method.aggregate(server, local.params, local.client_ids.to(weights.device), weights,
-                              local.stats)
+    server = method.aggregate(
+        server, local.params, local.client_ids.to(weights.device), weights, local.stats
+    )
     loss = float(local.loss.mean())
     rows = [(None, "loss_train", loss, len(client_ids))]
     if should_eval(r, cfg.train):
@@ -194,10 +257,14 @@ def _round(method: Method, server: ServerState, task: Task, inputs: Inputs, cfg:
         history.append(agg)
         rows += client_rows(counts) + [(None, k, v, None) for k, v in agg.items()]
         if r == cfg.train.rounds - 1:
-            rows += [(None, k, v, None) for k, v in
-                     summary(history, cfg.train.summary_window).items()]
-    scalars = {"loss_train": loss, "bytes_up": _nbytes(up) * len(client_ids),
-               "bytes_down": _nbytes(down) * len(client_ids)}
+            rows += [
+                (None, k, v, None) for k, v in summary(history, cfg.train.summary_window).items()
+            ]
+    scalars = {
+        "loss_train": loss,
+        "bytes_up": _nbytes(up) * len(client_ids),
+        "bytes_down": _nbytes(down) * len(client_ids),
+    }
     return server, rows, scalars
 
 
@@ -212,6 +279,9 @@ def _to(server: ServerState, device: torch.device) -> ServerState:
 
 def _device_name(device: torch.device, cfg: RunConfig) -> str:
     """The device and the numerics it ran with, e.g. 'NVIDIA H200 (bf16)'."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"cpu ({platform.processor() or platform.machine()})"
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"cpu ({platform.processor() or platform.machine()})"
+    )
     return f"{name} ({resolve_precision(cfg.runtime.precision, device)})"

@@ -103,15 +103,20 @@ class Method:
     def init_server(self, gen: torch.Generator) -> ServerState:
         params = self.init_params(gen)
         n = self.task.num_clients
-        personal = {k: v.unsqueeze(0).repeat(n, *[1] * v.dim()) for k, v in params.items()
-                    if k in self.personal}
+        personal = {
+            k: v.unsqueeze(0).repeat(n, *[1] * v.dim())
+            for k, v in params.items()
+            if k in self.personal
+        }
         shared = {k: v for k, v in params.items() if k not in self.personal}
         return ServerState(shared, personal)
 
     def client_params(self, server: ServerState, client_ids: Tensor) -> dict[str, Tensor]:
         """What the K clients start local training from, stacked (K, ...)."""
         k = len(client_ids)
-        out = {name: p.unsqueeze(0).expand(k, *p.shape).clone() for name, p in server.params.items()}
+        out = {
+            name: p.unsqueeze(0).expand(k, *p.shape).clone() for name, p in server.params.items()
+        }
         out.update({name: t[client_ids].clone() for name, t in server.personal.items()})
         return out
 
@@ -120,27 +125,37 @@ class Method:
         return [Phase("local", names, local_epochs)]
 
     # -- math -------------------------------------------------------------------------------
-    def forward(self, params: dict[str, Tensor], x: Tensor, client_index: Tensor,
-                ctx: Context) -> Tensor:
+    def forward(
+        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
+    ) -> Tensor:
         """Logits (B, C) for inputs x (see `frozen_input`); row of each sample: client_index."""
         raise NotImplementedError
 
-    def loss(self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor,
-             ctx: Context) -> Tensor:
+    def loss(
+        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
+    ) -> Tensor:
         """Per-sample training loss (B,); the engine averages it per client."""
         return F.cross_entropy(self.forward(params, x, client_index, ctx), y, reduction="none")
 
     # -- server -----------------------------------------------------------------------------
-    def aggregate(self, server: ServerState, trained: dict[str, Tensor], client_ids: Tensor,
-                  weights: Tensor, stats: dict[str, Tensor]) -> ServerState:
+    def aggregate(
+        self,
+        server: ServerState,
+        trained: dict[str, Tensor],
+        client_ids: Tensor,
+        weights: Tensor,
+        stats: dict[str, Tensor],
+    ) -> ServerState:
         """New server state from the K clients' trained parameters; default FedAvg.
 
         `weights` (K,) are the clients' train sizes; personal tensors are written back.
         """
         w = (weights / weights.sum()).to(next(iter(trained.values())).dtype)
         params = {name: weighted_mean(trained[name], w) for name in server.params}
-        personal = {name: t.index_copy(0, client_ids, trained[name].detach())
-                    for name, t in server.personal.items()}
+        personal = {
+            name: t.index_copy(0, client_ids, trained[name].detach())
+            for name, t in server.personal.items()
+        }
         return ServerState(params, personal, server.buffers)
 
     def communication(self, server: ServerState) -> tuple[dict[str, Tensor], dict[str, Tensor]]:

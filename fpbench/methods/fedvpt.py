@@ -39,8 +39,9 @@ class ShallowPromptModel(Method):
         w, b = init_linear(gen, self.task.num_classes, d)
         return {"prompts": prompts, "head_w": w, "head_b": b}
 
-    def forward(self, params: dict[str, Tensor], x: Tensor, client_index: Tensor,
-                ctx: Context) -> Tensor:
+    def forward(
+        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
+    ) -> Tensor:
         prompts = params["prompts"][client_index]  # (B, p, d)
         feats = self.backbone.forward_features(x, {0: prompts}, style="shallow").cls  # (B, d)
         return per_client_linear(feats, params["head_w"], params["head_b"], client_index)

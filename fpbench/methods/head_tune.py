@@ -25,6 +25,7 @@ class HeadTune(Method):
         w, b = init_linear(gen, self.task.num_classes, self.backbone.embed_dim)
         return {"head_w": w, "head_b": b}
 
-    def forward(self, params: dict[str, Tensor], x: Tensor, client_index: Tensor,
-                ctx: Context) -> Tensor:
+    def forward(
+        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
+    ) -> Tensor:
         return per_client_linear(x, params["head_w"], params["head_b"], client_index)  # x: (B, d)
