@@ -1,0 +1,62 @@
+"""The README's main job: `fpbench run --suite smoke` from nothing, in a subprocess.
+
+It pretrains `vit-smoke` into a temporary cache (about half a minute on 2 cores) and runs the
+six cells, so it is marked slow: `pytest -m slow`.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def fpbench(*args: str, cwd, env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fpbench", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_smoke_suite_end_to_end(tmp_path):
+    env = {**os.environ, "FPBENCH_CACHE": str(tmp_path / "cache")}
+    first = fpbench("run", "--suite", "smoke", cwd=tmp_path, env=env)
+    assert first.returncode == 0, first.stderr
+    db = tmp_path / "results" / "fpbench.db"
+    with sqlite3.connect(db) as con:
+        statuses = [r[0] for r in con.execute("select status from runs")]
+        sizes = [
+            con.execute(f"select count(*) from {t}").fetchone()[0]
+            for t in ("runs", "rounds", "metrics")
+        ]
+        final = dict(
+            con.execute(
+                "select runs.method || '/' || runs.partition, value from metrics join runs "
+                "on runs.id = metrics.run_id where name = 'acc_global_last3'"
+            )
+        )
+    assert statuses == ["done"] * 6
+    chance = 1 / 20
+    assert all(final[f"fedvpt/{p}"] > 4 * chance for p in ("path-s4", "dir-0.3")), final
+
+    again = fpbench("run", "--suite", "smoke", cwd=tmp_path, env=env)
+    assert again.returncode == 0 and "6 already done" in again.stdout
+    with sqlite3.connect(db) as con:
+        assert sizes == [
+            con.execute(f"select count(*) from {t}").fetchone()[0]
+            for t in ("runs", "rounds", "metrics")
+        ]
+
+    table = fpbench("table", "--suite", "smoke", cwd=tmp_path, env=env)
+    assert table.returncode == 0 and "fedvpt" in table.stdout
+    plot = fpbench("plot", "tradeoff", "--suite", "smoke", "--out", "t.png", cwd=tmp_path, env=env)
+    assert plot.returncode == 0 and (tmp_path / "t.png").stat().st_size > 0
