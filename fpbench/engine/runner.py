@@ -163,6 +163,7 @@ def run_cell(
         store.set_status(record.id, "failed", error=f"{type(e).__name__}: {e}")
         raise
     store.set_status(record.id, "done", wall_s=elapsed)
+    ckpt_io.checkpoint_path(checkpoint_dir, cfg.run_key).unlink(missing_ok=True)
     return CellResult(cfg, "done")
 
 
@@ -216,7 +217,6 @@ def _rounds(
         ckpt = ckpt_io.Checkpoint(cfg.run_key, r, server, ckpt.history, ckpt.elapsed_s + wall)
         ckpt_io.save(path, ckpt)
         observer.round_end(cfg, r, ckpt.history[-1] if should_eval(r, cfg.train) else {})
-    path.unlink(missing_ok=True)
     return ckpt.elapsed_s
 
 
