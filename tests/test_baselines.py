@@ -1,0 +1,61 @@
+"""What is specific to each baseline: deep prompt insertion, FedRep's phases and personal heads."""
+
+from __future__ import annotations
+
+import torch
+
+from fpbench.engine.executor import train_clients
+from fpbench.methods.base import Phase
+
+
+def test_fedvpt_d_inserts_one_prompt_set_per_layer(tiny):
+    _, task, method = tiny("fedvpt-d")
+    server = method.init_server(torch.Generator().manual_seed(0))
+    prompts = server.params["prompts"]
+    assert prompts.shape == (method.backbone.depth, 1, method.backbone.embed_dim)
+    x = method.backbone.preprocess(task.data.train_images[:2])
+    params = method.client_params(server, torch.tensor([0]))
+    rows = torch.zeros(2, dtype=torch.long)
+    expected = method.backbone.forward_features(
+        x, {i: prompts[i].expand(2, -1, -1) for i in range(len(prompts))}, style="deep"
+    ).cls
+    logits = method.forward(params, x, rows, None)
+    torch.testing.assert_close(logits, expected @ params["head_w"][0].T + params["head_b"][0])
+    leaf = params["prompts"].requires_grad_()
+    method.forward({**params, "prompts": leaf}, x, rows, None).square().sum().backward()
+    assert (leaf.grad.flatten(2).abs().sum(-1) > 0).all()  # every layer's prompt is used
+
+
+def test_fedrep_phases_train_head_then_prompts(tiny):
+    cfg, task, method = tiny("fedrep")
+    assert [(p.name, p.trainable, p.epochs) for p in method.phases(2, ())] == [
+        ("head", ("head_w", "head_b"), 10),
+        ("representation", ("prompts",), 2),
+    ]
+    server = method.init_server(torch.Generator().manual_seed(0))
+    ids = task.trainable_clients()[:2]
+    method.phases = lambda epochs, names: [Phase("head", ("head_w", "head_b"), 1)]
+    local = train_clients(method, server, task, ids, cfg.train, round_idx=0, seed=0)
+    start = method.client_params(server, torch.tensor(ids))
+    assert torch.equal(local.params["prompts"], start["prompts"])
+    assert not torch.equal(local.params["head_w"], start["head_w"])
+
+
+def test_fedrep_averages_prompts_and_keeps_heads_personal(tiny):
+    cfg, task, method = tiny("fedrep")
+    server = method.init_server(torch.Generator().manual_seed(0))
+    assert set(server.params) == {"prompts"} and set(server.personal) == {"head_w", "head_b"}
+    ids = task.trainable_clients()[:2]
+    local = train_clients(method, server, task, ids, cfg.train, round_idx=0, seed=0)
+    weights = task.train_sizes[local.client_ids]
+    new = method.aggregate(server, local.params, local.client_ids, weights, local.stats)
+    w = weights / weights.sum()
+    torch.testing.assert_close(
+        new.params["prompts"], torch.tensordot(w, local.params["prompts"], 1)
+    )
+    for row, c in enumerate(ids):
+        assert torch.equal(new.personal["head_w"][c], local.params["head_w"][row])
+    untouched = [c for c in range(task.num_clients) if c not in ids]
+    assert torch.equal(new.personal["head_w"][untouched], server.personal["head_w"][untouched])
+    down, up = method.communication(new)
+    assert set(down) == set(up) == {"prompts"}
