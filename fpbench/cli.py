@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
@@ -260,8 +261,12 @@ def list_(what: Annotated[Listable, typer.Argument(help="what to list")]) -> Non
 
 
 def _summary_line(obj: Any) -> str:
-    text = getattr(obj, "description", None) or (obj.__doc__ or "")
-    return text.strip().splitlines()[0] if text.strip() else ""
+    """A component's one-line description: its own, its docstring's, or its module's."""
+    module = sys.modules.get(getattr(obj, "__module__", ""), None)
+    for text in (getattr(obj, "description", None), obj.__doc__, getattr(module, "__doc__", None)):
+        if isinstance(text, str) and text.strip():
+            return text.strip().splitlines()[0]
+    return ""
 
 
 @app.command()
@@ -280,7 +285,7 @@ def show(
     )
     console.print(
         f"device={record.device} torch={record.torch_version} "
-        f"fpbench={record.fpbench_version} wall_s={record.wall_s}"
+        f"fpbench={record.fpbench_version} wall_s={record.wall_s or 0:.1f}"
     )
     if record.error:
         err.print(f"[red]error:[/] {record.error}", highlight=False)

@@ -109,7 +109,7 @@ def test_show_and_list(ran):
     shown = invoke("show", "1")
     assert shown.exit_code == 0 and "status=done" in shown.output and "acc_global" in shown.output
     for what, needle in [
-        ("methods", "fedvpt"),
+        ("methods", "VPT-shallow prompts"),
         ("datasets", "synthetic"),
         ("partitions", "dirichlet"),
         ("backbones", "vit-smoke"),
