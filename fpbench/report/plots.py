@@ -113,7 +113,7 @@ def _tradeoff_panel(
     """One marker with std error bars per method, annotated with its name."""
     stats = rows.groupby("method", sort=False)[[x, y]].agg(["mean", "std", "count"])
     sx, sy = _scale(x), _scale(y)
-    for method, row in stats.iterrows():
+    for i, (method, row) in enumerate(stats.iterrows()):
         color, marker = styles[str(method)]
         several = row[(x, "count")] > 1
         mx, my = row[(x, "mean")] * sx, row[(y, "mean")] * sy
@@ -128,7 +128,9 @@ def _tradeoff_panel(
             capsize=3,
             label=str(method),
         )
-        ax.annotate(str(method), (mx, my), xytext=(5, 5), textcoords="offset points")
+        # staggered offsets keep the names of (nearly) coinciding methods readable
+        offset = (6, 6 - 12 * (i % 3))
+        ax.annotate(str(method), (mx, my), xytext=offset, textcoords="offset points")
     ax.set_xlabel(axis_label(x))
     ax.set_ylabel(axis_label(y))
     ax.grid(alpha=0.3)
