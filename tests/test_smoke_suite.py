@@ -46,7 +46,7 @@ def test_smoke_suite_end_to_end(tmp_path):
         )
     assert statuses == ["done"] * 6
     chance = 1 / 20
-    assert all(final[f"fedvpt/{p}"] > 4 * chance for p in ("path-s4", "dir-0.3")), final
+    assert all(final[f"fedvpt/{p}"] > 3 * chance for p in ("path-s4", "dir-0.3")), final
 
     again = fpbench("run", "--suite", "smoke", cwd=tmp_path, env=env)
     assert again.returncode == 0 and "6 already done" in again.stdout
