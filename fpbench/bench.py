@@ -124,12 +124,10 @@ def _headtune(
     server = method.init_server(torch.Generator().manual_seed(0))
     start = time.perf_counter()
     with autocast(dev, prec):
-        cached = Inputs(
-            method.backbone, task, "cls", cache=FeatureCache(), batch_size=cfg.train.eval_batch_size
-        )
+        cached = Inputs.of(method, task, FeatureCache(), cfg.train.eval_batch_size)
     _sync(dev)
     build_s = time.perf_counter() - start
-    on_the_fly = Inputs(method.backbone, task, "cls", cache=None, batch_size=1)
+    on_the_fly = Inputs.of(method, task)
     times = {}
     for name, inputs in (("uncached", on_the_fly), ("cached", cached)):
         times[name] = _time(

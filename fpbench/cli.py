@@ -68,13 +68,21 @@ def _root(
     """Benchmark suite for federated prompt tuning of frozen pretrained models."""
 
 
-def _open_store(db: str, *, must_exist: bool = False):
+def _sqlite_missing(db: str) -> bool:
+    """Whether `db` names a SQLite file that does not exist yet."""
     from fpbench.store import Store
 
     url = Store.url_from_path_or_url(db)
-    if must_exist and url.startswith("sqlite:///") and not Path(url[10:]).exists():
+    return url.startswith("sqlite:///") and not Path(url[len("sqlite:///") :]).exists()
+
+
+def _open_store(db: str, *, must_exist: bool = False):
+    """The results store; with `must_exist`, a missing SQLite file is an error, not created."""
+    from fpbench.store import Store
+
+    if must_exist and _sqlite_missing(db):
         raise FpbenchError(f"no results database at {db}; run `fpbench run` first or pass --db")
-    return Store(url)
+    return Store(Store.url_from_path_or_url(db))
 
 
 def _select_cells(suite, methods: list[str] | None, seeds: list[int] | None):
@@ -95,7 +103,10 @@ def _select_cells(suite, methods: list[str] | None, seeds: list[int] | None):
 
 
 class _ProgressObserver:
-    """Rich progress: one bar over the suite's cells, one over the current cell's rounds."""
+    """Rich progress: one bar over the suite's cells, one over the current cell's rounds.
+
+    Implements `fpbench.engine.runner.Observer` (not subclassed, to keep `--help` free of torch).
+    """
 
     def __init__(self, progress: Progress, total_cells: int) -> None:
         self.progress = progress
@@ -113,7 +124,7 @@ class _ProgressObserver:
     def round_end(self, cfg, round_idx: int, metrics: dict[str, float]) -> None:
         self.progress.update(self.rounds, completed=round_idx + 1)
 
-    def cell_done(self) -> None:
+    def cell_end(self, result) -> None:
         self.progress.advance(self.cells)
 
 
@@ -159,14 +170,13 @@ def run(
         transient=False,
     ) as progress:
         _pretrain_smoke_backbone(cells, progress)
-        observer = _ProgressObserver(progress, len(cells))
-        cache = FeatureCache()  # frozen features shared by the cells of this process
-        results = []
-        for cfg in cells:
-            results += run_suite(
-                [cfg], store, checkpoint_dir=checkpoint_dir, observer=observer, cache=cache
-            )
-            observer.cell_done()
+        results = run_suite(
+            cells,
+            store,
+            checkpoint_dir=checkpoint_dir,
+            observer=_ProgressObserver(progress, len(cells)),
+            cache=FeatureCache(),  # frozen features shared by the cells of this process
+        )
     _report_results(loaded.name, results)
 
 
@@ -209,11 +219,8 @@ def _report_results(suite: str, results) -> None:
 
 
 def _print_cells(suite: str, cells, db: str) -> None:
-    from fpbench.store import Store
-
-    url = Store.url_from_path_or_url(db)
-    exists = not url.startswith("sqlite:///") or Path(url[10:]).exists()
-    store = Store(url) if exists else None
+    # no database yet: every cell is new, and a dry run creates nothing
+    store = None if _sqlite_missing(db) else _open_store(db)
     table = Table(title=f"suite {suite}: {len(cells)} cells")
     for col in ("run_key", "method", "dataset", "partition", "seed", "status"):
         table.add_column(col)

@@ -120,10 +120,10 @@ class Suite(_Strict):
 def find_suite(name_or_path: str) -> Path:
     """A suite file by path, or by name in $FPBENCH_SUITES, ./benchmarks, or fpbench's own."""
     path = Path(name_or_path)
-    if path.suffix == ".toml" or path.exists():
-        if not path.is_file():
-            raise FpbenchError(f"suite file not found: {name_or_path}")
+    if path.is_file():
         return path
+    if path.suffix == ".toml":
+        raise FpbenchError(f"suite file not found: {name_or_path}")
     for folder in suite_dirs():
         candidate = folder / f"{name_or_path}.toml"
         if candidate.is_file():

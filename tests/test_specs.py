@@ -96,3 +96,11 @@ def test_smoke_suite_is_valid():
     assert {c.method.name for c in s.cells} == {"head-tune", "fedvpt", "local"}
     assert {c.partition.name for c in s.cells} == {"pathological", "dirichlet"}
     assert all(c.backbone.name == "vit-smoke" for c in s.cells)
+
+
+def test_suite_name_is_not_shadowed_by_a_folder_of_that_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smoke").mkdir()
+    assert load_suite("smoke").name == "smoke"
+    with pytest.raises(FpbenchError, match="suite file not found"):
+        load_suite("missing.toml")

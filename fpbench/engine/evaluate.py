@@ -45,9 +45,7 @@ def evaluate(
     inputs: Inputs | None = None,
     precision: str = "fp32",
 ) -> EvalCounts:
-    inputs = inputs or Inputs(
-        method.backbone, task, method.frozen_input, cache=None, batch_size=batch_size
-    )
+    inputs = inputs or Inputs.of(method, task)
     with autocast(task.priors.device, precision):
         if method.inference == "global":
             return _evaluate_global(method, server, task, inputs, batch_size)
@@ -64,7 +62,7 @@ def _evaluate_global(
     rows = torch.zeros_like(everything)
     correct = predict(method, params, inputs, everything, rows, ctx, batch_size) == data.test_labels
     return EvalCounts(
-        correct_local=np.array([int(correct[idx].sum()) for idx in task.test_idx]),
+        correct_local=torch.stack([correct[idx].sum() for idx in task.test_idx]).cpu().numpy(),
         total_local=np.array([len(idx) for idx in task.test_idx]),
         heldout=task.heldout.numpy(),
         global_acc=np.array([correct.float().mean().item()]),

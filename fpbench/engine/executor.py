@@ -68,9 +68,7 @@ def train_clients(
     precision: str = "fp32",
 ) -> LocalResult:
     """Local training of this round's clients with the chosen executor."""
-    inputs = inputs or Inputs(
-        method.backbone, task, method.frozen_input, cache=None, batch_size=cfg.eval_batch_size
-    )
+    inputs = inputs or Inputs.of(method, task)
     if executor == "lockstep":
         groups = [client_ids]
     elif executor == "reference":

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from fpbench.backbones import PromptedViT
 from fpbench.engine.task import Task
+from fpbench.methods.base import Method
 
 
 class FeatureCache:
@@ -82,6 +83,13 @@ class Inputs:
                     lambda im=images: cls_features(backbone, im, batch_size),
                     device,
                 )
+
+    @classmethod
+    def of(
+        cls, method: Method, task: Task, cache: FeatureCache | None = None, batch_size: int = 256
+    ) -> Inputs:
+        """The inputs `method` asks for (its `frozen_input`); `batch_size` fills the cache."""
+        return cls(method.backbone, task, method.frozen_input, cache=cache, batch_size=batch_size)
 
     def train(self, idx: Tensor) -> Tensor:
         return self._get("train", self.task.data.train_images, idx)

@@ -7,7 +7,6 @@ import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -27,19 +26,17 @@ from fpbench.specs import RunConfig, TrainConfig
 from fpbench.store import Store
 
 
-class Observer(Protocol):
-    """Progress callbacks (the CLI shows them as rich progress bars)."""
+class Observer:
+    """Progress callbacks, no-ops here; the CLI's subclass shows rich progress bars."""
 
-    def cell_start(self, cfg: RunConfig, start_round: int) -> None: ...
-    def round_end(self, cfg: RunConfig, round_idx: int, metrics: dict[str, float]) -> None: ...
-
-
-class _Silent:
     def cell_start(self, cfg: RunConfig, start_round: int) -> None:
-        pass
+        """A cell starts training at `start_round` (> 0 when resumed)."""
 
     def round_end(self, cfg: RunConfig, round_idx: int, metrics: dict[str, float]) -> None:
-        pass
+        """A round is stored; `metrics` are its aggregates if it was evaluated."""
+
+    def cell_end(self, result: CellResult) -> None:
+        """A cell finished, was skipped or failed."""
 
 
 @dataclass(frozen=True)
@@ -111,16 +108,19 @@ def run_suite(
     cache: FeatureCache | None = None,
 ) -> list[CellResult]:
     """Run or resume every cell; finished cells are skipped, a failed one does not stop the rest."""
+    observer = observer or Observer()
     results = []
     for cfg in cells:
         try:
-            results.append(
-                run_cell(cfg, store, checkpoint_dir=checkpoint_dir, observer=observer, cache=cache)
+            result = run_cell(
+                cfg, store, checkpoint_dir=checkpoint_dir, observer=observer, cache=cache
             )
         except FpbenchError:
             raise
         except Exception as e:  # a crashed run is recorded as failed; the suite goes on
-            results.append(CellResult(cfg, "failed", f"{type(e).__name__}: {e}"))
+            result = CellResult(cfg, "failed", f"{type(e).__name__}: {e}")
+        observer.cell_end(result)
+        results.append(result)
     return results
 
 
@@ -157,7 +157,7 @@ def run_cell(
     store.set_status(record.id, "running")
     try:
         elapsed = _rounds(
-            cfg, method, task, inputs, store, record.id, checkpoint_dir, observer or _Silent()
+            cfg, method, task, inputs, store, record.id, checkpoint_dir, observer or Observer()
         )
     except BaseException as e:
         store.set_status(record.id, "failed", error=f"{type(e).__name__}: {e}")
@@ -175,13 +175,7 @@ def _inputs(cfg: RunConfig, method: Method, task: Task, cache: FeatureCache | No
         cache = FeatureCache(Path(folder))
     else:
         cache = cache or FeatureCache()
-    return Inputs(
-        method.backbone,
-        task,
-        method.frozen_input,
-        cache=cache,
-        batch_size=cfg.train.eval_batch_size,
-    )
+    return Inputs.of(method, task, cache, cfg.train.eval_batch_size)
 
 
 def _rounds(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -53,26 +54,29 @@ def load_dataset(comp: Component) -> ImageDataset:
 
 
 def build_task(cfg: RunConfig, device: torch.device) -> Task:
+    """Load (or reuse) the dataset, partition it, and move images and indices to `device`."""
     data = load_dataset(cfg.dataset)
     clients = make_clients(cfg.partition.name, cfg.partition.args, data, seed=cfg.seed)
-    on_device = ImageDataset(
-        **{
-            **vars(data),
-            "train_images": data.train_images.to(device),
-            "train_labels": data.train_labels.to(device),
-            "test_images": data.test_images.to(device),
-            "test_labels": data.test_labels.to(device),
-        }
+    on_device = dataclasses.replace(
+        data,
+        train_images=data.train_images.to(device),
+        train_labels=data.train_labels.to(device),
+        test_images=data.test_images.to(device),
+        test_labels=data.test_labels.to(device),
     )
-    as_t = lambda a: torch.tensor(np.asarray(a), dtype=torch.long, device=device)  # noqa: E731
     return Task(
         data=on_device,
         clients=clients,
-        train_idx=[as_t(c.train_idx) for c in clients],
-        test_idx=[as_t(c.test_idx) for c in clients],
+        train_idx=[_indices(c.train_idx, device) for c in clients],
+        test_idx=[_indices(c.test_idx, device) for c in clients],
         priors=torch.as_tensor(
             np.stack([c.class_prior for c in clients]), dtype=torch.float32, device=device
         ),
         train_sizes=torch.tensor([len(c.train_idx) for c in clients], dtype=torch.float32),
         heldout=torch.tensor([c.heldout for c in clients]),
     )
+
+
+def _indices(idx: np.ndarray, device: torch.device) -> Tensor:
+    """A client's (read-only) index array as a long tensor on the device (copied: writable)."""
+    return torch.tensor(idx, dtype=torch.long, device=device)
