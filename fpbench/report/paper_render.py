@@ -1,0 +1,214 @@
+"""Render filled paper tables (`fpbench.report.paper`) to the terminal, Markdown, CSV or LaTeX.
+
+Every cell shows fpbench's value (mean ± std over seeds) beside the paper's value and the
+difference; a cell without runs names the suite and cell that would fill it. Best and second
+best values (per column, or per row where the paper ranks methods along a row) are bold and
+underlined, for fpbench's values and for the paper's.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from typing import Any
+
+import pandas as pd
+
+from fpbench.errors import FpbenchError
+from fpbench.report.paper import Cell, FilledTable
+from fpbench.report.tables import _latex_header, _tex, is_percent
+
+FORMATS = ("term", "md", "csv", "latex")
+DASH = "—"
+CLOSE = 1.0  # |difference| within which the terminal shows a value as reproduced
+
+
+def decimals(cell: Cell) -> int:
+    """As many decimals as the paper prints for this cell (2 when it prints none)."""
+    m = re.search(r"\d+\.(\d+)", cell.reported.text)
+    if m:
+        return len(m.group(1))
+    integer = cell.reported.value is not None and not is_percent(str(cell.spec.get("metric", "")))
+    return 0 if integer else 2  # counts (rounds, seconds) as integers; accuracies with 2
+
+
+def ours_text(cell: Cell) -> str:
+    """fpbench's 'mean ± std' (std only with several runs), or '—' without runs."""
+    if cell.mean is None:
+        return DASH
+    d = decimals(cell)
+    text = f"{cell.mean:.{d}f}"
+    return text + (f" ± {cell.std:.{d}f}" if cell.n > 1 and cell.std is not None else "")
+
+
+def diff_text(cell: Cell) -> str:
+    diff = cell.diff
+    return "" if diff is None else f"{diff:+.{decimals(cell)}f}"
+
+
+def paper_text(cell: Cell) -> str:
+    return DASH if cell.reported.empty else cell.reported.text
+
+
+def render(filled: FilledTable, fmt: str) -> Any:
+    """A rich Table for "term", else a string (Markdown, CSV, LaTeX).
+
+    Raises:
+        FpbenchError: unknown `fmt`.
+    """
+    renderers = {"term": to_rich, "md": to_markdown, "csv": to_csv, "latex": to_latex}
+    if fmt not in renderers:
+        raise FpbenchError(f"unknown table format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    return renderers[fmt](filled)
+
+
+def footer(filled: FilledTable) -> list[str]:
+    """Notes under a table: the metric note, and how many cells still need runs."""
+    lines = [f"note: {filled.table.note}"] if filled.table.note else []
+    empty = [c for c in filled.cells if not c.n and c.spec.get("method") and c.spec.get("metric")]
+    if empty:
+        runs = " and ".join(f"`fpbench run --suite {s}`" for s in filled.missing_suites())
+        lines.append(f"{len(empty)} of {len(filled.cells)} cells have no runs yet; fill: {runs}")
+    return lines
+
+
+# -- terminal ------------------------------------------------------------------------------------
+
+
+def _rich_mark(text: str, mark: str) -> str:
+    return {"best": f"[bold]{text}[/bold]", "second": f"[underline]{text}[/underline]"}.get(
+        mark, text
+    )
+
+
+def _rich_cell(cell: Cell) -> str:
+    from rich.markup import escape
+
+    paper = _rich_mark(escape(paper_text(cell)), cell.paper_mark)
+    if cell.mean is None:
+        return f"[dim]{DASH}[/dim]\npaper {paper}\n[dim]{escape(cell.hint())}[/dim]"
+    color = "green" if cell.diff is not None and abs(cell.diff) <= CLOSE else "yellow"
+    diff = f" [{color}]Δ {diff_text(cell)}[/{color}]" if cell.diff is not None else ""
+    return f"{_rich_mark(escape(ours_text(cell)), cell.mark)}\n[dim]paper[/dim] {paper}{diff}"
+
+
+def to_rich(filled: FilledTable) -> Any:
+    """A rich Table: column headers carry their group path, cells three short lines."""
+    from rich.table import Table
+
+    t = filled.table
+    out = Table(title=filled.title, caption="\n".join(footer(filled)), show_lines=True)
+    out.add_column(t.row_title or "")
+    for col in t.columns:
+        out.add_column("\n".join([*col.group, col.label]), justify="right")
+    for row in t.rows:
+        out.add_row(row.label, *[_rich_cell(filled.cell(row.key, c.key)) for c in t.columns])
+    return out
+
+
+# -- markdown --------------------------------------------------------------------------------------
+
+
+def _md_mark(text: str, mark: str) -> str:
+    return {"best": f"**{text}**", "second": f"<u>{text}</u>"}.get(mark, text)
+
+
+def _md_cell(cell: Cell) -> str:
+    paper = _md_mark(paper_text(cell), cell.paper_mark)
+    if cell.mean is None:
+        return f"{DASH} (paper {paper}; {cell.hint()})"
+    diff = f", Δ {diff_text(cell)}" if cell.diff is not None else ""
+    return f"{_md_mark(ours_text(cell), cell.mark)} (paper {paper}{diff})"
+
+
+def to_markdown(filled: FilledTable) -> str:
+    t = filled.table
+    header = [t.row_title or ""] + [" / ".join([*c.group, c.label]) for c in t.columns]
+    align = _md_row([":--"] + ["--:"] * len(t.columns))
+    lines = [f"**{filled.title}**", "", _md_row(header), align]
+    for row in t.rows:
+        cells = [_md_cell(filled.cell(row.key, c.key)) for c in t.columns]
+        lines.append(_md_row([row.label, *cells]))
+    notes = footer(filled)
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+def _md_row(cells: list[str]) -> str:
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
+# -- csv -------------------------------------------------------------------------------------------
+
+CSV_COLUMNS = [
+    "paper", "table", "row", "column", "suite", "method", "dataset", "partition", "metric",
+    "fpbench_mean", "fpbench_std", "n_runs", "paper_text", "paper_value", "paper_spread",
+    "diff", "mark", "paper_mark", "hint",
+]  # fmt: skip
+
+
+def to_csv(filled: FilledTable) -> str:
+    """Long format: one line per cell with the numbers behind it."""
+    records = []
+    for c in filled.cells:
+        records.append(
+            {
+                "paper": filled.paper.name,
+                "table": filled.table.number,
+                "row": c.row,
+                "column": c.column,
+                **{k: c.spec.get(k, "") for k in ("suite", "method", "dataset", "partition")},
+                "metric": c.spec.get("metric", ""),
+                "fpbench_mean": c.mean,
+                "fpbench_std": c.std,
+                "n_runs": c.n,
+                "paper_text": c.reported.text,
+                "paper_value": c.reported.value,
+                "paper_spread": c.reported.spread,
+                "diff": c.diff,
+                "mark": c.mark,
+                "paper_mark": c.paper_mark,
+                "hint": "" if c.n else c.hint(),
+            }
+        )
+    buf = io.StringIO()
+    pd.DataFrame(records, columns=CSV_COLUMNS).to_csv(buf, index=False, lineterminator="\n")
+    return buf.getvalue()
+
+
+# -- latex -----------------------------------------------------------------------------------------
+
+
+def _tex_mark(text: str, mark: str) -> str:
+    return {"best": rf"\textbf{{{text}}}", "second": rf"\underline{{{text}}}"}.get(mark, text)
+
+
+def _tex_cell(cell: Cell) -> str:
+    paper = _tex_mark(_tex(paper_text(cell)), cell.paper_mark)
+    if cell.mean is None:
+        return f"-- / {paper}"
+    diff = f" ({_tex(diff_text(cell))})" if cell.diff is not None else ""
+    return f"{_tex_mark(_tex(ours_text(cell)), cell.mark)} / {paper}{diff}"
+
+
+def to_latex(filled: FilledTable) -> str:
+    """booktabs tabular, cells 'fpbench / paper (difference)'; missing cells as comments."""
+    t = filled.table
+    depth = max(len(c.group) for c in t.columns) + 1
+    labels = [("",) * (depth - 1 - len(c.group)) + (*c.group, c.label) for c in t.columns]
+    body = []
+    for row in t.rows:
+        cells = [_tex_cell(filled.cell(row.key, c.key)) for c in t.columns]
+        body.append(" & ".join([_tex(row.label), *cells]) + r" \\")
+    missing = [f"% no runs for {c.row}/{c.column}: {c.hint()}" for c in filled.cells if not c.n]
+    lines = [
+        f"% {filled.title}",
+        rf"\begin{{tabular}}{{l{'r' * len(t.columns)}}}",
+        r"\toprule",
+        *_latex_header([t.row_title or ""], labels),
+        r"\midrule",
+        *body,
+        r"\bottomrule",
+        r"\end{tabular}",
+        *missing,
+    ]
+    return "\n".join(lines) + "\n"
