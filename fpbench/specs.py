@@ -18,6 +18,10 @@ A suite file (``benchmarks/NAME.toml``) holds ``defaults`` plus one list per gri
 The cells are datasets x partitions x methods x seeds. A cell's config is the deep merge of the
 defaults, the three entries (in that order) and their ``overrides``; every component's args are
 validated by that component's own ``Config`` so the stored config carries all defaults.
+
+A suite whose datasets need different partitions lists several grids: each ``[[grids]]`` entry
+has its own axes (an axis it omits is the suite's) and ``defaults`` merged over the suite's; the
+cells are the union of the grids' cells.
 """
 
 from __future__ import annotations
@@ -153,18 +157,22 @@ def load_suite(name_or_path: str) -> Suite:
 
 
 def expand_suite(raw: dict[str, Any], *, name: str, path: str = "<memory>") -> Suite:
-    known = {"name", "description", "seeds", "defaults", *AXES}
+    known = {"name", "description", "seeds", "defaults", "grids", *AXES}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise FpbenchError(f"{path}: unknown top-level key(s) {unknown}; valid: {sorted(known)}")
     seeds = raw.get("seeds", [0])
     if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) for s in seeds)):
         raise FpbenchError(f"{path}: seeds must be a non-empty list of integers, got {seeds!r}")
-    defaults = raw.get("defaults", {})
-    axes = {axis: _entries(raw, axis, path) for axis in AXES}
     cells = []
-    for ds, part, meth, seed in itertools.product(*axes.values(), seeds):
-        cells.append(resolve_cell(defaults, (ds, part, meth), suite=name, seed=seed, path=path))
+    for grid in raw.get("grids") or [{}]:
+        # a [[grids]] entry: its own defaults (merged over the suite's) and axes (else the suite's)
+        if not isinstance(grid, dict) or set(grid) - {"defaults", "seeds", *AXES}:
+            raise FpbenchError(f"{path}: [[grids]] entries hold only defaults, seeds and the axes")
+        defaults = _deep_merge(raw.get("defaults", {}), grid.get("defaults", {}))
+        axes = {axis: _entries(grid if axis in grid else raw, axis, path) for axis in AXES}
+        for ds, part, meth, seed in itertools.product(*axes.values(), grid.get("seeds", seeds)):
+            cells.append(resolve_cell(defaults, (ds, part, meth), suite=name, seed=seed, path=path))
     keys = [c.run_key for c in cells]
     if len(set(keys)) != len(keys):
         raise FpbenchError(f"{path}: two cells resolve to the same config; remove the duplicate")

@@ -53,6 +53,8 @@ def make_data(
 
 
 DATA = make_data(num_domains=3)  # 20 classes, 1200 train / 480 test, 3 domains, 4 coarse groups
+USERS = 8  # natural clients: train sample i belongs to user (i * 7) % 8
+DATA.train_users = torch.arange(len(DATA.train_labels)) * 7 % USERS
 CASES: dict[str, dict] = {
     "iid": {},
     "pathological": {"s": 4},
@@ -60,6 +62,7 @@ CASES: dict[str, dict] = {
     "pachinko": {"beta": 0.5},
     "domain": {"num_clients": 3},
     "domain-dirichlet": {"num_clients": 6, "clients_per_domain": 2, "min_size": 5},
+    "natural": {"num_clients": USERS},
 }
 NAMES = sorted(CASES)
 
@@ -113,7 +116,8 @@ def test_same_seed_same_clients(name: str) -> None:
         assert (ca.heldout, ca.domain) == (cb.heldout, cb.domain)
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if n != "domain"])  # 'domain' has no randomness
+# 'domain' and 'natural' clients are fixed by the data
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in ("domain", "natural")])
 def test_different_seeds_differ(name: str) -> None:
     a = make_clients(name, CASES[name], DATA, seed=0)
     b = make_clients(name, CASES[name], DATA, seed=1)
@@ -162,6 +166,20 @@ def test_local_test_sets_follow_train_shares(name: str) -> None:
 
 
 # --- pathological --------------------------------------------------------------------------
+
+
+def test_natural_clients_are_the_users() -> None:
+    clients = make_clients("natural", CASES["natural"], DATA, seed=0)
+    users = DATA.train_users.numpy()
+    for c in clients:
+        assert np.array_equal(c.train_idx, np.flatnonzero(users == c.id))
+
+
+def test_natural_needs_users_and_their_number() -> None:
+    with pytest.raises(FpbenchError, match="set num_clients = 8"):
+        make_clients("natural", {"num_clients": 5}, DATA, seed=0)
+    with pytest.raises(FpbenchError, match="no.*train_users|has none"):
+        make_clients("natural", {"num_clients": 8}, make_data(), seed=0)
 
 
 def test_pathological_class_counts_and_passes() -> None:

@@ -13,7 +13,8 @@ class ImageDataset:
 
     `train_domains` / `test_domains` give a domain index per sample (None: one domain).
     `coarse_of_class` maps each fine class to a coarse group (None: no hierarchy); the
-    two-stage Pachinko partition needs it.
+    two-stage Pachinko partition needs it. `train_users` gives datasets that define their own
+    clients (iNaturalist's per-user split) a user index 0..U-1 per train sample (None: none).
     """
 
     name: str
@@ -26,6 +27,7 @@ class ImageDataset:
     test_domains: torch.Tensor | None = None  # (M,) int64
     domain_names: list[str] | None = None
     coarse_of_class: torch.Tensor | None = None  # (C,) int64
+    train_users: torch.Tensor | None = None  # (N,) int64 natural client per sample (iNaturalist)
 
     @property
     def num_classes(self) -> int:

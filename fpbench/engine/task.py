@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 from torch import Tensor
 
 from fpbench.data import ImageDataset
+from fpbench.data.prepared import data_root
 from fpbench.partition import Client, make_clients
 from fpbench.registry import DATASETS
 from fpbench.specs import Component, RunConfig
@@ -39,18 +39,15 @@ class Task:
         return [c.id for c in self.clients if not c.heldout]
 
 
-def data_root() -> Path:
-    return Path(os.environ.get("FPBENCH_DATA", "data"))
-
-
 @lru_cache(maxsize=2)
-def _load(name: str, args_json: str) -> ImageDataset:
+def _load(name: str, args_json: str, root: Path) -> ImageDataset:
     dataset = DATASETS.get(name)
-    return dataset.load(dataset.Config(**json.loads(args_json)), data_root())
+    return dataset.load(dataset.Config(**json.loads(args_json)), root)
 
 
 def load_dataset(comp: Component) -> ImageDataset:
-    return _load(comp.name, json.dumps(comp.args, sort_keys=True))
+    """The dataset of a component, from the data root ($FPBENCH_DATA, else ./data)."""
+    return _load(comp.name, json.dumps(comp.args, sort_keys=True), data_root())
 
 
 def build_task(cfg: RunConfig, device: torch.device) -> Task:

@@ -1,8 +1,9 @@
 """Client partitions: who holds which train samples and which local test samples.
 
 Registered in `fpbench.registry.PARTITIONS`: `iid`, `pathological`, `dirichlet`, `pachinko`
-(label skew), `domain`, `domain-dirichlet` (feature shift). Each is a class with `name`, a
-`Config` (a `PartitionConfig` subclass), `check(cfg, info)` and `split(cfg, data, rng)`.
+(label skew), `natural` (the dataset's own users), `domain`, `domain-dirichlet` (feature
+shift). Each is a class with `name`, a `Config` (a `PartitionConfig` subclass),
+`check(cfg, info)` and `split(cfg, data, rng)`.
 `make_clients` runs one end to end: check, split, n-shot subsampling, held-out flags.
 
 Local test sets: `pathological` follows SGPT's reference rule (floor(n_test_k * p) per dealt

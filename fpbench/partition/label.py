@@ -249,3 +249,38 @@ def _joint(theta: np.ndarray, phi: np.ndarray, coarse: np.ndarray, open_: np.nda
     t = t / t.sum()
     joint = t[coarse] * np.divide(f, mass[coarse], out=np.zeros_like(f), where=mass[coarse] > 0)
     return joint / joint.sum()
+
+
+@PARTITIONS.register("natural")
+class Natural:
+    """The dataset's own clients: one per user id in `train_users` (e.g. iNaturalist-User-120k).
+
+    `num_clients` must equal the number of users the dataset kept (it is checked at split time,
+    since only the loaded data knows it). Local test sets follow each user's class shares.
+    """
+
+    name = "natural"
+
+    class Config(PartitionConfig):
+        pass
+
+    @staticmethod
+    def check(cfg: Config, info: DatasetInfo) -> None:
+        del cfg, info
+
+    @staticmethod
+    def split(cfg: Config, data: ImageDataset, rng: np.random.Generator) -> list[Client]:
+        if data.train_users is None:
+            raise FpbenchError(
+                f"partition 'natural' needs a dataset with per-user clients (train_users); "
+                f"{data.name!r} has none: use iid, dirichlet or pathological"
+            )
+        users = data.train_users.numpy()
+        num_users = int(users.max()) + 1 if len(users) else 0
+        if cfg.num_clients != num_users:
+            raise FpbenchError(
+                f"partition.num_clients = {cfg.num_clients}, but {data.name!r} has {num_users} "
+                f"users: set num_clients = {num_users}"
+            )
+        parts = [np.flatnonzero(users == u) for u in range(num_users)]
+        return _clients_from_train(parts, data, rng)

@@ -1,0 +1,153 @@
+"""`fpbench data ...`: where the real datasets are, and preparing them (a Typer sub-app).
+
+Wired into the main app with ``app.add_typer(data_app, name="data")``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from fpbench.errors import FpbenchError
+
+data_app = typer.Typer(
+    help="Real datasets: where they are (status) and preparing them once (prepare).",
+    no_args_is_help=True,
+)
+console = Console()
+err = Console(stderr=True)
+RootOpt = Annotated[
+    Path | None,
+    typer.Option("--root", help="data root (default: $FPBENCH_DATA, else ./data)"),
+]
+F = TypeVar("F", bound=Callable[..., Any])
+STYLE = {"prepared": "green", "raw": "yellow", "missing": "red", "built-in": "cyan"}
+
+
+def _user_errors(fn: F) -> F:
+    """An FpbenchError becomes one red line on stderr and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except FpbenchError as e:
+            err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def dataset_rows(root: Path) -> list[tuple[str, str, str, str]]:
+    """(name, state, where, what to do) for every registered dataset under `root`."""
+    from fpbench.data.prepared import real_dataset
+    from fpbench.registry import DATASETS
+
+    rows = []
+    for name in DATASETS.names():
+        cls = real_dataset(name)
+        if cls is None:
+            rows.append((name, "built-in", "-", "generated on the fly"))
+            continue
+        s = cls.status(root)
+        todo = {
+            "prepared": "ready",
+            "raw": f"ready (prepared on first use, or: fpbench data prepare {name})",
+            "missing": s.hint,
+        }[s.state]
+        rows.append((name, s.state, str(s.where), todo))
+    return rows
+
+
+@data_app.command("status")
+@_user_errors
+def status(root: RootOpt = None) -> None:
+    """Which datasets are present (prepared / raw files) or missing, and where they go."""
+    from fpbench.data.prepared import data_root
+
+    base = data_root(root)
+    table = Table(title=f"datasets under {base}")
+    for col in ("dataset", "state", "where", "what to do"):
+        table.add_column(col, overflow="fold")
+    for name, state, where, todo in dataset_rows(base):
+        table.add_row(name, f"[{STYLE[state]}]{state}[/]", where, todo)
+    console.print(table)
+
+
+def _parse_sets(sets: list[str] | None) -> dict[str, Any]:
+    """KEY=VALUE pairs; VALUE is read as JSON when it parses (numbers, lists), else a string."""
+    out: dict[str, Any] = {}
+    for item in sets or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise FpbenchError(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def _config(cls: Any, args: dict[str, Any]) -> Any:
+    from pydantic import ValidationError
+
+    try:
+        return cls.Config(**args)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "config"
+        raise FpbenchError(f"--set {field}: {first['msg']} (dataset {cls.name!r})") from None
+
+
+@data_app.command("prepare")
+@_user_errors
+def prepare(
+    name: Annotated[str, typer.Argument(help="dataset name (see `fpbench data status`)")],
+    root: RootOpt = None,
+    download: Annotated[
+        bool, typer.Option("--download", help="download the native files first if missing")
+    ] = False,
+    force: Annotated[bool, typer.Option("--force", help="prepare again even if cached")] = False,
+    sets: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="dataset config KEY=VALUE (repeatable), e.g. per_domain=1000"),
+    ] = None,
+) -> None:
+    """Decode a dataset's native files once into the prepared uint8 cache (with progress)."""
+    from fpbench.data.prepared import data_root, real_dataset
+
+    cls = real_dataset(name)
+    if cls is None:
+        raise FpbenchError(f"dataset {name!r} is generated on the fly; nothing to prepare")
+    cfg = _config(cls, _parse_sets(sets))
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+    ) as bar:
+        path = cls.prepare(
+            cfg, data_root(root), download=download, force=force, progress=_progress(bar)
+        )
+    console.print(f"prepared {name}: {path}")
+
+
+def _progress(bar: Progress) -> Callable[[str, int, int], None]:
+    """A `Progress` callback that keeps one rich bar per description."""
+    tasks: dict[str, Any] = {}
+
+    def update(what: str, done: int, total: int) -> None:
+        if what not in tasks:
+            tasks[what] = bar.add_task(what, total=total)
+        bar.update(tasks[what], completed=done, total=total)
+
+    return update
