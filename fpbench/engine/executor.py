@@ -75,17 +75,26 @@ def train_clients(
         groups = [[c] for c in client_ids]
     else:
         raise ValueError(f"unknown executor {executor!r}")
+    results: list[LocalResult] = []
     with autocast(task.priors.device, precision):
-        results = [
-            train_group(method, server, task, inputs, g, cfg, round_idx=round_idx, seed=seed)
-            for g in groups
-        ]
+        for g in groups:
+            earlier = {k: sum(r.stats[k].sum(0) for r in results) for k in _stat_names(results)}
+            results.append(
+                train_group(
+                    method, server, task, inputs, g, cfg,
+                    round_idx=round_idx, seed=seed, earlier=earlier,
+                )
+            )  # fmt: skip
     return LocalResult(
         client_ids=torch.cat([r.client_ids for r in results]),
         params={k: torch.cat([r.params[k] for r in results]) for k in results[0].params},
         stats={k: torch.cat([r.stats[k] for r in results]) for k in results[0].stats},
         loss=torch.cat([r.loss for r in results]),
     )
+
+
+def _stat_names(results: list[LocalResult]) -> list[str]:
+    return list(results[0].stats) if results else []
 
 
 def train_group(
@@ -98,13 +107,23 @@ def train_group(
     *,
     round_idx: int,
     seed: int,
+    earlier: dict[str, Tensor] | None = None,
 ) -> LocalResult:
-    """Train K clients together: one forward/backward per step over all their minibatches."""
+    """Train K clients together: one forward/backward per step over all their minibatches.
+
+    `earlier` holds the statistics of the clients trained before this group in the same round,
+    summed over them (empty in lockstep, where every client trains in one group).
+    """
     device = task.priors.device
     ids = torch.tensor(client_ids, dtype=torch.long)
     k = len(client_ids)
     params = {n: p.to(device) for n, p in method.client_params(server, ids).items()}
-    ctx = Context(training=True, priors=task.priors[ids.to(device)], buffers=server.buffers)
+    ctx = Context(
+        training=True,
+        priors=task.priors[ids.to(device)],
+        buffers=server.buffers,
+        earlier=earlier or {},
+    )
     loss_sum = torch.zeros(k, device=device)
     loss_steps = torch.zeros(k, device=device)
     lr = cfg.lr * cfg.lr_decay**round_idx

@@ -36,6 +36,13 @@ class TaskInfo:
     num_clients: int
     class_priors: Tensor  # (N, C) each client's train label distribution
     train_sizes: Tensor  # (N,) each client's number of train samples
+    class_names: tuple[str, ...] = ()  # the dataset's class names (CLIP text prompts need them)
+    # The clients' train images, only for methods whose clients share a summary of their data
+    # once before training (FedMix's mean images); None where the caller does not provide them.
+    train_images: Tensor | None = None  # (n, 3, H, W) uint8, the whole train split
+    train_idx: tuple[Tensor, ...] | None = None  # per client: its indices into train_images
+    heldout: Tensor | None = None  # (N,) bool: held-out clients never train nor share
+    train_labels: Tensor | None = None  # (n,) labels of train_images (PEP-FedPT's warm start)
 
 
 @dataclass(frozen=True)
@@ -69,7 +76,10 @@ class Context:
 
     `priors` are the class priors of the K rows (client-conditioned methods use them);
     `buffers` are the server's buffers (read-only); `stats` collects per-row statistics
-    that the forward wants the engine to sum over the round (e.g. selection counts).
+    that the forward wants the engine to sum over the round (e.g. selection counts);
+    `earlier` are those statistics summed over the clients trained before this call in the same
+    round: always empty in lockstep, filled one client after another by the reference executor
+    (for methods whose reference code lets a client see its predecessors, e.g. SGPT's counts).
     """
 
     training: bool
@@ -77,6 +87,7 @@ class Context:
     priors: Tensor | None = None  # (K, C)
     buffers: dict[str, Tensor] = field(default_factory=dict)
     stats: dict[str, Tensor] = field(default_factory=dict)
+    earlier: dict[str, Tensor] = field(default_factory=dict)
 
 
 class Method:
@@ -165,6 +176,25 @@ class Method:
     def eval_params(self, server: ServerState, client_ids: Tensor) -> dict[str, Tensor]:
         """Parameters used at evaluation for these clients, stacked (K, ...)."""
         return self.client_params(server, client_ids)
+
+    def round_metrics(self, server: ServerState) -> dict[str, float]:
+        """Method-specific scalars stored every round after aggregation (default: none)."""
+        return {}
+
+    # -- optional local adaptation before evaluation (personal methods) ----------------------
+    def adapt_samples(self) -> int:
+        """Train samples per client that `adapt` needs before evaluation; 0: no adaptation."""
+        return 0
+
+    def adapt(
+        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
+    ) -> dict[str, Tensor]:
+        """Personalise the eval params (K, ...) on one batch of each client's train data.
+
+        Called by the evaluation (gradients enabled) only when `adapt_samples() > 0`, e.g.
+        Per-FedAvg's one local step; default: unchanged.
+        """
+        return params
 
 
 def weighted_mean(stacked: Tensor, w: Tensor) -> Tensor:

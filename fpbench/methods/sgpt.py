@@ -1,0 +1,434 @@
+"""SGPT: shared prompts, group prompts, a learned Select module and block coordinate descent.
+
+Deng et al., "Unlocking the Potential of Prompt-Tuning in Bridging Generalized and Personalized
+Federated Learning", CVPR 2024. Defaults follow the authors' public code (ubc-tea/SGPT, notes in
+shared/specs/sgpt-reference-code.md) where it and the paper differ; the paper's readings are
+options (field descriptions of `SGPTConfig`, preset "paper").
+
+Versus FedAvg. Client: one block-coordinate-descent sweep, a fresh optimiser per block: phase
+"shared" trains head + shared prompts (early blocks, no group prompts, head on cls); phase "group"
+trains head + group prompts (higher blocks) + keys, shared prompts inserted but frozen. Select
+embeds a sample with the frozen, unprompted backbone (cls after block `query_layer`, final norm,
+ReLU, L2 normalisation) and picks the key with the smallest (1 - cos) * (q_g + eps), q_g the
+accumulated selection frequency of group g; loss = CE - cos(query, chosen key). Server: FedAvg (by
+train size) of head and shared prompts; group prompts P <- a_p P_old + (1 - a_p) FedAvg(P_c); keys
+k_g <- a_k k_old + (1 - a_k) sum_c rho_cg k_cg, rho_cg = n_cg / sum_c n_cg from this round's
+selection counts (uniform when that sum is at most `key_count_threshold`); the accumulated counts
+are the server buffer `select_counts`. Inference is global: each sample takes its nearest key.
+
+Executors: the reference code trains a round's clients one after another and each reads the
+counts of those before it; the lockstep executor trains them together, where that cannot be
+reproduced. The default therefore reads the counts of the round start (`select_counts =
+"snapshot"`, identical under both executors); "sequential" is the reference's behaviour and needs
+the reference executor (under lockstep it equals "snapshot").
+
+Select's query does not depend on anything trained, so it is recomputed under no_grad here; an
+engine-side cache would sit next to the cls cache of `fpbench.engine.inputs.Inputs`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field, model_validator
+from torch import Tensor
+
+from fpbench.backbones import PromptedViT, ViTFeatures
+from fpbench.errors import FpbenchError
+from fpbench.methods.base import (
+    Context,
+    Method,
+    MethodConfig,
+    Phase,
+    ServerState,
+    TaskInfo,
+    init_linear,
+    init_prompts,
+    per_client_linear,
+    weighted_mean,
+)
+from fpbench.registry import METHODS
+
+LEAKY_SLOPE = 0.01  # the reference's `--leaky` query activation
+HEAD = ("head_w", "head_b")
+SHARED_PHASE = (*HEAD, "shared_prompts")
+GROUP_PHASE = (*HEAD, "group_prompts", "keys")
+
+# Named settings: preset -> field overrides (explicit fields win over the preset).
+SGPT_PRESETS: dict[str, dict[str, Any]] = {
+    # SGPT Table 3 (prompts and local schedule)
+    "shared-only": {"group_layers": ()},
+    "group-only": {"shared_layers": ()},
+    "shared-group-joint": {"schedule": "joint"},
+    "bcd-inverted": {"schedule": "bcd-inverted"},
+    "bcd": {},
+    # SGPT Table 4 (learning Select's keys): each row adds one thing to the previous
+    "keys-fedavg": {
+        "select_weighting": "none",
+        "key_weighting": "samples",
+        "key_momentum": 0.0,
+        "group_momentum": 0.0,
+    },
+    "keys-qg": {"key_weighting": "samples", "key_momentum": 0.0, "group_momentum": 0.0},
+    "keys-qg-momentum": {"key_weighting": "samples"},
+    # the reference's other train.sh settings (ViT-B/16), and the paper's readings
+    "cifar-s50": {"shared_layers": (0, 1, 2, 3, 4), "group_layers": (5, 6)},
+    "office": {
+        "num_groups": 4,
+        "shared_layers": (0, 1, 2, 3, 4),
+        "group_layers": (5, 6),
+        "query_layer": 5,
+        "batch_majority": True,
+        "key_momentum": 0.0,
+    },
+    "paper": {
+        "shared_layers": (0, 1, 2),
+        "group_layers": (3, 4, 5),
+        "head_pooling": "cls-group-shared",
+        "key_count_threshold": 0,
+    },
+}
+
+
+class SGPTConfig(MethodConfig):
+    preset: str | None = Field(
+        None, description="named setting from SGPT_PRESETS; fields given explicitly override it"
+    )
+    num_groups: int = Field(20, ge=1, description="G groups/keys (reference: CIFAR 20, Office 4)")
+    shared_layers: tuple[int, ...] | None = Field(
+        None,
+        description="0-based blocks with a shared prompt; () none. None: the reference layout "
+        "scaled to the depth, the first max(1, depth // 3) blocks (0-3 on ViT-B, as train.sh)",
+    )
+    group_layers: tuple[int, ...] | None = Field(
+        None,
+        description="0-based blocks with a group prompt; () none. None: the max(1, depth // 4) "
+        "blocks after the shared ones (4-6 on ViT-B, as train.sh; the paper's 1-based 'layers "
+        "4-6' are 3-5, preset 'paper')",
+    )
+    prompt_len: int = Field(1, ge=1, description="tokens per prompted block (paper, reference: 1)")
+    prompt_style: Literal["accumulate", "deep"] = Field(
+        "accumulate",
+        description="accumulate: tokens stay in the sequence (reference code); deep: each "
+        "block's prompts replace the previous ones (VPT-deep)",
+    )
+    head_pooling: Literal["cls-group", "cls-group-shared", "cls"] = Field(
+        "cls-group",
+        description="head input: mean of cls + group-token outputs (reference since 2024-07), "
+        "of cls + group + shared tokens (code of the paper's time), or cls only; a phase "
+        "without selection has no group tokens",
+    )
+    shared_init: Literal["zero", "uniform"] = Field(
+        "zero", description="shared prompt init: zeros (reference) or VPT uniform"
+    )
+    group_init: Literal["uniform", "zero"] = Field(
+        "uniform", description="group prompt init: VPT uniform (reference) or zeros (no initial_g)"
+    )
+    query_layer: int | None = Field(
+        None,
+        description="0-based block whose cls (after the final norm) is Select's query; None: "
+        "the last (label heterogeneity); 5 = the 6th block (feature heterogeneity)",
+    )
+    query_activation: Literal["relu", "leaky-relu"] = Field(
+        "relu", description="before L2 normalisation: ReLU (reference) or leaky ReLU 0.01"
+    )
+    select_weighting: Literal["frequency", "none"] = Field(
+        "frequency", description="training-time score (1 - cos) * (q_g + eps), or plain 1 - cos"
+    )
+    select_eps: float = Field(
+        5e-4, ge=0, description="eps added to q_g (reference 5e-4; the paper's Eq. 6 has none)"
+    )
+    select_counts: Literal["snapshot", "sequential"] = Field(
+        "snapshot",
+        description="q_g from the counts at round start (executor-independent), or also from "
+        "the clients trained earlier in the round (reference code; reference executor only, "
+        "under lockstep it equals snapshot)",
+    )
+    batch_majority: bool = Field(
+        False, description="training: move each client batch to its majority group (Office)"
+    )
+    key_loss_weight: float = Field(1.0, ge=0, description="weight of -cos(query, chosen key)")
+    schedule: Literal["bcd", "bcd-inverted", "joint"] = Field(
+        "bcd",
+        description="bcd: shared phase then group phase (local_epochs each); bcd-inverted: "
+        "the same two phases in reverse order; joint: one phase of local_epochs training "
+        "everything with selection on",
+    )
+    key_weighting: Literal["selection", "samples"] = Field(
+        "selection", description="key aggregation weights: this round's selection counts, or FedAvg"
+    )
+    key_count_threshold: int = Field(
+        50, ge=0, description="uniform key weights when a group's round count is <= this (paper 0)"
+    )
+    key_momentum: float = Field(0.5, ge=0, lt=1, description="a_k, weight of the old keys")
+    group_momentum: float = Field(0.5, ge=0, lt=1, description="a_p, weight of old group prompts")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("preset") is None:
+            return data
+        preset = data["preset"]
+        if preset not in SGPT_PRESETS:
+            raise ValueError(f"unknown sgpt preset {preset!r}; valid: {', '.join(SGPT_PRESETS)}")
+        return {**SGPT_PRESETS[preset], **data}
+
+
+# -- the math, as small functions ------------------------------------------------------------
+def select_query(cls: Tensor, activation: str = "relu") -> Tensor:
+    """Select's query: L2-normalise(ReLU(cls)) (B, d); leaky ReLU (slope 0.01) as an option."""
+    act = F.leaky_relu(cls, LEAKY_SLOPE) if activation == "leaky-relu" else F.relu(cls)
+    return F.normalize(act, dim=-1)
+
+
+def key_cosines(query: Tensor, keys: Tensor, client_index: Tensor) -> Tensor:
+    """cos(query_b, key g of sample b's row) (B, G) for query (B, d) and keys (K, G, d)."""
+    unit = F.normalize(keys, dim=-1)[client_index]  # (B, G, d)
+    return (unit * query.unsqueeze(1)).sum(-1)
+
+
+def frequency_scores(cos: Tensor, counts: Tensor, eps: float) -> Tensor:
+    """Training-time distances (B, G): (1 - cos) * (q_g + eps), q = counts / sum; 1 - cos at 0."""
+    total = counts.sum()
+    q = counts.to(cos.dtype) / total.clamp(min=1)  # (G,)
+    return (1 - cos) * torch.where(total > 0, q + eps, torch.ones_like(q))
+
+
+def group_counts(groups: Tensor, client_index: Tensor, k: int, g: int) -> Tensor:
+    """How often each row picked each group (K, G), as int64."""
+    counts = torch.zeros(k, g, dtype=torch.long, device=groups.device)
+    return counts.index_put_((client_index, groups), torch.ones_like(groups), accumulate=True)
+
+
+def batch_majority(groups: Tensor, client_index: Tensor, k: int, g: int) -> Tensor:
+    """Every sample gets its row's most picked group in this batch (ties: the lowest index)."""
+    return group_counts(groups, client_index, k, g).argmax(1)[client_index]
+
+
+def key_loss(cos: Tensor, groups: Tensor) -> Tensor:
+    """-cos(query_b, chosen key) (B,)."""
+    return -cos.gather(1, groups.unsqueeze(1)).squeeze(1)
+
+
+def key_weights(counts: Tensor, threshold: int) -> Tensor:
+    """rho (K, G): n_kg / T_g where T_g = sum_k n_kg > threshold, else uniform 1 / K."""
+    total = counts.sum(0, keepdim=True)  # (1, G)
+    uniform = torch.full_like(counts, 1.0 / counts.shape[0])
+    return torch.where(total > threshold, counts / total.clamp(min=1), uniform)
+
+
+def interpolate(old: Tensor, new: Tensor, alpha: float) -> Tensor:
+    """Server momentum as in the paper's Eq. 7: alpha * old + (1 - alpha) * new."""
+    return alpha * old + (1 - alpha) * new
+
+
+def orthogonal_keys(gen: torch.Generator, g: int, d: int) -> Tensor:
+    """Gram-Schmidt of a xavier-uniform (G, d) draw; like the reference, row 0 keeps its norm."""
+    bound = math.sqrt(6.0 / (g + d))
+    raw = ((torch.rand(g, d, generator=gen) * 2 - 1) * bound).double()
+    rows: list[Tensor] = []
+    for i in range(g):
+        v = raw[i]
+        for u in rows:
+            v = v - (v @ u) / (u @ u) * u
+        rows.append(v if i == 0 else v / v.norm())
+    return torch.stack(rows).float()
+
+
+def resolve_layers(cfg: SGPTConfig, depth: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shared, group) 0-based blocks; None fields take the reference layout scaled to depth."""
+    n_shared = max(1, depth // 3)
+    shared = tuple(range(n_shared)) if cfg.shared_layers is None else tuple(cfg.shared_layers)
+    start = max(shared) + 1 if shared else n_shared
+    group = (
+        tuple(range(start, min(depth, start + max(1, depth // 4))))
+        if cfg.group_layers is None
+        else tuple(cfg.group_layers)
+    )
+    for field, layers in (("shared_layers", shared), ("group_layers", group)):
+        bad = sorted({x for x in layers if not 0 <= x < depth} | _duplicates(layers))
+        if bad:
+            raise FpbenchError(
+                f"sgpt {field} has invalid or repeated blocks {bad}; use distinct 0..{depth - 1}"
+            )
+    if set(shared) & set(group) or not (shared or group):
+        raise FpbenchError(
+            f"sgpt needs disjoint, not both empty shared_layers {shared} and group_layers {group}"
+        )
+    return shared, group
+
+
+def _duplicates(layers: tuple[int, ...]) -> set[int]:
+    return {x for x in layers if layers.count(x) > 1}
+
+
+@METHODS.register()
+class SGPT(Method):
+    name = "sgpt"
+    Config = SGPTConfig
+
+    def __init__(self, cfg: SGPTConfig, backbone: PromptedViT, task: TaskInfo) -> None:
+        super().__init__(cfg, backbone, task)
+        depth, d = backbone.depth, backbone.embed_dim
+        self.shared_layers, self.group_layers = resolve_layers(cfg, depth)
+        self.query_layer = depth - 1 if cfg.query_layer is None else cfg.query_layer
+        if not 0 <= self.query_layer < depth:
+            raise FpbenchError(f"sgpt query_layer {cfg.query_layer} outside blocks 0..{depth - 1}")
+        if self.group_layers and cfg.num_groups > d:
+            raise FpbenchError(f"sgpt num_groups {cfg.num_groups} > embed dim {d}: keys orthogonal")
+
+    # -- parameters -------------------------------------------------------------------------
+    def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
+        cfg, d, patch = self.cfg, self.backbone.embed_dim, self.backbone.patch_size
+        p, g = cfg.prompt_len, cfg.num_groups
+        out: dict[str, Tensor] = {}
+        if self.shared_layers:
+            n = len(self.shared_layers)
+            uniform = cfg.shared_init == "uniform"
+            shared = init_prompts(gen, n * p, d, patch) if uniform else torch.zeros(n * p, d)
+            out["shared_prompts"] = shared.view(n, p, d)
+        if self.group_layers:
+            n = len(self.group_layers)
+            uniform = cfg.group_init == "uniform"
+            group = init_prompts(gen, g * n * p, d, patch) if uniform else torch.zeros(g * n * p, d)
+            out["group_prompts"] = group.view(g, n, p, d)
+            out["keys"] = orthogonal_keys(gen, g, d)
+        out["head_w"], out["head_b"] = init_linear(gen, self.task.num_classes, d)
+        return out
+
+    def init_server(self, gen: torch.Generator) -> ServerState:
+        server = super().init_server(gen)
+        if self.group_layers:
+            server.buffers["select_counts"] = torch.zeros(self.cfg.num_groups, dtype=torch.long)
+        return server
+
+    def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
+        shared = tuple(n for n in SHARED_PHASE if n in names)
+        group = tuple(n for n in GROUP_PHASE if n in names)
+        if not self.group_layers:
+            return [Phase("shared", shared, local_epochs)]
+        if not self.shared_layers:
+            return [Phase("group", group, local_epochs)]
+        if self.cfg.schedule == "joint":
+            return [Phase("joint", tuple(dict.fromkeys(shared + group)), local_epochs)]
+        blocks = [Phase("shared", shared, local_epochs), Phase("group", group, local_epochs)]
+        return blocks[::-1] if self.cfg.schedule == "bcd-inverted" else blocks
+
+    # -- math -------------------------------------------------------------------------------
+    def forward(
+        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
+    ) -> Tensor:
+        return self._forward(params, x, client_index, ctx)[0]
+
+    def loss(
+        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
+    ) -> Tensor:
+        logits, keys_loss = self._forward(params, x, client_index, ctx)
+        ce = F.cross_entropy(logits, y, reduction="none")  # (B,)
+        return ce if keys_loss is None else ce + self.cfg.key_loss_weight * keys_loss
+
+    def _forward(
+        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
+    ) -> tuple[Tensor, Tensor | None]:
+        """Logits (B, C) and, when keys train, the per-sample key loss (B,)."""
+        prompts: dict[int, Tensor] = {}
+        if self.shared_layers:
+            shared = params["shared_prompts"][client_index]  # (B, Ls, p, d)
+            prompts.update({layer: shared[:, i] for i, layer in enumerate(self.shared_layers)})
+        selecting = bool(self.group_layers) and (not ctx.training or ctx.phase != "shared")
+        keys_loss = None
+        if selecting:
+            groups, cos = self.select_groups(params["keys"], x, client_index, ctx)  # (B,), (B, G)
+            chosen = params["group_prompts"][client_index, groups]  # (B, Lg, p, d)
+            prompts.update({layer: chosen[:, i] for i, layer in enumerate(self.group_layers)})
+            keys_loss = key_loss(cos, groups) if ctx.training else None
+        feats = self.backbone.forward_features(x, prompts, style=self.cfg.prompt_style)
+        pooled = self.pool(feats, selecting)  # (B, d)
+        logits = per_client_linear(pooled, params["head_w"], params["head_b"], client_index)
+        return logits, keys_loss
+
+    def pool(self, feats: ViTFeatures, selecting: bool) -> Tensor:
+        """The head's input (B, d): mean of cls and the first prompt-token outputs.
+
+        The count follows the reference's positions (group tokens first, then shared ones);
+        VPT-deep keeps only the last prompted block's tokens, so it is capped by what is there.
+        """
+        p, n = self.cfg.prompt_len, 0
+        if self.cfg.head_pooling != "cls":
+            n += p * len(self.group_layers) if selecting else 0
+            n += p * len(self.shared_layers) if self.cfg.head_pooling == "cls-group-shared" else 0
+        tokens = torch.cat([feats.cls.unsqueeze(1), feats.prompt_tokens[:, :n]], dim=1)
+        return tokens.mean(1)
+
+    @torch.no_grad()
+    def query(self, x: Tensor) -> Tensor:
+        """Select's query (B, d) from the frozen, unprompted backbone."""
+        tokens, _, _ = self.backbone.run_blocks(self.backbone.embed(x), 0, self.query_layer + 1)
+        cls = self.backbone.vit.norm(tokens[:, 0])  # (B, d)
+        return select_query(cls, self.cfg.query_activation)
+
+    def select_groups(
+        self, keys: Tensor, x: Tensor, client_index: Tensor, ctx: Context
+    ) -> tuple[Tensor, Tensor]:
+        """Each sample's group (B,) and its cosines to its row's keys (B, G).
+
+        Test time: nearest key. Training: frequency-weighted score, optional batch majority,
+        and the picks are counted in `ctx.stats["select_counts"]` (K, G).
+        """
+        cos = key_cosines(self.query(x), keys, client_index)  # (B, G)
+        if not ctx.training:
+            return cos.argmax(1), cos
+        k, g = keys.shape[:2]
+        dist = 1 - cos.detach()
+        if self.cfg.select_weighting == "frequency":
+            dist = frequency_scores(cos.detach(), self.counts(ctx), self.cfg.select_eps)
+        groups = dist.argmin(1)
+        if self.cfg.batch_majority:
+            groups = batch_majority(groups, client_index, k, g)
+        picked = group_counts(groups, client_index, k, g)  # (K, G)
+        ctx.stats["select_counts"] = ctx.stats.get("select_counts", 0) + picked
+        return groups, cos
+
+    def counts(self, ctx: Context) -> Tensor:
+        """Accumulated selection counts (G,) that q_g is computed from."""
+        base = ctx.buffers["select_counts"]
+        if self.cfg.select_counts == "sequential" and "select_counts" in ctx.earlier:
+            return base + ctx.earlier["select_counts"]
+        return base
+
+    # -- server -----------------------------------------------------------------------------
+    def aggregate(
+        self,
+        server: ServerState,
+        trained: dict[str, Tensor],
+        client_ids: Tensor,
+        weights: Tensor,
+        stats: dict[str, Tensor],
+    ) -> ServerState:
+        w = (weights / weights.sum()).to(trained["head_w"].dtype)  # (K,)
+        params = {name: weighted_mean(trained[name], w) for name in server.params}
+        buffers = dict(server.buffers)
+        if self.group_layers:
+            cfg, old = self.cfg, server.params
+            counts = stats.get("select_counts", torch.zeros(len(w), cfg.num_groups)).to(w.device)
+            params["group_prompts"] = interpolate(
+                old["group_prompts"], params["group_prompts"], cfg.group_momentum
+            )
+            rho = (
+                key_weights(counts.to(w.dtype), cfg.key_count_threshold)
+                if cfg.key_weighting == "selection"
+                else w.unsqueeze(1).expand(-1, cfg.num_groups)
+            )  # (K, G)
+            keys = torch.einsum("kg,kgd->gd", rho, trained["keys"].detach())
+            params["keys"] = interpolate(old["keys"], keys, cfg.key_momentum)
+            buffers["select_counts"] = server.buffers["select_counts"] + counts.sum(0).long()
+        return ServerState(params, dict(server.personal), buffers)
+
+    def communication(self, server: ServerState) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """Everything trained both ways, plus G counts: the accumulated ones down (q_g), the
+        client's round counts up (same size as the `select_counts` buffer)."""
+        counts = {k: v for k, v in server.buffers.items() if k == "select_counts"}
+        return {**server.params, **counts}, {**server.params, **counts}

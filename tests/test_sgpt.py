@@ -1,0 +1,301 @@
+"""SGPT's math on small hand-checked tensors, its schedule, server rule and presets."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from fpbench.backbones import ViTFeatures
+from fpbench.engine.evaluate import evaluate
+from fpbench.engine.executor import train_clients
+from fpbench.errors import FpbenchError
+from fpbench.methods.base import Context
+from fpbench.methods.sgpt import (
+    SGPT_PRESETS,
+    SGPTConfig,
+    batch_majority,
+    frequency_scores,
+    group_counts,
+    interpolate,
+    key_cosines,
+    key_loss,
+    key_weights,
+    orthogonal_keys,
+    resolve_layers,
+    select_query,
+)
+from fpbench.registry import METHODS
+from fpbench.specs import load_suite
+
+
+def _sgpt(tiny, **args):
+    """An SGPT method on the tiny task (vit-test: 2 blocks, width 32), with config `args`."""
+    _, task, base = tiny("sgpt")
+    return METHODS.get("sgpt")(SGPTConfig(**args), base.backbone, base.task), task
+
+
+# -- Select ------------------------------------------------------------------------------------
+def test_select_query_is_relu_then_l2_normalised():
+    cls = torch.tensor([[3.0, -1.0, 4.0, 0.0]])
+    torch.testing.assert_close(select_query(cls), torch.tensor([[0.6, 0.0, 0.8, 0.0]]))
+    leaky = torch.tensor([[3.0, -0.01, 4.0, 0.0]]) / math.sqrt(25.0001)
+    torch.testing.assert_close(select_query(cls, "leaky-relu"), leaky)
+
+
+def test_key_cosines_use_each_samples_row_and_normalised_keys():
+    keys = torch.tensor([[[2.0, 0.0], [0.0, 3.0]], [[1.0, 1.0], [1.0, -1.0]]])  # (K=2, G=2, d=2)
+    query = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    cos = key_cosines(query, keys, torch.tensor([0, 1]))
+    r = 1 / math.sqrt(2)
+    torch.testing.assert_close(cos, torch.tensor([[1.0, 0.0], [r, -r]]))
+
+
+def test_frequency_weighting_favours_rarely_selected_groups():
+    cos = torch.tensor([[0.9, 0.5, 0.1]])
+    never = frequency_scores(cos, torch.zeros(3, dtype=torch.long), 5e-4)
+    torch.testing.assert_close(never, 1 - cos)  # no counts yet: plain 1 - cos
+    scores = frequency_scores(cos, torch.tensor([8, 2, 0]), 5e-4)  # q = (0.8, 0.2, 0)
+    expected = torch.tensor([[0.1 * 0.8005, 0.5 * 0.2005, 0.9 * 0.0005]])
+    torch.testing.assert_close(scores, expected)
+    assert scores.argmin().item() == 2 and (1 - cos).argmin().item() == 0
+
+
+def test_batch_majority_per_client_row_with_lowest_tie():
+    groups = torch.tensor([0, 1, 1, 2, 2, 2, 3, 1])
+    rows = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])
+    counts = group_counts(groups, rows, 3, 4)
+    assert counts.tolist() == [[1, 2, 0, 0], [0, 0, 3, 0], [0, 1, 0, 1]]
+    assert batch_majority(groups, rows, 3, 4).tolist() == [1, 1, 1, 2, 2, 2, 1, 1]
+
+
+def test_key_loss_is_minus_cosine_of_the_chosen_key():
+    cos = torch.tensor([[0.2, 0.7], [0.4, -0.1]])
+    torch.testing.assert_close(key_loss(cos, torch.tensor([1, 0])), torch.tensor([-0.7, -0.4]))
+
+
+def test_orthogonal_keys():
+    keys = orthogonal_keys(torch.Generator().manual_seed(0), 5, 8)
+    unit = torch.nn.functional.normalize(keys, dim=-1)
+    torch.testing.assert_close(unit @ unit.T, torch.eye(5), atol=1e-6, rtol=0)
+    torch.testing.assert_close(keys[1:].norm(dim=1), torch.ones(4))
+    assert not torch.allclose(keys[0].norm(), torch.tensor(1.0))  # row 0 keeps its norm
+
+
+def test_training_selection_is_frequency_weighted_test_time_is_nearest_key(tiny):
+    method, task = _sgpt(tiny, num_groups=3)
+    x = method.backbone.preprocess(task.data.train_images[:6])
+    q = method.query(x)  # (6, d)
+    keys = torch.stack([q[0], q[1], -q[0]]).unsqueeze(0)  # (K=1, G=3, d)
+    rows = torch.zeros(6, dtype=torch.long)
+    cos = key_cosines(q, keys, rows)
+    counts = torch.tensor([100, 100, 0])  # group 2 never picked: favoured while training
+    eval_groups, _ = method.select_groups(keys, x, rows, Context(training=False))
+    assert eval_groups.tolist() == cos.argmax(1).tolist()
+    ctx = Context(training=True, phase="group", buffers={"select_counts": counts})
+    train_groups, _ = method.select_groups(keys, x, rows, ctx)
+    expected = ((1 - cos) * (counts / 200 + 5e-4)).argmin(1)
+    assert train_groups.tolist() == expected.tolist() and 2 in train_groups.tolist()
+    assert ctx.stats["select_counts"].tolist() == [torch.bincount(expected, minlength=3).tolist()]
+
+
+def test_loss_adds_the_key_loss_and_only_keys_get_its_gradient(tiny):
+    method, task = _sgpt(tiny, select_weighting="none")
+    server = method.init_server(torch.Generator().manual_seed(0))
+    x = method.backbone.preprocess(task.data.train_images[:5])
+    y, rows = task.data.train_labels[:5], torch.zeros(5, dtype=torch.long)
+    grads = {}
+    for weight in (0.0, 1.0):
+        method.cfg = method.cfg.model_copy(update={"key_loss_weight": weight})
+        params = {k: v.requires_grad_() for k, v in method.client_params(server, rows[:1]).items()}
+        ctx = Context(training=True, phase="group", buffers=server.buffers)
+        loss = method.loss(params, x, y, rows, ctx)
+        logits = method.forward(params, x, rows, ctx)
+        ce = torch.nn.functional.cross_entropy(logits, y, reduction="none")
+        cos = key_cosines(method.query(x), params["keys"], rows)
+        torch.testing.assert_close(loss - ce, -weight * cos.max(1).values)
+        loss.mean().backward()
+        grads[weight] = {k: v.grad.clone() for k, v in params.items()}
+    for name in ("group_prompts", "head_w", "head_b", "shared_prompts"):
+        torch.testing.assert_close(grads[0.0][name], grads[1.0][name])
+    assert not torch.allclose(grads[0.0]["keys"], grads[1.0]["keys"])
+
+
+def test_head_pooling_counts_cls_group_and_shared_tokens(tiny):
+    feats = ViTFeatures(
+        tokens=torch.empty(0),
+        cls=torch.tensor([[0.0]]),
+        prompt_tokens=torch.tensor([[[3.0], [6.0], [9.0]]]),  # group token first, then shared
+    )
+    pooled = {}
+    for pooling in ("cls", "cls-group", "cls-group-shared"):
+        method, _ = _sgpt(tiny, head_pooling=pooling)  # 1 shared, 1 group block on vit-test
+        pooled[pooling] = (method.pool(feats, True).item(), method.pool(feats, False).item())
+    assert pooled == {"cls": (0.0, 0.0), "cls-group": (1.5, 0.0), "cls-group-shared": (3.0, 1.5)}
+
+
+# -- sequential counts -------------------------------------------------------------------------
+def test_sequential_counts_add_earlier_clients_of_the_round_only(tiny):
+    buffers = {"select_counts": torch.tensor([1, 1])}
+    earlier = {"select_counts": torch.tensor([4, 0])}
+    sequential, _ = _sgpt(tiny, select_counts="sequential", num_groups=2)
+    snapshot, _ = _sgpt(tiny, select_counts="snapshot", num_groups=2)
+    first = Context(training=True, phase="group", buffers=buffers)
+    assert sequential.counts(first).tolist() == [1, 1]
+    second = Context(training=True, phase="group", buffers=buffers, earlier=earlier)
+    second.stats["select_counts"] = torch.tensor([[9, 9]])  # its own picks are not added
+    assert sequential.counts(second).tolist() == [5, 1]
+    assert snapshot.counts(second).tolist() == [1, 1]
+
+
+def test_sequential_counts_change_the_reference_executor_only(tiny):
+    cfg, task, _ = tiny("sgpt", local_epochs=1)
+    method, _ = _sgpt(tiny, select_counts="sequential")
+    server = method.init_server(torch.Generator().manual_seed(0))
+    ids = task.trainable_clients()[:2]
+    stats = {
+        executor: train_clients(
+            method, server, task, ids, cfg.train, round_idx=0, seed=0, executor=executor
+        ).stats["select_counts"]
+        for executor in ("reference", "lockstep")
+    }
+    assert torch.equal(stats["reference"][0], stats["lockstep"][0])  # nothing earlier yet
+    assert not torch.equal(stats["reference"][1], stats["lockstep"][1])  # saw client 0's picks
+
+
+# -- server ------------------------------------------------------------------------------------
+def test_key_weights_use_selection_counts_above_the_threshold():
+    counts = torch.tensor([[30.0, 1.0], [30.0, 0.0], [0.0, 2.0]])  # (K=3, G=2): T = (60, 3)
+    third = 1 / 3
+    expected = torch.tensor([[0.5, third], [0.5, third], [0.0, third]])
+    torch.testing.assert_close(key_weights(counts, 50), expected)
+    paper = torch.tensor([[0.5, third], [0.5, 0.0], [0.0, 2 * third]])
+    torch.testing.assert_close(key_weights(counts, 0), paper)
+
+
+def test_interpolate():
+    out = interpolate(torch.tensor(2.0), torch.tensor(6.0), 0.25)
+    torch.testing.assert_close(out, torch.tensor(5.0))
+
+
+def _toy_round(method, server, counts):
+    trained = {k: torch.stack([torch.full_like(v, 1.0), torch.full_like(v, 3.0)])
+               for k, v in server.params.items()}  # fmt: skip
+    ids, weights = torch.tensor([0, 2]), torch.tensor([30.0, 10.0])
+    return method.aggregate(server, trained, ids, weights, {"select_counts": counts})
+
+
+def test_aggregate_fedavg_momentum_and_selection_weighted_keys(tiny):
+    method, _ = _sgpt(tiny, num_groups=2)
+    server = method.init_server(torch.Generator().manual_seed(0))
+    server.params = {k: torch.full_like(v, 2.0) for k, v in server.params.items()}
+    counts = torch.tensor([[60, 2], [20, 0]])  # T = (80, 2): key 0 by counts, key 1 uniform
+    new = _toy_round(method, server, counts)
+    for name in ("head_w", "head_b", "shared_prompts"):  # FedAvg: (30 * 1 + 10 * 3) / 40
+        torch.testing.assert_close(new.params[name], torch.full_like(server.params[name], 1.5))
+    group = new.params["group_prompts"]  # 0.5 * 2 + 0.5 * 1.5
+    torch.testing.assert_close(group, torch.full_like(group, 1.75))
+    key0 = 0.5 * 2 + 0.5 * (0.75 * 1 + 0.25 * 3)  # 1.75
+    key1 = 0.5 * 2 + 0.5 * (0.5 * 1 + 0.5 * 3)  # 2.0
+    torch.testing.assert_close(new.params["keys"][:, 0], torch.tensor([key0, key1]))
+    assert new.buffers["select_counts"].tolist() == [80, 2]
+    assert server.buffers["select_counts"].tolist() == [0, 0]  # the old state is not modified
+
+
+def test_table4_presets_aggregate_keys_by_samples_without_momentum(tiny):
+    method, _ = _sgpt(tiny, num_groups=2, preset="keys-qg")
+    server = method.init_server(torch.Generator().manual_seed(0))
+    new = _toy_round(method, server, torch.tensor([[60, 2], [20, 0]]))
+    torch.testing.assert_close(new.params["keys"], torch.full_like(new.params["keys"], 1.5))
+    torch.testing.assert_close(
+        new.params["group_prompts"], torch.full_like(new.params["group_prompts"], 1.5)
+    )
+
+
+def test_communication_declares_counts(tiny):
+    method, _ = _sgpt(tiny, num_groups=3)
+    server = method.init_server(torch.Generator().manual_seed(0))
+    down, up = method.communication(server)
+    assert set(down) == set(up) == {*server.params, "select_counts"}
+    assert set(server.params) == {"shared_prompts", "group_prompts", "keys", "head_w", "head_b"}
+    assert server.params["group_prompts"].shape == (3, 1, 1, 32)  # (G, Lg, p, d)
+
+
+# -- schedule, layers, presets -----------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("preset", "expected"),
+    [
+        ("bcd", [("shared", {"shared_prompts"}), ("group", {"group_prompts", "keys"})]),
+        ("bcd-inverted", [("group", {"group_prompts", "keys"}), ("shared", {"shared_prompts"})]),
+        ("shared-group-joint", [("joint", {"shared_prompts", "group_prompts", "keys"})]),
+        ("shared-only", [("shared", {"shared_prompts"})]),
+        ("group-only", [("group", {"group_prompts", "keys"})]),
+    ],
+)
+def test_phase_schedule(tiny, preset, expected):
+    method, _ = _sgpt(tiny, preset=preset)
+    names = tuple(method.init_server(torch.Generator().manual_seed(0)).params)
+    phases = method.phases(3, names)
+    assert [(p.name, set(p.trainable) - {"head_w", "head_b"}) for p in phases] == expected
+    assert all({"head_w", "head_b"} <= set(p.trainable) and p.epochs == 3 for p in phases)
+
+
+def test_layers_default_to_the_reference_layout_scaled_to_depth():
+    assert resolve_layers(SGPTConfig(), 12) == ((0, 1, 2, 3), (4, 5, 6))
+    assert resolve_layers(SGPTConfig(), 4) == ((0,), (1,))
+    assert resolve_layers(SGPTConfig(preset="cifar-s50"), 12) == ((0, 1, 2, 3, 4), (5, 6))
+    assert resolve_layers(SGPTConfig(shared_layers=()), 12) == ((), (4, 5, 6))
+    for bad in ({"group_layers": (3,)}, {"shared_layers": (0, 12)}, {"group_layers": (5, 5)}):
+        with pytest.raises(FpbenchError):
+            resolve_layers(SGPTConfig(**{"shared_layers": (0, 1, 2, 3), **bad}), 12)
+    with pytest.raises(FpbenchError):
+        resolve_layers(SGPTConfig(shared_layers=(), group_layers=()), 12)
+
+
+def test_presets_validate_and_explicit_fields_win():
+    for name, overrides in SGPT_PRESETS.items():
+        cfg = SGPTConfig(preset=name)
+        assert all(getattr(cfg, k) == v for k, v in overrides.items())
+        again = SGPTConfig(**cfg.model_dump(mode="json"))
+        assert again == cfg  # the stored config re-validates to itself
+    assert SGPTConfig(preset="office", num_groups=6).num_groups == 6
+    with pytest.raises(ValidationError, match="unknown sgpt preset"):
+        SGPTConfig(preset="nope")
+
+
+def test_ablation_suite_runs_every_table_preset():
+    suite = load_suite("sgpt-ablations-smoke")
+    presets = {c.method.args["preset"] for c in suite.cells}
+    table3 = {"shared-only", "group-only", "shared-group-joint", "bcd-inverted", "bcd"}
+    assert presets == table3 | {"keys-fedavg", "keys-qg", "keys-qg-momentum"}
+    assert {(c.backbone.name, c.dataset.name) for c in suite.cells} == {("vit-smoke", "synthetic")}
+
+
+def test_switches_train_evaluate_and_keep_executors_equal(tiny):
+    cfg, task, _ = tiny("sgpt", local_epochs=1)
+    method, _ = _sgpt(
+        tiny,
+        prompt_style="deep",
+        head_pooling="cls-group-shared",
+        query_activation="leaky-relu",
+        query_layer=0,
+        batch_majority=True,
+        group_init="zero",
+        shared_init="uniform",
+        num_groups=4,
+    )
+    server = method.init_server(torch.Generator().manual_seed(0))
+    ids = task.trainable_clients()[:2]
+    ref, lock = (
+        train_clients(method, server, task, ids, cfg.train, round_idx=0, seed=0, executor=ex)
+        for ex in ("reference", "lockstep")
+    )
+    for k in ref.params:
+        torch.testing.assert_close(lock.params[k], ref.params[k], atol=2e-5, rtol=1e-4)
+    assert torch.equal(ref.stats["select_counts"], lock.stats["select_counts"])
+    new = method.aggregate(server, lock.params, lock.client_ids, task.train_sizes[ids], lock.stats)
+    assert new.buffers["select_counts"].sum() == lock.stats["select_counts"].sum() > 0
+    counts = evaluate(method, new, task, 64)
+    assert counts.total_local.sum() > 0 and 0 <= counts.global_acc[0] <= 1
