@@ -7,6 +7,7 @@ import torch
 
 from fpbench.engine.runner import build_method
 from fpbench.engine.task import build_task
+from fpbench.registry import METHODS
 from fpbench.specs import RunConfig, expand_suite
 
 TINY = {
@@ -32,6 +33,8 @@ TINY = {
 def tiny_config(method: str = "fedvpt", **train) -> RunConfig:
     raw = {**TINY, "methods": [{"name": method}]}
     raw["defaults"] = {**TINY["defaults"], "train": {**TINY["defaults"]["train"], **train}}
+    if getattr(METHODS.get(method), "backbone_family", "vit") == "clip":
+        raw["defaults"]["backbone"] = {"name": "clip-test"}
     return expand_suite(raw, name="tiny").cells[0]
 
 

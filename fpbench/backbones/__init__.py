@@ -7,14 +7,18 @@
 | vit-b16-in21k | vit_base_patch16_224.orig_in21k (SGPT, FGPT, PEP-FedPT) | hub |
 | vit-b16-augreg-in21k | vit_base_patch16_224.augreg_in21k | hub |
 | vit-s16-augreg-in21k | vit_small_patch16_224.augreg_in21k | hub |
+| clip-test, clip-test-rn | tiny open_clip CLIP (ViT / ModifiedResNet) | seeded random, as a file |
+| clip-vit-b16, clip-rn50 | open_clip ViT-B-16-quickgelu / RN50-quickgelu | OpenAI (hub or file) |
 
-Every backbone can instead load a local weights file (`weights=`), through the same timm path.
+Every backbone can instead load a local weights file (`weights=`), through the same timm (ViT)
+or open_clip (CLIP) loading path.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from fpbench.backbones.clip import CLIP_SPECS, PromptedCLIP
 from fpbench.backbones.smoke import SMOKE_ARCH, SMOKE_MEAN, SMOKE_STD, SMOKE_TIMM_NAME
 from fpbench.backbones.vit import BackboneSpec, PromptedViT, ViTFeatures, preprocess_images
 from fpbench.registry import BACKBONES
@@ -22,6 +26,7 @@ from fpbench.registry import BACKBONES
 __all__ = [
     "VIT_TEST_ARCH",
     "BackboneSpec",
+    "PromptedCLIP",
     "PromptedViT",
     "ViTFeatures",
     "create_backbone",
@@ -71,7 +76,7 @@ _SPECS = (
         pretrained="hub",
     ),
 )
-for _spec in _SPECS:
+for _spec in (*_SPECS, *CLIP_SPECS):
     BACKBONES.register()(_spec)
 
 
@@ -80,7 +85,7 @@ def create_backbone(
     weights: str | Path | None = None,
     cache_dir: Path | None = None,
     pretrained: bool = True,
-) -> PromptedViT:
+) -> PromptedViT | PromptedCLIP:
     """Build a registered backbone, frozen and in eval mode.
 
     Args:

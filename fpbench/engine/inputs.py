@@ -45,7 +45,7 @@ class FeatureCache:
 
 def backbone_fingerprint(backbone: PromptedViT) -> str:
     h = hashlib.sha256(backbone.name.encode())
-    for t in list(backbone.vit.state_dict().values())[:4]:
+    for t in list(getattr(backbone, "vit", backbone).state_dict().values())[:4]:
         h.update(t.detach().float().cpu().numpy().tobytes()[: 1 << 16])
     return h.hexdigest()[:12]
 
