@@ -1,0 +1,139 @@
+"""Fed-DualPrompt: DualPrompt's G-prompt and key-selected E-prompts, trained with FedAvg.
+
+DualPrompt (Wang, Zhang, Ebrahimi, Sun, Zhang, Lee, Ren, Su, Perot, Dy, Pfister; "DualPrompt:
+Complementary Prompting for Rehearsal-free Continual Learning", ECCV 2022), federated with FedAvg
+as FGPT's Fed-DualPrompt baseline, on a frozen ViT.
+
+Client: a shared G-prompt at the first blocks and a pool of E-prompts at the next ones, with one
+learned key per E-prompt. Each sample's query is the final cls token of the frozen ViT without
+prompts; the E-prompt whose key has the highest cosine similarity is used for that sample (top-1).
+DualPrompt picks the E-prompt by task identity during training; federated data have no tasks, so
+the keys pick it in training as at test time, as in L2P. Loss: cross-entropy of a linear head on
+the final cls token plus `key_weight` * (1 - cos(query, selected key)), DualPrompt's matching
+loss, which pulls the selected key towards its queries. Prompts are inserted as tokens (VPT-deep
+style: each prompted block replaces the previous prompt tokens) rather than DualPrompt's default
+prefix-tuning, which the backbone does not provide; the G- and E-prompt lengths must be equal.
+
+Server: FedAvg of everything (G-prompt, E-prompt pool, keys, head) by client train size.
+
+Defaults from DualPrompt's Split CIFAR-100 configuration: G-prompt length 5 at blocks 0-1,
+E-prompts of length 5 at blocks 2-4, pool size 10, top-1 selection, matching-loss weight 1.
+For backbones other than 12 blocks the default blocks scale with depth (blocks [0, 2D/12) and
+[2D/12, 5D/12), at least one each). DualPrompt trains with Adam (lr 0.03, grad-norm clip 1).
+Prompts start from VPT's uniform init and keys from U(-1, 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import Tensor
+
+from fpbench.backbones import PromptedViT
+from fpbench.errors import FpbenchError
+from fpbench.methods.base import (
+    Context,
+    Method,
+    MethodConfig,
+    TaskInfo,
+    init_linear,
+    init_prompts,
+    per_client_linear,
+)
+from fpbench.registry import METHODS
+
+
+class DualPromptConfig(MethodConfig):
+    g_len: int = Field(5, ge=1, description="G-prompt tokens per block")
+    g_layers: tuple[int, ...] | None = Field(None, description="G-prompt blocks (None: 0-1)")
+    e_len: int = Field(5, ge=1, description="E-prompt tokens per block (must equal g_len)")
+    e_layers: tuple[int, ...] | None = Field(None, description="E-prompt blocks (None: 2-4)")
+    pool_size: int = Field(10, ge=1, description="number of E-prompts (and keys)")
+    key_weight: float = Field(1.0, ge=0, description="weight of the key matching loss")
+
+
+def default_layers(depth: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """DualPrompt's blocks for ViT-B (G: 0-1, E: 2-4) scaled to `depth` blocks."""
+    if depth < 2:
+        raise FpbenchError(f"fed-dualprompt needs a backbone of at least 2 blocks, got {depth}")
+    g_end = max(1, round(2 * depth / 12))
+    e_end = min(depth, max(g_end + 1, round(5 * depth / 12)))
+    return tuple(range(g_end)), tuple(range(g_end, e_end))
+
+
+def select_prompts(keys: Tensor, query: Tensor, client_index: Tensor) -> tuple[Tensor, Tensor]:
+    """Top-1 key per sample: keys (K, M, d), query (B, d) -> index (B,), cosine (B,)."""
+    k = F.normalize(keys, dim=-1)[client_index]  # (B, M, d)
+    q = F.normalize(query, dim=-1)  # (B, d)
+    sim = torch.einsum("bmd,bd->bm", k, q.to(k.dtype))  # (B, M)
+    index = sim.argmax(-1)  # (B,)
+    return index, sim.gather(1, index[:, None])[:, 0]
+
+
+@METHODS.register()
+class FedDualPrompt(Method):
+    name = "fed-dualprompt"
+    Config = DualPromptConfig
+
+    def __init__(self, cfg: DualPromptConfig, backbone: PromptedViT, task: TaskInfo) -> None:
+        super().__init__(cfg, backbone, task)
+        g_default, e_default = default_layers(backbone.depth)
+        self.g_layers = cfg.g_layers if cfg.g_layers is not None else g_default
+        self.e_layers = cfg.e_layers if cfg.e_layers is not None else e_default
+        self._check()
+
+    def _check(self) -> None:
+        g, e, depth = self.g_layers, self.e_layers, self.backbone.depth
+        if not g or not e or any(not 0 <= b < depth for b in g + e):
+            raise FpbenchError(
+                f"fed-dualprompt: g_layers {g} and e_layers {e} must be non-empty blocks in "
+                f"[0, {depth}); fix them or leave them unset"
+            )
+        if set(g) & set(e) or len(set(g)) < len(g) or len(set(e)) < len(e):
+            raise FpbenchError(f"fed-dualprompt: g_layers {g} and e_layers {e} must not repeat")
+        if self.cfg.g_len != self.cfg.e_len:
+            raise FpbenchError(
+                f"fed-dualprompt: g_len {self.cfg.g_len} != e_len {self.cfg.e_len}; token "
+                "prompts replace each other per block, so set them equal"
+            )
+
+    def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
+        d, patch, cfg = self.backbone.embed_dim, self.backbone.patch_size, self.cfg
+        g = torch.stack([init_prompts(gen, cfg.g_len, d, patch) for _ in self.g_layers])
+        e = torch.stack(
+            [
+                torch.stack([init_prompts(gen, cfg.e_len, d, patch) for _ in self.e_layers])
+                for _ in range(cfg.pool_size)
+            ]
+        )  # (M, Le, p, d)
+        keys = torch.rand(cfg.pool_size, d, generator=gen) * 2 - 1  # (M, d)
+        w, b = init_linear(gen, self.task.num_classes, d)
+        return {"g_prompts": g, "e_prompts": e, "e_keys": keys, "head_w": w, "head_b": b}
+
+    def logits_and_match(
+        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Logits (B, C) and each sample's cosine with its selected key (B,)."""
+        with torch.no_grad():
+            query = self.backbone.forward_features(x).cls  # (B, d) frozen, no prompts
+        index, match = select_prompts(params["e_keys"], query, client_index)
+        g = params["g_prompts"][client_index]  # (B, Lg, p, d)
+        e = params["e_prompts"][client_index, index]  # (B, Le, p, d)
+        prompts = {b: g[:, i] for i, b in enumerate(self.g_layers)}
+        prompts.update({b: e[:, i] for i, b in enumerate(self.e_layers)})
+        feats = self.backbone.forward_features(x, prompts, style="deep").cls  # (B, d)
+        logits = per_client_linear(feats, params["head_w"], params["head_b"], client_index)
+        return logits, match
+
+    def forward(
+        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
+    ) -> Tensor:
+        return self.logits_and_match(params, x, client_index)[0]
+
+    def loss(
+        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
+    ) -> Tensor:
+        logits, match = self.logits_and_match(params, x, client_index)
+        ce = F.cross_entropy(logits, y, reduction="none")  # (B,)
+        return ce + self.cfg.key_weight * (1 - match)

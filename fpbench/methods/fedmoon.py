@@ -1,0 +1,95 @@
+"""FedMoon: MOON's model-contrastive loss on prompt-tuned ViT representations.
+
+MOON (Li, He, Song; "Model-Contrastive Federated Learning", CVPR 2021), on VPT-shallow prompts
+and a linear head over a frozen ViT, as FGPT's FedMoon baseline.
+
+Client: cross-entropy plus mu times the model-contrastive loss on the representation z of each
+sample, the final cls token (the head's input; MOON's projection head has no counterpart here):
+
+    l_con = -log( e^{sim(z, z_glob) / tau} / (e^{sim(z, z_glob) / tau} + e^{sim(z, z_prev) / tau}) )
+
+with sim the cosine similarity, z_glob the representation under this round's global prompts
+(positive) and z_prev under the client's prompts after its previous local training (negative);
+both are fixed targets (no gradient). A client that has not trained yet uses the initial prompts
+as its previous ones, as MOON initialises every previous model to the initial global model (the
+term is then constant).
+
+Server: FedAvg of prompts and head by client train size. Each client's previous prompts are kept
+on the client (`prev_prompts`, personal and never trained nor sent); the global prompts used as
+the positive are the ones it received.
+
+Defaults: mu = 1 (MOON's setting for CIFAR-100 and Tiny-ImageNet; 5 for CIFAR-10), tau = 0.5.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import Tensor
+
+from fpbench.methods.base import Context, Phase, ServerState, per_client_linear
+from fpbench.methods.fedvpt import ShallowPromptModel, VPTConfig
+from fpbench.registry import METHODS
+
+
+class MoonConfig(VPTConfig):
+    mu: float = Field(1.0, ge=0, description="weight of the model-contrastive loss")
+    temperature: float = Field(0.5, gt=0, description="temperature tau of the contrastive loss")
+
+
+def model_contrastive_loss(z: Tensor, z_glob: Tensor, z_prev: Tensor, tau: float) -> Tensor:
+    """MOON's per-sample loss (B,): z (B, d) towards z_glob, away from z_prev."""
+    pos = F.cosine_similarity(z, z_glob, dim=-1)  # (B,)
+    neg = F.cosine_similarity(z, z_prev, dim=-1)  # (B,)
+    logits = torch.stack([pos, neg], dim=-1) / tau  # (B, 2)
+    return -F.log_softmax(logits, dim=-1)[:, 0]
+
+
+@METHODS.register()
+class FedMoon(ShallowPromptModel):
+    name = "fedmoon"
+    Config = MoonConfig
+    personal = frozenset({"prev_prompts"})
+
+    def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
+        params = super().init_params(gen)
+        return {**params, "prev_prompts": params["prompts"].clone()}
+
+    def client_params(self, server: ServerState, client_ids: Tensor) -> dict[str, Tensor]:
+        out = super().client_params(server, client_ids)
+        out["global_prompts"] = out["prompts"].clone()  # (K, p, d) the positive's prompts
+        return out
+
+    def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
+        return [Phase("local", ("prompts", "head_w", "head_b"), local_epochs)]
+
+    def represent(self, prompts: Tensor, x: Tensor, client_index: Tensor) -> Tensor:
+        """Final cls features (B, d) of x under each sample's row of prompts (K, p, d)."""
+        return self.backbone.forward_features(x, {0: prompts[client_index]}, style="shallow").cls
+
+    def loss(
+        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
+    ) -> Tensor:
+        z = self.represent(params["prompts"], x, client_index)  # (B, d)
+        logits = per_client_linear(z, params["head_w"], params["head_b"], client_index)
+        ce = F.cross_entropy(logits, y, reduction="none")  # (B,)
+        if not self.cfg.mu:
+            return ce
+        with torch.no_grad():
+            z_glob = self.represent(params["global_prompts"], x, client_index)
+            z_prev = self.represent(params["prev_prompts"], x, client_index)
+        con = model_contrastive_loss(z, z_glob, z_prev, self.cfg.temperature)
+        return ce + self.cfg.mu * con
+
+    def aggregate(
+        self,
+        server: ServerState,
+        trained: dict[str, Tensor],
+        client_ids: Tensor,
+        weights: Tensor,
+        stats: dict[str, Tensor],
+    ) -> ServerState:
+        # this round's local prompts become each client's previous prompts
+        local = {**trained, "prev_prompts": trained["prompts"]}
+        return super().aggregate(server, local, client_ids, weights, stats)
