@@ -64,9 +64,11 @@ def test_only_declared_tensors_are_communicated(tiny, name):
     cfg, task, method = tiny(name)
     server = _server(method)
     down, up = method.communication(server)
-    declared = set(server.params) | set(server.buffers)
+    # server state, or a non-personal tensor a client trains (e.g. generated prompts, their deltas)
+    trained = method.client_params(server, torch.tensor([0]))
+    declared = set(server.params) | set(server.buffers) | (set(trained) - method.personal)
     assert set(down) <= declared and set(up) <= declared
-    assert not (set(down) | set(up)) & set(server.personal)
+    assert not (set(down) | set(up)) & (set(server.personal) | method.personal)
 
 
 @pytest.mark.parametrize("name", ALL)

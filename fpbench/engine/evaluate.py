@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fpbench.engine.executor import autocast
+from fpbench.engine.executor import autocast, client_batches, derive_seed
 from fpbench.engine.inputs import Inputs
 from fpbench.engine.metrics import EvalCounts
 from fpbench.engine.task import Task
@@ -92,6 +92,7 @@ def _evaluate_per_client(
         ctx = Context(
             training=False, priors=task.priors[ids.to(task.priors.device)], buffers=server.buffers
         )
+        params = _adapt(method, params, task, inputs, ids, ctx)
         local = [task.test_idx[c] for c in ids.tolist()]
         correct = _correct(method, params, inputs, local, ctx, batch_size)
         for row, c in enumerate(ids.tolist()):
@@ -109,6 +110,33 @@ def _evaluate_per_client(
         global_total=len(data.test_labels),
         heldout_applicable=heldout_ok,
     )
+
+
+def _adapt(
+    method: Method,
+    params: dict[str, Tensor],
+    task: Task,
+    inputs: Inputs,
+    ids: Tensor,
+    ctx: Context,
+) -> dict[str, Tensor]:
+    """`Method.adapt` on one fixed batch of each client's train data (e.g. Per-FedAvg's step)."""
+    n = method.adapt_samples()
+    if n == 0:
+        return params
+    batches = [
+        (client_batches(task.train_idx[c], n, derive_seed("adapt", c)) or [task.train_idx[c]])[0]
+        for c in ids.tolist()
+    ]
+    idx = torch.cat(batches)
+    rows = torch.cat(
+        [
+            torch.full((len(b),), k, dtype=torch.long, device=idx.device)
+            for k, b in enumerate(batches)
+        ]
+    )
+    with torch.enable_grad():
+        return method.adapt(params, inputs.train(idx), task.data.train_labels[idx], rows, ctx)
 
 
 def _correct(

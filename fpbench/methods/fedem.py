@@ -1,0 +1,122 @@
+"""FedEM: M prompt/head learners, per-client mixture weights by EM, prediction mixes them.
+
+FedEM (Marfoq, Neglia, Bellet, Kameni, Vidal, "Federated Multi-Task Learning under a Mixture of
+Distributions", NeurIPS 2021), adapted to prompt tuning on a frozen ViT as in SGPT's baseline:
+each of the M learners is a set of VPT-shallow prompts and a linear head on the shared frozen
+backbone (all M run in one batched pass). Each client keeps mixture weights pi (M,), never sent.
+Client: E-step, responsibilities q_m(i) = softmax_m(log pi_m - loss_m(x_i, y_i)); each learner
+trains on the q-weighted cross-entropy sum_m q_m(i) loss_m(i); M-step, pi_m = mean_i q_m(i).
+Adaptation to the lockstep engine (no pass over the data before training): the E-step runs on
+the fly on each minibatch with the learners as they train and the round's starting pi, and the
+responsibilities are summed over the round (`ctx.stats`) so the M-step in `aggregate` sets pi to
+the mean responsibility of every sample visit; FedEM computes q once per round, before local
+training. Server: each learner is averaged by client train size over the round's participants
+(FedEM's aggregator averages over all clients with the non-sampled ones' stale copies, a damped
+FedAvg; both agree at full participation). Prediction: log sum_m pi_m softmax(f_m(x)).
+
+Defaults: M = 3, the paper's; prompt length 5, fpbench's VPT-shallow default; the local
+optimiser and schedule are the benchmark's `train` settings.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import Tensor
+
+from fpbench.methods.base import (
+    Context,
+    Method,
+    Phase,
+    ServerState,
+    init_linear,
+    init_prompts,
+    per_client_linear,
+)
+from fpbench.methods.fedvpt import VPTConfig
+from fpbench.registry import METHODS
+
+LEARNERS = ("prompts", "head_w", "head_b")
+
+
+class FedEMConfig(VPTConfig):
+    learners: int = Field(3, ge=1, description="number of mixture components M")
+
+
+def responsibilities(log_pi: Tensor, losses: Tensor) -> Tensor:
+    """E-step: q (B, M) = softmax_m(log pi_m - loss_m) for log_pi (B, M), losses (B, M)."""
+    return torch.softmax(log_pi - losses, dim=-1)
+
+
+@METHODS.register()
+class FedEM(Method):
+    name = "fedem"
+    Config = FedEMConfig
+    inference = "personal"
+    personal = frozenset({"pi"})
+
+    def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
+        d, m, p = self.backbone.embed_dim, self.cfg.learners, self.cfg.prompt_len
+        prompts = torch.stack([init_prompts(gen, p, d, self.backbone.patch_size) for _ in range(m)])
+        heads = [init_linear(gen, self.task.num_classes, d) for _ in range(m)]
+        return {
+            "prompts": prompts,  # (M, p, d)
+            "head_w": torch.stack([w for w, _ in heads]),  # (M, C, d)
+            "head_b": torch.stack([b for _, b in heads]),  # (M, C)
+            "pi": torch.full((m,), 1.0 / m),
+        }
+
+    def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
+        return [Phase("local", tuple(n for n in names if n in LEARNERS), local_epochs)]
+
+    def learner_logits(self, params: dict[str, Tensor], x: Tensor, client_index: Tensor) -> Tensor:
+        """Logits (B, M, C) of every learner, all M in one backbone pass."""
+        prompts = params["prompts"][client_index]  # (B, M, p, d)
+        b, m = prompts.shape[:2]
+        xs = x.unsqueeze(1).expand(b, m, *x.shape[1:]).reshape(b * m, *x.shape[1:])
+        feats = self.backbone.forward_features(xs, {0: prompts.flatten(0, 1)}, style="shallow")
+        feats = feats.cls.view(b, m, -1)  # (B, M, d)
+        w, bias = params["head_w"], params["head_b"]  # (K, M, C, d), (K, M, C)
+        return torch.stack(
+            [per_client_linear(feats[:, j], w[:, j], bias[:, j], client_index) for j in range(m)],
+            dim=1,
+        )
+
+    def forward(
+        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
+    ) -> Tensor:
+        log_probs = self.learner_logits(params, x, client_index).log_softmax(-1)  # (B, M, C)
+        log_pi = params["pi"][client_index].clamp_min(1e-12).log()  # (B, M)
+        return torch.logsumexp(log_pi.unsqueeze(-1) + log_probs, dim=1)  # (B, C)
+
+    def loss(
+        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
+    ) -> Tensor:
+        logits = self.learner_logits(params, x, client_index)  # (B, M, C)
+        b, m, c = logits.shape
+        losses = F.cross_entropy(
+            logits.flatten(0, 1), y.repeat_interleave(m), reduction="none"
+        ).view(b, m)
+        log_pi = params["pi"][client_index].clamp_min(1e-12).log()
+        q = responsibilities(log_pi, losses.detach())  # (B, M)
+        if ctx.training:
+            k = params["pi"].shape[0]
+            q_sum = torch.zeros(k, m, device=q.device, dtype=q.dtype).index_add_(0, client_index, q)
+            ctx.stats["q_sum"] = ctx.stats.get("q_sum", 0) + q_sum  # (K, M)
+        return (q * losses).sum(-1)  # (B,)
+
+    def aggregate(
+        self,
+        server: ServerState,
+        trained: dict[str, Tensor],
+        client_ids: Tensor,
+        weights: Tensor,
+        stats: dict[str, Tensor],
+    ) -> ServerState:
+        new = super().aggregate(server, trained, client_ids, weights, stats)
+        if "q_sum" in stats:
+            q = stats["q_sum"].to(new.personal["pi"].dtype)  # (K, M)
+            pi = q / q.sum(-1, keepdim=True).clamp_min(1e-12)  # M-step
+            new.personal["pi"] = server.personal["pi"].index_copy(0, client_ids, pi)
+        return new
