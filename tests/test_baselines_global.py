@@ -206,14 +206,14 @@ def test_each_sample_uses_the_e_prompt_of_its_key(tiny):
     query = method.backbone.forward_features(x).cls
     params["e_keys"] = torch.zeros_like(params["e_keys"])
     params["e_keys"][0, 3] = query.mean(0)  # every sample picks E-prompt 3
-    base = method.forward(params, x, rows, None)
+    base = method.forward(params, x, rows, Context(training=False))
     other = dict(params, e_prompts=params["e_prompts"].clone())
     bump = torch.randn(params["e_prompts"].shape[2:], generator=torch.Generator().manual_seed(1))
     other["e_prompts"][0, 5] += bump  # not a constant shift: LayerNorm would remove that
-    torch.testing.assert_close(method.forward(other, x, rows, None), base)
+    torch.testing.assert_close(method.forward(other, x, rows, Context(training=False)), base)
     chosen = dict(params, e_prompts=params["e_prompts"].clone())
     chosen["e_prompts"][0, 3] += bump
-    assert not torch.allclose(method.forward(chosen, x, rows, None), base)
+    assert not torch.allclose(method.forward(chosen, x, rows, Context(training=False)), base)
 
 
 def test_dualprompt_config_errors_name_the_fix(tiny):

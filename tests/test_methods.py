@@ -7,10 +7,11 @@ import torch
 
 from fpbench.engine.executor import train_clients
 from fpbench.engine.inputs import FeatureCache, Inputs
-from fpbench.methods.base import ServerState, per_client_linear, weighted_mean
+from fpbench.methods.base import Method, ServerState, per_client_linear, weighted_mean
 from fpbench.registry import METHODS
 
 ALL = METHODS.names()
+WITH_QUERY = [n for n in ALL if METHODS.get(n).frozen_query is not Method.frozen_query]
 
 
 def _server(method):
@@ -36,6 +37,23 @@ def test_reference_and_lockstep_executors_agree(tiny, name):
         torch.testing.assert_close(lock.params[k], ref.params[k], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(lock.loss, ref.loss, atol=1e-5, rtol=1e-5)
     assert ref.stats.keys() == lock.stats.keys()
+
+
+@pytest.mark.parametrize("name", WITH_QUERY)
+def test_cached_frozen_query_changes_nothing(tiny, name):
+    cfg, task, method = tiny(name)
+    server = _server(method)
+    ids = task.trainable_clients()
+    cached = Inputs.of(method, task, FeatureCache(), batch_size=16)
+    assert set(cached.queries) == {"train", "test"}
+    runs = [
+        train_clients(
+            method, server, task, ids, cfg.train, round_idx=0, seed=0, inputs=inputs
+        ).params
+        for inputs in (Inputs.of(method, task), cached)
+    ]
+    for k in runs[0]:
+        torch.testing.assert_close(runs[1][k], runs[0][k], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -32,6 +32,7 @@ def predict(
     preds = []
     for start in range(0, len(idx), batch_size):
         x = inputs.test(idx[start : start + batch_size])
+        ctx.query = inputs.query("test", idx[start : start + batch_size])
         logits = method.forward(params, x, rows[start : start + batch_size], ctx)
         preds.append(logits.argmax(-1))
     return torch.cat(preds) if preds else torch.empty(0, dtype=torch.long, device=idx.device)
@@ -135,6 +136,7 @@ def _adapt(
             for k, b in enumerate(batches)
         ]
     )
+    ctx.query = inputs.query("train", idx)
     with torch.enable_grad():
         return method.adapt(params, inputs.train(idx), task.data.train_labels[idx], rows, ctx)
 

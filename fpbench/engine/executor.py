@@ -175,6 +175,7 @@ def _step(
     rows = torch.cat([torch.full((len(b),), row, dtype=torch.long) for row, b in parts])
     rows = rows.to(idx.device)
     x = inputs.train(idx)
+    ctx.query = inputs.query("train", idx)
     per_sample = method.loss(leaves, x, task.data.train_labels[idx], rows, ctx)  # (B,)
     counts = torch.zeros(k, device=idx.device).index_add_(0, rows, torch.ones_like(per_sample))
     sums = torch.zeros(k, device=idx.device, dtype=per_sample.dtype).index_add(0, rows, per_sample)

@@ -10,6 +10,7 @@ and training a head on them skips the backbone entirely.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,6 +61,18 @@ def cls_features(backbone: PromptedViT, images: Tensor, batch_size: int) -> Tens
     return torch.cat(out).float() if out else images.new_zeros(0, backbone.embed_dim).float()
 
 
+@torch.no_grad()
+def _batched(
+    fn: Callable[[Tensor], Tensor], backbone: PromptedViT, images: Tensor, batch_size: int
+) -> Tensor:
+    """fn over preprocessed uint8 images, in batches: (N, dq) fp32."""
+    out = [
+        fn(backbone.preprocess(images[i : i + batch_size])).float()
+        for i in range(0, len(images), batch_size)
+    ]
+    return torch.cat(out)
+
+
 class Inputs:
     """Builds `x` for a batch of train or test indices, as the method's `frozen_input` asks."""
 
@@ -71,9 +84,21 @@ class Inputs:
         *,
         cache: FeatureCache | None,
         batch_size: int,
+        query: tuple[str, Callable[[Tensor], Tensor]] | None = None,
     ) -> None:
         self.backbone, self.task, self.frozen_input = backbone, task, frozen_input
         self.cached: dict[str, Tensor] = {}
+        self.queries: dict[str, Tensor] = {}
+        if query is not None and cache is not None:
+            name, fn = query
+            data, device = task.data, task.priors.device
+            base = f"{backbone_fingerprint(backbone)}-{data.fingerprint()}-query-{name}"
+            for split, images in (("train", data.train_images), ("test", data.test_images)):
+                self.queries[split] = cache.get(
+                    f"{base}-{split}",
+                    lambda im=images: _batched(fn, backbone, im, batch_size),
+                    device,
+                )
         if frozen_input == "cls" and cache is not None:
             data, device = task.data, task.priors.device
             base = f"{backbone_fingerprint(backbone)}-{data.fingerprint()}-cls"
@@ -88,8 +113,25 @@ class Inputs:
     def of(
         cls, method: Method, task: Task, cache: FeatureCache | None = None, batch_size: int = 256
     ) -> Inputs:
-        """The inputs `method` asks for (its `frozen_input`); `batch_size` fills the cache."""
-        return cls(method.backbone, task, method.frozen_input, cache=cache, batch_size=batch_size)
+        """The inputs `method` asks for (its `frozen_input`, its `frozen_query`).
+
+        With a cache, frozen features and queries are computed once (in batches of
+        `batch_size`); without one, every batch computes them anew.
+        """
+        name = method.frozen_query()
+        return cls(
+            method.backbone,
+            task,
+            method.frozen_input,
+            cache=cache,
+            batch_size=batch_size,
+            query=(name, method.query) if name else None,
+        )
+
+    def query(self, split: str, idx: Tensor) -> Tensor | None:
+        """Cached frozen queries of these samples, or None when not cached."""
+        cached = self.queries.get(split)
+        return None if cached is None else cached[idx]
 
     def train(self, idx: Tensor) -> Tensor:
         return self._get("train", self.task.data.train_images, idx)

@@ -80,6 +80,8 @@ class Context:
     `earlier` are those statistics summed over the clients trained before this call in the same
     round: always empty in lockstep, filled one client after another by the reference executor
     (for methods whose reference code lets a client see its predecessors, e.g. SGPT's counts).
+    `query` are the batch's cached frozen queries (B, dq) when the method declares
+    `frozen_query` and the engine caches them; None: the method computes them itself.
     """
 
     training: bool
@@ -88,6 +90,7 @@ class Context:
     buffers: dict[str, Tensor] = field(default_factory=dict)
     stats: dict[str, Tensor] = field(default_factory=dict)
     earlier: dict[str, Tensor] = field(default_factory=dict)
+    query: Tensor | None = None  # (B, dq)
 
 
 class Method:
@@ -176,6 +179,20 @@ class Method:
     def eval_params(self, server: ServerState, client_ids: Tensor) -> dict[str, Tensor]:
         """Parameters used at evaluation for these clients, stacked (K, ...)."""
         return self.client_params(server, client_ids)
+
+    def frozen_query(self) -> str | None:
+        """A name for the frozen per-sample query `self.query(x)` computes, or None (no query).
+
+        The query must not depend on anything trained (e.g. the unprompted backbone's cls at
+        some layer); the name must change whenever its value would (layer, activation). The
+        engine then computes it once per (backbone, dataset, split, name), keeps it, and hands
+        each batch's rows to the method in `ctx.query`.
+        """
+        return None
+
+    def query(self, x: Tensor) -> Tensor:
+        """The frozen query (B, dq) of preprocessed images (see `frozen_query`)."""
+        raise NotImplementedError
 
     def round_metrics(self, server: ServerState) -> dict[str, float]:
         """Method-specific scalars stored every round after aggregation (default: none)."""

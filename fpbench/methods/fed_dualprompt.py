@@ -111,12 +111,19 @@ class FedDualPrompt(Method):
         w, b = init_linear(gen, self.task.num_classes, d)
         return {"g_prompts": g, "e_prompts": e, "e_keys": keys, "head_w": w, "head_b": b}
 
+    def frozen_query(self) -> str:
+        return "final-cls"
+
+    @torch.no_grad()
+    def query(self, x: Tensor) -> Tensor:
+        """The frozen, unprompted backbone's final cls (B, d): what keys are matched against."""
+        return self.backbone.forward_features(x).cls
+
     def logits_and_match(
-        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor
+        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
     ) -> tuple[Tensor, Tensor]:
         """Logits (B, C) and each sample's cosine with its selected key (B,)."""
-        with torch.no_grad():
-            query = self.backbone.forward_features(x).cls  # (B, d) frozen, no prompts
+        query = ctx.query if ctx.query is not None else self.query(x)  # (B, d)
         index, match = select_prompts(params["e_keys"], query, client_index)
         g = params["g_prompts"][client_index]  # (B, Lg, p, d)
         e = params["e_prompts"][client_index, index]  # (B, Le, p, d)
@@ -129,11 +136,11 @@ class FedDualPrompt(Method):
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
     ) -> Tensor:
-        return self.logits_and_match(params, x, client_index)[0]
+        return self.logits_and_match(params, x, client_index, ctx)[0]
 
     def loss(
         self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
     ) -> Tensor:
-        logits, match = self.logits_and_match(params, x, client_index)
+        logits, match = self.logits_and_match(params, x, client_index, ctx)
         ce = F.cross_entropy(logits, y, reduction="none")  # (B,)
         return ce + self.cfg.key_weight * (1 - match)

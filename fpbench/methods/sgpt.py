@@ -22,8 +22,9 @@ reproduced. The default therefore reads the counts of the round start (`select_c
 "snapshot"`, identical under both executors); "sequential" is the reference's behaviour and needs
 the reference executor (under lockstep it equals "snapshot").
 
-Select's query does not depend on anything trained, so it is recomputed under no_grad here; an
-engine-side cache would sit next to the cls cache of `fpbench.engine.inputs.Inputs`.
+Select's query does not depend on anything trained: it is declared as the method's
+`frozen_query`, so the engine computes it once per dataset and hands each batch's rows in
+`ctx.query` (without a cache, it is recomputed under no_grad).
 """
 
 from __future__ import annotations
@@ -363,6 +364,9 @@ class SGPT(Method):
         tokens = torch.cat([feats.cls.unsqueeze(1), feats.prompt_tokens[:, :n]], dim=1)
         return tokens.mean(1)
 
+    def frozen_query(self) -> str:
+        return f"sgpt-block{self.query_layer}-{self.cfg.query_activation}"
+
     @torch.no_grad()
     def query(self, x: Tensor) -> Tensor:
         """Select's query (B, d) from the frozen, unprompted backbone."""
@@ -378,7 +382,8 @@ class SGPT(Method):
         Test time: nearest key. Training: frequency-weighted score, optional batch majority,
         and the picks are counted in `ctx.stats["select_counts"]` (K, G).
         """
-        cos = key_cosines(self.query(x), keys, client_index)  # (B, G)
+        query = ctx.query if ctx.query is not None else self.query(x)  # (B, dq)
+        cos = key_cosines(query, keys, client_index)  # (B, G)
         if not ctx.training:
             return cos.argmax(1), cos
         k, g = keys.shape[:2]
