@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable
 from enum import Enum
@@ -16,7 +17,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import fpbench
+from fpbench.data_cli import data_app
 from fpbench.errors import FpbenchError
+from fpbench.store.cli_db import db_app
 
 app = typer.Typer(
     help="Benchmark suite for federated prompt tuning.",
@@ -26,6 +29,8 @@ app = typer.Typer(
 )
 plot_app = typer.Typer(help="Draw plots from the results database.", no_args_is_help=True)
 app.add_typer(plot_app, name="plot")
+app.add_typer(db_app, name="db")
+app.add_typer(data_app, name="data")
 console = Console()
 err = Console(stderr=True)
 
@@ -111,20 +116,21 @@ class _ProgressObserver:
     def __init__(self, progress: Progress, total_cells: int) -> None:
         self.progress = progress
         self.cells = progress.add_task("cells", total=total_cells)
-        self.rounds: Any = None
+        self.rounds: dict[str, Any] = {}  # run_key -> rounds bar (several with --jobs)
 
     def cell_start(self, cfg, start_round: int) -> None:
-        if self.rounds is not None:
-            self.progress.remove_task(self.rounds)
         label = f"{cfg.method.label} / {cfg.dataset.label} / {cfg.partition.label} / s{cfg.seed}"
-        self.rounds = self.progress.add_task(
+        self.rounds[cfg.run_key] = self.progress.add_task(
             f"  {label}", total=cfg.train.rounds, completed=start_round
         )
 
     def round_end(self, cfg, round_idx: int, metrics: dict[str, float]) -> None:
-        self.progress.update(self.rounds, completed=round_idx + 1)
+        if cfg.run_key in self.rounds:
+            self.progress.update(self.rounds[cfg.run_key], completed=round_idx + 1)
 
     def cell_end(self, result) -> None:
+        if (bar := self.rounds.pop(result.cfg.run_key, None)) is not None:
+            self.progress.remove_task(bar)
         self.progress.advance(self.cells)
 
 
@@ -138,29 +144,79 @@ def run(
     seed: Annotated[list[int] | None, typer.Option(help="only these seeds (repeatable)")] = None,
     db: DbOpt = DEFAULT_DB,
     device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N")] = None,
-    executor: Annotated[str | None, typer.Option(help="lockstep or reference")] = None,
+    executor: Annotated[
+        str,
+        typer.Option(
+            help="where cells run: local, submitit-local, slurm or ray (lockstep/reference "
+            "still select --client-executor)"
+        ),
+    ] = "local",
+    client_executor: Annotated[
+        str | None, typer.Option(help="client training: lockstep or reference")
+    ] = None,
+    jobs: Annotated[
+        int, typer.Option(min=1, help="cells at once (worker processes; SLURM array parallelism)")
+    ] = 1,
+    address: Annotated[
+        str | None, typer.Option(help="Ray cluster address (--executor ray); default: local Ray")
+    ] = None,
+    gpus_per_cell: Annotated[float, typer.Option(min=0, help="GPUs per cell (slurm, ray)")] = 0,
+    cpus_per_cell: Annotated[int, typer.Option(min=1, help="CPUs per cell (slurm, ray)")] = 1,
+    timeout_min: Annotated[int, typer.Option(min=1, help="time limit per SLURM job")] = 1440,
+    slurm_partition: Annotated[str | None, typer.Option(help="SLURM partition")] = None,
+    job_dir: Annotated[Path, typer.Option(help="submitit's job files and logs")] = Path(
+        "results/jobs"
+    ),
     checkpoint_dir: Annotated[Path, typer.Option(help="where per-round checkpoints live")] = Path(
         "results/checkpoints"
     ),
+    data_root: Annotated[
+        Path | None, typer.Option(help="datasets root (default: $FPBENCH_DATA, else ./data)")
+    ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="list the cells and their status")
     ] = False,
 ) -> None:
-    """Run (or resume) every cell of a suite; finished cells are skipped."""
-    from fpbench.engine.inputs import FeatureCache
-    from fpbench.engine.runner import run_suite
+    """Run (or resume) every cell of a suite; finished cells are skipped.
+
+    A --db containing {run_key} gives every cell its own SQLite file (see `fpbench db merge`).
+    """
+    from fpbench.data.prepared import data_root as data_root_of
+    from fpbench.data.prepared import require_present
+    from fpbench.engine.dispatch import CELL_KEY, Dispatch, run_cells, validate
     from fpbench.specs import load_suite
+    from fpbench.store import Store
 
     loaded = load_suite(suite)
     cells = _select_cells(loaded, method, seed)
-    runtime = {k: v for k, v in {"device": device, "executor": executor}.items() if v}
-    if executor and executor not in ("lockstep", "reference"):
-        raise FpbenchError(f"--executor must be lockstep or reference, got {executor!r}")
+    if data_root is not None:  # read by every worker through the environment
+        os.environ["FPBENCH_DATA"] = str(data_root.expanduser().absolute())
+    if executor in ("lockstep", "reference"):  # the option's meaning before cell executors
+        executor, client_executor = "local", client_executor or executor
+    runtime = {k: v for k, v in {"device": device, "executor": client_executor}.items() if v}
+    if client_executor and client_executor not in ("lockstep", "reference"):
+        raise FpbenchError(
+            f"--client-executor must be lockstep or reference, got {client_executor!r}"
+        )
     cells = [c.model_copy(update={"runtime": c.runtime.model_copy(update=runtime)}) for c in cells]
     if dry_run:
         _print_cells(loaded.name, cells, db)
         return
-    store = _open_store(db)
+    require_present([c.dataset.name for c in cells], data_root_of())  # before anything is written
+    url = Store.url_from_path_or_url(db if "://" in db else Path(db).absolute())
+    dispatch = Dispatch(
+        executor=executor,
+        jobs=jobs,
+        folder=job_dir.absolute(),
+        address=address,
+        gpus_per_cell=gpus_per_cell,
+        cpus_per_cell=cpus_per_cell,
+        timeout_min=timeout_min,
+        slurm_partition=slurm_partition,
+    )
+    validate(dispatch)
+    if CELL_KEY not in url:
+        _open_store(db).close()  # creates the tables once; an unreachable database fails here
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -170,12 +226,12 @@ def run(
         transient=False,
     ) as progress:
         _pretrain_smoke_backbone(cells, progress)
-        results = run_suite(
+        results = run_cells(
             cells,
-            store,
-            checkpoint_dir=checkpoint_dir,
+            url,
+            checkpoint_dir=checkpoint_dir.absolute(),
+            dispatch=dispatch,
             observer=_ProgressObserver(progress, len(cells)),
-            cache=FeatureCache(),  # frozen features shared by the cells of this process
         )
     _report_results(loaded.name, results)
 
@@ -203,9 +259,11 @@ def _pretrain_smoke_backbone(cells, progress: Progress) -> None:
 
 def _report_results(suite: str, results) -> None:
     counts = {s: sum(r.status == s for r in results) for s in ("done", "skipped", "failed")}
+    busy = sum(r.status == "skipped" and r.error is not None for r in results)
     console.print(
-        f"suite [bold]{suite}[/]: {counts['done']} run, {counts['skipped']} already "
+        f"suite [bold]{suite}[/]: {counts['done']} run, {counts['skipped'] - busy} already "
         f"done, {counts['failed']} failed"
+        + (f", {busy} skipped (claimed by another driver)" if busy else "")
     )
     for r in results:
         if r.status == "failed":
@@ -312,20 +370,37 @@ class TableFormat(str, Enum):
     md = "md"
     csv = "csv"
     latex = "latex"
+    term = "term"  # --paper only
 
 
 @app.command()
 @user_errors
 def table(
-    suite: SuiteOpt,
+    suite: Annotated[str | None, typer.Option("--suite", "-s", help="suite name or .toml")] = None,
     metric: Annotated[list[str] | None, typer.Option(help="metric(s) (repeatable)")] = None,
     fmt: Annotated[TableFormat, typer.Option("--format", help="output format")] = TableFormat.md,
     out: Annotated[Path | None, typer.Option(help="write to this file instead of stdout")] = None,
     db: DbOpt = DEFAULT_DB,
+    paper: Annotated[
+        str | None, typer.Option(help="a paper's tables: sgpt, fgpt, pep-fedpt, sdfed, tpfl")
+    ] = None,
+    table_no: Annotated[
+        int | None, typer.Option("--table", help="only this table of --paper")
+    ] = None,
 ) -> None:
-    """Mean +- std over seeds of each method's final metrics (mean of the last 10 evals)."""
+    """Mean +- std over seeds of each method's final metrics (mean of the last 10 evals).
+
+    With --paper: the paper's tables in its layout, fpbench's values beside the paper's.
+    """
     from fpbench.report.tables import render, summary_table
 
+    if paper:
+        from fpbench.report.cli_paper import show_paper_tables
+
+        show_paper_tables(db, paper, table_no, fmt.value, out, console)
+        return
+    if suite is None:
+        raise FpbenchError("give --suite NAME (a suite's summary) or --paper NAME (its tables)")
     store = _open_store(db, must_exist=True)
     frame = store.metrics(suite=_suite_name(suite))
     text = render(summary_table(frame, metric or DEFAULT_METRICS), fmt.value)
@@ -417,6 +492,22 @@ def bench_cmd(
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(figures, indent=2))
         console.print(f"wrote {json_out}")
+
+
+def _register_paper_plots() -> None:
+    from fpbench.report.cli_paper import register_plot_commands
+
+    register_plot_commands(
+        plot_app,
+        wrap=user_errors,
+        open_store=_open_store,
+        suite_name=_suite_name,
+        save=_save,
+        console=console,
+    )
+
+
+_register_paper_plots()
 
 
 def main() -> None:

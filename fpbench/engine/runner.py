@@ -24,6 +24,7 @@ from fpbench.methods.base import Method, ServerState, TaskInfo
 from fpbench.registry import METHODS
 from fpbench.specs import RunConfig, TrainConfig
 from fpbench.store import Store
+from fpbench.store.claims import CLAIM_TIMEOUT_S, ClaimLost, claim_is_live, new_owner
 
 
 class Observer:
@@ -86,7 +87,7 @@ def build_method(
     backbone = create_backbone(
         cfg.backbone.name, weights=cfg.backbone.weights, pretrained=pretrained
     ).to(device)
-    if cfg.runtime.compile:
+    if cfg.runtime.compile and hasattr(backbone, "vit"):
         for block in backbone.vit.blocks:
             block.compile(dynamic=True)
     method_cls = METHODS.get(cfg.method.name)
@@ -95,6 +96,11 @@ def build_method(
         num_clients=task.num_clients,
         class_priors=task.priors,
         train_sizes=task.train_sizes,
+        class_names=tuple(task.data.class_names),
+        train_images=task.data.train_images,
+        train_idx=tuple(task.train_idx),
+        heldout=task.heldout,
+        train_labels=task.data.train_labels,
     )
     return method_cls(method_cls.Config(**cfg.method.args), backbone, info)
 
@@ -131,18 +137,25 @@ def run_cell(
     checkpoint_dir: Path,
     observer: Observer | None = None,
     cache: FeatureCache | None = None,
+    claim_timeout: float = CLAIM_TIMEOUT_S,
 ) -> CellResult:
-    """Run or resume one cell. Missing data or weights raise before anything is written."""
+    """Run or resume one cell. Missing data or weights raise before anything is written.
+
+    The cell is claimed atomically first (see `fpbench.store.claims`): a cell another live
+    driver is running is skipped, and a claim silent for `claim_timeout` seconds is taken over.
+    """
     record = store.find_run(cfg.run_key)
     if record is not None and record.status == "done":
         return CellResult(cfg, "skipped")
+    if record is not None and claim_is_live(record, claim_timeout):  # before building anything
+        return CellResult(cfg, "skipped", "claimed by another driver")
     device = resolve_device(cfg.runtime.device)
     torch.manual_seed(derive_seed(cfg.seed, "torch"))
     task = build_task(cfg, device)
     method = build_method(cfg, task, device)
     inputs = _inputs(cfg, method, task, cache)
     if record is None:
-        record = store.create_run(
+        record = store.ensure_run(
             run_key=cfg.run_key,
             suite=cfg.suite,
             method=cfg.method.label,
@@ -154,15 +167,22 @@ def run_cell(
             torch_version=torch.__version__,
             device=_device_name(device, cfg),
         )
-    store.set_status(record.id, "running")
+    owner = new_owner()
+    if not store.claim_run(record.id, owner, timeout_s=claim_timeout):
+        return CellResult(cfg, "skipped", "claimed by another driver")
     try:
-        elapsed = _rounds(
-            cfg, method, task, inputs, store, record.id, checkpoint_dir, observer or Observer()
-        )
+        with store.keep_alive(record.id, owner, claim_timeout / 4):
+            observer = observer or Observer()
+            elapsed = _rounds(
+                cfg, method, task, inputs, store, record.id, checkpoint_dir, observer, owner
+            )
+    except ClaimLost as e:
+        return CellResult(cfg, "skipped", str(e))
     except BaseException as e:
-        store.set_status(record.id, "failed", error=f"{type(e).__name__}: {e}")
+        store.finish_run(record.id, owner, "failed", error=f"{type(e).__name__}: {e}")
         raise
-    store.set_status(record.id, "done", wall_s=elapsed)
+    if not store.finish_run(record.id, owner, "done", wall_s=elapsed):
+        return CellResult(cfg, "skipped", "claim taken over by another driver")
     ckpt_io.checkpoint_path(checkpoint_dir, cfg.run_key).unlink(missing_ok=True)
     return CellResult(cfg, "done")
 
@@ -187,6 +207,7 @@ def _rounds(
     run_id: int,
     checkpoint_dir: Path,
     observer: Observer,
+    owner: str | None = None,
 ) -> float:
     """The round loop, from the last checkpoint on; returns the run's total training time."""
     device = task.priors.device
@@ -207,7 +228,7 @@ def _rounds(
             method, ckpt.server, task, inputs, cfg, r, schedule[r], ckpt.history
         )
         wall = time.perf_counter() - start
-        store.write_round(run_id, r, wall_s=wall, metrics=rows, **scalars)
+        store.write_round(run_id, r, wall_s=wall, metrics=rows, owner=owner, **scalars)
         ckpt = ckpt_io.Checkpoint(cfg.run_key, r, server, ckpt.history, ckpt.elapsed_s + wall)
         ckpt_io.save(path, ckpt)
         observer.round_end(cfg, r, ckpt.history[-1] if should_eval(r, cfg.train) else {})
@@ -245,6 +266,7 @@ def _round(
     )
     loss = float(local.loss.mean())
     rows = [(None, "loss_train", loss, len(client_ids))]
+    rows += [(None, k, v, None) for k, v in method.round_metrics(server).items()]
     if should_eval(r, cfg.train):
         counts = evaluate(method, server, task, cfg.train.eval_batch_size, inputs, precision)
         agg = aggregates(counts)

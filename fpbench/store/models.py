@@ -95,6 +95,9 @@ class Run(Base):
     fpbench_version: Mapped[str] = mapped_column(String(64))
     torch_version: Mapped[str] = mapped_column(String(64))
     device: Mapped[str] = mapped_column(String(255))
+    # the claim of a running cell: who runs it and when it last proved alive (store/claims.py)
+    owner: Mapped[str | None] = mapped_column(String(255))
+    heartbeat_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime)
 
 
 class Round(Base):

@@ -22,6 +22,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, SQLAlchemy
 from sqlalchemy.orm import Session, sessionmaker
 
 from fpbench.errors import FpbenchError
+from fpbench.store.claims import ClaimMixin, touch_or_raise, upgrade_schema
 from fpbench.store.models import FINAL_STATUSES, STATUSES, Base, Metric, Round, Run
 
 MIN_KEY_PREFIX = 4
@@ -58,6 +59,8 @@ class RunRecord:
     fpbench_version: str
     torch_version: str
     device: str
+    owner: str | None = None  # the claim: who runs (or ran) it, and its last heartbeat
+    heartbeat_at: dt.datetime | None = None
 
 
 def _record(run: Run) -> RunRecord:
@@ -78,6 +81,8 @@ def _record(run: Run) -> RunRecord:
         fpbench_version=run.fpbench_version,
         torch_version=run.torch_version,
         device=run.device,
+        owner=run.owner,
+        heartbeat_at=run.heartbeat_at,
     )
 
 
@@ -104,13 +109,21 @@ def _prepare_sqlite_path(url: URL) -> None:
 
 
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+    dbapi_connection.isolation_level = None  # transactions begin in _sqlite_on_begin
     cursor = dbapi_connection.cursor()
     try:
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute("PRAGMA busy_timeout=30000")  # several processes may share one file
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
     finally:
         cursor.close()
+
+
+def _sqlite_on_begin(conn: Any) -> None:
+    # take the write lock up front: a deferred transaction that reads, then writes after another
+    # process wrote fails at once with "database is locked" instead of waiting for busy_timeout
+    conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def _open_engine(url: str) -> Engine:
@@ -121,12 +134,25 @@ def _open_engine(url: str) -> Engine:
     engine = create_engine(parsed)
     if is_sqlite:
         event.listen(engine, "connect", _sqlite_on_connect)
+        event.listen(engine, "begin", _sqlite_on_begin)
     try:
-        Base.metadata.create_all(engine)
+        _create_tables(engine)
+        upgrade_schema(engine)
     except BaseException:
         engine.dispose()
         raise
     return engine
+
+
+def _create_tables(engine: Engine, attempts: int = 3) -> None:
+    """create_all, retried: several workers may create the tables of a new database at once."""
+    for attempt in range(attempts):
+        try:
+            Base.metadata.create_all(engine)
+            return
+        except (IntegrityError, DBAPIError):
+            if attempt == attempts - 1:
+                raise
 
 
 def _metric_dicts(run_id: int, round_: int, rows: Iterable[MetricRow]) -> list[dict[str, Any]]:
@@ -152,7 +178,7 @@ def _metric_dicts(run_id: int, round_: int, rows: Iterable[MetricRow]) -> list[d
     return out
 
 
-class Store:
+class Store(ClaimMixin):
     """Results database: runs, per-round scalars and long-format metrics.
 
     Args:
@@ -323,16 +349,21 @@ class Store:
         bytes_up: int,
         bytes_down: int,
         metrics: Iterable[MetricRow],
+        owner: str | None = None,
     ) -> None:
         """Write one round's scalars and metric rows, replacing any earlier copy of that round.
 
         Args:
             metrics: (client_id or None for aggregates, name, value, count or None) tuples.
+            owner: the claim owner (see `claim_run`); when given, the round is written only
+                while that claim holds (ClaimLost otherwise) and its heartbeat is refreshed.
         """
         metric_rows = _metric_dicts(int(run_id), int(round), metrics)
         loss = None if loss_train is None or math.isnan(loss_train) else float(loss_train)
         with self._session.begin() as s:
             self._get(s, run_id)
+            if owner is not None:
+                touch_or_raise(s, run_id, owner)
             s.execute(delete(Metric).where(Metric.run_id == run_id, Metric.round == round))
             s.execute(delete(Round).where(Round.run_id == run_id, Round.round == round))
             s.execute(

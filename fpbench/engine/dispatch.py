@@ -1,0 +1,270 @@
+"""Where a suite's cells run: this process, a local process pool, SLURM via submitit, or Ray.
+
+fpbench has no cluster code of its own. Every backend ends in `run_one` -> `run_cell` in some
+process, so claims, resume and storage behave the same everywhere; the backend only decides
+where that process is. A database URL containing `{run_key}` gives every cell its own SQLite
+file (shared storage without a database server; fold them with `fpbench db merge`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing as mp
+import os
+import queue
+import shutil
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fpbench.engine.inputs import FeatureCache
+from fpbench.engine.runner import CellResult, Observer, run_cell, run_suite
+from fpbench.errors import FpbenchError
+from fpbench.specs import RunConfig
+from fpbench.store import Store
+from fpbench.store.claims import CLAIM_TIMEOUT_S
+
+EXECUTORS = ("local", "submitit-local", "slurm", "ray")
+ENGINES = {  # executor -> (module it needs, fpbench's extra that installs it)
+    "submitit-local": ("submitit", "slurm"),
+    "slurm": ("submitit", "slurm"),
+    "ray": ("ray", "ray"),
+}
+CELL_KEY = "{run_key}"  # placeholder in a database URL: one database per cell
+
+Outcome = tuple[str, str | None]  # (done | skipped | failed | error, message)
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """How cells are dispatched; nothing here changes a cell's results."""
+
+    executor: str = "local"
+    jobs: int = 1  # cells at once (local processes, submitit-local jobs, SLURM array parallelism)
+    folder: Path = Path("results/jobs")  # submitit's pickles and logs
+    address: str | None = None  # Ray cluster address; None starts a local Ray instance
+    gpus_per_cell: float = 0.0
+    cpus_per_cell: int = 1
+    timeout_min: int = 24 * 60
+    slurm_partition: str | None = None
+    claim_timeout: float = CLAIM_TIMEOUT_S
+
+
+def cell_url(url: str, cfg: RunConfig) -> str:
+    """The database of one cell: `url` with `{run_key}` filled in."""
+    return url.replace(CELL_KEY, cfg.run_key)
+
+
+def run_cells(
+    cells: list[RunConfig],
+    url: str,
+    *,
+    checkpoint_dir: Path,
+    dispatch: Dispatch = Dispatch(),
+    observer: Observer | None = None,
+) -> list[CellResult]:
+    """Run or resume every cell with the chosen executor; results follow the order of `cells`.
+
+    Raises:
+        FpbenchError: an unknown executor, a missing optional engine, or a user error raised
+            by a cell (missing data, unknown weights), which stops the dispatch.
+    """
+    observer = observer or Observer()
+    validate(dispatch)
+    if dispatch.executor == "local" and dispatch.jobs == 1:
+        return _serial(cells, url, Path(checkpoint_dir), dispatch, observer)
+    if dispatch.executor == "local":
+        run = _pool
+    elif dispatch.executor == "ray":
+        from fpbench.engine.ray_tasks import run_ray as run
+    else:
+        from fpbench.engine.submitit_jobs import run_submitit as run
+    done = _already_done(cells, url)
+    skipped = {k: finish(c, ("skipped", None), observer) for k, c in done.items()}
+    todo = [c for c in cells if c.run_key not in done]
+    ran = run(todo, url, Path(checkpoint_dir), dispatch, observer) if todo else []
+    by_key = {**skipped, **{r.cfg.run_key: r for r in ran}}
+    return [by_key[c.run_key] for c in cells]
+
+
+def validate(dispatch: Dispatch) -> None:
+    """Check the executor and what it needs, before anything is written.
+
+    Raises:
+        FpbenchError: an unknown executor, --jobs < 1, a missing optional engine, no sbatch.
+    """
+    if dispatch.executor not in EXECUTORS:
+        raise FpbenchError(
+            f"--executor {dispatch.executor!r} is unknown; use one of {', '.join(EXECUTORS)}"
+        )
+    if dispatch.jobs < 1:
+        raise FpbenchError(f"--jobs must be at least 1, got {dispatch.jobs}")
+    module, extra = ENGINES.get(dispatch.executor, (None, None))
+    if module and not _importable(module):
+        raise FpbenchError(
+            f"--executor {dispatch.executor} needs {module}: pip install {module} "
+            f"(or fpbench's `{extra}` extra)"
+        )
+    if dispatch.executor == "slurm" and shutil.which("sbatch") is None:
+        raise FpbenchError(
+            "--executor slurm needs SLURM's sbatch on PATH; use --executor submitit-local here"
+        )
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _already_done(cells: list[RunConfig], url: str) -> dict[str, RunConfig]:
+    """Cells already done in the shared database: no worker is started for them."""
+    if CELL_KEY in url:
+        return {}
+    with Store(url) as store:
+        return {
+            c.run_key: c
+            for c in cells
+            if (r := store.find_run(c.run_key)) is not None and r.status == "done"
+        }
+
+
+# -- the task every backend runs -------------------------------------------------------------
+
+_worker: dict[str, Any] = {}  # per worker process: the event queue and the feature cache
+
+
+class _QueueObserver(Observer):
+    """Forwards a worker's progress to the driver."""
+
+    def __init__(self, events: Any) -> None:
+        self.events = events
+
+    def cell_start(self, cfg: RunConfig, start_round: int) -> None:
+        self.events.put(("start", cfg.run_key, start_round, {}))
+
+    def round_end(self, cfg: RunConfig, round_idx: int, metrics: dict[str, float]) -> None:
+        self.events.put(("round", cfg.run_key, round_idx, metrics))
+
+
+def run_one(
+    cfg: RunConfig,
+    url: str,
+    checkpoint_dir: str,
+    claim_timeout: float = CLAIM_TIMEOUT_S,
+    observer: Observer | None = None,
+) -> Outcome:
+    """Run one cell in this process and return (status, message); never raises for a cell."""
+    events = _worker.get("events")
+    if observer is None:
+        observer = _QueueObserver(events) if events is not None else Observer()
+    try:
+        with Store(cell_url(url, cfg)) as store:
+            result = run_cell(
+                cfg,
+                store,
+                checkpoint_dir=Path(checkpoint_dir),
+                observer=observer,
+                cache=_worker.setdefault("cache", FeatureCache()),
+                claim_timeout=claim_timeout,
+            )
+    except FpbenchError as e:
+        return ("error", str(e))
+    except Exception as e:  # recorded as failed in the database by run_cell
+        return ("failed", f"{type(e).__name__}: {e}")
+    return (result.status, result.error)
+
+
+def finish(cfg: RunConfig, outcome: Outcome, observer: Observer) -> CellResult:
+    """The driver's end of one cell: a user error stops everything, the rest is reported."""
+    status, message = outcome
+    if status == "error":
+        raise FpbenchError(message or "a cell failed with a user error")
+    result = CellResult(cfg, status, message)
+    observer.cell_end(result)
+    return result
+
+
+# -- local: in this process, or a pool of worker processes ------------------------------------
+
+
+def _serial(
+    cells: list[RunConfig], url: str, ckpt: Path, dispatch: Dispatch, observer: Observer
+) -> list[CellResult]:
+    if CELL_KEY not in url:
+        with Store(url) as store:
+            cache = _worker.setdefault("cache", FeatureCache())  # shared by the cells
+            return run_suite(cells, store, checkpoint_dir=ckpt, observer=observer, cache=cache)
+    args = (str(ckpt), dispatch.claim_timeout, observer)
+    return [finish(cfg, run_one(cfg, url, *args), observer) for cfg in cells]
+
+
+def _init_worker(events: Any, threads: int, gpu_slots: list[str], counter: Any) -> None:
+    torch.set_num_threads(threads)  # N workers share the cores instead of oversubscribing
+    _worker["events"] = events
+    if gpu_slots:  # several runs per GPU, workers spread over the visible GPUs
+        with counter.get_lock():
+            index, counter.value = counter.value, counter.value + 1
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu_slots[index % len(gpu_slots)]
+
+
+def _gpu_slots() -> list[str]:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    return [i.strip() for i in ids if i.strip()]
+
+
+def _pool(
+    cells: list[RunConfig], url: str, ckpt: Path, dispatch: Dispatch, observer: Observer
+) -> list[CellResult]:
+    """`dispatch.jobs` cells at once in spawned worker processes."""
+    ctx = mp.get_context("spawn")
+    events = ctx.Queue()
+    threads = max(1, (os.cpu_count() or 1) // dispatch.jobs)
+    init = (events, threads, _gpu_slots(), ctx.Value("i", 0))
+    by_key = {c.run_key: c for c in cells}
+    results: dict[str, CellResult] = {}
+    pool = ProcessPoolExecutor(dispatch.jobs, ctx, initializer=_init_worker, initargs=init)
+    try:
+        futures = {
+            pool.submit(run_one, c, url, str(ckpt), dispatch.claim_timeout): c for c in cells
+        }
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+            forward_events(events, by_key, observer)
+            for future in done:
+                cfg = futures[future]
+                results[cfg.run_key] = finish(cfg, _outcome(future), observer)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    return [results[c.run_key] for c in cells]
+
+
+def _outcome(future: Future[Outcome]) -> Outcome:
+    try:
+        return future.result()
+    except Exception as e:  # the worker process died (killed, out of memory)
+        return ("failed", f"worker process died: {type(e).__name__}: {e}")
+
+
+def forward_events(events: Any, by_key: dict[str, RunConfig], observer: Observer) -> None:
+    """Replay the progress events workers queued so far on the driver's observer."""
+    handlers: dict[str, Callable[..., None]] = {
+        "start": lambda cfg, r, _m: observer.cell_start(cfg, r),
+        "round": observer.round_end,
+    }
+    while True:
+        try:
+            kind, key, round_idx, metrics = events.get_nowait()
+        except queue.Empty:
+            return
+        if key in by_key:
+            handlers[kind](by_key[key], round_idx, metrics)

@@ -1,0 +1,102 @@
+"""Cells as SLURM jobs through submitit (`--executor slurm`), or as local submitit jobs.
+
+`--executor submitit-local` runs the same path on this machine (one subprocess per cell, at
+most `--jobs` at once). On SLURM the cells form one job array whose parallelism is `--jobs`; a
+preempted or timed-out job is requeued (`Checkpointable`) and resumes from its last round.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import submitit  # optional extra; `dispatch.validate` checks it is installed
+
+from fpbench.engine.dispatch import Dispatch, Outcome, finish, run_one
+from fpbench.engine.runner import CellResult, Observer
+from fpbench.specs import RunConfig
+
+POLL_S = 0.5
+
+
+class CellJob(submitit.helpers.Checkpointable):
+    """One cell as a submitit job; requeued with the same arguments when preempted."""
+
+    def __call__(
+        self, cfg: RunConfig, url: str, checkpoint_dir: str, claim_timeout: float
+    ) -> Outcome:
+        return run_one(cfg, url, checkpoint_dir, claim_timeout)
+
+
+def run_submitit(
+    cells: list[RunConfig], url: str, ckpt: Path, dispatch: Dispatch, observer: Observer
+) -> list[CellResult]:
+    """Submit the cells and wait for them, reporting each as it ends."""
+    executor = _executor(dispatch)
+    args = (url, str(ckpt), dispatch.claim_timeout)
+    if dispatch.executor == "slurm":
+        with executor.batch():
+            jobs = [executor.submit(CellJob(), cfg, *args) for cfg in cells]
+        return _wait(list(zip(cells, jobs, strict=True)), observer)
+    return _rolling(cells, executor, args, dispatch.jobs, observer)
+
+
+def _executor(dispatch: Dispatch) -> Any:
+    cluster = "local" if dispatch.executor == "submitit-local" else "slurm"
+    executor = submitit.AutoExecutor(folder=dispatch.folder / "%j", cluster=cluster)
+    params: dict[str, Any] = {
+        "name": "fpbench",
+        "timeout_min": dispatch.timeout_min,
+        "cpus_per_task": dispatch.cpus_per_cell,
+        "gpus_per_node": math.ceil(dispatch.gpus_per_cell),
+    }
+    if cluster == "slurm":
+        params["slurm_array_parallelism"] = dispatch.jobs
+        if dispatch.slurm_partition:
+            params["slurm_partition"] = dispatch.slurm_partition
+    executor.update_parameters(**params)
+    return executor
+
+
+def _rolling(
+    cells: list[RunConfig], executor: Any, args: tuple, window: int, observer: Observer
+) -> list[CellResult]:
+    """At most `window` local jobs at once (submitit's local executor has no limit of its own)."""
+    todo, running, results = list(cells), [], {}
+    while todo or running:
+        while todo and len(running) < window:
+            cfg = todo.pop(0)
+            running.append((cfg, executor.submit(CellJob(), cfg, *args)))
+        running = _collect(running, results, observer)
+    return [results[c.run_key] for c in cells]
+
+
+def _wait(pairs: list[tuple[RunConfig, Any]], observer: Observer) -> list[CellResult]:
+    results: dict[str, CellResult] = {}
+    running = pairs
+    while running:
+        running = _collect(running, results, observer)
+    return [results[cfg.run_key] for cfg, _ in pairs]
+
+
+def _collect(running: list, results: dict[str, CellResult], observer: Observer) -> list:
+    """Record the finished jobs; return the ones still running (after a short sleep)."""
+    still = []
+    for cfg, job in running:
+        if job.done():
+            results[cfg.run_key] = finish(cfg, _outcome(job), observer)
+        else:
+            still.append((cfg, job))
+    if still:
+        time.sleep(POLL_S)
+    return still
+
+
+def _outcome(job: Any) -> Outcome:
+    try:
+        return job.result()
+    except Exception as e:  # the job died: killed, out of time, node failure
+        first = str(e).strip().splitlines()
+        return ("failed", f"job {job.job_id} failed: {first[0] if first else type(e).__name__}")

@@ -1,0 +1,91 @@
+"""`fpbench db check`: every done run has all its rounds and metrics; nothing is stuck."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import dataclass
+
+from sqlalchemy import select
+
+from fpbench.store.claims import CLAIM_TIMEOUT_S
+from fpbench.store.models import Metric, Round, Run
+from fpbench.store.repo import Store
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with one run."""
+
+    run_id: int
+    run_key: str
+    status: str
+    message: str
+
+
+def check(store: Store, *, claim_timeout: float = CLAIM_TIMEOUT_S) -> list[Problem]:
+    """Problems of every run: incomplete done runs, failed runs, running runs without heartbeat."""
+    with store._session() as s:
+        runs = s.execute(select(Run.id, Run.run_key, Run.status, Run.config_json, Run.error,
+                                Run.heartbeat_at).order_by(Run.id)).all()  # fmt: skip
+        rounds = _by_run(s.execute(select(Round.run_id, Round.round)).all())
+        losses = _by_run(
+            s.execute(
+                select(Metric.run_id, Metric.round).where(
+                    Metric.name == "loss_train", Metric.client_id.is_(None)
+                )
+            ).all()
+        )
+        evaluated = _by_run(
+            s.execute(
+                select(Metric.run_id, Metric.round)
+                .where(Metric.client_id.is_(None), Metric.name != "loss_train")
+                .distinct()
+            ).all()
+        )
+    problems = []
+    for run in runs:
+        for message in _run_problems(run, rounds, losses, evaluated, claim_timeout):
+            problems.append(Problem(run.id, run.run_key, run.status, message))
+    return problems
+
+
+def _by_run(rows) -> dict[int, set[int]]:
+    out: dict[int, set[int]] = {}
+    for run_id, round_ in rows:
+        out.setdefault(run_id, set()).add(round_)
+    return out
+
+
+def _run_problems(run, rounds, losses, evaluated, claim_timeout: float) -> list[str]:
+    if run.status == "failed":
+        return [f"failed: {run.error or 'no error stored'}; rerun the suite to retry"]
+    if run.status == "running":
+        return _stale(run, claim_timeout)
+    if run.status != "done":
+        return []
+    expected = set(range(int(json.loads(run.config_json)["train"]["rounds"])))
+    have, out = rounds.get(run.id, set()), []
+    if missing := sorted(expected - have):
+        out.append(f"done but rounds {_span(missing)} are missing")
+    if extra := sorted(have - expected):
+        out.append(f"rounds {_span(extra)} lie beyond the configured {len(expected)}")
+    if no_loss := sorted(have - losses.get(run.id, set())):
+        out.append(f"rounds {_span(no_loss)} have no loss_train metric")
+    if expected and max(expected) not in evaluated.get(run.id, set()):
+        out.append(f"the final round {max(expected)} has no evaluation metrics")
+    return out
+
+
+def _stale(run, claim_timeout: float) -> list[str]:
+    beat = run.heartbeat_at
+    now = dt.datetime.now(dt.timezone.utc)
+    if beat is not None and (now - beat).total_seconds() <= claim_timeout:
+        return []
+    since = "never" if beat is None else f"{(now - beat).total_seconds():.0f} s ago"
+    return [f"running, but its last heartbeat was {since}; rerun the suite to resume it"]
+
+
+def _span(rounds: list[int]) -> str:
+    shown = ", ".join(map(str, rounds[:8]))
+    return shown + (f", ... ({len(rounds)} in all)" if len(rounds) > 8 else "")

@@ -1,0 +1,92 @@
+"""`fpbench db ...`: maintenance commands for results databases."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from fpbench.errors import FpbenchError
+
+db_app = typer.Typer(help="Maintain results databases (merge, check).", no_args_is_help=True)
+console = Console()
+err = Console(stderr=True)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _user_errors(fn: F) -> F:
+    """An FpbenchError becomes one red line on stderr and exit code 2 (as in fpbench.cli)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except FpbenchError as e:
+            err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _existing(db: str) -> str:
+    """The URL of an input database; a SQLite path must exist (it is not created)."""
+    from fpbench.store import Store
+
+    url = Store.url_from_path_or_url(db)
+    if url.startswith("sqlite:///") and not Path(url[len("sqlite:///") :]).is_file():
+        raise FpbenchError(f"no results database at {db}; check the input paths")
+    return url
+
+
+@db_app.command("merge")
+@_user_errors
+def merge(
+    out: Annotated[str, typer.Argument(help="output database: a path or SQLAlchemy URL")],
+    inputs: Annotated[list[str], typer.Argument(help="input databases (paths or URLs)")],
+) -> None:
+    """Fold databases into OUT (created if missing); merging again changes nothing.
+
+    A run OUT already has is replaced only by a more complete copy (done, then more rounds).
+    """
+    from fpbench.store import Store
+    from fpbench.store.merge import MergeStats, merge_into
+
+    urls = [_existing(db) for db in inputs]  # every input checked before OUT is touched
+    total = MergeStats()
+    with Store(Store.url_from_path_or_url(out)) as target:
+        for db, url in zip(inputs, urls, strict=True):
+            with Store(url) as src:
+                stats = merge_into(target, src)
+            console.print(f"{db}: {stats}", highlight=False, soft_wrap=True)
+            for field in ("added", "replaced", "unchanged"):
+                setattr(total, field, getattr(total, field) + getattr(stats, field))
+    console.print(f"[bold]{out}[/]: {total} (runs)", highlight=False, soft_wrap=True)
+
+
+@db_app.command("check")
+@_user_errors
+def check(
+    db: Annotated[str, typer.Argument(help="database to check: a path or SQLAlchemy URL")],
+) -> None:
+    """Verify every done run has all its rounds and metrics; list failed and stuck runs.
+
+    Exit code 1 when there are problems.
+    """
+    from fpbench.store import Store
+    from fpbench.store.check import check as find_problems
+
+    with Store(_existing(db)) as store:
+        problems = find_problems(store)
+        n_runs = len(store.runs())
+    if not problems:
+        console.print(f"{db}: {n_runs} runs, no problems", highlight=False, soft_wrap=True)
+        return
+    console.print(f"{db}: {len(problems)} problems in {n_runs} runs", highlight=False)
+    for p in problems:
+        line = f"  run {p.run_id} {p.run_key} ({p.status}): {p.message}"
+        console.print(line, highlight=False, soft_wrap=True, markup=False)
+    raise typer.Exit(1)
