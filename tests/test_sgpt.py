@@ -261,7 +261,7 @@ def test_presets_validate_and_explicit_fields_win():
         again = SGPTConfig(**cfg.model_dump(mode="json"))
         assert again == cfg  # the stored config re-validates to itself
     assert SGPTConfig(preset="office", num_groups=6).num_groups == 6
-    with pytest.raises(ValidationError, match="unknown sgpt preset"):
+    with pytest.raises(ValidationError, match="unknown preset"):
         SGPTConfig(preset="nope")
 
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
 from fpbench.backbones import PromptedViT
@@ -26,6 +26,28 @@ class MethodConfig(BaseModel):
     """Base of every method's typed, frozen config."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PresetConfig(MethodConfig):
+    """A config with named settings (e.g. a paper's ablation rows): `preset = "name"`.
+
+    Subclasses set `PRESETS` (name -> field values); fields given explicitly win over the
+    preset's, and the stored config keeps the preset's name and every resolved value.
+    """
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
+    preset: str | None = Field(
+        None, description="a named setting of PRESETS; fields given explicitly override it"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("preset") is None:
+            return data
+        if data["preset"] not in cls.PRESETS:
+            raise ValueError(f"unknown preset {data['preset']!r}; valid: {', '.join(cls.PRESETS)}")
+        return {**cls.PRESETS[data["preset"]], **data}
 
 
 @dataclass(frozen=True)

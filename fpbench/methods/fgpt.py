@@ -24,7 +24,7 @@ metrics.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 import timm
 import torch
@@ -37,7 +37,7 @@ from fpbench.errors import FpbenchError
 from fpbench.methods.base import (
     Context,
     Method,
-    MethodConfig,
+    PresetConfig,
     ServerState,
     TaskInfo,
     init_linear,
@@ -51,7 +51,29 @@ PAPER_DEPTH = 12
 PAPER_GROUP_BLOCK = 5  # the paper's L_6, 1-based
 
 
-class FGPTConfig(MethodConfig):
+# Ablation presets: method args over the defaults (paper table in the name).
+PRESETS: dict[str, dict[str, object]] = {
+    # Table 4: PT-FedAvg (one group = same prompt positions, FedAvg), + group prompts with
+    # random keys, + orthogonal keys (= fgpt), + U-inference (= fgpt-u).
+    "table4-pt-fedavg": {"num_groups": 1},
+    "table4-group-random-keys": {"keys": "random"},
+    "table4-orthogonal-keys": {},
+    "table4-u-inference": {"topk": 5},
+    # Table 3: number of groups.
+    **{f"table3-groups-{g}": {"num_groups": g} for g in (15, 20, 25, 30, 35)},
+    # Table 6: top-K of U-inference.
+    "table6-u2": {"topk": 2},
+    "table6-u5": {"topk": 5},
+    # Table 10: a lighter Select encoder.
+    "table10-resnet50": {"select_encoder": "resnet50"},
+    # Table 11: shared prompts only (PT-FedAvg-share).
+    "table11-shared-only": {"num_groups": 0},
+}
+
+
+class FGPTConfig(PresetConfig):
+    PRESETS: ClassVar[dict[str, dict[str, object]]] = PRESETS
+
     num_groups: int = Field(
         20,
         ge=0,
@@ -366,23 +388,3 @@ class FGPTU(FGPT):
 
     name = "fgpt-u"
     Config = FGPTUConfig
-
-
-# Ablation presets: method args over the defaults (paper table in the name).
-PRESETS: dict[str, dict[str, object]] = {
-    # Table 4: PT-FedAvg (one group = same prompt positions, FedAvg), + group prompts with
-    # random keys, + orthogonal keys (= fgpt), + U-inference (= fgpt-u).
-    "table4-pt-fedavg": {"num_groups": 1},
-    "table4-group-random-keys": {"keys": "random"},
-    "table4-orthogonal-keys": {},
-    "table4-u-inference": {"topk": 5},
-    # Table 3: number of groups.
-    **{f"table3-groups-{g}": {"num_groups": g} for g in (15, 20, 25, 30, 35)},
-    # Table 6: top-K of U-inference.
-    "table6-u2": {"topk": 2},
-    "table6-u5": {"topk": 5},
-    # Table 10: a lighter Select encoder.
-    "table10-resnet50": {"select_encoder": "resnet50"},
-    # Table 11: shared prompts only (PT-FedAvg-share).
-    "table11-shared-only": {"num_groups": 0},
-}

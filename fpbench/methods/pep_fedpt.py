@@ -39,7 +39,7 @@ Readings of the paper (defaults; switches where it matters):
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -51,8 +51,8 @@ from fpbench.errors import FpbenchError
 from fpbench.methods.base import (
     Context,
     Method,
-    MethodConfig,
     Phase,
+    PresetConfig,
     ServerState,
     TaskInfo,
     init_linear,
@@ -69,7 +69,34 @@ PAPER_CCMP_BLOCKS = (5, 6, 7)
 PAPER_TRAIN: dict[str, object] = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "grad_clip": 10.0}
 
 
-class PEPConfig(MethodConfig):
+# Ablation presets: method args over the defaults (paper table in the name). Block indices are
+# ViT-B's (12 blocks).
+PRESETS: dict[str, dict[str, object]] = {
+    "table4-shared-only": {"ccmp_layers": []},
+    "table4-shared-ccmp": {},
+    "table5-without-priors": {"use_priors": False},
+    "table5-with-priors": {},
+    **{f"table11-ns-{n}": {"num_shared": n} for n in (1, 5, 10)},
+    **{
+        f"table13-layers-{'-'.join(map(str, b))}": {"ccmp_layers": list(b)}
+        for b in ((1, 2, 3), (5, 6, 7), (8, 9, 10))
+    },
+    **{
+        f"table17-layers-{'-'.join(map(str, b))}-tau-{tau:g}": {"ccmp_layers": list(b), "tau": tau}
+        for b in ((1, 2, 3), (5, 6, 7), (9, 10, 11))
+        for tau in (1e-4, 0.05, 100.0)
+    },
+    **{
+        f"fig10-tau-{tau:g}": {"tau": tau}
+        for tau in (1e-5, 1e-4, 1e-3, 1e-2, 0.05, 1.0, 10.0, 100.0)
+    },
+    "table8-dp-eps-0.2": {"dp_epsilon": 0.2},
+}
+
+
+class PEPConfig(PresetConfig):
+    PRESETS: ClassVar[dict[str, dict[str, object]]] = PRESETS
+
     num_shared: int = Field(1, ge=1, description="n_S shared prompts at block 0; paper: 1")
     ccmp_layers: tuple[int, ...] | None = Field(
         None,
@@ -444,28 +471,3 @@ class PEPFedPT(Method):
         if self.layers:
             out["prototypes"] = server.buffers["prototypes"]
         return out, out
-
-
-# Ablation presets: method args over the defaults (paper table in the name). Block indices are
-# ViT-B's (12 blocks).
-PRESETS: dict[str, dict[str, object]] = {
-    "table4-shared-only": {"ccmp_layers": []},
-    "table4-shared-ccmp": {},
-    "table5-without-priors": {"use_priors": False},
-    "table5-with-priors": {},
-    **{f"table11-ns-{n}": {"num_shared": n} for n in (1, 5, 10)},
-    **{
-        f"table13-layers-{'-'.join(map(str, b))}": {"ccmp_layers": list(b)}
-        for b in ((1, 2, 3), (5, 6, 7), (8, 9, 10))
-    },
-    **{
-        f"table17-layers-{'-'.join(map(str, b))}-tau-{tau:g}": {"ccmp_layers": list(b), "tau": tau}
-        for b in ((1, 2, 3), (5, 6, 7), (9, 10, 11))
-        for tau in (1e-4, 0.05, 100.0)
-    },
-    **{
-        f"fig10-tau-{tau:g}": {"tau": tau}
-        for tau in (1e-5, 1e-4, 1e-3, 1e-2, 0.05, 1.0, 10.0, 100.0)
-    },
-    "table8-dp-eps-0.2": {"dp_epsilon": 0.2},
-}

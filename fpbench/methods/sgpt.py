@@ -30,11 +30,11 @@ Select's query does not depend on anything trained: it is declared as the method
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field, model_validator
+from pydantic import Field
 from torch import Tensor
 
 from fpbench.backbones import PromptedViT, ViTFeatures
@@ -42,8 +42,8 @@ from fpbench.errors import FpbenchError
 from fpbench.methods.base import (
     Context,
     Method,
-    MethodConfig,
     Phase,
+    PresetConfig,
     ServerState,
     TaskInfo,
     init_linear,
@@ -94,10 +94,8 @@ SGPT_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-class SGPTConfig(MethodConfig):
-    preset: str | None = Field(
-        None, description="named setting from SGPT_PRESETS; fields given explicitly override it"
-    )
+class SGPTConfig(PresetConfig):
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = SGPT_PRESETS
     num_groups: int = Field(20, ge=1, description="G groups/keys (reference: CIFAR 20, Office 4)")
     shared_layers: tuple[int, ...] | None = Field(
         None,
@@ -166,16 +164,6 @@ class SGPTConfig(MethodConfig):
     )
     key_momentum: float = Field(0.5, ge=0, lt=1, description="a_k, weight of the old keys")
     group_momentum: float = Field(0.5, ge=0, lt=1, description="a_p, weight of old group prompts")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _apply_preset(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or data.get("preset") is None:
-            return data
-        preset = data["preset"]
-        if preset not in SGPT_PRESETS:
-            raise ValueError(f"unknown sgpt preset {preset!r}; valid: {', '.join(SGPT_PRESETS)}")
-        return {**SGPT_PRESETS[preset], **data}
 
 
 # -- the math, as small functions ------------------------------------------------------------
