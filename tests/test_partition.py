@@ -63,6 +63,7 @@ CASES: dict[str, dict] = {
     "domain": {"num_clients": 3},
     "domain-dirichlet": {"num_clients": 6, "clients_per_domain": 2, "min_size": 5},
     "natural": {"num_clients": USERS},
+    "disjoint-classes": {},
 }
 NAMES = sorted(CASES)
 
