@@ -151,3 +151,28 @@ def _progress(bar: Progress) -> Callable[[str, int, int], None]:
         bar.update(tasks[what], completed=done, total=total)
 
     return update
+
+
+@data_app.command("generate-gpt-fl")
+@_user_errors
+def generate_gpt_fl(
+    name: Annotated[str, typer.Argument(help="dataset whose class names are drawn")],
+    out: Annotated[Path, typer.Option("--out", help="folder for <class>/<i>.png")],
+    model: Annotated[Path, typer.Option("--model", help="local diffusers text-to-image folder")],
+    per_class: Annotated[int, typer.Option("--per-class", min=1, help="images per class")] = 100,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    root: RootOpt = None,
+    sets: Annotated[
+        list[str] | None, typer.Option("--set", help="dataset config KEY=VALUE (repeatable)")
+    ] = None,
+) -> None:
+    """Generate GPT-FL's synthetic training set (gpt-fl's synthetic_dir) with a local model."""
+    from fpbench.data.gpt_fl_generate import generate_images, require_text_to_image
+    from fpbench.data.prepared import data_root
+    from fpbench.registry import DATASETS
+
+    require_text_to_image(model)
+    cls = DATASETS.get(name)
+    classes = cls.load(_config(cls, _parse_sets(sets)), data_root(root)).class_names
+    written = generate_images(classes, out, model, per_class, seed=seed)
+    console.print(f"wrote {written} images for {len(classes)} classes to {out}")

@@ -1,0 +1,128 @@
+"""UOPP: a federated prompt plus server-aggregated class prototypes, read by adaptive dual heads.
+
+UOPP, "Unified Optimized Prototype Prompt" (Ma'sum, Pratama, Liu, Habibullah, Kowalczyk,
+"Federated Few-Shot Class-Incremental Learning", ICLR 2025), a baseline of SDFed. The original
+(continual, ViT) has task-wise prompts trained by the clients and FedAvg'd, class prototypes
+computed by the clients and aggregated by the server (static prototypes of the base classes from
+the frozen model, dynamic ones of each few-shot task's new classes, rectified towards the
+population mean), and two heads at inference, a prompt-trained classifier and a prototype
+classifier, combined adaptively per sample.
+
+Adaptation to non-continual few-shot prompt learning on a frozen CLIP (one task, so one prompt):
+
+* prompt: a CoOp text context trained with CLIP's cross-entropy and FedAvg'd by sample size;
+  the prompt head is CoOp's logits;
+* prototypes: each client sends its per-class sums and counts of frozen image features (a
+  text prompt does not change image features, so static and dynamic prototypes coincide and
+  a client's sums never change: the server adds each client's sums once, the first time it
+  participates); the server's prototype of class c is the count-weighted mean over all
+  clients seen so far, normalised. The original's rectification (a meta-learned neural ODE
+  that moves few-shot prototypes towards the base-session statistics) needs a base session and
+  is not reproduced: pooling every client's samples is the rectification available here;
+* dual heads: prototype logits exp(logit_scale) * cos(f, p_c); each sample takes the head whose
+  softmax is more confident (max probability; ties: the prompt head). Classes without a
+  prototype score 0. Training is the prompt head's cross-entropy (prototypes are not trained).
+
+Inference is global (one prompt, one prototype set). Defaults: CoOp's 16 context tokens (SDFed
+runs every baseline at 8, set in the suite).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fpbench.methods.base import Context, ServerState, weighted_mean
+from fpbench.methods.coop import CoOpModel
+from fpbench.registry import METHODS
+
+
+def class_sums(
+    feats: Tensor, labels: Tensor, client_index: Tensor, rows: int, num_classes: int
+) -> tuple[Tensor, Tensor]:
+    """Per-row class sums (K, C, E) and counts (K, C) of features (B, E)."""
+    slot = client_index * num_classes + labels  # (B,)
+    sums = feats.new_zeros(rows * num_classes, feats.shape[-1]).index_add_(0, slot, feats)
+    counts = feats.new_zeros(rows * num_classes).index_add_(
+        0, slot, torch.ones_like(slot, dtype=feats.dtype)
+    )
+    return sums.view(rows, num_classes, -1), counts.view(rows, num_classes)
+
+
+def dual_head(prompt_logits: Tensor, proto_logits: Tensor) -> Tensor:
+    """Per sample, the logits (B, C) of the head with the larger max softmax probability."""
+    conf_prompt = prompt_logits.softmax(-1).amax(-1)  # (B,)
+    conf_proto = proto_logits.softmax(-1).amax(-1)
+    use_proto = (conf_proto > conf_prompt).unsqueeze(-1)  # (B, 1)
+    return torch.where(use_proto, proto_logits, prompt_logits)
+
+
+@METHODS.register()
+class UOPP(CoOpModel):
+    name = "uopp"
+
+    def init_server(self, gen: torch.Generator) -> ServerState:
+        params = self.init_params(gen)
+        c, e, n = self.task.num_classes, self.backbone.embed_dim, self.task.num_clients
+        buffers = {
+            "prototypes": torch.zeros(c, e),  # normalised, zero where no class sample was seen
+            "proto_sum": torch.zeros(c, e),
+            "proto_count": torch.zeros(c),
+            "proto_seen": torch.zeros(n),  # clients whose sums are already in proto_sum
+        }
+        return ServerState(params, {}, buffers)
+
+    def forward(
+        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
+    ) -> Tensor:
+        feats = self.image_features(x)  # (B, E)
+        prompt_logits = self.logits(feats, self.text_features(params["ctx"]), client_index)
+        if ctx.training:
+            return prompt_logits
+        protos = ctx.buffers["prototypes"].to(feats.dtype)  # (C, E)
+        proto_logits = self.backbone.logit_scale * feats @ protos.T  # (B, C)
+        return dual_head(prompt_logits, proto_logits)
+
+    def loss(
+        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
+    ) -> Tensor:
+        feats = self.image_features(x)  # (B, E)
+        rows, c = params["ctx"].shape[0], self.task.num_classes
+        sums, counts = class_sums(feats.detach(), y, client_index, rows, c)
+        ctx.stats["proto_sum"] = ctx.stats.get("proto_sum", 0) + sums  # (K, C, E)
+        ctx.stats["proto_count"] = ctx.stats.get("proto_count", 0) + counts  # (K, C)
+        logits = self.logits(feats, self.text_features(params["ctx"]), client_index)
+        return F.cross_entropy(logits, y, reduction="none")
+
+    def aggregate(
+        self,
+        server: ServerState,
+        trained: dict[str, Tensor],
+        client_ids: Tensor,
+        weights: Tensor,
+        stats: dict[str, Tensor],
+    ) -> ServerState:
+        """FedAvg of the prompt; first-time participants' class sums join the prototypes."""
+        w = (weights / weights.sum()).to(trained["ctx"].dtype)
+        buf = dict(server.buffers)
+        new = (1 - buf["proto_seen"][client_ids]).to(trained["ctx"].dtype)  # (K,)
+        if "proto_sum" in stats:
+            # a round of E epochs adds every sample E times: the mean is unchanged
+            buf["proto_sum"] = buf["proto_sum"] + torch.tensordot(new, stats["proto_sum"], dims=1)
+            buf["proto_count"] = buf["proto_count"] + new @ stats["proto_count"]
+            buf["proto_seen"] = buf["proto_seen"].index_fill(0, client_ids, 1.0)
+        mean = buf["proto_sum"] / buf["proto_count"].clamp(min=1).unsqueeze(-1)  # (C, E)
+        buf["prototypes"] = F.normalize(mean, dim=-1)
+        return ServerState({"ctx": weighted_mean(trained["ctx"], w)}, {}, buf)
+
+    def communication(self, server: ServerState) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """Down: prompt and prototypes. Up: prompt and class sums/counts (first round only,
+        counted every round here as an upper bound)."""
+        down = {"ctx": server.params["ctx"], "prototypes": server.buffers["prototypes"]}
+        up = {
+            "ctx": server.params["ctx"],
+            "proto_sum": server.buffers["proto_sum"],
+            "proto_count": server.buffers["proto_count"],
+        }
+        return down, up
