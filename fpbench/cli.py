@@ -13,6 +13,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -49,7 +50,7 @@ def user_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except FpbenchError as e:
-            err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+            err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
@@ -176,6 +177,14 @@ def run(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="list the cells and their status")
     ] = False,
+    retry_failed: Annotated[
+        bool,
+        typer.Option(
+            "--retry-failed",
+            help="rerun only the cells stored as failed, each from its last checkpoint; "
+            "done, running, pending and never-run cells are skipped",
+        ),
+    ] = False,
 ) -> None:
     """Run (or resume) every cell of a suite; finished cells are skipped.
 
@@ -215,6 +224,8 @@ def run(
         slurm_partition=slurm_partition,
     )
     validate(dispatch)
+    if retry_failed and not (cells := _retry_selection(loaded.name, cells, url)):
+        return
     if CELL_KEY not in url:
         _open_store(db).close()  # creates the tables once; an unreachable database fails here
     with Progress(
@@ -234,6 +245,19 @@ def run(
             observer=_ProgressObserver(progress, len(cells)),
         )
     _report_results(loaded.name, results)
+
+
+def _retry_selection(suite: str, cells: list, url: str) -> list:
+    """The failed cells among `cells`, announced; an empty list when there is nothing to retry."""
+    from fpbench.engine.dispatch import failed_cells
+
+    failed = failed_cells(cells, url)
+    others = len(cells) - len(failed)
+    if failed:
+        console.print(f"retrying {len(failed)} failed cell(s) of suite {suite}; {others} skipped")
+    else:
+        console.print(f"suite {suite}: no failed cells to retry ({others} skipped)")
+    return failed
 
 
 def _pretrain_smoke_backbone(cells, progress: Progress) -> None:
@@ -269,8 +293,9 @@ def _report_results(suite: str, results) -> None:
         if r.status == "failed":
             err.print(
                 f"[red]failed:[/] {r.cfg.method.label} / {r.cfg.dataset.label} / "
-                f"{r.cfg.partition.label} / seed {r.cfg.seed}: {r.error}",
+                f"{r.cfg.partition.label} / seed {r.cfg.seed}: {escape(str(r.error))}",
                 highlight=False,
+                soft_wrap=True,
             )
     if counts["failed"]:
         raise typer.Exit(1)
@@ -353,7 +378,9 @@ def show(
         f"fpbench={record.fpbench_version} wall_s={record.wall_s or 0:.1f}"
     )
     if record.error:
-        err.print(f"[red]error:[/] {record.error}", highlight=False)
+        err.print(f"[red]error:[/] {escape(record.error)}", highlight=False)
+    if record.traceback:
+        err.print(record.traceback.rstrip(), markup=False, highlight=False)
     console.print_json(json.dumps(record.config))
     metrics = store.metrics(run_ids=[record.id])
     if not metrics.empty:
@@ -508,6 +535,23 @@ def _register_paper_plots() -> None:
 
 
 _register_paper_plots()
+
+
+def _register_report_commands() -> None:
+    from fpbench.report.cli_report import register_report_commands
+
+    register_report_commands(
+        app,
+        plot_app,
+        wrap=user_errors,
+        open_store=_open_store,
+        suite_name=_suite_name,
+        save=_save,
+        console=console,
+    )
+
+
+_register_report_commands()
 
 
 def main() -> None:

@@ -29,7 +29,9 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,10 +43,15 @@ from fpbench.registry import BACKBONES, DATASETS, METHODS, PARTITIONS, Registry
 
 AXES = {"datasets": "dataset", "partitions": "partition", "methods": "method"}
 SUITE_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+MAX_CELLS = 100_000  # a suite larger than this is almost surely a typo in a grid
+MAX_LABEL = 100
+# suite names and labels end up in tables, plots and the database, never in file paths; still,
+# nothing that looks like a path (separators, "..", control characters) is accepted
+_LABEL = re.compile(r"[^\x00-\x1f\x7f/\\]+")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class TrainConfig(_Strict):
@@ -60,10 +67,17 @@ class TrainConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float | None = Field(None, gt=0, description="per-client gradient-norm clip")
     lr_decay: float = Field(1.0, gt=0, le=1, description="lr multiplier per round (exponential)")
+    lr_schedule: Literal["exp", "cosine"] = Field(
+        "exp", description="exp: lr * lr_decay**round; cosine: anneal lr to 0 over the rounds"
+    )
     eval_every: int = Field(1, ge=1, description="evaluate every this many rounds")
     eval_last: int = Field(10, ge=0, description="also evaluate each of the last this many rounds")
     summary_window: int = Field(10, ge=1, description="`*_last10` = mean over this many evals")
     eval_batch_size: int = Field(256, ge=1)
+    local_label_space: Literal["all", "client"] = Field(
+        "all",
+        description="local accuracy over all classes, or only the classes the client trains on",
+    )
 
 
 class RuntimeConfig(_Strict):
@@ -106,7 +120,12 @@ class RunConfig(_Strict):
 
     def identity(self) -> dict[str, Any]:
         """Everything that determines the results (the runtime section does not)."""
-        return self.model_dump(mode="json", exclude={"runtime"})
+        out = self.model_dump(mode="json", exclude={"runtime"})
+        if out["train"]["lr_schedule"] == "exp":  # the default keeps run keys made before it
+            del out["train"]["lr_schedule"]
+        if out["train"]["local_label_space"] == "all":  # likewise
+            del out["train"]["local_label_space"]
+        return out
 
     @property
     def run_key(self) -> str:
@@ -153,6 +172,12 @@ def load_suite(name_or_path: str) -> Suite:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise FpbenchError(f"malformed suite file {path}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise FpbenchError(
+            f"malformed suite file {path}: not UTF-8 text (byte {e.start})"
+        ) from None
+    except OSError as e:
+        raise FpbenchError(f"cannot read suite file {path}: {e.strerror or e}") from None
     return expand_suite(raw, name=raw.get("name", path.stem), path=str(path))
 
 
@@ -161,22 +186,65 @@ def expand_suite(raw: dict[str, Any], *, name: str, path: str = "<memory>") -> S
     unknown = sorted(set(raw) - known)
     if unknown:
         raise FpbenchError(f"{path}: unknown top-level key(s) {unknown}; valid: {sorted(known)}")
-    seeds = raw.get("seeds", [0])
-    if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) for s in seeds)):
-        raise FpbenchError(f"{path}: seeds must be a non-empty list of integers, got {seeds!r}")
+    check_label(name, "suite name", path)
+    if not isinstance(raw.get("description", ""), str):
+        raise FpbenchError(f"{path}: description must be a string")
+    seeds = _seeds(raw.get("seeds", [0]), path)
+    plans = [_grid_plan(raw, grid, seeds, path) for grid in _grids(raw, path)]
+    total = sum(math.prod(map(len, axes.values())) * len(s) for _, axes, s in plans)
+    if total > MAX_CELLS:
+        raise FpbenchError(
+            f"{path}: the grid expands to {total:,} cells, more than the limit of {MAX_CELLS:,}; "
+            "check the lists (seeds, [[methods]], ...) or split the suite into several files"
+        )
     cells = []
-    for grid in raw.get("grids") or [{}]:
-        # a [[grids]] entry: its own defaults (merged over the suite's) and axes (else the suite's)
-        if not isinstance(grid, dict) or set(grid) - {"defaults", "seeds", *AXES}:
-            raise FpbenchError(f"{path}: [[grids]] entries hold only defaults, seeds and the axes")
-        defaults = _deep_merge(raw.get("defaults", {}), grid.get("defaults", {}))
-        axes = {axis: _entries(grid if axis in grid else raw, axis, path) for axis in AXES}
-        for ds, part, meth, seed in itertools.product(*axes.values(), grid.get("seeds", seeds)):
+    for defaults, axes, grid_seeds in plans:
+        for ds, part, meth, seed in itertools.product(*axes.values(), grid_seeds):
             cells.append(resolve_cell(defaults, (ds, part, meth), suite=name, seed=seed, path=path))
     keys = [c.run_key for c in cells]
     if len(set(keys)) != len(keys):
         raise FpbenchError(f"{path}: two cells resolve to the same config; remove the duplicate")
     return Suite(name=name, description=raw.get("description", ""), path=path, cells=tuple(cells))
+
+
+def check_label(value: Any, what: str, path: str) -> None:
+    """A suite name or label: 1-100 printable characters, no path separators, not '.' or '..'."""
+    ok = isinstance(value, str) and 0 < len(value) <= MAX_LABEL and _LABEL.fullmatch(value)
+    if not ok or value.strip() in ("", ".", ".."):
+        raise FpbenchError(
+            f"{path}: {what} {value!r} is not allowed; use 1-{MAX_LABEL} printable characters "
+            "without '/', '\\' or control characters (e.g. \"dir-0.3\")"
+        )
+
+
+def _seeds(seeds: Any, path: str, where: str = "seeds") -> list[int]:
+    ok = isinstance(seeds, list) and seeds
+    if not ok or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds):
+        raise FpbenchError(
+            f"{path}: {where} must be a non-empty list of non-negative integers, got {seeds!r}"
+        )
+    return seeds
+
+
+def _grids(raw: dict[str, Any], path: str) -> list[dict[str, Any]]:
+    grids = raw.get("grids") or [{}]
+    if not isinstance(grids, list):
+        raise FpbenchError(f"{path}: grids must be a list of [[grids]] tables, got {grids!r}")
+    for grid in grids:
+        if not isinstance(grid, dict) or set(grid) - {"defaults", "seeds", *AXES}:
+            raise FpbenchError(f"{path}: [[grids]] entries hold only defaults, seeds and the axes")
+    return grids
+
+
+def _grid_plan(raw: dict[str, Any], grid: dict[str, Any], seeds: list[int], path: str):
+    """A grid's defaults (merged over the suite's), axes (else the suite's) and seeds."""
+    for where in (raw, grid):
+        if not isinstance(where.get("defaults", {}), dict):
+            raise FpbenchError(f"{path}: defaults must be a table ([defaults]), not a value")
+    defaults = _deep_merge(raw.get("defaults", {}), grid.get("defaults", {}))
+    axes = {axis: _entries(grid if axis in grid else raw, axis, path) for axis in AXES}
+    grid_seeds = _seeds(grid["seeds"], path, "[[grids]] seeds") if "seeds" in grid else seeds
+    return defaults, axes, grid_seeds
 
 
 def _entries(raw: dict[str, Any], axis: str, path: str) -> list[dict[str, Any]]:
@@ -188,6 +256,9 @@ def _entries(raw: dict[str, Any], axis: str, path: str) -> list[dict[str, Any]]:
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
             raise FpbenchError(f'{path}: every [[{axis}]] entry needs name = "..."')
         labels.append(entry.get("label", entry["name"]))
+        check_label(labels[-1], f"[[{axis}]] label", path)
+        if not isinstance(entry.get("overrides", {}), dict):
+            raise FpbenchError(f"{path}: [[{axis}]] overrides must be a table {{ ... }}")
     dupes = sorted({label for label in labels if labels.count(label) > 1})
     if dupes:
         raise FpbenchError(f"{path}: [[{axis}]] entries share the label {dupes}; give each a label")
@@ -207,6 +278,8 @@ def resolve_cell(
     for axis_key, entry in zip(AXES.values(), entries, strict=True):
         args = {k: v for k, v in entry.items() if k not in ("name", "label", "overrides")}
         base = merged.get(axis_key, {})
+        if not isinstance(base, dict):
+            raise FpbenchError(f"{path}: defaults.{axis_key} must be a table {{ key = value }}")
         merged[axis_key] = {
             "name": entry["name"],
             "label": entry.get("label", entry["name"]),

@@ -1,7 +1,13 @@
-"""Per-round checkpoints: server state and metric history, written atomically."""
+"""Per-round checkpoints: server state and metric history, written atomically.
+
+A checkpoint that cannot be read (corrupt, truncated by a full disk, unreadable, from an
+incompatible version) is ignored with a warning: the cell restarts from round 0, which gives the
+same final results, only later. Its file is replaced by the next round's checkpoint.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,6 +15,8 @@ from pathlib import Path
 import torch
 
 from fpbench.methods.base import ServerState
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,16 +50,22 @@ def save(path: Path, ckpt: Checkpoint) -> None:
 
 
 def load(path: Path, run_key: str, device: torch.device) -> Checkpoint | None:
-    """The checkpoint of this run, or None if there is none (or it belongs to another run)."""
+    """The checkpoint of this run, or None: no file, another run's, or unreadable (warned)."""
     if not path.is_file():
         return None
-    blob = torch.load(path, map_location=device, weights_only=True)
-    if blob.get("run_key") != run_key:
+    try:
+        blob = torch.load(path, map_location=device, weights_only=True)
+        if blob.get("run_key") != run_key:
+            return None
+        return Checkpoint(
+            run_key,
+            int(blob["round"]),
+            ServerState.from_state_dict(blob["server"]),
+            list(blob["history"]),
+            float(blob["elapsed_s"]),
+        )
+    except Exception as e:  # noqa: BLE001 - any unreadable file means: start over
+        log.warning(
+            "ignoring unreadable checkpoint %s (%s); the run restarts", path, type(e).__name__
+        )
         return None
-    return Checkpoint(
-        run_key,
-        blob["round"],
-        ServerState.from_state_dict(blob["server"]),
-        blob["history"],
-        blob["elapsed_s"],
-    )

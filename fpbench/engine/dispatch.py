@@ -134,6 +134,20 @@ def _already_done(cells: list[RunConfig], url: str) -> dict[str, RunConfig]:
         }
 
 
+def failed_cells(cells: list[RunConfig], url: str) -> list[RunConfig]:
+    """The cells stored as failed (`fpbench run --retry-failed`); creates no database."""
+    failed = []
+    for cfg in cells:
+        cell = cell_url(url, cfg)
+        if cell.startswith("sqlite:///") and not Path(cell[len("sqlite:///") :]).is_file():
+            continue  # never run
+        with Store(cell) as store:
+            record = store.find_run(cfg.run_key)
+        if record is not None and record.status == "failed":
+            failed.append(cfg)
+    return failed
+
+
 # -- the task every backend runs -------------------------------------------------------------
 
 _worker: dict[str, Any] = {}  # per worker process: the event queue and the feature cache

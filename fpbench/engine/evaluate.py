@@ -3,6 +3,11 @@
 Global-inference methods predict the test split once and every client's local accuracy is read
 off those predictions by indexing. Personal and client-conditioned methods evaluate each client
 with its own parameters / context.
+
+Label space of local accuracy (`TrainConfig.local_label_space`): "all" takes the argmax over
+every class; "client" masks, on a client's local test set, the logits of the classes it has no
+train samples of (FedTPG's client-local classifier). Accuracy on the full test split always uses
+all classes.
 """
 
 from __future__ import annotations
@@ -27,13 +32,20 @@ def predict(
     rows: Tensor,
     ctx: Context,
     batch_size: int,
+    allowed: Tensor | None = None,
 ) -> Tensor:
-    """Predicted labels (M,) for test samples idx (M,); rows[i] = the param row of sample i."""
+    """Predicted labels (M,) for test samples idx (M,); rows[i] = the param row of sample i.
+
+    `allowed` (M, C) bool, if given, restricts sample i's argmax to the classes allowed[i].
+    """
     preds = []
     for start in range(0, len(idx), batch_size):
         x = inputs.test(idx[start : start + batch_size])
         ctx.query = inputs.query("test", idx[start : start + batch_size])
-        logits = method.forward(params, x, rows[start : start + batch_size], ctx)
+        logits = method.forward(params, x, rows[start : start + batch_size], ctx)  # (B, C)
+        if allowed is not None:
+            keep = allowed[start : start + batch_size].to(logits.device)  # (B, C)
+            logits = logits.float().masked_fill(~keep, float("-inf"))
         preds.append(logits.argmax(-1))
     return torch.cat(preds) if preds else torch.empty(0, dtype=torch.long, device=idx.device)
 
@@ -45,16 +57,28 @@ def evaluate(
     batch_size: int,
     inputs: Inputs | None = None,
     precision: str = "fp32",
+    label_space: str = "all",
 ) -> EvalCounts:
+    """Per-client counts; `label_space` "client" restricts local predictions (module doc)."""
     inputs = inputs or Inputs.of(method, task)
     with autocast(task.priors.device, precision):
         if method.inference == "global":
-            return _evaluate_global(method, server, task, inputs, batch_size)
-        return _evaluate_per_client(method, server, task, inputs, batch_size)
+            return _evaluate_global(method, server, task, inputs, batch_size, label_space)
+        return _evaluate_per_client(method, server, task, inputs, batch_size, label_space)
+
+
+def client_classes(task: Task) -> Tensor:
+    """(N, C) bool: the classes each client has train samples of (all, for one without any)."""
+    return task.priors > 0
 
 
 def _evaluate_global(
-    method: Method, server: ServerState, task: Task, inputs: Inputs, batch_size: int
+    method: Method,
+    server: ServerState,
+    task: Task,
+    inputs: Inputs,
+    batch_size: int,
+    label_space: str = "all",
 ) -> EvalCounts:
     data = task.data
     params = method.eval_params(server, torch.zeros(1, dtype=torch.long))
@@ -62,8 +86,17 @@ def _evaluate_global(
     everything = torch.arange(len(data.test_labels), device=data.test_labels.device)
     rows = torch.zeros_like(everything)
     correct = predict(method, params, inputs, everything, rows, ctx, batch_size) == data.test_labels
+    local = [correct[idx] for idx in task.test_idx]
+    if label_space == "client":
+        flat = torch.cat(task.test_idx)
+        owner = torch.cat([torch.full_like(idx, c) for c, idx in enumerate(task.test_idx)])
+        allowed = client_classes(task)[owner.to(task.priors.device)]  # (M, C)
+        zeros = torch.zeros_like(flat)
+        pred = predict(method, params, inputs, flat, zeros, ctx, batch_size, allowed)
+        right = pred == data.test_labels[flat]
+        local = list(right.split([len(idx) for idx in task.test_idx]))
     return EvalCounts(
-        correct_local=torch.stack([correct[idx].sum() for idx in task.test_idx]).cpu().numpy(),
+        correct_local=torch.stack([c.sum() for c in local]).cpu().numpy(),
         total_local=np.array([len(idx) for idx in task.test_idx]),
         heldout=task.heldout.numpy(),
         global_acc=np.array([correct.float().mean().item()]),
@@ -72,7 +105,12 @@ def _evaluate_global(
 
 
 def _evaluate_per_client(
-    method: Method, server: ServerState, task: Task, inputs: Inputs, batch_size: int
+    method: Method,
+    server: ServerState,
+    task: Task,
+    inputs: Inputs,
+    batch_size: int,
+    label_space: str = "all",
 ) -> EvalCounts:
     """Each client with its own parameters / context, many clients per batch.
 
@@ -95,7 +133,10 @@ def _evaluate_per_client(
         )
         params = _adapt(method, params, task, inputs, ids, ctx)
         local = [task.test_idx[c] for c in ids.tolist()]
-        correct = _correct(method, params, inputs, local, ctx, batch_size)
+        allowed = (
+            client_classes(task)[ids.to(task.priors.device)] if label_space == "client" else None
+        )
+        correct = _correct(method, params, inputs, local, ctx, batch_size, allowed)
         for row, c in enumerate(ids.tolist()):
             correct_local[c] = int(correct[row].sum())
         participants = [row for row, c in enumerate(ids.tolist()) if not task.heldout[c]]
@@ -148,14 +189,19 @@ def _correct(
     idx: list[Tensor],
     ctx: Context,
     batch_size: int,
+    allowed: Tensor | None = None,
 ) -> list[Tensor]:
-    """Per row k: a bool tensor of which of the test samples idx[k] row k predicts right."""
+    """Per row k: a bool tensor of which of the test samples idx[k] row k predicts right.
+
+    `allowed` (K, C) bool, if given, restricts row k's predictions to the classes allowed[k].
+    """
     flat = torch.cat(idx)
     rows = torch.cat(
         [torch.full((len(t),), k, dtype=torch.long, device=flat.device) for k, t in enumerate(idx)]
     )
+    mask = None if allowed is None else allowed[rows.to(allowed.device)]  # (M, C)
     right = (
-        predict(method, params, inputs, flat, rows, ctx, batch_size)
+        predict(method, params, inputs, flat, rows, ctx, batch_size, mask)
         == inputs.task.data.test_labels[flat]
     )
     return list(right.split([len(t) for t in idx]))

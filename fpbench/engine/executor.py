@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +98,19 @@ def _stat_names(results: list[LocalResult]) -> list[str]:
     return list(results[0].stats) if results else []
 
 
+def round_lr(cfg: TrainConfig, round_idx: int) -> float:
+    """The local lr of a round, constant within it.
+
+    "exp": lr * lr_decay**round. "cosine": lr * (1 + cos(pi * round / rounds)) / 2, annealed
+    once per round (PyTorch's CosineAnnealingLR stepped per round with T_max = rounds, as
+    TPFL's "cosine scheduler, max_epoch 20" over 20 global epochs), so a one-epoch round gets
+    Dassl's per-epoch cosine; lr_decay is ignored.
+    """
+    if cfg.lr_schedule == "cosine":
+        return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * round_idx / cfg.rounds))
+    return cfg.lr * cfg.lr_decay**round_idx
+
+
 def train_group(
     method: Method,
     server: ServerState,
@@ -126,7 +140,7 @@ def train_group(
     )
     loss_sum = torch.zeros(k, device=device)
     loss_steps = torch.zeros(k, device=device)
-    lr = cfg.lr * cfg.lr_decay**round_idx
+    lr = round_lr(cfg, round_idx)
     for phase_idx, phase in enumerate(method.phases(cfg.local_epochs, tuple(params))):
         ctx.phase = phase.name
         leaves = {n: p.detach().requires_grad_(n in phase.trainable) for n, p in params.items()}

@@ -11,12 +11,19 @@
   "global accuracy").
 * `acc_heldout_mean` / `acc_heldout_worst`: the same on held-out clients, which never train;
   not applicable (absent) for personal methods.
+* `acc_domain_<d>`: for domain partitions, the mean local accuracy of the participating clients
+  of domain d (SGPT / PEP-FedPT / SDFed per-domain columns).
+* `params_trainable`: shared parameters plus one client's personal ones, stored once (round 0).
 * `<name>_last10`: the mean of an aggregate over the last 10 evaluated rounds (the papers' figure).
 """
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -91,3 +98,42 @@ def summary(history: list[dict[str, float]], window: int) -> dict[str, float]:
         values = [h[name] for h in recent if name in h]
         out[f"{name}{SUMMARY_SUFFIX}{window}"] = float(np.mean(values))
     return out
+
+
+def domain_key(name: str) -> str:
+    """The `<d>` of `acc_domain_<d>`: lowercase, runs of other characters as one hyphen."""
+    return re.sub(r"[^0-9a-z]+", "-", name.lower()).strip("-")
+
+
+def domain_accuracies(
+    ev: EvalCounts, client_domains: Sequence[int | None], domain_names: Sequence[str] | None
+) -> dict[str, float]:
+    """`acc_domain_<d>`: mean local accuracy of the participating clients of domain d.
+
+    Clients without a domain (label-skew partitions), held-out clients and clients with an
+    empty local test set are left out, as in `acc_local_mean`; so is a domain left without
+    clients.
+    """
+    if not domain_names:
+        return {}
+    dom = np.array([-1 if d is None else d for d in client_domains])  # (N,)
+    part = (ev.total_local > 0) & ~ev.heldout
+    out = {}
+    for d, name in enumerate(domain_names):
+        mine = part & (dom == d)
+        if mine.any():
+            acc = ev.correct_local[mine] / ev.total_local[mine]
+            out[f"acc_domain_{domain_key(name)}"] = float(acc.mean())
+    return out
+
+
+def params_trainable(params: Mapping[str, Any], personal: Mapping[str, Any]) -> int:
+    """Trainable parameters of a method: every shared tensor plus one client's personal rows.
+
+    Args:
+        params: the server's shared tensors (no client axis).
+        personal: per-client tables (N, ...); one row of each counts.
+    """
+    shared = sum(math.prod(t.shape) for t in params.values())
+    own = sum(math.prod(t.shape[1:]) for t in personal.values())
+    return int(shared + own)

@@ -7,6 +7,7 @@ import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from traceback import format_exc
 
 import numpy as np
 import torch
@@ -17,7 +18,13 @@ from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.evaluate import evaluate
 from fpbench.engine.executor import derive_seed, train_clients
 from fpbench.engine.inputs import FeatureCache, Inputs
-from fpbench.engine.metrics import aggregates, client_rows, summary
+from fpbench.engine.metrics import (
+    aggregates,
+    client_rows,
+    domain_accuracies,
+    params_trainable,
+    summary,
+)
 from fpbench.engine.task import Task, build_task
 from fpbench.errors import FpbenchError
 from fpbench.methods.base import Method, ServerState, TaskInfo
@@ -38,6 +45,10 @@ class Observer:
 
     def cell_end(self, result: CellResult) -> None:
         """A cell finished, was skipped or failed."""
+
+
+class NonFiniteLoss(RuntimeError):
+    """Local training produced a NaN or infinite loss: the cell fails (its error is stored)."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +135,7 @@ def run_suite(
         except FpbenchError:
             raise
         except Exception as e:  # a crashed run is recorded as failed; the suite goes on
-            result = CellResult(cfg, "failed", f"{type(e).__name__}: {e}")
+            result = CellResult(cfg, "failed", _error(e))
         observer.cell_end(result)
         results.append(result)
     return results
@@ -151,22 +162,16 @@ def run_cell(
         return CellResult(cfg, "skipped", "claimed by another driver")
     device = resolve_device(cfg.runtime.device)
     torch.manual_seed(derive_seed(cfg.seed, "torch"))
-    task = build_task(cfg, device)
-    method = build_method(cfg, task, device)
-    inputs = _inputs(cfg, method, task, cache)
-    if record is None:
-        record = store.ensure_run(
-            run_key=cfg.run_key,
-            suite=cfg.suite,
-            method=cfg.method.label,
-            dataset=cfg.dataset.label,
-            partition=cfg.partition.label,
-            seed=cfg.seed,
-            config=cfg.model_dump(mode="json"),
-            fpbench_version=fpbench.__version__,
-            torch_version=torch.__version__,
-            device=_device_name(device, cfg),
-        )
+    try:
+        task = build_task(cfg, device)
+        method = build_method(cfg, task, device)
+        inputs = _inputs(cfg, method, task, cache)
+    except Exception as e:
+        if not isinstance(e, FpbenchError):  # a crash (a bug, out of memory) is recorded
+            record = record or _create_record(cfg, store, device)
+            _record_failure(store, record.id, e, claim_timeout)
+        raise
+    record = record or _create_record(cfg, store, device)
     owner = new_owner()
     if not store.claim_run(record.id, owner, timeout_s=claim_timeout):
         return CellResult(cfg, "skipped", "claimed by another driver")
@@ -179,12 +184,38 @@ def run_cell(
     except ClaimLost as e:
         return CellResult(cfg, "skipped", str(e))
     except BaseException as e:
-        store.finish_run(record.id, owner, "failed", error=f"{type(e).__name__}: {e}")
+        store.finish_run(record.id, owner, "failed", error=_error(e), traceback=format_exc())
         raise
     if not store.finish_run(record.id, owner, "done", wall_s=elapsed):
         return CellResult(cfg, "skipped", "claim taken over by another driver")
     ckpt_io.checkpoint_path(checkpoint_dir, cfg.run_key).unlink(missing_ok=True)
     return CellResult(cfg, "done")
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _record_failure(store: Store, run_id: int, e: BaseException, claim_timeout: float) -> None:
+    """Mark a run failed with the exception being handled, unless another driver holds it."""
+    owner = new_owner()
+    if store.claim_run(run_id, owner, timeout_s=claim_timeout):
+        store.finish_run(run_id, owner, "failed", error=_error(e), traceback=format_exc())
+
+
+def _create_record(cfg: RunConfig, store: Store, device: torch.device):
+    return store.ensure_run(
+        run_key=cfg.run_key,
+        suite=cfg.suite,
+        method=cfg.method.label,
+        dataset=cfg.dataset.label,
+        partition=cfg.partition.label,
+        seed=cfg.seed,
+        config=cfg.model_dump(mode="json"),
+        fpbench_version=fpbench.__version__,
+        torch_version=torch.__version__,
+        device=_device_name(device, cfg),
+    )
 
 
 def _inputs(cfg: RunConfig, method: Method, task: Task, cache: FeatureCache | None) -> Inputs:
@@ -265,11 +296,29 @@ def _round(
         server, local.params, local.client_ids.to(weights.device), weights, local.stats
     )
     loss = float(local.loss.mean())
+    if not torch.isfinite(local.loss).all():
+        raise NonFiniteLoss(
+            f"training loss is {loss} (not finite) after local training in round {r}; "
+            "lower train.lr or set train.grad_clip"
+        )
     rows = [(None, "loss_train", loss, len(client_ids))]
     rows += [(None, k, v, None) for k, v in method.round_metrics(server).items()]
+    if r == 0:  # a property of the method, stored once
+        rows.append(
+            (None, "params_trainable", params_trainable(server.params, server.personal), None)
+        )
     if should_eval(r, cfg.train):
-        counts = evaluate(method, server, task, cfg.train.eval_batch_size, inputs, precision)
-        agg = aggregates(counts)
+        counts = evaluate(
+            method,
+            server,
+            task,
+            cfg.train.eval_batch_size,
+            inputs,
+            precision,
+            label_space=cfg.train.local_label_space,
+        )
+        domains = [c.domain for c in task.clients]
+        agg = aggregates(counts) | domain_accuracies(counts, domains, task.data.domain_names)
         history.append(agg)
         rows += client_rows(counts) + [(None, k, v, None) for k, v in agg.items()]
         if r == cfg.train.rounds - 1:

@@ -59,7 +59,9 @@ def _by_run(rows) -> dict[int, set[int]]:
 
 def _run_problems(run, rounds, losses, evaluated, claim_timeout: float) -> list[str]:
     if run.status == "failed":
-        return [f"failed: {run.error or 'no error stored'}; rerun the suite to retry"]
+        return [
+            f"failed: {run.error or 'no error stored'}; `fpbench run --retry-failed` retries it"
+        ]
     if run.status == "running":
         return _stale(run, claim_timeout)
     if run.status != "done":

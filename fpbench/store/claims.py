@@ -17,14 +17,13 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from sqlalchemy import Engine, inspect, or_, select, text, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from fpbench.store.models import Run
 
 CLAIM_TIMEOUT_S = 600.0  # a claim without a heartbeat for this long is taken over
-CLAIM_COLUMNS = ("owner", "heartbeat_at")
 
 
 class ClaimLost(RuntimeError):
@@ -87,24 +86,6 @@ def _now() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
-def upgrade_schema(engine: Engine) -> None:
-    """Add the claim columns to a `runs` table created before they existed (additive only)."""
-    missing = [c for c in CLAIM_COLUMNS if c not in _run_columns(engine)]
-    for name in missing:
-        column = Run.__table__.c[name]
-        ddl = f"ALTER TABLE runs ADD COLUMN {name} {column.type.compile(dialect=engine.dialect)}"
-        try:
-            with engine.begin() as con:
-                con.execute(text(ddl))
-        except SQLAlchemyError:
-            if name not in _run_columns(engine):  # not a concurrent upgrade by another process
-                raise
-
-
-def _run_columns(engine: Engine) -> set[str]:
-    return {c["name"] for c in inspect(engine).get_columns("runs")}
-
-
 class ClaimMixin:
     """Claim methods of `Store` (which provides `_session`, `create_run` and `find_run`)."""
 
@@ -150,7 +131,14 @@ class ClaimMixin:
         stmt = (
             update(Run)
             .where(Run.id == run_id, Run.status != "done", condition)
-            .values(status="running", owner=owner, heartbeat_at=now, error=None, finished_at=None)
+            .values(
+                status="running",
+                owner=owner,
+                heartbeat_at=now,
+                error=None,
+                traceback=None,
+                finished_at=None,
+            )
         )
         with self._session.begin() as s:
             return s.execute(stmt).rowcount == 1
@@ -168,9 +156,15 @@ class ClaimMixin:
         *,
         error: str | None = None,
         wall_s: float | None = None,
+        traceback: str | None = None,
     ) -> bool:
         """End `owner`'s claim with a final status ('done'/'failed'); False if it was lost."""
-        values: dict[str, Any] = {"status": status, "error": error, "finished_at": _now()}
+        values: dict[str, Any] = {
+            "status": status,
+            "error": error,
+            "traceback": traceback,
+            "finished_at": _now(),
+        }
         if wall_s is not None:
             values["wall_s"] = float(wall_s)
         stmt = update(Run).where(*_held(run_id, owner)).values(**values)

@@ -9,6 +9,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from fpbench.errors import FpbenchError
 
@@ -26,7 +27,7 @@ def _user_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except FpbenchError as e:
-            err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+            err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
@@ -56,6 +57,8 @@ def merge(
     from fpbench.store.merge import MergeStats, merge_into
 
     urls = [_existing(db) for db in inputs]  # every input checked before OUT is touched
+    for url in urls:
+        Store(url).close()  # readable, and not of a newer schema version
     total = MergeStats()
     with Store(Store.url_from_path_or_url(out)) as target:
         for db, url in zip(inputs, urls, strict=True):

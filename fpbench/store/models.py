@@ -1,4 +1,4 @@
-"""SQLAlchemy 2.0 models of the results database: `runs`, `rounds` and `metrics`.
+"""SQLAlchemy 2.0 models of the results database: `runs`, `rounds`, `metrics` and `meta`.
 
 Other tools read these tables directly, so names and columns are a contract (see DESIGN.md).
 Datetimes are stored as UTC and read back as timezone-aware UTC on every backend.
@@ -98,6 +98,7 @@ class Run(Base):
     # the claim of a running cell: who runs it and when it last proved alive (store/claims.py)
     owner: Mapped[str | None] = mapped_column(String(255))
     heartbeat_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime)
+    traceback: Mapped[str | None] = mapped_column(Text)  # of a failed run, with `error`
 
 
 class Round(Base):
@@ -142,3 +143,12 @@ class Metric(Base):
     name: Mapped[str] = mapped_column(String(128))
     value: Mapped[float] = mapped_column(Float)
     count: Mapped[int | None] = mapped_column(Integer)
+
+
+class Meta(Base):
+    """Key/value facts about the database itself, e.g. `schema_version` (store/schema.py)."""
+
+    __tablename__ = "meta"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)

@@ -22,8 +22,9 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, SQLAlchemy
 from sqlalchemy.orm import Session, sessionmaker
 
 from fpbench.errors import FpbenchError
-from fpbench.store.claims import ClaimMixin, touch_or_raise, upgrade_schema
+from fpbench.store.claims import ClaimMixin, touch_or_raise
 from fpbench.store.models import FINAL_STATUSES, STATUSES, Base, Metric, Round, Run
+from fpbench.store.schema import check_version, upgrade
 
 MIN_KEY_PREFIX = 4
 RUN_COLUMNS = [
@@ -61,6 +62,7 @@ class RunRecord:
     device: str
     owner: str | None = None  # the claim: who runs (or ran) it, and its last heartbeat
     heartbeat_at: dt.datetime | None = None
+    traceback: str | None = None  # of a failed run
 
 
 def _record(run: Run) -> RunRecord:
@@ -83,6 +85,7 @@ def _record(run: Run) -> RunRecord:
         device=run.device,
         owner=run.owner,
         heartbeat_at=run.heartbeat_at,
+        traceback=run.traceback,
     )
 
 
@@ -136,8 +139,9 @@ def _open_engine(url: str) -> Engine:
         event.listen(engine, "connect", _sqlite_on_connect)
         event.listen(engine, "begin", _sqlite_on_begin)
     try:
+        check_version(engine)  # a newer database is refused before anything is written
         _create_tables(engine)
-        upgrade_schema(engine)
+        upgrade(engine)
     except BaseException:
         engine.dispose()
         raise
@@ -193,6 +197,8 @@ class Store(ClaimMixin):
         self.url = url
         try:
             self._engine = _open_engine(url)
+        except FpbenchError as exc:
+            raise FpbenchError(f"results database {_safe_url(url)}: {exc}") from exc
         except (SQLAlchemyError, OSError, ValueError, ImportError) as exc:
             raise FpbenchError(
                 f"cannot open results database {_safe_url(url)}: {_reason(exc)}"

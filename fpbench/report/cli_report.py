@@ -1,0 +1,76 @@
+"""Command functions behind `fpbench report` and `fpbench plot partition`.
+
+Like `cli_paper`, `register_report_commands` adds the commands to the CLI's app and `plot`
+group with the CLI's own helpers passed in, so this module never imports the CLI and nothing
+heavy is imported before a command runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+DEFAULT_DB = "results/fpbench.db"
+DbOpt = Annotated[str, typer.Option("--db", help="results database: a path or SQLAlchemy URL")]
+SuiteOpt = Annotated[str, typer.Option("--suite", "-s", help="suite name or path to a .toml")]
+
+
+def register_report_commands(
+    app: typer.Typer,
+    plot_app: typer.Typer,
+    *,
+    wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
+    open_store: Callable[..., Any],
+    suite_name: Callable[[str], str],
+    save: Callable[[Any, Path], None],
+    console: Any,
+) -> None:
+    """Add `report` to `app` and `partition` to the `plot` group."""
+
+    @app.command("report")
+    @wrap
+    def report(
+        suite: SuiteOpt,
+        out: Annotated[Path, typer.Option(help="folder for index.html and its PNGs")],
+        db: DbOpt = DEFAULT_DB,
+    ) -> None:
+        """One self-contained HTML page of a suite: runs, versions, devices, tables and plots."""
+        from fpbench.report.html import build_report, write_report
+
+        name = suite_name(suite)
+        store = open_store(db, must_exist=True)
+        with store:
+            metrics, runs = store.metrics(suite=name), store.runs(suite=name)
+        page = write_report(build_report(metrics, runs, name), out)
+        console.print(f"wrote {page}")
+
+    @plot_app.command("partition")
+    @wrap
+    def plot_partition(
+        suite: SuiteOpt,
+        out: Annotated[
+            Path, typer.Option(help="output image (.png also writes a .pdf beside it; .pdf, .svg)")
+        ],
+        dataset: Annotated[str | None, typer.Option(help="dataset label (default: first)")] = None,
+        partition: Annotated[
+            str | None, typer.Option(help="partition label (default: first)")
+        ] = None,
+        seed: Annotated[int | None, typer.Option(help="seed (default: the suite's first)")] = None,
+        kind: Annotated[
+            str, typer.Option(help="auto (bars up to 20 classes), bars or heatmap")
+        ] = "auto",
+    ) -> None:
+        """Per-client class histogram of a suite's partition (SGPT Fig. 7), before any run."""
+        from fpbench.data.prepared import data_root, require_present
+        from fpbench.report.partition_plot import partition_figure, select_cell, suite_partition
+        from fpbench.specs import load_suite
+
+        cell = select_cell(load_suite(suite).cells, dataset, partition, seed)
+        require_present([cell.dataset.name], data_root())
+        fig = partition_figure(suite_partition(cell), kind)
+        save(fig, out)
+        if out.suffix.lower() == ".png":
+            save(fig, out.with_suffix(".pdf"))

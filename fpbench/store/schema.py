@@ -1,0 +1,83 @@
+"""The results database's schema version and its automatic, additive upgrade.
+
+Version 1 had `runs`, `rounds` and `metrics` only. Version 2 adds the claim columns (`owner`,
+`heartbeat_at`) and `traceback` to `runs`, and the `meta` table that records the version.
+Opening a database upgrades an older one in place (columns are only ever added, so older fpbench
+versions can still read it); a newer one is refused before anything is written, because this
+fpbench would not know what its extra tables and columns mean.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Engine, insert, inspect, select, text, update
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+
+from fpbench.errors import FpbenchError
+from fpbench.store.models import Meta, Run
+
+SCHEMA_VERSION = 2
+VERSION_KEY = "schema_version"
+ADDED_COLUMNS = ("owner", "heartbeat_at", "traceback")  # runs columns newer than version 1
+
+
+def stored_version(engine: Engine) -> int | None:
+    """The database's schema version; None for an empty database, 1 before `meta` existed."""
+    tables = set(inspect(engine).get_table_names())
+    if "runs" not in tables:
+        return None
+    if "meta" not in tables:
+        return 1
+    with engine.connect() as con:
+        value = con.scalar(select(Meta.value).where(Meta.key == VERSION_KEY))
+    try:
+        return 1 if value is None else int(value)
+    except ValueError:
+        raise FpbenchError(f"unreadable schema version {value!r} in its meta table") from None
+
+
+def check_version(engine: Engine) -> None:
+    """Refuse a database written by a newer fpbench (call before writing anything).
+
+    Raises:
+        FpbenchError: the stored schema version is newer than this fpbench's.
+    """
+    version = stored_version(engine)
+    if version is not None and version > SCHEMA_VERSION:
+        raise FpbenchError(
+            f"schema version {version} is newer than this fpbench's ({SCHEMA_VERSION}); "
+            "upgrade fpbench (pip install -U fpbench) to use it"
+        )
+
+
+def upgrade(engine: Engine) -> None:
+    """Add the columns an older `runs` table lacks, then record the current version."""
+    for name in [c for c in ADDED_COLUMNS if c not in _run_columns(engine)]:
+        column = Run.__table__.c[name]
+        ddl = f"ALTER TABLE runs ADD COLUMN {name} {column.type.compile(dialect=engine.dialect)}"
+        try:
+            with engine.begin() as con:
+                con.execute(text(ddl))
+        except SQLAlchemyError:
+            if name not in _run_columns(engine):  # not a concurrent upgrade by another process
+                raise
+    _stamp(engine)
+
+
+def _stamp(engine: Engine) -> None:
+    """Write SCHEMA_VERSION into `meta` (several workers may do so at once)."""
+    with engine.connect() as con:
+        current = con.scalar(select(Meta.value).where(Meta.key == VERSION_KEY))
+    if current == str(SCHEMA_VERSION):
+        return
+    row = {"key": VERSION_KEY, "value": str(SCHEMA_VERSION)}
+    try:
+        with engine.begin() as con:
+            stmt = update(Meta).where(Meta.key == VERSION_KEY).values(value=row["value"])
+            if con.execute(stmt).rowcount == 0:
+                con.execute(insert(Meta).values(**row))
+    except IntegrityError:
+        pass  # another process inserted the same row first
+
+
+def _run_columns(engine: Engine) -> set[str]:
+    return {c["name"] for c in inspect(engine).get_columns("runs")}
