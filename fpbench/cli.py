@@ -463,7 +463,8 @@ def plot_tradeoff(
     from fpbench.report.plots import tradeoff
 
     store = _open_store(db, must_exist=True)
-    _save(tradeoff(store.metrics(suite=_suite_name(suite))), out)
+    name = _suite_name(suite)
+    _save(tradeoff(store.metrics(suite=name), suite=name), out)
 
 
 @plot_app.command("curves")
@@ -478,7 +479,8 @@ def plot_curves(
     from fpbench.report.plots import curves
 
     store = _open_store(db, must_exist=True)
-    _save(curves(store.metrics(suite=_suite_name(suite)), metric), out)
+    name = _suite_name(suite)
+    _save(curves(store.metrics(suite=name), metric, suite=name), out)
 
 
 def _save(fig: Any, out: Path) -> None:

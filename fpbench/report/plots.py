@@ -106,6 +106,7 @@ def tradeoff(
     for ax, (title, rows) in zip(axes, groups, strict=True):
         _tradeoff_panel(ax, rows, x, y, styles)
         ax.set_title(title)
+    _suptitle(fig, f"{LABELS.get(y, y)} vs {LABELS.get(x, x)}", suite)
     return fig
 
 
@@ -159,6 +160,7 @@ def curves(
     for ax, (title, rows) in zip(axes, groups, strict=True):
         _curves_panel(ax, rows, metric, styles)
         ax.set_title(title)
+    _suptitle(fig, f"{LABELS.get(metric, metric)} per round", suite)
     return fig
 
 
