@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
-from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import fpbench
+from fpbench.cli_common import console, err, user_errors
 from fpbench.data_cli import data_app
 from fpbench.errors import FpbenchError
 from fpbench.store.cli_db import db_app
@@ -32,28 +30,11 @@ plot_app = typer.Typer(help="Draw plots from the results database.", no_args_is_
 app.add_typer(plot_app, name="plot")
 app.add_typer(db_app, name="db")
 app.add_typer(data_app, name="data")
-console = Console()
-err = Console(stderr=True)
 
 DEFAULT_DB = "results/fpbench.db"
 DEFAULT_METRICS = ["acc_global", "acc_local_mean", "acc_local_worst"]
 DbOpt = Annotated[str, typer.Option("--db", help="results database: a path or SQLAlchemy URL")]
 SuiteOpt = Annotated[str, typer.Option("--suite", "-s", help="suite name or path to a .toml")]
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def user_errors(fn: F) -> F:
-    """Turn an FpbenchError into one red line on stderr and exit code 2."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except FpbenchError as e:
-            err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
-
-    return wrapper  # type: ignore[return-value]
 
 
 def _version(value: bool) -> None:

@@ -5,45 +5,27 @@ Wired into the main app with ``app.add_typer(data_app, name="data")``.
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from fpbench.cli_common import console, err, user_errors
 from fpbench.errors import FpbenchError
 
 data_app = typer.Typer(
     help="Real datasets: where they are (status) and preparing them once (prepare).",
     no_args_is_help=True,
 )
-console = Console()
-err = Console(stderr=True)
 RootOpt = Annotated[
     Path | None,
     typer.Option("--root", help="data root (default: $FPBENCH_DATA, else ./data)"),
 ]
-F = TypeVar("F", bound=Callable[..., Any])
 STYLE = {"prepared": "green", "raw": "yellow", "missing": "red", "built-in": "cyan"}
-
-
-def _user_errors(fn: F) -> F:
-    """An FpbenchError becomes one red line on stderr and exit code 2."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except FpbenchError as e:
-            err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
-
-    return wrapper  # type: ignore[return-value]
 
 
 def dataset_rows(root: Path) -> list[tuple[str, str, str, str]]:
@@ -68,7 +50,7 @@ def dataset_rows(root: Path) -> list[tuple[str, str, str, str]]:
 
 
 @data_app.command("status")
-@_user_errors
+@user_errors
 def status(root: RootOpt = None) -> None:
     """Which datasets are present (prepared / raw files) or missing, and where they go."""
     from fpbench.data.prepared import data_root
@@ -108,7 +90,7 @@ def _config(cls: Any, args: dict[str, Any]) -> Any:
 
 
 @data_app.command("prepare")
-@_user_errors
+@user_errors
 def prepare(
     name: Annotated[str, typer.Argument(help="dataset name (see `fpbench data status`)")],
     root: RootOpt = None,
@@ -154,7 +136,7 @@ def _progress(bar: Progress) -> Callable[[str, int, int], None]:
 
 
 @data_app.command("generate-gpt-fl")
-@_user_errors
+@user_errors
 def generate_gpt_fl(
     name: Annotated[str, typer.Argument(help="dataset whose class names are drawn")],
     out: Annotated[Path, typer.Option("--out", help="folder for <class>/<i>.png")],

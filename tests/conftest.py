@@ -30,6 +30,27 @@ TINY = {
 }
 
 
+# The same tiny federation as a suite file: 2 methods x 1 partition x 1 seed, 2 rounds.
+TINY_SUITE_TOML = """
+name = "tiny"
+seeds = [0]
+[defaults]
+backbone = { name = "vit-test" }
+dataset = { num_classes = 6, image_size = 16, train_per_class = 12, test_per_class = 6 }
+partition = { num_clients = 4, heldout_frac = 0.25 }
+train = { rounds = 2, participation = 0.75, batch_size = 8, lr = 0.05 }
+[[datasets]]
+name = "synthetic"
+[[partitions]]
+name = "pathological"
+s = 3
+[[methods]]
+name = "head-tune"
+[[methods]]
+name = "fedvpt"
+"""
+
+
 def tiny_config(method: str = "fedvpt", **train) -> RunConfig:
     raw = {**TINY, "methods": [{"name": method}]}
     raw["defaults"] = {**TINY["defaults"], "train": {**TINY["defaults"]["train"], **train}}

@@ -20,27 +20,9 @@ from fpbench.engine.checkpoint import checkpoint_path
 from fpbench.specs import MAX_CELLS, load_suite
 from fpbench.store import Store
 from fpbench.store.schema import SCHEMA_VERSION, stored_version
+from tests.conftest import TINY_SUITE_TOML
 
-SUITE = """
-name = "tiny"
-seeds = [0, 1]
-[defaults]
-backbone = { name = "vit-test" }
-dataset = { num_classes = 6, image_size = 16, train_per_class = 12, test_per_class = 6 }
-partition = { num_clients = 4, heldout_frac = 0.25 }
-train = { rounds = 2, participation = 0.75, batch_size = 8, lr = 0.05 }
-[[datasets]]
-name = "synthetic"
-[[partitions]]
-name = "pathological"
-s = 3
-[[methods]]
-name = "head-tune"
-[[methods]]
-name = "fedvpt"
-[[methods]]
-name = "local"
-"""
+SUITE = TINY_SUITE_TOML.replace("seeds = [0]", "seeds = [0, 1]") + '[[methods]]\nname = "local"\n'
 PROGRESS = re.compile(r"\d+/\d+\s+\d+:\d\d:\d\d$")  # a rich progress bar's last line
 
 

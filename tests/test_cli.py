@@ -11,25 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from fpbench.cli import app
+from tests.conftest import TINY_SUITE_TOML
 
-SUITE = """
-name = "tiny"
-seeds = [0]
-[defaults]
-backbone = { name = "vit-test" }
-dataset = { num_classes = 6, image_size = 16, train_per_class = 12, test_per_class = 6 }
-partition = { num_clients = 4, heldout_frac = 0.25 }
-train = { rounds = 2, participation = 0.75, batch_size = 8, lr = 0.05 }
-[[datasets]]
-name = "synthetic"
-[[partitions]]
-name = "pathological"
-s = 3
-[[methods]]
-name = "head-tune"
-[[methods]]
-name = "fedvpt"
-"""
+SUITE = TINY_SUITE_TOML
 
 runner = CliRunner()
 

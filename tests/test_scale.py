@@ -29,26 +29,9 @@ from fpbench.specs import expand_suite
 from fpbench.store import Store
 from fpbench.store.claims import ClaimLost, new_owner, owner_is_gone
 from fpbench.store.models import Run
-from tests.conftest import tiny_config
+from tests.conftest import TINY_SUITE_TOML, tiny_config
 
-SUITE = """
-name = "tiny"
-seeds = [0]
-[defaults]
-backbone = { name = "vit-test" }
-dataset = { num_classes = 6, image_size = 16, train_per_class = 12, test_per_class = 6 }
-partition = { num_clients = 4, heldout_frac = 0.25 }
-train = { rounds = 2, participation = 0.75, batch_size = 8, lr = 0.05 }
-[[datasets]]
-name = "synthetic"
-[[partitions]]
-name = "pathological"
-s = 3
-[[methods]]
-name = "head-tune"
-[[methods]]
-name = "fedvpt"
-"""
+SUITE = TINY_SUITE_TOML
 KILL_ROUNDS = 4
 
 

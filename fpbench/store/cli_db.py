@@ -2,35 +2,15 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 
+from fpbench.cli_common import console, user_errors
 from fpbench.errors import FpbenchError
 
 db_app = typer.Typer(help="Maintain results databases (merge, check).", no_args_is_help=True)
-console = Console()
-err = Console(stderr=True)
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _user_errors(fn: F) -> F:
-    """An FpbenchError becomes one red line on stderr and exit code 2 (as in fpbench.cli)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except FpbenchError as e:
-            err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
-
-    return wrapper  # type: ignore[return-value]
 
 
 def _existing(db: str) -> str:
@@ -44,7 +24,7 @@ def _existing(db: str) -> str:
 
 
 @db_app.command("merge")
-@_user_errors
+@user_errors
 def merge(
     out: Annotated[str, typer.Argument(help="output database: a path or SQLAlchemy URL")],
     inputs: Annotated[list[str], typer.Argument(help="input databases (paths or URLs)")],
@@ -71,7 +51,7 @@ def merge(
 
 
 @db_app.command("check")
-@_user_errors
+@user_errors
 def check(
     db: Annotated[str, typer.Argument(help="database to check: a path or SQLAlchemy URL")],
 ) -> None:
