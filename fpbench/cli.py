@@ -283,18 +283,30 @@ def _report_results(suite: str, results) -> None:
 
 
 def _print_cells(suite: str, cells, db: str) -> None:
+    from fpbench.data.prepared import data_root, dataset_state
+
     # no database yet: every cell is new, and a dry run creates nothing
     store = None if _sqlite_missing(db) else _open_store(db)
     table = Table(title=f"suite {suite}: {len(cells)} cells")
-    for col in ("run_key", "method", "dataset", "partition", "seed", "status"):
+    for col in ("run_key", "method", "dataset", "partition", "seed", "status", "data"):
         table.add_column(col)
+    root = data_root()
+    data = {name: dataset_state(name, root) for name in {c.dataset.name for c in cells}}
     for c in cells:
         record = store.find_run(c.run_key) if store else None
         status = record.status if record else "new"
         table.add_row(
-            c.run_key, c.method.label, c.dataset.label, c.partition.label, str(c.seed), status
+            c.run_key,
+            c.method.label,
+            c.dataset.label,
+            c.partition.label,
+            str(c.seed),
+            status,
+            data[c.dataset.name],
         )
     console.print(table)
+    if "missing" in data.values():
+        console.print(f"data missing under {root}: see `fpbench data status`")
 
 
 class Listable(str, Enum):

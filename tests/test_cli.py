@@ -65,6 +65,17 @@ def test_dry_run_lists_cells_and_status(ran):
     assert result.exit_code == 0
     assert "fedvpt" in result.output and "done" in result.output
     assert "head-tune" not in result.output
+    assert "built-in" in result.output  # the data column: synthetic needs no files
+
+
+def test_dry_run_says_which_data_is_missing(workdir, monkeypatch):
+    monkeypatch.setenv("FPBENCH_DATA", str(workdir / "no-data"))
+    suite = workdir / "cifar.toml"
+    cifar = SUITE.replace('name = "synthetic"', 'name = "cifar10"').replace("s = 3", "s = 5")
+    suite.write_text("\n".join(x for x in cifar.splitlines() if not x.startswith("dataset =")))
+    result = invoke("run", "--suite", str(suite), "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "missing" in result.output and "fpbench data status" in result.output
 
 
 def test_dry_run_writes_nothing(workdir):
