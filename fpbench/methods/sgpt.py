@@ -25,6 +25,17 @@ the reference executor (under lockstep it equals "snapshot").
 Select's query does not depend on anything trained: it is declared as the method's
 `frozen_query`, so the engine computes it once per dataset and hands each batch's rows in
 `ctx.query` (without a cache, it is recomputed under no_grad).
+
+Metrics (`round_metrics`, switch `cluster_metric`): appendix D.2's congruence score of Fig. 6a.
+Centralised k-means (G clusters, seeded) on the frozen queries of up to `cluster_samples` train
+images of the training clients, computed once; every round each of those samples takes its nearest
+current key, Acc_overlap = sum over k-means clusters of the largest fraction of the sample in one
+of their groups, Q_kmeans = sum over classes of the largest fraction in one k-means cluster, and
+congruence_kmeans = Acc_overlap / Q_kmeans. That literal order scores a Select that puts
+everything in one group as Acc_overlap = 1, so `cluster_purity` (rows = Select's groups, columns
+= k-means clusters; not in the paper) is recorded alongside to show such a collapse. Table 4's
+acc_cluster (accuracy against coarse labels on the test set) is a different measure and is not
+computed here.
 """
 
 from __future__ import annotations
@@ -164,6 +175,15 @@ class SGPTConfig(PresetConfig):
     )
     key_momentum: float = Field(0.5, ge=0, lt=1, description="a_k, weight of the old keys")
     group_momentum: float = Field(0.5, ge=0, lt=1, description="a_p, weight of old group prompts")
+    cluster_metric: bool = Field(
+        True,
+        description="record appendix D.2's congruence with centralised k-means every round "
+        "(metrics congruence_kmeans, cluster_overlap, cluster_purity; one frozen pass over "
+        "cluster_samples train images at start)",
+    )
+    cluster_samples: int = Field(
+        2000, ge=1, description="train samples (seeded draw) the congruence score is computed on"
+    )
 
 
 # -- the math, as small functions ------------------------------------------------------------
@@ -227,6 +247,84 @@ def orthogonal_keys(gen: torch.Generator, g: int, d: int) -> Tensor:
     return torch.stack(rows).float()
 
 
+# -- appendix D.2: congruence of Select's groups with centralised k-means --------------------
+def kmeans(
+    x: Tensor, k: int, seed: int = 0, iters: int = 100, restarts: int = 4
+) -> tuple[Tensor, Tensor]:
+    """Seeded k-means++ then Lloyd; the lowest-inertia restart: (labels (n,), centres (k, d)).
+
+    Deterministic for a seed; an empty cluster keeps its previous centre.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    x = x.float()
+    best: tuple[float, Tensor, Tensor] | None = None
+    for _ in range(restarts):
+        centres = _kmeanspp(x, k, gen)  # (k, d)
+        labels = torch.cdist(x, centres).argmin(1)  # (n,)
+        for _ in range(iters):
+            centres = _centres(x, labels, centres)
+            new = torch.cdist(x, centres).argmin(1)
+            if torch.equal(new, labels):
+                break
+            labels = new
+        inertia = float(((x - centres[labels]) ** 2).sum())
+        if best is None or inertia < best[0]:
+            best = (inertia, labels, centres)
+    assert best is not None
+    return best[1], best[2]
+
+
+def _kmeanspp(x: Tensor, k: int, gen: torch.Generator) -> Tensor:
+    """k-means++ seeding (k, d): each next centre drawn with probability ~ squared distance."""
+    n = len(x)
+    first = int(torch.randint(n, (1,), generator=gen))
+    centres = [x[first]]
+    d2 = ((x - x[first]) ** 2).sum(1)  # (n,)
+    for _ in range(1, k):
+        probs = d2.cpu().double()
+        pick = int(torch.multinomial(probs, 1, generator=gen)) if probs.sum() > 0 else 0
+        centres.append(x[pick])
+        d2 = torch.minimum(d2, ((x - x[pick]) ** 2).sum(1))
+    return torch.stack(centres)
+
+
+def _centres(x: Tensor, labels: Tensor, old: Tensor) -> Tensor:
+    """Cluster means (k, d); an empty cluster keeps its old centre."""
+    k = len(old)
+    sums = torch.zeros_like(old).index_add_(0, labels, x)  # (k, d)
+    counts = torch.bincount(labels, minlength=k).unsqueeze(1)  # (k, 1)
+    return torch.where(counts > 0, sums / counts.clamp(min=1), old)
+
+
+def contingency(rows: Tensor, cols: Tensor, n_rows: int, n_cols: int) -> Tensor:
+    """Normalised contingency matrix (n_rows, n_cols): fraction of samples with each label pair."""
+    table = torch.zeros(n_rows * n_cols, dtype=torch.float64, device=rows.device)
+    table.index_add_(
+        0, rows * n_cols + cols, torch.ones(len(rows), dtype=torch.float64, device=rows.device)
+    )
+    return (table / max(len(rows), 1)).view(n_rows, n_cols)
+
+
+def overlap(rows: Tensor, cols: Tensor, n_rows: int, n_cols: int) -> float:
+    """The sum of each row's maximum of the normalised contingency matrix of (rows, cols)."""
+    return float(contingency(rows, cols, n_rows, n_cols).max(1).values.sum())
+
+
+def congruence(
+    kmeans_labels: Tensor, groups: Tensor, classes: Tensor, k: int, g: int, c: int
+) -> tuple[float, float]:
+    """(Acc_overlap, Acc_overlap / Q_kmeans) of SGPT appendix D.2.
+
+    Acc_overlap: row maxima of the normalised contingency matrix with k-means clusters as rows
+    and Select's groups as columns (the order the paper names them), summed. Q_kmeans: the same
+    with classes as rows and k-means clusters as columns (the share of each class in its most
+    common cluster). Note the literal definition: if every sample takes one group,
+    Acc_overlap = 1.
+    """
+    acc = overlap(kmeans_labels, groups, k, g)
+    return acc, acc / overlap(classes, kmeans_labels, c, k)
+
+
 def resolve_layers(cfg: SGPTConfig, depth: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(shared, group) 0-based blocks; None fields take the reference layout scaled to depth."""
     n_shared = max(1, depth // 3)
@@ -268,6 +366,35 @@ class SGPT(Method):
             raise FpbenchError(f"sgpt query_layer {cfg.query_layer} outside blocks 0..{depth - 1}")
         if self.group_layers and cfg.num_groups > d:
             raise FpbenchError(f"sgpt num_groups {cfg.num_groups} > embed dim {d}: keys orthogonal")
+        self.cluster: tuple[Tensor, Tensor, Tensor] | None = None  # queries, k-means, classes
+        if cfg.cluster_metric and self.group_layers:
+            self.cluster = self._cluster_reference(task)
+
+    def _cluster_reference(self, task: TaskInfo) -> tuple[Tensor, Tensor, Tensor] | None:
+        """Frozen queries (n, dq) of a seeded draw of the training clients' images, their
+        centralised k-means labels (n,) with G clusters, and their classes (n,); None where the
+        caller gives no train images or labels."""
+        if task.train_images is None or task.train_idx is None or task.train_labels is None:
+            return None
+        sharing = [
+            idx
+            for c, idx in enumerate(task.train_idx)
+            if task.heldout is None or not bool(task.heldout[c])
+        ]
+        pool = torch.cat(sharing).cpu() if sharing else torch.zeros(0, dtype=torch.long)
+        if len(pool) < self.cfg.num_groups:
+            return None
+        gen = torch.Generator().manual_seed(0)
+        pick = pool[torch.randperm(len(pool), generator=gen)[: self.cfg.cluster_samples]]
+        pick = pick.to(task.train_images.device)
+        queries = torch.cat(
+            [
+                self.query(self.backbone.preprocess(task.train_images[pick[i : i + 256]])).float()
+                for i in range(0, len(pick), 256)
+            ]
+        )  # (n, dq)
+        labels, _ = kmeans(queries, self.cfg.num_groups, seed=0)
+        return queries, labels, task.train_labels[pick].to(queries.device)
 
     # -- parameters -------------------------------------------------------------------------
     def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
@@ -391,6 +518,19 @@ class SGPT(Method):
         if self.cfg.select_counts == "sequential" and "select_counts" in ctx.earlier:
             return base + ctx.earlier["select_counts"]
         return base
+
+    def round_metrics(self, server: ServerState) -> dict[str, float]:
+        """Appendix D.2's congruence of the current keys' groups (nearest key, as at test time)
+        with centralised k-means on the same frozen queries (see `congruence`)."""
+        if self.cluster is None:
+            return {}
+        queries, km, classes = self.cluster
+        keys = F.normalize(server.params["keys"].detach().float().to(queries.device), dim=-1)
+        groups = (queries @ keys.T).argmax(1)  # (n,)
+        g = self.cfg.num_groups
+        acc, score = congruence(km, groups, classes, g, g, self.task.num_classes)
+        purity = overlap(groups, km, g, g)  # the other order: 1 / G-ish when Select collapses
+        return {"cluster_overlap": acc, "congruence_kmeans": score, "cluster_purity": purity}
 
     # -- server -----------------------------------------------------------------------------
     def aggregate(
