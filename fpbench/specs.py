@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fpbench.errors import FpbenchError
 from fpbench.registry import BACKBONES, DATASETS, METHODS, PARTITIONS, Registry
@@ -101,9 +101,31 @@ class Component(_Strict):
     args: dict[str, Any] = Field(default_factory=dict)
 
 
+Triple = tuple[float, float, float]
+
+
 class BackboneRef(_Strict):
     name: str = "vit-smoke"
     weights: str | None = Field(None, description="local weights file; None: hub or built-in")
+    mean: Triple | None = Field(
+        None,
+        description="input normalisation mean; None: the backbone's own. SGPT's reference code "
+        "uses CIFAR-100 statistics (0.5071, 0.4865, 0.4409) on CIFAR and (0, 0, 0) (no "
+        "normalisation) on Office-Caltech10 and DomainNet",
+    )
+    std: Triple | None = Field(
+        None,
+        description="input normalisation std; None: the backbone's own (reference code: "
+        "(0.2673, 0.2564, 0.2762) on CIFAR, (1, 1, 1) on Office-Caltech10 and DomainNet)",
+    )
+
+    @model_validator(mode="after")
+    def _both_or_neither(self) -> BackboneRef:
+        if (self.mean is None) != (self.std is None):
+            raise ValueError("backbone.mean and backbone.std go together: give both or neither")
+        if self.std is not None and min(self.std) <= 0:
+            raise ValueError(f"backbone.std must be positive, got {self.std}")
+        return self
 
 
 class RunConfig(_Strict):
@@ -125,6 +147,9 @@ class RunConfig(_Strict):
             del out["train"]["lr_schedule"]
         if out["train"]["local_label_space"] == "all":  # likewise
             del out["train"]["local_label_space"]
+        for key in ("mean", "std"):
+            if out["backbone"][key] is None:  # likewise
+                del out["backbone"][key]
         return out
 
     @property

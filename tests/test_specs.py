@@ -104,3 +104,37 @@ def test_suite_name_is_not_shadowed_by_a_folder_of_that_name(tmp_path, monkeypat
     assert load_suite("smoke").name == "smoke"
     with pytest.raises(FpbenchError, match="suite file not found"):
         load_suite("missing.toml")
+
+
+def test_backbone_normalisation_override_changes_run_key_and_preprocessing():
+    import torch
+
+    from fpbench.engine.runner import build_method
+    from fpbench.engine.task import build_task
+
+    plain = suite().cells[0]
+    backbone = {"name": "vit-test", "mean": [0.0, 0.0, 0.0], "std": [1.0, 1.0, 1.0]}
+    raw_defaults = {
+        "backbone": backbone,
+        "train": {"rounds": 2},
+        "dataset": {"num_classes": 6},
+        "partition": {"num_clients": 3},
+    }
+    unit = suite(defaults=raw_defaults).cells[0]
+    assert "mean" not in plain.identity()["backbone"]  # run keys made before the option stay
+    assert unit.run_key != plain.run_key
+    cpu = torch.device("cpu")
+    method = build_method(unit, build_task(unit, cpu), cpu)
+    images = torch.full((1, 3, 16, 16), 255, dtype=torch.uint8)
+    assert torch.allclose(method.backbone.preprocess(images), torch.ones(1, 3, 16, 16))
+
+
+def test_backbone_mean_without_std_is_rejected():
+    with pytest.raises(FpbenchError, match="mean and backbone.std go together"):
+        suite(
+            defaults={
+                "backbone": {"name": "vit-test", "mean": [0.5, 0.5, 0.5]},
+                "dataset": {"num_classes": 6},
+                "partition": {"num_clients": 3},
+            }
+        )

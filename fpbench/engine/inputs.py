@@ -46,6 +46,7 @@ class FeatureCache:
 
 def backbone_fingerprint(backbone: PromptedViT) -> str:
     h = hashlib.sha256(backbone.name.encode())
+    h.update(repr((backbone.mean, backbone.std)).encode())  # the input normalisation counts too
     for t in list(getattr(backbone, "vit", backbone).state_dict().values())[:4]:
         h.update(t.detach().float().cpu().numpy().tobytes()[: 1 << 16])
     return h.hexdigest()[:12]

@@ -98,6 +98,8 @@ def build_method(
     backbone = create_backbone(
         cfg.backbone.name, weights=cfg.backbone.weights, pretrained=pretrained
     ).to(device)
+    if cfg.backbone.mean is not None:  # the suite's input normalisation (e.g. the reference code's)
+        backbone.mean, backbone.std = cfg.backbone.mean, cfg.backbone.std
     if cfg.runtime.compile and hasattr(backbone, "vit"):
         for block in backbone.vit.blocks:
             block.compile(dynamic=True)
@@ -112,6 +114,9 @@ def build_method(
         train_idx=tuple(task.train_idx),
         heldout=task.heldout,
         train_labels=task.data.train_labels,
+        test_images=task.data.test_images,
+        test_labels=task.data.test_labels,
+        coarse_of_class=task.data.coarse_of_class,
     )
     return method_cls(method_cls.Config(**cfg.method.args), backbone, info)
 

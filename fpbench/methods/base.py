@@ -65,6 +65,9 @@ class TaskInfo:
     train_idx: tuple[Tensor, ...] | None = None  # per client: its indices into train_images
     heldout: Tensor | None = None  # (N,) bool: held-out clients never train nor share
     train_labels: Tensor | None = None  # (n,) labels of train_images (PEP-FedPT's warm start)
+    test_images: Tensor | None = None  # (M, 3, H, W) uint8 test split (SGPT's acc_cluster)
+    test_labels: Tensor | None = None  # (M,) fine labels of test_images
+    coarse_of_class: Tensor | None = None  # (C,) coarse class of each class; None: no hierarchy
 
 
 @dataclass(frozen=True)
