@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from fpbench.methods.sgpt import SGPTConfig, _centres, congruence, contingency, kmeans, overlap
+from fpbench.methods.sgpt import (
+    SGPTConfig,
+    _centres,
+    cluster_accuracy,
+    congruence,
+    contingency,
+    kmeans,
+    overlap,
+)
 from fpbench.registry import METHODS
 
 KM = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
@@ -97,3 +107,49 @@ def test_metric_switch_and_sample_cap(tiny):
     full = _sgpt(tiny, num_groups=2, cluster_samples=10_000)
     sharing = sum(len(i) for c, i in enumerate(full.task.train_idx) if c not in heldout)
     assert len(held_idx) > 0 and len(full.cluster[0]) == sharing  # held-out clients excluded
+
+
+# -- Table 4's acc_cluster: Select's groups against the coarse labels of the test set ---------
+def test_cluster_accuracy_of_a_perfect_grouping_up_to_relabelling_is_one():
+    coarse = torch.tensor([0, 0, 1, 1, 2, 2])
+    relabelled = torch.tensor([2, 2, 0, 0, 1, 1])  # group 2 = class 0, 0 = 1, 1 = 2
+    assert cluster_accuracy(relabelled, coarse, 3, 3) == pytest.approx(1.0)
+    assert cluster_accuracy(relabelled, coarse, 5, 3) == pytest.approx(1.0)  # unused groups
+
+
+def test_cluster_accuracy_matches_one_to_one_not_by_majority():
+    coarse = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1])  # group 0: 3 x class 0; 1: 3 x 0, 2 x 1
+    # both groups' majority is class 0 (6/8), but one-to-one: 0 -> 0, 1 -> 1 gives 3 + 2
+    assert cluster_accuracy(groups, coarse, 2, 2) == pytest.approx(5 / 8)
+    fewer_groups = torch.tensor([0, 0, 1, 1, 1, 1])  # 2 groups, 3 classes: one class unmatched
+    three = torch.tensor([0, 0, 1, 1, 2, 2])
+    assert cluster_accuracy(fewer_groups, three, 2, 3) == pytest.approx(4 / 6)
+    collapsed = torch.zeros(8, dtype=torch.long)  # one group: the largest class's share
+    assert cluster_accuracy(collapsed, torch.arange(4).repeat(2), 4, 4) == pytest.approx(1 / 4)
+
+
+def test_acc_cluster_of_a_collapsed_select_is_the_largest_coarse_share(tiny):
+    method = _sgpt(tiny, num_groups=3)
+    task = method.task
+    queries, coarse = method.coarse
+    assert len(queries) == len(coarse) == len(task.test_labels)
+    assert torch.equal(coarse, task.coarse_of_class[task.test_labels])
+    server = method.init_server(torch.Generator().manual_seed(0))
+    mean = queries.mean(0)  # ReLU'd queries: every test sample picks the middle key
+    server.params["keys"] = torch.stack([-mean, mean, -mean])
+    # synthetic: 6 classes in coarse groups [0, 0, 1, 2, 2, 3], equally many test samples each
+    assert task.coarse_of_class.tolist() == [0, 0, 1, 2, 2, 3]
+    assert method.round_metrics(server)["acc_cluster"] == pytest.approx(2 / 6)
+
+
+def test_no_coarse_labels_no_acc_cluster(tiny):
+    _, _, base = tiny("sgpt")
+    flat = dataclasses.replace(base.task, coarse_of_class=None)
+    method = METHODS.get("sgpt")(SGPTConfig(num_groups=3), base.backbone, flat)
+    server = method.init_server(torch.Generator().manual_seed(0))
+    out = method.round_metrics(server)
+    assert method.coarse is None and "acc_cluster" not in out
+    assert "congruence_kmeans" in out  # the other metrics are still there
+    assert _sgpt(tiny, preset="shared-only").coarse is None  # no group prompts
+    assert _sgpt(tiny, cluster_metric=False).coarse is None

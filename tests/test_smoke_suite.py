@@ -11,6 +11,7 @@ import sqlite3
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -60,3 +61,52 @@ def test_smoke_suite_end_to_end(tmp_path):
     assert table.returncode == 0 and "fedvpt" in table.stdout
     plot = fpbench("plot", "tradeoff", "--suite", "smoke", "--out", "t.png", cwd=tmp_path, env=env)
     assert plot.returncode == 0 and (tmp_path / "t.png").stat().st_size > 0
+
+
+def _rows(db) -> list[tuple]:
+    """Every metric row of a database, keyed by run_key (ids differ between databases)."""
+    with sqlite3.connect(db) as con:
+        return sorted(
+            con.execute(
+                "select runs.run_key, round, coalesce(client_id, -1), name, value from metrics "
+                "join runs on runs.id = metrics.run_id"
+            )
+        )
+
+
+@pytest.mark.parametrize(
+    "executor",
+    [
+        ["--jobs", "2"],
+        ["--executor", "submitit-local", "--jobs", "2"],
+        ["--executor", "ray", "--jobs", "2"],
+    ],
+)
+def test_every_executor_runs_the_smoke_suite_like_a_serial_run(tmp_path_factory, executor):
+    if "submitit-local" in executor:
+        pytest.importorskip("submitit")
+    if "ray" in executor:
+        pytest.importorskip("ray")
+    serial = _serial_smoke(tmp_path_factory)
+    tmp = tmp_path_factory.mktemp("executor")
+    env = {**os.environ, "FPBENCH_CACHE": str(serial.parent / "cache")}
+    result = fpbench("run", "--suite", "smoke", *executor, "--db", "x.db", cwd=tmp, env=env)
+    assert result.returncode == 0, result.stderr
+    rows, want = _rows(tmp / "x.db"), _rows(serial)
+    assert [r[:4] for r in rows] == [r[:4] for r in want]  # the same rows, none missing or extra
+    # worker processes use fewer threads, so float sums may differ in the last bits
+    assert np.allclose([r[4] for r in rows], [r[4] for r in want], rtol=1e-4, atol=1e-6)
+
+
+_SERIAL: dict[str, object] = {}
+
+
+def _serial_smoke(tmp_path_factory):
+    """The smoke suite run serially once per session (the reference for the executors)."""
+    if "db" not in _SERIAL:
+        tmp = tmp_path_factory.mktemp("serial-smoke")
+        env = {**os.environ, "FPBENCH_CACHE": str(tmp / "cache")}
+        result = fpbench("run", "--suite", "smoke", "--db", "s.db", cwd=tmp, env=env)
+        assert result.returncode == 0, result.stderr
+        _SERIAL["db"] = tmp / "s.db"
+    return _SERIAL["db"]
