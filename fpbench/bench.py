@@ -64,8 +64,9 @@ def bench(
         "steps": steps,
     }
     server = fedvpt.init_server(torch.Generator().manual_seed(0))
+    seconds = {}
     for executor in ("reference", "lockstep"):
-        secs = _time(
+        seconds[executor] = _time(
             lambda e=executor: train_clients(
                 fedvpt,
                 server,
@@ -80,7 +81,7 @@ def bench(
             dev,
             repeats,
         )
-        out[f"train_samples_per_s_{executor}"] = samples / secs
+        out[f"train_samples_per_s_{executor}"] = samples / seconds[executor]
     out["lockstep_vs_reference"] = (
         out["train_samples_per_s_lockstep"] / out["train_samples_per_s_reference"]
     )
@@ -92,7 +93,7 @@ def bench(
     )
     out["eval_samples_per_s"] = len(task.data.test_labels) / test_s
     if dev.type == "cuda":
-        out.update(_flops(fedvpt, server, task, ids, cfg, prec, dev, out))
+        out.update(_flops(fedvpt, server, task, ids, cfg, prec, dev, seconds["lockstep"]))
     return out
 
 
@@ -146,13 +147,11 @@ def _headtune(
 
 
 def _flops(
-    method, server, task, ids, cfg, prec: str, dev: torch.device, out: dict[str, object]
+    method, server, task, ids, cfg, prec: str, dev: torch.device, seconds: float
 ) -> dict[str, object]:
-    """FLOPs of one lockstep round, counted by torch, over its measured time."""
+    """FLOPs of one lockstep round, counted by torch, over its measured `seconds`."""
     with FlopCounterMode(display=False) as counter:
         train_clients(method, server, task, ids, cfg.train, round_idx=0, seed=0, precision=prec)
-    samples = sum(len(task.train_idx[c]) for c in ids)
-    seconds = samples / out["train_samples_per_s_lockstep"]
     achieved = counter.get_total_flops() / seconds
     name = torch.cuda.get_device_name(dev)
     peak = next((v for k, v in BF16_PEAK.items() if k in name), None)

@@ -15,7 +15,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import fpbench
-from fpbench.cli_common import console, err, user_errors
+from fpbench.cli_common import (
+    DEFAULT_DB,
+    DbOpt,
+    SuiteOpt,
+    console,
+    err,
+    open_store,
+    save_figure,
+    sqlite_missing,
+    suite_name,
+    user_errors,
+    write_or_print,
+)
 from fpbench.data_cli import data_app
 from fpbench.errors import FpbenchError
 from fpbench.store.cli_db import db_app
@@ -31,10 +43,7 @@ app.add_typer(plot_app, name="plot")
 app.add_typer(db_app, name="db")
 app.add_typer(data_app, name="data")
 
-DEFAULT_DB = "results/fpbench.db"
 DEFAULT_METRICS = ["acc_global", "acc_local_mean", "acc_local_worst"]
-DbOpt = Annotated[str, typer.Option("--db", help="results database: a path or SQLAlchemy URL")]
-SuiteOpt = Annotated[str, typer.Option("--suite", "-s", help="suite name or path to a .toml")]
 
 
 def _version(value: bool) -> None:
@@ -53,23 +62,6 @@ def _root(
     ] = False,
 ) -> None:
     """Benchmark suite for federated prompt tuning of frozen pretrained models."""
-
-
-def _sqlite_missing(db: str) -> bool:
-    """Whether `db` names a SQLite file that does not exist yet."""
-    from fpbench.store import Store
-
-    url = Store.url_from_path_or_url(db)
-    return url.startswith("sqlite:///") and not Path(url[len("sqlite:///") :]).exists()
-
-
-def _open_store(db: str, *, must_exist: bool = False):
-    """The results store; with `must_exist`, a missing SQLite file is an error, not created."""
-    from fpbench.store import Store
-
-    if must_exist and _sqlite_missing(db):
-        raise FpbenchError(f"no results database at {db}; run `fpbench run` first or pass --db")
-    return Store(Store.url_from_path_or_url(db))
 
 
 def _select_cells(suite, methods: list[str] | None, seeds: list[int] | None):
@@ -208,7 +200,7 @@ def run(
     if retry_failed and not (cells := _retry_selection(loaded.name, cells, url)):
         return
     if CELL_KEY not in url:
-        _open_store(db).close()  # creates the tables once; an unreachable database fails here
+        open_store(db).close()  # creates the tables once; an unreachable database fails here
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -286,7 +278,7 @@ def _print_cells(suite: str, cells, db: str) -> None:
     from fpbench.data.prepared import data_root, dataset_state
 
     # no database yet: every cell is new, and a dry run creates nothing
-    store = None if _sqlite_missing(db) else _open_store(db)
+    store = None if sqlite_missing(db) else open_store(db)
     table = Table(title=f"suite {suite}: {len(cells)} cells")
     for col in ("run_key", "method", "dataset", "partition", "seed", "status", "data"):
         table.add_column(col)
@@ -359,7 +351,7 @@ def show(
     db: DbOpt = DEFAULT_DB,
 ) -> None:
     """Show one run: its identity, status, config and final metrics."""
-    store = _open_store(db, must_exist=True)
+    store = open_store(db, must_exist=True)
     record = store.get_run(run_ref)
     console.print(
         f"[bold]run {record.id}[/] {record.run_key}  status={record.status}  "
@@ -417,32 +409,19 @@ def table(
     if paper:
         from fpbench.report.cli_paper import show_paper_tables
 
-        show_paper_tables(db, paper, table_no, fmt.value, out, console)
+        show_paper_tables(db, paper, table_no, fmt.value, out)
         return
     if suite is None:
         raise FpbenchError("give --suite NAME (a suite's summary) or --paper NAME (its tables)")
-    store = _open_store(db, must_exist=True)
-    frame = store.metrics(suite=_suite_name(suite))
-    text = render(summary_table(frame, metric or DEFAULT_METRICS), fmt.value)
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-        console.print(f"wrote {out}")
-    else:
-        print(text)
+    _, frame = _suite_metrics(db, suite)
+    write_or_print(render(summary_table(frame, metric or DEFAULT_METRICS), fmt.value), out)
 
 
-def _suite_name(suite: str) -> str:
-    """The name runs were stored under: a suite file's `name` or its stem."""
-    from fpbench.specs import find_suite
-
-    try:
-        import tomllib
-
-        path = find_suite(suite)
-        return tomllib.loads(path.read_text()).get("name", path.stem)
-    except (FpbenchError, ValueError):
-        return suite
+def _suite_metrics(db: str, suite: str) -> tuple[str, Any]:
+    """The suite's stored name and its metric rows (`Store.metrics`) from `db`."""
+    with open_store(db, must_exist=True) as store:
+        name = suite_name(suite)
+        return name, store.metrics(suite=name)
 
 
 @plot_app.command("tradeoff")
@@ -455,9 +434,8 @@ def plot_tradeoff(
     """Global accuracy (x) vs worst local accuracy (y), one marker per method (SGPT Fig. 1)."""
     from fpbench.report.plots import tradeoff
 
-    store = _open_store(db, must_exist=True)
-    name = _suite_name(suite)
-    _save(tradeoff(store.metrics(suite=name), suite=name), out)
+    name, frame = _suite_metrics(db, suite)
+    save_figure(tradeoff(frame, suite=name), out)
 
 
 @plot_app.command("curves")
@@ -471,15 +449,8 @@ def plot_curves(
     """A metric against communication rounds, one line per method."""
     from fpbench.report.plots import curves
 
-    store = _open_store(db, must_exist=True)
-    name = _suite_name(suite)
-    _save(curves(store.metrics(suite=name), metric, suite=name), out)
-
-
-def _save(fig: Any, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=150, bbox_inches="tight")
-    console.print(f"wrote {out}")
+    name, frame = _suite_metrics(db, suite)
+    save_figure(curves(frame, metric, suite=name), out)
 
 
 @app.command("bench")
@@ -511,42 +482,18 @@ def bench_cmd(
         table.add_row(key, f"{value:,.3f}" if isinstance(value, float) else str(value))
     console.print(table)
     if json_out:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(figures, indent=2))
-        console.print(f"wrote {json_out}")
+        write_or_print(json.dumps(figures, indent=2), json_out)
 
 
-def _register_paper_plots() -> None:
+def _register_commands() -> None:
     from fpbench.report.cli_paper import register_plot_commands
-
-    register_plot_commands(
-        plot_app,
-        wrap=user_errors,
-        open_store=_open_store,
-        suite_name=_suite_name,
-        save=_save,
-        console=console,
-    )
-
-
-_register_paper_plots()
-
-
-def _register_report_commands() -> None:
     from fpbench.report.cli_report import register_report_commands
 
-    register_report_commands(
-        app,
-        plot_app,
-        wrap=user_errors,
-        open_store=_open_store,
-        suite_name=_suite_name,
-        save=_save,
-        console=console,
-    )
+    register_plot_commands(plot_app)
+    register_report_commands(app, plot_app)
 
 
-_register_report_commands()
+_register_commands()
 
 
 def main() -> None:

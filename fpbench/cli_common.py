@@ -1,10 +1,11 @@
-"""What every command module of the CLI shares: the consoles and the user-error wrapper."""
+"""What every command module of the CLI shares: consoles, the user-error wrapper, the store."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -29,3 +30,59 @@ def user_errors(fn: F) -> F:
             raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+DEFAULT_DB = "results/fpbench.db"
+DbOpt = Annotated[str, typer.Option("--db", help="results database: a path or SQLAlchemy URL")]
+SuiteOpt = Annotated[str, typer.Option("--suite", "-s", help="suite name or path to a .toml")]
+
+
+def sqlite_missing(db: str) -> bool:
+    """Whether `db` names a SQLite file that does not exist yet."""
+    from fpbench.store import Store
+
+    url = Store.url_from_path_or_url(db)
+    return url.startswith("sqlite:///") and not Path(url[len("sqlite:///") :]).exists()
+
+
+def open_store(db: str, *, must_exist: bool = False):
+    """The results store; with `must_exist`, a missing SQLite file is an error, not created."""
+    from fpbench.store import Store
+
+    if must_exist and sqlite_missing(db):
+        raise FpbenchError(f"no results database at {db}; run `fpbench run` first or pass --db")
+    return Store(Store.url_from_path_or_url(db))
+
+
+def suite_name(suite: str) -> str:
+    """The name runs were stored under: a suite file's `name` or its stem."""
+    from fpbench.specs import find_suite
+
+    try:
+        import tomllib
+
+        path = find_suite(suite)
+        return tomllib.loads(path.read_text()).get("name", path.stem)
+    except (FpbenchError, ValueError):
+        return suite
+
+
+def save_figure(fig: Any, out: Path, *, pdf_beside: bool = False) -> None:
+    """Write `fig` to `out` (and, with `pdf_beside`, a .pdf next to a .png) and say so."""
+    paths = [out]
+    if pdf_beside and out.suffix.lower() == ".png":
+        paths.append(out.with_suffix(".pdf"))
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=150, bbox_inches="tight")
+        console.print(f"wrote {path}")
+
+
+def write_or_print(text: str, out: Path | None) -> None:
+    """Write `text` to `out` and say so, or print it to stdout when there is no `out`."""
+    if out is None:
+        print(text)
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    console.print(f"wrote {out}")

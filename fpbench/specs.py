@@ -128,6 +128,16 @@ class BackboneRef(_Strict):
         return self
 
 
+# fields added after run keys were first stored: at their default they are left out of the
+# identity, so the keys of runs made before them stay the same
+_LATER_FIELDS: dict[tuple[str, str], Any] = {
+    ("train", "lr_schedule"): "exp",
+    ("train", "local_label_space"): "all",
+    ("backbone", "mean"): None,
+    ("backbone", "std"): None,
+}
+
+
 class RunConfig(_Strict):
     """The fully resolved config of one run (one cell of a suite)."""
 
@@ -143,13 +153,9 @@ class RunConfig(_Strict):
     def identity(self) -> dict[str, Any]:
         """Everything that determines the results (the runtime section does not)."""
         out = self.model_dump(mode="json", exclude={"runtime"})
-        if out["train"]["lr_schedule"] == "exp":  # the default keeps run keys made before it
-            del out["train"]["lr_schedule"]
-        if out["train"]["local_label_space"] == "all":  # likewise
-            del out["train"]["local_label_space"]
-        for key in ("mean", "std"):
-            if out["backbone"][key] is None:  # likewise
-                del out["backbone"][key]
+        for (section, key), default in _LATER_FIELDS.items():
+            if out[section][key] == default:
+                del out[section][key]
         return out
 
     @property

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from open_clip.transformer import text_global_pool
 from torch import Tensor, nn
 
+from fpbench.backbones.smoke import default_cache_dir
 from fpbench.backbones.vit import _first_line, _hub_reachable
 from fpbench.errors import FpbenchError
 
@@ -216,10 +217,6 @@ def _joint_dim(model: nn.Module) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # Registry specs and weight loading
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("FPBENCH_CACHE") or Path.home() / ".cache" / "fpbench")
 
 
 @dataclass(frozen=True)

@@ -24,19 +24,15 @@ sees them: the shorter side resized to `image_size` (bicubic), then a centred sq
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from pydantic import Field
 
 from fpbench.data.base import ImageDataset
 from fpbench.data.info import DatasetInfo
-from fpbench.data.prepared import Progress, RealConfig, RealDataset, hwc_to_chw
+from fpbench.data.prepared import Progress, RealConfig, RealDataset, decode_images
 from fpbench.errors import FpbenchError
 from fpbench.registry import DATASETS
 
@@ -91,42 +87,6 @@ def class_names(split: dict[str, list[Item]], where: Path) -> list[str]:
     return [clean_name(names[k]) for k in range(len(names))]
 
 
-def decode_center_crop(path: Path, size: int) -> np.ndarray:
-    """One image -> uint8 (size, size, 3): shorter side to `size` (bicubic), centred crop."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        img = Image.open(path)
-    except (OSError, UnidentifiedImageError) as e:
-        raise FpbenchError(f"cannot read image {path}: {e}") from None
-    with img:
-        if img.format == "JPEG":
-            img.draft("RGB", (size, size))  # decode at a reduced scale, never below `size`
-        rgb = img.convert("RGB")
-        w, h = rgb.size
-        scale = size / min(w, h)
-        new_w, new_h = max(size, round(w * scale)), max(size, round(h * scale))
-        if (new_w, new_h) != (w, h):
-            rgb = rgb.resize((new_w, new_h), Image.BICUBIC)
-        left, top = (new_w - size) // 2, (new_h - size) // 2
-        return np.asarray(rgb.crop((left, top, left + size, top + size)), dtype=np.uint8)
-
-
-def decode_all(paths: Sequence[Path], size: int, progress: Progress, what: str) -> torch.Tensor:
-    """Decode `paths` in parallel threads -> uint8 (N, 3, size, size)."""
-    out: list[np.ndarray] = []
-    progress(what, 0, len(paths))
-    workers = max(1, min(8, os.cpu_count() or 1))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        for start in range(0, len(paths), 512):
-            chunk = paths[start : start + 512]
-            out.extend(pool.map(lambda p: decode_center_crop(p, size), chunk))
-            progress(what, start + len(chunk), len(paths))
-    if not out:
-        return torch.zeros(0, 3, size, size, dtype=torch.uint8)
-    return hwc_to_chw(np.stack(out))
-
-
 class CoopFewShot(RealDataset):
     """A CoOp dataset: `folder/image_dir` images listed by `folder/split_file`."""
 
@@ -178,7 +138,8 @@ class CoopFewShot(RealDataset):
                     f"{cls.name}: {len(missing)} images of the {name} split are missing under "
                     f"{base}, e.g. {missing[0]}; {cls.hint}"
                 )
-            images = decode_all(files, cfg.image_size, progress, f"{cls.name} {name}")
+            what = f"{cls.name} {name}"
+            images = decode_images(files, cfg.image_size, progress, what, crop=True)
             out[name] = (images, torch.tensor([y for _, y, _ in items], dtype=torch.int64))
         return ImageDataset(
             name=cls.name,

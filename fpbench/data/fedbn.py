@@ -40,12 +40,12 @@ from fpbench.data.prepared import (
     RealConfig,
     RealDataset,
     decode_images,
+    image_files,
     split_train_test,
 )
 from fpbench.errors import FpbenchError
 from fpbench.registry import DATASETS
 
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp"}
 # The SGPT reference code feeds Office / DomainNet pixels in [0, 1] (no normalization): a
 # backbone mean / std of these values reproduces it (sgpt-reference-code.md 1.4-1.5).
 SGPT_UNIT_MEAN = (0.0, 0.0, 0.0)
@@ -172,10 +172,6 @@ def _pick(files: list[Path], labels: list[int], idx: np.ndarray) -> Items:
     return [files[i] for i in idx], [labels[i] for i in idx]
 
 
-def _class_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.glob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
-
-
 @DATASETS.register()
 class OfficeCaltech10(_DomainFolders):
     """Office-Caltech10: 4 domains (amazon, caltech, dslr, webcam) x 10 classes."""
@@ -205,7 +201,7 @@ class OfficeCaltech10(_DomainFolders):
     def raw_split(cls, root: Path, domain: str, cfg: FedBNConfig) -> tuple[Items, Items]:
         files, labels = [], []
         for k, c in enumerate(cls.classes):
-            found = _class_files(cls.raw_dir(root) / domain / c)
+            found = image_files(cls.raw_dir(root) / domain / c)
             files, labels = files + found, labels + [k] * len(found)
         train, test = split_train_test(len(files), cfg.test_fraction, cfg.seed, np.array(labels))
         return _pick(files, labels, train), _pick(files, labels, test)

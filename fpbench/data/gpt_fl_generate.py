@@ -13,12 +13,12 @@ uses language-model-written captions; `template` changes the wording).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from fpbench.data.prepared import hwc_to_chw, square_crop
 from fpbench.errors import FpbenchError
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
@@ -63,7 +63,7 @@ def load_generated(
 
     if not root.is_dir():
         raise FpbenchError(f"synthetic_dir {str(root)!r} does not exist; generate it first")
-    images: list[Tensor] = []
+    images: list[np.ndarray] = []  # (S, S, 3) each
     labels: list[int] = []
     for label, name in enumerate(class_names):
         folder = class_folder(root, name)
@@ -71,25 +71,11 @@ def load_generated(
             with Image.open(path) as im:
                 rgb = im.convert("RGB")
             size = size or min(rgb.size)
-            images.append(_square(rgb, size))
+            images.append(np.asarray(square_crop(rgb, size), dtype=np.uint8))
             labels.append(label)
     if not images:
         raise FpbenchError(f"synthetic_dir {str(root)!r} holds no images")
-    return torch.stack(images), torch.tensor(labels)
-
-
-def _square(image: Any, size: int) -> Tensor:
-    """A PIL image resized to shorter side `size`, centre-cropped: uint8 (3, size, size)."""
-    from PIL import Image
-
-    w, h = image.size
-    scale = size / min(w, h)
-    new_w, new_h = max(size, round(w * scale)), max(size, round(h * scale))
-    if (new_w, new_h) != (w, h):
-        image = image.resize((new_w, new_h), Image.BICUBIC)
-    left, top = (new_w - size) // 2, (new_h - size) // 2
-    image = image.crop((left, top, left + size, top + size))
-    return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
+    return hwc_to_chw(np.stack(images)), torch.tensor(labels)
 
 
 def require_text_to_image(model: Path) -> None:

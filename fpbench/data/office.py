@@ -29,12 +29,11 @@ from fpbench.data.prepared import (
     RealConfig,
     RealDataset,
     decode_images,
+    image_files,
     split_train_test,
 )
 from fpbench.errors import FpbenchError
 from fpbench.registry import DATASETS
-
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp"}
 
 
 class OfficeConfig(RealConfig):
@@ -89,7 +88,7 @@ class _OfficeFolders(RealDataset):
                 raise FpbenchError(
                     f"{sub}: {sub.name!r} is not one of the {len(cls.classes)} {cls.name} classes"
                 )
-            found = sorted(p for p in sub.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+            found = image_files(sub)
             files += found
             labels += [index[sub.name]] * len(found)
         return files, labels

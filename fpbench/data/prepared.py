@@ -38,6 +38,7 @@ PREPARED_DIR = "prepared"
 FORMAT = 1  # bump when the prepared file's contents change meaning
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp"}  # image files in raw class folders
 _TENSORS = ("train_images", "train_labels", "test_images", "test_labels")
 
 
@@ -249,8 +250,32 @@ def pad_to(images: torch.Tensor, size: int) -> torch.Tensor:
     return out
 
 
-def decode_image(path: Path, size: int | None) -> np.ndarray:
-    """One image file -> uint8 (H, W, 3), resized to size x size (PIL bilinear) if given."""
+def square_crop(img: Any, size: int) -> Any:
+    """A PIL image with its shorter side resized to `size` (bicubic), then a centred square crop.
+
+    CLIP's test transform; images already of shorter side `size` are only cropped.
+    """
+    from PIL import Image
+
+    w, h = img.size
+    scale = size / min(w, h)
+    new_w, new_h = max(size, round(w * scale)), max(size, round(h * scale))
+    if (new_w, new_h) != (w, h):
+        img = img.resize((new_w, new_h), Image.BICUBIC)
+    left, top = (new_w - size) // 2, (new_h - size) // 2
+    return img.crop((left, top, left + size, top + size))
+
+
+def image_files(folder: Path) -> list[Path]:
+    """The image files directly in `folder`, sorted (none when it does not exist)."""
+    return sorted(p for p in folder.glob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+
+
+def decode_image(path: Path, size: int | None, crop: bool = False) -> np.ndarray:
+    """One image file -> uint8 (H, W, 3), made size x size if given.
+
+    `crop` False: resized to the square (PIL bilinear); True: `square_crop` (keeps the aspect).
+    """
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -259,22 +284,32 @@ def decode_image(path: Path, size: int | None) -> np.ndarray:
         raise FpbenchError(f"cannot read image {path}: {e}") from None
     with img:
         if size is not None and img.format == "JPEG":
-            img.draft("RGB", (size, size))  # decode at a reduced scale when much larger
+            img.draft("RGB", (size, size))  # decode at a reduced scale, never below `size`
         rgb = img.convert("RGB")
-        if size is not None and rgb.size != (size, size):
+        if size is not None and crop:
+            rgb = square_crop(rgb, size)
+        elif size is not None and rgb.size != (size, size):
             rgb = rgb.resize((size, size), Image.BILINEAR)
         return np.asarray(rgb, dtype=np.uint8)
 
 
 def decode_images(
-    paths: Sequence[Path], size: int | None, progress: Progress, what: str, workers: int = 8
+    paths: Sequence[Path],
+    size: int | None,
+    progress: Progress,
+    what: str,
+    workers: int = 8,
+    crop: bool = False,
 ) -> torch.Tensor:
-    """Decode image files in parallel threads -> uint8 (N, 3, S, S); all must share one size."""
+    """Decode image files in parallel threads -> uint8 (N, 3, S, S); all must share one size.
+
+    `size` and `crop` as in `decode_image`.
+    """
     out: list[np.ndarray] = []
     progress(what, 0, len(paths))
     with ThreadPoolExecutor(max_workers=max(1, min(workers, os.cpu_count() or 1))) as pool:
         for start, chunk in _chunks(paths, 512):
-            out.extend(pool.map(lambda p: decode_image(p, size), chunk))
+            out.extend(pool.map(lambda p: decode_image(p, size, crop), chunk))
             progress(what, start + len(chunk), len(paths))
     if not out:
         return torch.zeros(0, 3, size or 1, size or 1, dtype=torch.uint8)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from fpbench.engine.inputs import FeatureCache
-from fpbench.engine.runner import CellResult, Observer, run_cell, run_suite
+from fpbench.engine.runner import CellResult, Observer, error_text, run_cell, run_suite
 from fpbench.errors import FpbenchError
 from fpbench.specs import RunConfig
 from fpbench.store import Store
@@ -139,7 +139,7 @@ def failed_cells(cells: list[RunConfig], url: str) -> list[RunConfig]:
     failed = []
     for cfg in cells:
         cell = cell_url(url, cfg)
-        if cell.startswith("sqlite:///") and not Path(cell[len("sqlite:///") :]).is_file():
+        if (path := Store.sqlite_file(cell)) is not None and not path.is_file():
             continue  # never run
         with Store(cell) as store:
             record = store.find_run(cfg.run_key)
@@ -190,7 +190,7 @@ def run_one(
     except FpbenchError as e:
         return ("error", str(e))
     except Exception as e:  # recorded as failed in the database by run_cell
-        return ("failed", f"{type(e).__name__}: {e}")
+        return ("failed", error_text(e))
     return (result.status, result.error)
 
 

@@ -12,6 +12,8 @@ all classes.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -24,6 +26,22 @@ from fpbench.methods.base import Context, Method, ServerState
 
 
 @torch.no_grad()
+def logits_of(
+    method: Method,
+    params: dict[str, Tensor],
+    inputs: Inputs,
+    idx: Tensor,
+    rows: Tensor,
+    ctx: Context,
+    batch_size: int,
+) -> Iterator[Tensor]:
+    """Logits (B, C) of test samples idx (M,), batch by batch; rows[i] = the row of sample i."""
+    for start in range(0, len(idx), batch_size):
+        x = inputs.test(idx[start : start + batch_size])
+        ctx.query = inputs.query("test", idx[start : start + batch_size])
+        yield method.forward(params, x, rows[start : start + batch_size], ctx)  # (B, C)
+
+
 def predict(
     method: Method,
     params: dict[str, Tensor],
@@ -39,15 +57,21 @@ def predict(
     `allowed` (M, C) bool, if given, restricts sample i's argmax to the classes allowed[i].
     """
     preds = []
-    for start in range(0, len(idx), batch_size):
-        x = inputs.test(idx[start : start + batch_size])
-        ctx.query = inputs.query("test", idx[start : start + batch_size])
-        logits = method.forward(params, x, rows[start : start + batch_size], ctx)  # (B, C)
+    for start, logits in zip(
+        range(0, len(idx), batch_size),
+        logits_of(method, params, inputs, idx, rows, ctx, batch_size),
+        strict=True,
+    ):
         if allowed is not None:
             keep = allowed[start : start + batch_size].to(logits.device)  # (B, C)
-            logits = logits.float().masked_fill(~keep, float("-inf"))
+            logits = _masked(logits, keep)
         preds.append(logits.argmax(-1))
     return torch.cat(preds) if preds else torch.empty(0, dtype=torch.long, device=idx.device)
+
+
+def _masked(logits: Tensor, keep: Tensor) -> Tensor:
+    """fp32 logits (B, C) with the classes outside keep (B, C) at -inf."""
+    return logits.float().masked_fill(~keep, float("-inf"))
 
 
 def evaluate(
@@ -85,16 +109,21 @@ def _evaluate_global(
     ctx = Context(training=False, buffers=server.buffers)
     everything = torch.arange(len(data.test_labels), device=data.test_labels.device)
     rows = torch.zeros_like(everything)
-    correct = predict(method, params, inputs, everything, rows, ctx, batch_size) == data.test_labels
-    local = [correct[idx] for idx in task.test_idx]
-    if label_space == "client":
-        flat = torch.cat(task.test_idx)
-        owner = torch.cat([torch.full_like(idx, c) for c, idx in enumerate(task.test_idx)])
-        allowed = client_classes(task)[owner.to(task.priors.device)]  # (M, C)
-        zeros = torch.zeros_like(flat)
-        pred = predict(method, params, inputs, flat, zeros, ctx, batch_size, allowed)
-        right = pred == data.test_labels[flat]
-        local = list(right.split([len(idx) for idx in task.test_idx]))
+    if label_space == "all":
+        correct = predict(method, params, inputs, everything, rows, ctx, batch_size)
+        correct = correct == data.test_labels
+        local = [correct[idx] for idx in task.test_idx]
+    else:  # one forward: the test split's logits, masked per client for the local sets
+        batches = logits_of(method, params, inputs, everything, rows, ctx, batch_size)
+        empty = everything.new_zeros(0, data.num_classes, dtype=torch.float)
+        logits = torch.cat([b.float() for b in batches] or [empty])  # (M, C)
+        correct = logits.argmax(-1) == data.test_labels
+        classes = client_classes(task)  # (N, C)
+        local = [
+            _masked(logits[idx], classes[c].expand(len(idx), -1)).argmax(-1)
+            == data.test_labels[idx]
+            for c, idx in enumerate(task.test_idx)
+        ]
     return EvalCounts(
         correct_local=torch.stack([c.sum() for c in local]).cpu().numpy(),
         total_local=np.array([len(idx) for idx in task.test_idx]),
@@ -124,6 +153,7 @@ def _evaluate_per_client(
     correct_local = np.zeros(task.num_clients, dtype=np.int64)
     global_acc = np.full(task.num_clients, np.nan)
     everything = torch.arange(len(data.test_labels), device=data.test_labels.device)
+    classes = client_classes(task) if label_space == "client" else None  # (N, C)
     chunk = max(1, batch_size // 32)
     for start in range(0, len(clients), chunk):
         ids = torch.tensor(clients[start : start + chunk])
@@ -133,9 +163,7 @@ def _evaluate_per_client(
         )
         params = _adapt(method, params, task, inputs, ids, ctx)
         local = [task.test_idx[c] for c in ids.tolist()]
-        allowed = (
-            client_classes(task)[ids.to(task.priors.device)] if label_space == "client" else None
-        )
+        allowed = None if classes is None else classes[ids.to(classes.device)]  # (K, C)
         correct = _correct(method, params, inputs, local, ctx, batch_size, allowed)
         for row, c in enumerate(ids.tolist()):
             correct_local[c] = int(correct[row].sum())
@@ -170,13 +198,7 @@ def _adapt(
         (client_batches(task.train_idx[c], n, derive_seed("adapt", c)) or [task.train_idx[c]])[0]
         for c in ids.tolist()
     ]
-    idx = torch.cat(batches)
-    rows = torch.cat(
-        [
-            torch.full((len(b),), k, dtype=torch.long, device=idx.device)
-            for k, b in enumerate(batches)
-        ]
-    )
+    idx, rows = _flat(batches)
     ctx.query = inputs.query("train", idx)
     with torch.enable_grad():
         return method.adapt(params, inputs.train(idx), task.data.train_labels[idx], rows, ctx)
@@ -195,13 +217,17 @@ def _correct(
 
     `allowed` (K, C) bool, if given, restricts row k's predictions to the classes allowed[k].
     """
-    flat = torch.cat(idx)
-    rows = torch.cat(
-        [torch.full((len(t),), k, dtype=torch.long, device=flat.device) for k, t in enumerate(idx)]
-    )
+    flat, rows = _flat(idx)
     mask = None if allowed is None else allowed[rows.to(allowed.device)]  # (M, C)
     right = (
         predict(method, params, inputs, flat, rows, ctx, batch_size, mask)
         == inputs.task.data.test_labels[flat]
     )
     return list(right.split([len(t) for t in idx]))
+
+
+def _flat(parts: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """The K index tensors concatenated (M,), and the part k of each element (M,)."""
+    flat = torch.cat(parts)
+    sizes = torch.tensor([len(t) for t in parts], device=flat.device)
+    return flat, torch.repeat_interleave(torch.arange(len(parts), device=flat.device), sizes)

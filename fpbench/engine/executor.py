@@ -77,25 +77,22 @@ def train_clients(
     else:
         raise ValueError(f"unknown executor {executor!r}")
     results: list[LocalResult] = []
+    earlier: dict[str, Tensor] = {}  # the stats of the groups trained so far, summed
     with autocast(task.priors.device, precision):
         for g in groups:
-            earlier = {k: sum(r.stats[k].sum(0) for r in results) for k in _stat_names(results)}
             results.append(
                 train_group(
                     method, server, task, inputs, g, cfg,
                     round_idx=round_idx, seed=seed, earlier=earlier,
                 )
             )  # fmt: skip
+            earlier = {k: earlier.get(k, 0) + v.sum(0) for k, v in results[-1].stats.items()}
     return LocalResult(
         client_ids=torch.cat([r.client_ids for r in results]),
         params={k: torch.cat([r.params[k] for r in results]) for k in results[0].params},
         stats={k: torch.cat([r.stats[k] for r in results]) for k in results[0].stats},
         loss=torch.cat([r.loss for r in results]),
     )
-
-
-def _stat_names(results: list[LocalResult]) -> list[str]:
-    return list(results[0].stats) if results else []
 
 
 def round_lr(cfg: TrainConfig, round_idx: int) -> float:

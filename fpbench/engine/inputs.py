@@ -53,25 +53,15 @@ def backbone_fingerprint(backbone: PromptedViT) -> str:
 
 
 @torch.no_grad()
-def cls_features(backbone: PromptedViT, images: Tensor, batch_size: int) -> Tensor:
-    """Final cls features (N, d) of uint8 images, computed in batches."""
-    out = [
-        backbone.forward_features(backbone.preprocess(images[i : i + batch_size])).cls
-        for i in range(0, len(images), batch_size)
-    ]
-    return torch.cat(out).float() if out else images.new_zeros(0, backbone.embed_dim).float()
-
-
-@torch.no_grad()
 def _batched(
     fn: Callable[[Tensor], Tensor], backbone: PromptedViT, images: Tensor, batch_size: int
 ) -> Tensor:
-    """fn over preprocessed uint8 images, in batches: (N, dq) fp32."""
+    """fn over preprocessed uint8 images, in batches: (N, dq) fp32 ((0, d) for no images)."""
     out = [
         fn(backbone.preprocess(images[i : i + batch_size])).float()
         for i in range(0, len(images), batch_size)
     ]
-    return torch.cat(out)
+    return torch.cat(out) if out else images.new_zeros(0, backbone.embed_dim).float()
 
 
 class Inputs:
@@ -90,25 +80,26 @@ class Inputs:
         self.backbone, self.task, self.frozen_input = backbone, task, frozen_input
         self.cached: dict[str, Tensor] = {}
         self.queries: dict[str, Tensor] = {}
-        if query is not None and cache is not None:
-            name, fn = query
-            data, device = task.data, task.priors.device
-            base = f"{backbone_fingerprint(backbone)}-{data.fingerprint()}-query-{name}"
-            for split, images in (("train", data.train_images), ("test", data.test_images)):
-                self.queries[split] = cache.get(
-                    f"{base}-{split}",
+        if cache is None or (query is None and frozen_input != "cls"):
+            return  # nothing frozen to keep
+        data, device = task.data, task.priors.device
+        base = f"{backbone_fingerprint(backbone)}-{data.fingerprint()}"
+
+        def frozen(kind: str, fn: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
+            """fn's features of both splits, computed once (keyed `kind`)."""
+            return {
+                split: cache.get(
+                    f"{base}-{kind}-{split}",
                     lambda im=images: _batched(fn, backbone, im, batch_size),
                     device,
                 )
-        if frozen_input == "cls" and cache is not None:
-            data, device = task.data, task.priors.device
-            base = f"{backbone_fingerprint(backbone)}-{data.fingerprint()}-cls"
-            for split, images in (("train", data.train_images), ("test", data.test_images)):
-                self.cached[split] = cache.get(
-                    f"{base}-{split}",
-                    lambda im=images: cls_features(backbone, im, batch_size),
-                    device,
-                )
+                for split, images in (("train", data.train_images), ("test", data.test_images))
+            }
+
+        if query is not None:
+            self.queries = frozen(f"query-{query[0]}", query[1])
+        if frozen_input == "cls":
+            self.cached = frozen("cls", lambda x: backbone.forward_features(x).cls)
 
     @classmethod
     def of(

@@ -140,7 +140,7 @@ def run_suite(
         except FpbenchError:
             raise
         except Exception as e:  # a crashed run is recorded as failed; the suite goes on
-            result = CellResult(cfg, "failed", _error(e))
+            result = CellResult(cfg, "failed", error_text(e))
         observer.cell_end(result)
         results.append(result)
     return results
@@ -189,7 +189,7 @@ def run_cell(
     except ClaimLost as e:
         return CellResult(cfg, "skipped", str(e))
     except BaseException as e:
-        store.finish_run(record.id, owner, "failed", error=_error(e), traceback=format_exc())
+        store.finish_run(record.id, owner, "failed", error=error_text(e), traceback=format_exc())
         raise
     if not store.finish_run(record.id, owner, "done", wall_s=elapsed):
         return CellResult(cfg, "skipped", "claim taken over by another driver")
@@ -197,7 +197,8 @@ def run_cell(
     return CellResult(cfg, "done")
 
 
-def _error(e: BaseException) -> str:
+def error_text(e: BaseException) -> str:
+    """How a crashed cell's error is stored and reported: 'Type: message'."""
     return f"{type(e).__name__}: {e}"
 
 
@@ -205,7 +206,7 @@ def _record_failure(store: Store, run_id: int, e: BaseException, claim_timeout: 
     """Mark a run failed with the exception being handled, unless another driver holds it."""
     owner = new_owner()
     if store.claim_run(run_id, owner, timeout_s=claim_timeout):
-        store.finish_run(run_id, owner, "failed", error=_error(e), traceback=format_exc())
+        store.finish_run(run_id, owner, "failed", error=error_text(e), traceback=format_exc())
 
 
 def _create_record(cfg: RunConfig, store: Store, device: torch.device):

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
-from fpbench.methods.base import Context, Phase, ServerState, weighted_mean
+from fpbench.methods.base import Context, Phase, ServerState
 from fpbench.methods.tpfl import TPFLConfig, TwinPromptModel
 from fpbench.registry import METHODS
 
@@ -92,9 +92,9 @@ class ATPFL(TwinPromptModel):
     ) -> Tensor:
         """l_con_t (per sample's client) + l_con_v (per sample), (B,)."""
         b, t = len(x), self.cfg.temperature
+        text_g = self.fixed_text_features("global", ctx.buffers["global_ctx"], False)  # (1, C, E)
+        text_p = self.fixed_text_features("previous", params["prev_ctx"])  # (K, C, E)
         with torch.no_grad():
-            text_g = self.text_features(ctx.buffers["global_ctx"].unsqueeze(0))  # (1, C, E)
-            text_p = self.text_features(params["prev_ctx"])  # (K, C, E)
             global_v = ctx.buffers["global_visual_prompt"].expand(b, -1, -1)  # (B, 3, P)
             feats_g = self.image_features(x, global_v)  # (B, E)
             feats_p = self.image_features(x, params["prev_visual"][client_index])  # (B, E)
@@ -110,12 +110,7 @@ class ATPFL(TwinPromptModel):
         stats: dict[str, Tensor],
     ) -> ServerState:
         """FedAvg of both prompts; each participant's trained prompts become its previous ones."""
-        w = (weights / weights.sum()).to(trained["ctx"].dtype)
-        params = {k: weighted_mean(trained[k], w) for k in PROMPTS}
-        personal = {
-            PREVIOUS[k]: server.personal[PREVIOUS[k]].index_copy(0, client_ids, trained[k].detach())
-            for k in PROMPTS
-        }
-        ones = torch.ones(len(client_ids), device=client_ids.device)
-        personal["has_prev"] = server.personal["has_prev"].index_copy(0, client_ids, ones)
-        return ServerState(params, personal, self._globals(params))
+        done = {PREVIOUS[k]: trained[k] for k in PROMPTS}
+        done["has_prev"] = torch.ones(len(client_ids), device=client_ids.device)
+        state = super().aggregate(server, {**trained, **done}, client_ids, weights, stats)
+        return ServerState(state.params, state.personal, self._globals(state.params))

@@ -66,6 +66,7 @@ class CoOpModel(Method):
         if len(task.class_names) != task.num_classes:
             raise FpbenchError(f"method {self.name} needs the dataset's class names")
         self._layouts: dict[int, PromptLayout] = {}
+        self._fixed_text: dict[str, tuple[Tensor, Tensor]] = {}
 
     @property
     def n_ctx(self) -> int:
@@ -98,6 +99,20 @@ class CoOpModel(Method):
     def text_features(self, ctx: Tensor) -> Tensor:
         """Normalised class text features (K, C, E) of per-client context (K, [C,] M, d)."""
         return self.layout(ctx.shape[-2]).text_features(self.backbone, ctx)
+
+    @torch.no_grad()
+    def fixed_text_features(self, key: str, ctx: Tensor, stacked: bool = True) -> Tensor:
+        """`text_features` (K, C, E) of a context that stays fixed during local training.
+
+        No gradient. Kept per `key` and reused while the same tensor object comes back (every
+        step of a round), so the text encoder runs on it once per round, not once per step.
+        `stacked=False`: ctx is one context ([C,] M, d) and the result (1, C, E).
+        """
+        held = self._fixed_text.get(key)
+        if held is None or held[0] is not ctx:
+            text = self.text_features(ctx if stacked else ctx.unsqueeze(0))
+            held = self._fixed_text[key] = (ctx, text)
+        return held[1]
 
     def image_features(self, x: Tensor) -> Tensor:
         """Normalised image features (B, E) of cached frozen features x (B, E)."""

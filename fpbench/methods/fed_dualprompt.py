@@ -41,6 +41,7 @@ from fpbench.methods.base import (
     init_prompts,
     per_client_linear,
 )
+from fpbench.methods.sgpt import key_cosines
 from fpbench.registry import METHODS
 
 
@@ -64,9 +65,7 @@ def default_layers(depth: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def select_prompts(keys: Tensor, query: Tensor, client_index: Tensor) -> tuple[Tensor, Tensor]:
     """Top-1 key per sample: keys (K, M, d), query (B, d) -> index (B,), cosine (B,)."""
-    k = F.normalize(keys, dim=-1)[client_index]  # (B, M, d)
-    q = F.normalize(query, dim=-1)  # (B, d)
-    sim = torch.einsum("bmd,bd->bm", k, q.to(k.dtype))  # (B, M)
+    sim = key_cosines(F.normalize(query, dim=-1).to(keys.dtype), keys, client_index)  # (B, M)
     index = sim.argmax(-1)  # (B,)
     return index, sim.gather(1, index[:, None])[:, 0]
 

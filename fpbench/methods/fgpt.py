@@ -43,7 +43,6 @@ from fpbench.methods.base import (
     init_linear,
     init_prompts,
     per_client_linear,
-    weighted_mean,
 )
 from fpbench.registry import METHODS
 
@@ -302,8 +301,7 @@ class FGPT(Method):
         """Select's query (B, dq): cached by the engine, computed here, or shared-prompted."""
         if self.cfg.query == "shared-prompted" and self.query_encoder is None:
             return self.backbone.forward_features(x, {0: shared.detach()}, "accumulate").cls
-        cached = getattr(ctx, "query", None)
-        return cached if cached is not None else self.query(x)
+        return ctx.query if ctx.query is not None else self.query(x)
 
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
@@ -351,11 +349,10 @@ class FGPT(Method):
         weights: Tensor,
         stats: dict[str, Tensor],
     ) -> ServerState:
-        w = (weights / weights.sum()).to(trained["head_w"].dtype)
-        params = {n: weighted_mean(trained[n], w) for n in server.params if n != "group_prompts"}
+        params = super().aggregate(server, trained, client_ids, weights, stats).params  # FedAvg
         buffers = dict(server.buffers)
         if self.cfg.num_groups:
-            counts = stats["group_counts"].to(w.dtype)  # (K, G)
+            counts = stats["group_counts"].to(trained["head_w"].dtype)  # (K, G)
             old = server.params["group_prompts"]
             params["group_prompts"] = aggregate_groups(trained["group_prompts"], counts, old)
             buffers["selection_counts"] = counts.sum(0)

@@ -58,7 +58,6 @@ from fpbench.methods.base import (
     init_linear,
     init_prompts,
     per_client_linear,
-    weighted_mean,
 )
 from fpbench.registry import METHODS
 
@@ -287,10 +286,9 @@ class PEPFedPT(Method):
     def _client_data(self) -> tuple[Tensor, Tensor, tuple[Tensor, ...]] | None:
         """(train images, train labels, per-client indices) where the caller gives them."""
         task = self.task
-        labels = getattr(task, "train_labels", None)
-        if task.train_images is None or task.train_idx is None or labels is None:
+        if task.train_images is None or task.train_idx is None or task.train_labels is None:
             return None
-        return task.train_images, labels, task.train_idx
+        return task.train_images, task.train_labels, task.train_idx
 
     def _warm_start_clients(self, gen: torch.Generator) -> list[int]:
         """S_0: the training (not held-out) clients, or a seeded sample of them."""
@@ -307,27 +305,23 @@ class PEPFedPT(Method):
         """Eq. 19: the frozen model's class means on S_0, averaged over the class holders."""
         clients = self._warm_start_clients(gen)
         images, labels, train_idx = self._client_data()
-        c = self.task.num_classes
-        sums, counts, devs = [], [], []
-        for client in clients:
-            idx = train_idx[client]
-            feats = torch.cat(
-                [
-                    self._frozen_cls(self.backbone.preprocess(images[part])).float()
-                    for part in idx.split(256)
-                ]
-            )  # (n, L, d)
-            rows, y = torch.zeros_like(labels[idx]), labels[idx]
-            s, n = class_sums(feats, rows, y, 1, c)
-            sums.append(s[0].cpu())
-            counts.append(n[0].cpu())
-            protos = buffers["prototypes"].to(feats.device)
-            devs.append(max_deviation(feats, protos, rows, y, 1)[0].cpu())
-        count = torch.stack(counts)  # (K, C)
-        means = torch.stack(sums) / count.clamp(min=1)[:, None, :, None]  # (K, L, C, d)
+        idx = torch.cat([train_idx[c] for c in clients])  # (n,) all of S_0's samples
+        rows = torch.cat([torch.full((len(train_idx[c]),), k) for k, c in enumerate(clients)])
+        feats = torch.cat(
+            [
+                self._frozen_cls(self.backbone.preprocess(images[part])).float()
+                for part in idx.split(256)
+            ]
+        )  # (n, L, d)
+        rows, y = rows.to(feats.device), labels[idx].to(feats.device)
+        sums, count = class_sums(feats, rows, y, len(clients), self.task.num_classes)
+        sums, count = sums.cpu(), count.cpu()  # (K, L, C, d), (K, C)
+        means = sums / count.clamp(min=1)[:, None, :, None]  # (K, L, C, d)
         if self.cfg.dp_epsilon is not None:
             self.local_epochs = 1
-            means = self._noisy(means, torch.stack(devs), count, torch.tensor(clients), buffers)
+            protos = buffers["prototypes"].to(feats.device)
+            devs = max_deviation(feats, protos, rows, y, len(clients)).cpu()  # (K, L, C)
+            means = self._noisy(means, devs, count, torch.tensor(clients), buffers)
         held = (count > 0).to(means.dtype)
         cfg = self.cfg
         return update_prototypes(buffers, means, held, cfg.prototype_period, cfg.prototype_momentum)
@@ -428,8 +422,7 @@ class PEPFedPT(Method):
     ) -> ServerState:
         if self.cfg.aggregation == "uniform":
             weights = torch.ones_like(weights)
-        w = (weights / weights.sum()).to(trained["head_w"].dtype)
-        params = {name: weighted_mean(trained[name], w) for name in server.params}
+        params = super().aggregate(server, trained, client_ids, weights, stats).params  # FedAvg
         buffers = server.buffers
         if self.layers:
             counts = stats["proto_count"]  # (K, C)

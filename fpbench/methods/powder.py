@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
-from fpbench.methods.base import Context, Phase, ServerState, weighted_mean
+from fpbench.methods.base import Context, Phase, ServerState
 from fpbench.methods.coop import CoOpConfig, CoOpModel
 from fpbench.registry import METHODS
 
@@ -102,7 +102,8 @@ class Powder(CoOpModel):
         if self.cfg.distill == 0:
             return ce
         with torch.no_grad():
-            teacher = self.logits(feats, self.text_features(params["start_ctx"]), client_index)
+            start = self.fixed_text_features("start", params["start_ctx"])  # (K, C, E)
+            teacher = self.logits(feats, start, client_index)
         kl = F.kl_div(logits.log_softmax(-1), teacher.log_softmax(-1), log_target=True,
                       reduction="none").sum(-1)  # fmt: skip
         return ce + self.cfg.distill * kl
@@ -116,10 +117,9 @@ class Powder(CoOpModel):
         stats: dict[str, Tensor],
     ) -> ServerState:
         """Step 1: participants' prompts into their pool rows; step 2: FedAvg into G."""
-        w = (weights / weights.sum()).to(trained["ctx"].dtype)
+        params = super().aggregate(server, trained, client_ids, weights, stats).params
         pool = server.buffers["pool"].index_copy(0, client_ids, trained["ctx"].detach())
         seen = server.buffers["pool_seen"].index_fill(0, client_ids, 1.0)
-        params = {"ctx": weighted_mean(trained["ctx"], w)}
         return ServerState(params, {}, {"pool": pool, "pool_seen": seen})
 
     def eval_params(self, server: ServerState, client_ids: Tensor) -> dict[str, Tensor]:
@@ -129,7 +129,7 @@ class Powder(CoOpModel):
         own = server.buffers["pool"][client_ids].to(start)
         seen = seen.to(start.device).view(-1, *[1] * (start.dim() - 1))
         ctx = torch.where(seen, own, start)
-        return {"ctx": ctx, "start_ctx": start}
+        return {"ctx": ctx}
 
     def communication(self, server: ServerState) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """One prompt each way: the generated start prompt down, the trained prompt up."""

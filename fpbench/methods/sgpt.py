@@ -66,7 +66,6 @@ from fpbench.methods.base import (
     init_linear,
     init_prompts,
     per_client_linear,
-    weighted_mean,
 )
 from fpbench.registry import METHODS
 
@@ -594,10 +593,10 @@ class SGPT(Method):
         weights: Tensor,
         stats: dict[str, Tensor],
     ) -> ServerState:
-        w = (weights / weights.sum()).to(trained["head_w"].dtype)  # (K,)
-        params = {name: weighted_mean(trained[name], w) for name in server.params}
-        buffers = dict(server.buffers)
+        new = super().aggregate(server, trained, client_ids, weights, stats)  # FedAvg
+        params, buffers = new.params, dict(server.buffers)
         if self.group_layers:
+            w = (weights / weights.sum()).to(trained["head_w"].dtype)  # (K,)
             cfg, old = self.cfg, server.params
             counts = stats.get("select_counts", torch.zeros(len(w), cfg.num_groups)).to(w.device)
             params["group_prompts"] = interpolate(
@@ -611,7 +610,7 @@ class SGPT(Method):
             keys = torch.einsum("kg,kgd->gd", rho, trained["keys"].detach())
             params["keys"] = interpolate(old["keys"], keys, cfg.key_momentum)
             buffers["select_counts"] = server.buffers["select_counts"] + counts.sum(0).long()
-        return ServerState(params, dict(server.personal), buffers)
+        return ServerState(params, new.personal, buffers)
 
     def communication(self, server: ServerState) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """Everything trained both ways, plus G counts: the accumulated ones down (q_g), the

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fpbench.methods.base import Context, ServerState, weighted_mean
+from fpbench.methods.base import Context, ServerState
 from fpbench.methods.coop import CoOpModel
 from fpbench.registry import METHODS
 
@@ -104,7 +104,7 @@ class UOPP(CoOpModel):
         stats: dict[str, Tensor],
     ) -> ServerState:
         """FedAvg of the prompt; first-time participants' class sums join the prototypes."""
-        w = (weights / weights.sum()).to(trained["ctx"].dtype)
+        state = super().aggregate(server, trained, client_ids, weights, stats)
         buf = dict(server.buffers)
         new = (1 - buf["proto_seen"][client_ids]).to(trained["ctx"].dtype)  # (K,)
         if "proto_sum" in stats:
@@ -114,7 +114,7 @@ class UOPP(CoOpModel):
             buf["proto_seen"] = buf["proto_seen"].index_fill(0, client_ids, 1.0)
         mean = buf["proto_sum"] / buf["proto_count"].clamp(min=1).unsqueeze(-1)  # (C, E)
         buf["prototypes"] = F.normalize(mean, dim=-1)
-        return ServerState({"ctx": weighted_mean(trained["ctx"], w)}, {}, buf)
+        return ServerState(state.params, state.personal, buf)
 
     def communication(self, server: ServerState) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """Down: prompt and prototypes. Up: prompt and class sums/counts (first round only,

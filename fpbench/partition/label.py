@@ -282,5 +282,6 @@ class Natural:
                 f"partition.num_clients = {cfg.num_clients}, but {data.name!r} has {num_users} "
                 f"users: set num_clients = {num_users}"
             )
-        parts = [np.flatnonzero(users == u) for u in range(num_users)]
+        order = np.argsort(users, kind="stable")  # sample ids grouped by user, ascending
+        parts = np.split(order, np.cumsum(np.bincount(users, minlength=num_users))[:-1])
         return _clients_from_train(parts, data, rng)

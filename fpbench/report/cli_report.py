@@ -1,37 +1,34 @@
 """Command functions behind `fpbench report` and `fpbench plot partition`.
 
 Like `cli_paper`, `register_report_commands` adds the commands to the CLI's app and `plot`
-group with the CLI's own helpers passed in, so this module never imports the CLI and nothing
-heavy is imported before a command runs.
+group, with the shared helpers of `fpbench.cli_common`; nothing heavy is imported before a
+command runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
-DEFAULT_DB = "results/fpbench.db"
-DbOpt = Annotated[str, typer.Option("--db", help="results database: a path or SQLAlchemy URL")]
-SuiteOpt = Annotated[str, typer.Option("--suite", "-s", help="suite name or path to a .toml")]
+from fpbench.cli_common import (
+    DEFAULT_DB,
+    DbOpt,
+    SuiteOpt,
+    console,
+    open_store,
+    save_figure,
+    suite_name,
+    user_errors,
+)
 
 
-def register_report_commands(
-    app: typer.Typer,
-    plot_app: typer.Typer,
-    *,
-    wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
-    open_store: Callable[..., Any],
-    suite_name: Callable[[str], str],
-    save: Callable[[Any, Path], None],
-    console: Any,
-) -> None:
+def register_report_commands(app: typer.Typer, plot_app: typer.Typer) -> None:
     """Add `report` to `app` and `partition` to the `plot` group."""
 
     @app.command("report")
-    @wrap
+    @user_errors
     def report(
         suite: SuiteOpt,
         out: Annotated[Path, typer.Option(help="folder for index.html and its PNGs")],
@@ -41,14 +38,13 @@ def register_report_commands(
         from fpbench.report.html import build_report, write_report
 
         name = suite_name(suite)
-        store = open_store(db, must_exist=True)
-        with store:
+        with open_store(db, must_exist=True) as store:
             metrics, runs = store.metrics(suite=name), store.runs(suite=name)
         page = write_report(build_report(metrics, runs, name), out)
         console.print(f"wrote {page}")
 
     @plot_app.command("partition")
-    @wrap
+    @user_errors
     def plot_partition(
         suite: SuiteOpt,
         out: Annotated[
@@ -70,7 +66,4 @@ def register_report_commands(
 
         cell = select_cell(load_suite(suite).cells, dataset, partition, seed)
         require_present([cell.dataset.name], data_root())
-        fig = partition_figure(suite_partition(cell), kind)
-        save(fig, out)
-        if out.suffix.lower() == ".png":
-            save(fig, out.with_suffix(".pdf"))
+        save_figure(partition_figure(suite_partition(cell), kind), out, pdf_beside=True)

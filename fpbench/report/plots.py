@@ -95,7 +95,7 @@ def tradeoff(
     Raises:
         FpbenchError: no rows, or no run has both metrics.
     """
-    values = final_values(_require(metrics, suite), [x, y], suite=suite)
+    values = final_values(metrics, [x, y], suite=suite)
     labels = [c for c in ["method", *PANEL_KEYS] if c in values.columns]
     wide = values.pivot_table(index=["run_id", *labels], columns="metric", values="value")
     wide = wide.reindex(columns=[x, y]).dropna().reset_index()
@@ -237,7 +237,7 @@ def _with_params(
     suite: str | None,
 ) -> pd.DataFrame:
     """Final `metric` per run with its method name (from the config) and `params` columns."""
-    values = final_values(_require(metrics, suite), [metric], suite=suite)
+    values = final_values(metrics, [metric], suite=suite)
     for p in params:
         values[p] = [config_value(configs.get(i, {}), p) for i in values["run_id"]]
     values["family"] = [

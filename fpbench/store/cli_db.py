@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -18,7 +17,7 @@ def _existing(db: str) -> str:
     from fpbench.store import Store
 
     url = Store.url_from_path_or_url(db)
-    if url.startswith("sqlite:///") and not Path(url[len("sqlite:///") :]).is_file():
+    if (path := Store.sqlite_file(url)) is not None and not path.is_file():
         raise FpbenchError(f"no results database at {db}; check the input paths")
     return url
 

@@ -11,7 +11,7 @@ import json
 import math
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -66,27 +66,9 @@ class RunRecord:
 
 
 def _record(run: Run) -> RunRecord:
-    return RunRecord(
-        id=run.id,
-        run_key=run.run_key,
-        suite=run.suite,
-        method=run.method,
-        dataset=run.dataset,
-        partition=run.partition,
-        seed=run.seed,
-        status=run.status,
-        config=json.loads(run.config_json),
-        error=run.error,
-        created_at=run.created_at,
-        finished_at=run.finished_at,
-        wall_s=run.wall_s,
-        fpbench_version=run.fpbench_version,
-        torch_version=run.torch_version,
-        device=run.device,
-        owner=run.owner,
-        heartbeat_at=run.heartbeat_at,
-        traceback=run.traceback,
-    )
+    # every RunRecord field is a Run column of the same name, except the parsed config
+    values = {f.name: getattr(run, f.name) for f in fields(RunRecord) if f.name != "config"}
+    return RunRecord(config=json.loads(run.config_json), **values)
 
 
 def _reason(exc: BaseException) -> str:
@@ -225,6 +207,12 @@ class Store(ClaimMixin):
         if "://" in s:
             return s
         return f"sqlite:///{os.path.expanduser(s)}"
+
+    @staticmethod
+    def sqlite_file(url: str) -> Path | None:
+        """The file a `sqlite:///PATH` URL names (it may not exist yet); None for other URLs."""
+        prefix = "sqlite:///"
+        return Path(url[len(prefix) :]) if url.startswith(prefix) else None
 
     # -- runs ---------------------------------------------------------------------------------
 
