@@ -78,6 +78,9 @@ class TrainConfig(_Strict):
         "all",
         description="local accuracy over all classes, or only the classes the client trains on",
     )
+    max_local_steps: int | None = Field(
+        None, ge=1, description="cap on a client's optimiser steps per round (all epochs)"
+    )
 
 
 class RuntimeConfig(_Strict):
@@ -135,7 +138,61 @@ _LATER_FIELDS: dict[tuple[str, str], Any] = {
     ("train", "local_label_space"): "all",
     ("backbone", "mean"): None,
     ("backbone", "std"): None,
+    ("train", "max_local_steps"): None,
 }
+
+
+# the local-training settings a client profile may set for its clients
+PROFILE_TRAIN_KEYS = frozenset(
+    {"batch_size", "local_epochs", "max_local_steps", "optimizer", "lr", "momentum",
+     "weight_decay", "grad_clip"}
+)  # fmt: skip
+
+
+class Profile(_Strict):
+    """A class of clients in a model-heterogeneous run: their backbone and local budget."""
+
+    name: str = Field(min_length=1, max_length=MAX_LABEL, pattern=r"^[A-Za-z0-9_.-]+$")
+    clients: int = Field(ge=1, description="how many clients have this profile")
+    backbone: BackboneRef | None = Field(None, description="None: the run's backbone")
+    train: dict[str, Any] = Field(
+        default_factory=dict, description=f"overrides of {sorted(PROFILE_TRAIN_KEYS)}"
+    )
+
+    @model_validator(mode="after")
+    def _train_keys(self) -> Profile:
+        unknown = sorted(set(self.train) - PROFILE_TRAIN_KEYS)
+        if unknown:
+            raise ValueError(
+                f"profile {self.name!r}: train keys {unknown} cannot vary per client; "
+                f"valid: {sorted(PROFILE_TRAIN_KEYS)}"
+            )
+        return self
+
+
+class ModelHet(_Strict):
+    """Model heterogeneity (SDFed appendix B): client profiles with their own backbones.
+
+    Clients are assigned to profiles in id order (the first `clients` ids to the first profile,
+    and so on). Clients of one backbone share one method instance and server state; after each
+    round, `share = "shared"` averages every shared parameter whose shape agrees across
+    backbones (e.g. 512-wide CLIP text prompts), weighted by the participants' train sizes,
+    which is FedAvg over all participants; `"per_backbone"` keeps one federation per backbone.
+    """
+
+    profiles: tuple[Profile, ...] = Field(min_length=1)
+    share: Literal["shared", "per_backbone"] = "shared"
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> ModelHet:
+        names = [p.name for p in self.profiles]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model_het.profiles names must be unique, got {names}")
+        return self
+
+    @property
+    def num_clients(self) -> int:
+        return sum(p.clients for p in self.profiles)
 
 
 class RunConfig(_Strict):
@@ -148,7 +205,21 @@ class RunConfig(_Strict):
     method: Component
     backbone: BackboneRef = BackboneRef()
     train: TrainConfig = TrainConfig()
+    model_het: ModelHet | None = None
     runtime: RuntimeConfig = RuntimeConfig()
+
+    @model_validator(mode="after")
+    def _profile_train(self) -> RunConfig:
+        for profile in self.model_het.profiles if self.model_het else ():
+            try:
+                self.profile_train(profile)
+            except ValidationError as e:
+                raise ValueError(f"model_het profile {profile.name!r}: {_first_error(e)}") from None
+        return self
+
+    def profile_train(self, profile: Profile) -> TrainConfig:
+        """The train config of a profile's clients: the run's, with the profile's overrides."""
+        return TrainConfig(**{**self.train.model_dump(), **profile.train})
 
     def identity(self) -> dict[str, Any]:
         """Everything that determines the results (the runtime section does not)."""
@@ -156,6 +227,8 @@ class RunConfig(_Strict):
         for (section, key), default in _LATER_FIELDS.items():
             if out[section][key] == default:
                 del out[section][key]
+        if out["model_het"] is None:  # added later: absent keeps the older run keys
+            del out["model_het"]
         return out
 
     @property
@@ -338,6 +411,9 @@ def _validate_components(cfg: RunConfig, where: str) -> RunConfig:
             raise FpbenchError(f"{where}: {field}.{_first_error(e)}") from None
         resolved[field] = comp.model_copy(update={"args": args.model_dump(mode="json")})
     _lookup(BACKBONES, cfg.backbone.name, where)
+    for profile in cfg.model_het.profiles if cfg.model_het else ():
+        if profile.backbone is not None:
+            _lookup(BACKBONES, profile.backbone.name, where)
     cfg = cfg.model_copy(update=resolved)
     _check_compatibility(cfg, where)
     return cfg
@@ -352,6 +428,12 @@ def _check_compatibility(cfg: RunConfig, where: str) -> None:
         partition.check(partition.Config(**cfg.partition.args), info)
     except FpbenchError as e:
         raise FpbenchError(f"{where}: {e}") from None
+    wanted = cfg.partition.args.get("num_clients")
+    if cfg.model_het and wanted is not None and wanted != cfg.model_het.num_clients:
+        raise FpbenchError(
+            f"{where}: model_het.profiles have {cfg.model_het.num_clients} clients in all but "
+            f"partition.num_clients = {wanted}; make them equal"
+        )
 
 
 def _lookup(registry: Registry, name: str, where: str) -> Any:

@@ -19,11 +19,7 @@ from fpbench.report.paper import SELECT, _contains, list_papers, load_paper
 from fpbench.specs import RunConfig, Suite, load_suite
 
 # Suites a paper table references on purpose although fpbench has no suite file for them.
-ALLOWED_MISSING = {
-    # SDFed Table 4 (model heterogeneity, 2-3-5 CLIP backbones across clients): fpbench runs one
-    # backbone per run, so this table stays reference-only (documented in the paper spec).
-    "sdfed-model-het",
-}
+ALLOWED_MISSING: set[str] = set()
 
 Wanted = tuple[str, str, dict[str, Any]]  # (where, "method/dataset/partition", selection)
 

@@ -82,13 +82,18 @@ def evaluate(
     inputs: Inputs | None = None,
     precision: str = "fp32",
     label_space: str = "all",
+    clients: list[int] | None = None,
 ) -> EvalCounts:
-    """Per-client counts; `label_space` "client" restricts local predictions (module doc)."""
+    """Per-client counts; `label_space` "client" restricts local predictions (module doc).
+
+    `clients`, if given, are the only clients a personal or client-conditioned method evaluates
+    (the others count zero); a global model's local counts are cheap and cover every client.
+    """
     inputs = inputs or Inputs.of(method, task)
     with autocast(task.priors.device, precision):
         if method.inference == "global":
             return _evaluate_global(method, server, task, inputs, batch_size, label_space)
-        return _evaluate_per_client(method, server, task, inputs, batch_size, label_space)
+        return _evaluate_per_client(method, server, task, inputs, batch_size, label_space, clients)
 
 
 def client_classes(task: Task) -> Tensor:
@@ -140,6 +145,7 @@ def _evaluate_per_client(
     inputs: Inputs,
     batch_size: int,
     label_space: str = "all",
+    only: list[int] | None = None,
 ) -> EvalCounts:
     """Each client with its own parameters / context, many clients per batch.
 
@@ -149,7 +155,11 @@ def _evaluate_per_client(
     """
     data = task.data
     heldout_ok = method.inference == "client-conditioned"
-    clients = [c for c in range(task.num_clients) if heldout_ok or not task.heldout[c]]
+    clients = [
+        c
+        for c in (range(task.num_clients) if only is None else only)
+        if heldout_ok or not task.heldout[c]
+    ]
     correct_local = np.zeros(task.num_clients, dtype=np.int64)
     global_acc = np.full(task.num_clients, np.nan)
     everything = torch.arange(len(data.test_labels), device=data.test_labels.device)

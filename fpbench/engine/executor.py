@@ -87,6 +87,13 @@ def train_clients(
                 )
             )  # fmt: skip
             earlier = {k: earlier.get(k, 0) + v.sum(0) for k, v in results[-1].stats.items()}
+    return concat_results(results)
+
+
+def concat_results(results: list[LocalResult]) -> LocalResult:
+    """Several groups' results as one, in order."""
+    if len(results) == 1:
+        return results[0]
     return LocalResult(
         client_ids=torch.cat([r.client_ids for r in results]),
         params={k: torch.cat([r.params[k] for r in results]) for k in results[0].params},
@@ -137,6 +144,7 @@ def train_group(
     )
     loss_sum = torch.zeros(k, device=device)
     loss_steps = torch.zeros(k, device=device)
+    budget = [cfg.max_local_steps] * k  # optimiser steps each client has left (None: no cap)
     lr = round_lr(cfg, round_idx)
     for phase_idx, phase in enumerate(method.phases(cfg.local_epochs, tuple(params))):
         ctx.phase = phase.name
@@ -155,9 +163,10 @@ def train_group(
                     task.train_idx[c],
                     cfg.batch_size,
                     derive_seed(seed, round_idx, c, phase_idx, epoch),
-                )
-                for c in client_ids
+                )[: budget[row]]
+                for row, c in enumerate(client_ids)
             ]
+            budget = [n if n is None else n - len(b) for n, b in zip(budget, batches, strict=True)]
             for step in range(max(len(b) for b in batches)):
                 active = torch.tensor([step < len(b) for b in batches], device=device)
                 per_client = _step(method, leaves, task, inputs, batches, step, ctx, k)

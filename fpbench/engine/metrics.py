@@ -13,6 +13,7 @@
   not applicable (absent) for personal methods.
 * `acc_domain_<d>`: for domain partitions, the mean local accuracy of the participating clients
   of domain d (SGPT / PEP-FedPT / SDFed per-domain columns).
+* `acc_profile_<name>`: in a model-heterogeneous run, the same for the clients of a profile.
 * `params_trainable`: shared parameters plus one client's personal ones, stored once (round 0).
 * `<name>_last10`: the mean of an aggregate over the last 10 evaluated rounds (the papers' figure).
 """
@@ -106,13 +107,17 @@ def domain_key(name: str) -> str:
 
 
 def domain_accuracies(
-    ev: EvalCounts, client_domains: Sequence[int | None], domain_names: Sequence[str] | None
+    ev: EvalCounts,
+    client_domains: Sequence[int | None],
+    domain_names: Sequence[str] | None,
+    prefix: str = "acc_domain_",
 ) -> dict[str, float]:
     """`acc_domain_<d>`: mean local accuracy of the participating clients of domain d.
 
     Clients without a domain (label-skew partitions), held-out clients and clients with an
     empty local test set are left out, as in `acc_local_mean`; so is a domain left without
-    clients.
+    clients. Any other grouping of clients works the same with its own `prefix` (model
+    heterogeneity's `acc_profile_<name>`).
     """
     if not domain_names:
         return {}
@@ -123,7 +128,7 @@ def domain_accuracies(
         mine = part & (dom == d)
         if mine.any():
             acc = ev.correct_local[mine] / ev.total_local[mine]
-            out[f"acc_domain_{domain_key(name)}"] = float(acc.mean())
+            out[f"{prefix}{domain_key(name)}"] = float(acc.mean())
     return out
 
 

@@ -16,9 +16,21 @@ import fpbench
 from fpbench.backbones import create_backbone
 from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.evaluate import evaluate
-from fpbench.engine.executor import derive_seed, train_clients
+from fpbench.engine.executor import LocalResult, concat_results, derive_seed, train_clients
+from fpbench.engine.groups import (
+    Cohort,
+    Group,
+    client_profiles,
+    merge_counts,
+    pack,
+    participants,
+    share,
+    start_shared,
+    unpack,
+)
 from fpbench.engine.inputs import FeatureCache, Inputs
 from fpbench.engine.metrics import (
+    MetricRow,
     aggregates,
     client_rows,
     domain_accuracies,
@@ -29,7 +41,7 @@ from fpbench.engine.task import Task, build_task
 from fpbench.errors import FpbenchError
 from fpbench.methods.base import Method, ServerState, TaskInfo
 from fpbench.registry import METHODS
-from fpbench.specs import RunConfig, TrainConfig
+from fpbench.specs import BackboneRef, RunConfig, TrainConfig
 from fpbench.store import Store
 from fpbench.store.claims import CLAIM_TIMEOUT_S, ClaimLost, claim_is_live, new_owner
 
@@ -169,8 +181,7 @@ def run_cell(
     torch.manual_seed(derive_seed(cfg.seed, "torch"))
     try:
         task = build_task(cfg, device)
-        method = build_method(cfg, task, device)
-        inputs = _inputs(cfg, method, task, cache)
+        groups = build_groups(cfg, task, device, cache)
     except Exception as e:
         if not isinstance(e, FpbenchError):  # a crash (a bug, out of memory) is recorded
             record = record or _create_record(cfg, store, device)
@@ -183,9 +194,7 @@ def run_cell(
     try:
         with store.keep_alive(record.id, owner, claim_timeout / 4):
             observer = observer or Observer()
-            elapsed = _rounds(
-                cfg, method, task, inputs, store, record.id, checkpoint_dir, observer, owner
-            )
+            elapsed = _rounds(cfg, groups, task, store, record.id, checkpoint_dir, observer, owner)
     except ClaimLost as e:
         return CellResult(cfg, "skipped", str(e))
     except BaseException as e:
@@ -224,6 +233,37 @@ def _create_record(cfg: RunConfig, store: Store, device: torch.device):
     )
 
 
+def build_groups(
+    cfg: RunConfig, task: Task, device: torch.device, cache: FeatureCache | None = None
+) -> list[Group]:
+    """One group of every client, or with `model_het` one group per distinct backbone."""
+    if cfg.model_het is None:
+        method = build_method(cfg, task, device)
+        everyone = Cohort(None, tuple(range(task.num_clients)), cfg.train)
+        return [Group("", method, _inputs(cfg, method, task, cache), (everyone,))]
+    het = cfg.model_het
+    if het.num_clients != task.num_clients:
+        raise FpbenchError(
+            f"model_het.profiles have {het.num_clients} clients in all but the partition made "
+            f"{task.num_clients}; make them equal"
+        )
+    cohorts: dict[BackboneRef, list[Cohort]] = {}
+    start = 0
+    for p in het.profiles:
+        clients = tuple(range(start, start + p.clients))
+        cohorts.setdefault(p.backbone or cfg.backbone, []).append(
+            Cohort(p.name, clients, cfg.profile_train(p))
+        )
+        start += p.clients
+    groups = []
+    for i, (ref, members) in enumerate(cohorts.items()):
+        sub = cfg.model_copy(update={"backbone": ref})
+        method = build_method(sub, task, device)
+        key = f"{i}-{ref.name}"
+        groups.append(Group(key, method, _inputs(sub, method, task, cache), tuple(members)))
+    return groups
+
+
 def _inputs(cfg: RunConfig, method: Method, task: Task, cache: FeatureCache | None) -> Inputs:
     folder = cfg.runtime.feature_cache_dir
     if not cfg.runtime.cache_features:
@@ -237,9 +277,8 @@ def _inputs(cfg: RunConfig, method: Method, task: Task, cache: FeatureCache | No
 
 def _rounds(
     cfg: RunConfig,
-    method: Method,
+    groups: list[Group],
     task: Task,
-    inputs: Inputs,
     store: Store,
     run_id: int,
     checkpoint_dir: Path,
@@ -251,9 +290,18 @@ def _rounds(
     path = ckpt_io.checkpoint_path(checkpoint_dir, cfg.run_key)
     ckpt = ckpt_io.load(path, cfg.run_key, device)
     if ckpt is None:
-        gen = torch.Generator().manual_seed(derive_seed(cfg.seed, "init-params"))
-        server = _to(method.init_server(gen), device)
-        ckpt = ckpt_io.Checkpoint(cfg.run_key, -1, server, [], 0.0)
+        servers = {
+            g.key: _to(
+                g.method.init_server(
+                    torch.Generator().manual_seed(derive_seed(cfg.seed, "init-params"))
+                ),
+                device,
+            )
+            for g in groups
+        }
+        if _sharing(cfg):
+            servers = start_shared(servers)
+        ckpt = ckpt_io.Checkpoint(cfg.run_key, -1, pack(servers), [], 0.0)
     store.truncate_after(run_id, ckpt.round)
     observer.cell_start(cfg, ckpt.round + 1)
     schedule = sampling_schedule(
@@ -261,9 +309,7 @@ def _rounds(
     )
     for r in range(ckpt.round + 1, cfg.train.rounds):
         start = time.perf_counter()
-        server, rows, scalars = _round(
-            method, ckpt.server, task, inputs, cfg, r, schedule[r], ckpt.history
-        )
+        server, rows, scalars = _round(groups, ckpt.server, task, cfg, r, schedule[r], ckpt.history)
         wall = time.perf_counter() - start
         store.write_round(run_id, r, wall_s=wall, metrics=rows, owner=owner, **scalars)
         ckpt = ckpt_io.Checkpoint(cfg.run_key, r, server, ckpt.history, ckpt.elapsed_s + wall)
@@ -272,71 +318,128 @@ def _rounds(
     return ckpt.elapsed_s
 
 
+def _sharing(cfg: RunConfig) -> bool:
+    return cfg.model_het is not None and cfg.model_het.share == "shared"
+
+
 def _round(
-    method: Method,
+    groups: list[Group],
     server: ServerState,
     task: Task,
-    inputs: Inputs,
     cfg: RunConfig,
     r: int,
     client_ids: list[int],
     history: list[dict[str, float]],
 ):
     """One round: local training, aggregation, evaluation; returns the rows to store."""
-    precision = resolve_precision(cfg.runtime.precision, task.priors.device)
-    local = train_clients(
-        method,
-        server,
-        task,
-        client_ids,
-        cfg.train,
-        round_idx=r,
-        seed=cfg.seed,
-        executor=cfg.runtime.executor,
-        inputs=inputs,
-        precision=precision,
-    )
-    weights = task.train_sizes[local.client_ids].to(task.priors.device)
-    down, up = method.communication(server)
-    server = method.aggregate(
-        server, local.params, local.client_ids.to(weights.device), weights, local.stats
-    )
-    loss = float(local.loss.mean())
-    if not torch.isfinite(local.loss).all():
+    device = task.priors.device
+    precision = resolve_precision(cfg.runtime.precision, device)
+    servers = unpack(server, [g.key for g in groups])
+    losses, weight, up, down = [], {}, 0, 0
+    for g in groups:
+        local = _train_group(g, servers[g.key], task, cfg, r, client_ids, precision)
+        if local is None:
+            weight[g.key] = 0.0
+            continue
+        weights = task.train_sizes[local.client_ids].to(device)
+        d, u = g.method.communication(servers[g.key])
+        down, up = down + _nbytes(d) * len(weights), up + _nbytes(u) * len(weights)
+        servers[g.key] = g.method.aggregate(
+            servers[g.key], local.params, local.client_ids.to(device), weights, local.stats
+        )
+        losses.append(local.loss)
+        weight[g.key] = float(weights.sum())
+    if _sharing(cfg):
+        servers = share(servers, weight)
+    loss_all = torch.cat(losses)
+    loss = float(loss_all.mean())
+    if not torch.isfinite(loss_all).all():
         raise NonFiniteLoss(
             f"training loss is {loss} (not finite) after local training in round {r}; "
             "lower train.lr or set train.grad_clip"
         )
     rows = [(None, "loss_train", loss, len(client_ids))]
-    rows += [(None, k, v, None) for k, v in method.round_metrics(server).items()]
-    if r == 0:  # a property of the method, stored once
-        rows.append(
-            (None, "params_trainable", params_trainable(server.params, server.personal), None)
-        )
+    for g in groups:
+        suffix = f"@{g.key}" if len(groups) > 1 else ""
+        metrics = g.method.round_metrics(servers[g.key])
+        rows += [(None, f"{k}{suffix}", v, None) for k, v in metrics.items()]
+    if r == 0:  # a property of the method, stored once (the largest over backbones)
+        count = max(params_trainable(s.params, s.personal) for s in servers.values())
+        rows.append((None, "params_trainable", count, None))
     if should_eval(r, cfg.train):
-        counts = evaluate(
-            method,
+        rows += _evaluate(groups, servers, task, cfg, precision, history, r)
+    return pack(servers), rows, {"loss_train": loss, "bytes_up": up, "bytes_down": down}
+
+
+def _train_group(
+    group: Group,
+    server: ServerState,
+    task: Task,
+    cfg: RunConfig,
+    r: int,
+    client_ids: list[int],
+    precision: str,
+) -> LocalResult | None:
+    """Local training of this round's clients of one group, cohort by cohort (None: none)."""
+    results = [
+        train_clients(
+            group.method,
             server,
             task,
-            cfg.train.eval_batch_size,
-            inputs,
-            precision,
-            label_space=cfg.train.local_label_space,
+            ids,
+            cohort.train,
+            round_idx=r,
+            seed=cfg.seed,
+            executor=cfg.runtime.executor,
+            inputs=group.inputs,
+            precision=precision,
         )
-        domains = [c.domain for c in task.clients]
-        agg = aggregates(counts) | domain_accuracies(counts, domains, task.data.domain_names)
-        history.append(agg)
-        rows += client_rows(counts) + [(None, k, v, None) for k, v in agg.items()]
-        if r == cfg.train.rounds - 1:
-            rows += [
-                (None, k, v, None) for k, v in summary(history, cfg.train.summary_window).items()
-            ]
-    scalars = {
-        "loss_train": loss,
-        "bytes_up": _nbytes(up) * len(client_ids),
-        "bytes_down": _nbytes(down) * len(client_ids),
-    }
-    return server, rows, scalars
+        for cohort in group.cohorts
+        if (ids := participants(cohort, client_ids))
+    ]
+    return concat_results(results) if results else None
+
+
+def _evaluate(
+    groups: list[Group],
+    servers: dict[str, ServerState],
+    task: Task,
+    cfg: RunConfig,
+    precision: str,
+    history: list[dict[str, float]],
+    r: int,
+) -> list[MetricRow]:
+    """Evaluate every group on its clients; the per-client and aggregate rows of the round."""
+    single = len(groups) == 1
+    counts = merge_counts(
+        [
+            (
+                evaluate(
+                    g.method,
+                    servers[g.key],
+                    task,
+                    cfg.train.eval_batch_size,
+                    g.inputs,
+                    precision,
+                    label_space=cfg.train.local_label_space,
+                    clients=None if single else g.clients,
+                ),
+                g.clients,
+            )
+            for g in groups
+        ]
+    )
+    domains = [c.domain for c in task.clients]
+    agg = aggregates(counts) | domain_accuracies(counts, domains, task.data.domain_names)
+    if cfg.model_het is not None:
+        names = [p.name for p in cfg.model_het.profiles]
+        profiles = client_profiles(cfg.model_het)
+        agg |= domain_accuracies(counts, profiles, names, prefix="acc_profile_")
+    history.append(agg)
+    rows = client_rows(counts) + [(None, k, v, None) for k, v in agg.items()]
+    if r == cfg.train.rounds - 1:
+        rows += [(None, k, v, None) for k, v in summary(history, cfg.train.summary_window).items()]
+    return rows
 
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
