@@ -14,6 +14,9 @@ A suite file (``benchmarks/NAME.toml``) holds ``defaults`` plus one list per gri
     [[methods]]
     name = "fedvpt"
     overrides = { train = { lr = 0.1 } }
+    [[methods]]                # a sweep: one entry per value (labels fedvpt-prompt_len=1, ...)
+    name = "fedvpt"
+    sweep = { prompt_len = [1, 5, 10] }
 
 The cells are datasets x partitions x methods x seeds. A cell's config is the deep merge of the
 defaults, the three entries (in that order) and their ``overrides``; every component's args are
@@ -355,10 +358,12 @@ def _entries(raw: dict[str, Any], axis: str, path: str) -> list[dict[str, Any]]:
     entries = raw.get(axis)
     if not isinstance(entries, list) or not entries:
         raise FpbenchError(f"{path}: needs at least one [[{axis}]] entry with a name")
-    labels = []
     for entry in entries:
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
             raise FpbenchError(f'{path}: every [[{axis}]] entry needs name = "..."')
+    entries = [e for entry in entries for e in _swept(entry, axis, path)]
+    labels = []
+    for entry in entries:
         labels.append(entry.get("label", entry["name"]))
         check_label(labels[-1], f"[[{axis}]] label", path)
         if not isinstance(entry.get("overrides", {}), dict):
@@ -367,6 +372,43 @@ def _entries(raw: dict[str, Any], axis: str, path: str) -> list[dict[str, Any]]:
     if dupes:
         raise FpbenchError(f"{path}: [[{axis}]] entries share the label {dupes}; give each a label")
     return entries
+
+
+def _swept(entry: dict[str, Any], axis: str, path: str) -> list[dict[str, Any]]:
+    """An entry with `sweep = { arg = [v1, v2, ...], ... }`: one entry per combination.
+
+    Each gets the combination's args and the label `label.format(arg=v, ...)` when the label
+    has placeholders, else `label-arg=v-...`; a list value is written joined by "x".
+    """
+    sweep = entry.get("sweep")
+    if sweep is None:
+        return [entry]
+    ok = isinstance(sweep, dict) and sweep
+    if not ok or not all(isinstance(v, list) and v for v in sweep.values()):
+        raise FpbenchError(
+            f"{path}: [[{axis}]] sweep must be a table of non-empty lists, e.g. "
+            "sweep = { shots = [1, 2, 4] }"
+        )
+    base = {k: v for k, v in entry.items() if k != "sweep"}
+    label = base.get("label", base["name"])
+    out = []
+    for combo in itertools.product(*sweep.values()):
+        values = dict(zip(sweep, combo, strict=True))
+        shown = {
+            k: "x".join(map(str, v)) if isinstance(v, list) else str(v) for k, v in values.items()
+        }
+        try:
+            name = (
+                label.format(**shown)
+                if "{" in label
+                else "-".join([label, *(f"{k}={v}" for k, v in shown.items())])
+            )
+        except (KeyError, IndexError, ValueError) as e:
+            raise FpbenchError(
+                f"{path}: [[{axis}]] label {label!r} names a placeholder that is not swept ({e})"
+            ) from None
+        out.append({**base, **values, "label": name})
+    return out
 
 
 def resolve_cell(

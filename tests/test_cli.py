@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fpbench.cli import app
+from fpbench.specs import SUITE_DIR
 from tests.conftest import TINY_SUITE_TOML
 
 SUITE = TINY_SUITE_TOML
@@ -76,6 +77,15 @@ def test_dry_run_says_which_data_is_missing(workdir, monkeypatch):
     result = invoke("run", "--suite", str(suite), "--dry-run")
     assert result.exit_code == 0, result.output
     assert "missing" in result.output and "fpbench data status" in result.output
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in SUITE_DIR.glob("*.toml")))
+def test_every_shipped_suite_validates_and_dry_runs(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FPBENCH_DATA", str(tmp_path / "no-data"))
+    result = invoke("run", "--suite", name, "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "new" in result.output and not (tmp_path / "results").exists()
 
 
 def test_dry_run_writes_nothing(workdir):

@@ -150,3 +150,12 @@ def test_cli_table_paper_formats(db, tmp_path):
     assert term.exit_code == 0 and "paper 95.46" in term.output
     bad = runner.invoke(app, ["table", "--paper", "sgpt", "--table", "9", "--db", str(db)])
     assert bad.exit_code == 2 and "no table 9" in bad.output
+
+
+def test_config_value_reads_dotted_paths_list_items_and_bare_keys():
+    config_value = plots.config_value
+    cfg = {"train": {"lr": 0.1}, "method": {"args": {"local_lengths": [8, 8, 20, 20]}}}
+    assert config_value(cfg, "train.lr") == 0.1
+    assert config_value(cfg, "method.args.local_lengths.2") == 20
+    assert config_value(cfg, "lr") == 0.1
+    assert config_value(cfg, "method.args.local_lengths.9") is None

@@ -138,3 +138,43 @@ def test_backbone_mean_without_std_is_rejected():
                 "partition": {"num_clients": 3},
             }
         )
+
+
+def test_sweep_expands_an_entry_into_one_per_combination():
+    s = suite(
+        seeds=[0],
+        partitions=[{"name": "iid"}],
+        methods=[
+            {"name": "fedvpt", "sweep": {"prompt_len": [1, 7]}},
+            {"name": "sgpt", "label": "s-{num_groups}-{prompt_len}", "sweep": {
+                "num_groups": [2, 3], "prompt_len": [1, 2]}},
+        ],
+    )  # fmt: skip
+    got = {c.method.label: c.method.args for c in s.cells}
+    assert got["fedvpt-prompt_len=1"]["prompt_len"] == 1
+    assert got["fedvpt-prompt_len=7"]["prompt_len"] == 7
+    sgpt = {k: (v["num_groups"], v["prompt_len"]) for k, v in got.items() if k.startswith("s-")}
+    assert sgpt == {"s-2-1": (2, 1), "s-2-2": (2, 2), "s-3-1": (3, 1), "s-3-2": (3, 2)}
+
+
+def test_sweep_of_lists_labels_values_joined_by_x():
+    s = suite(seeds=[0], partitions=[{"name": "iid"}], methods=[
+        {"name": "sdfed", "label": "len-{local_lengths}",
+         "sweep": {"local_lengths": [[4, 8], [16, 16]]}}],
+        defaults={"backbone": {"name": "clip-test"}, "partition": {"num_clients": 2}},
+    )  # fmt: skip
+    assert sorted(c.method.label for c in s.cells) == ["len-16x16", "len-4x8"]
+
+
+@pytest.mark.parametrize(
+    ("sweep", "label", "needle"),
+    [
+        ([1, 2], "x", "sweep must be a table of non-empty lists"),
+        ({"prompt_len": []}, "x", "sweep must be a table of non-empty lists"),
+        ({"prompt_len": [1]}, "p-{nope}", "names a placeholder that is not swept"),
+        ({"prompt_len": [0]}, "p", "prompt_len"),
+    ],
+)
+def test_bad_sweeps_are_rejected(sweep, label, needle):
+    with pytest.raises(FpbenchError, match=needle):
+        suite(methods=[{"name": "fedvpt", "label": label, "sweep": sweep}])

@@ -209,12 +209,16 @@ def heldout(
 
 
 def config_value(config: Mapping[str, Any], param: str) -> Any:
-    """`param` in a run config: a dotted path ("train.local_epochs") or a key found anywhere."""
+    """`param` in a run config: a dotted path ("train.local_epochs", list items by position:
+    "method.args.local_lengths.2") or a key found anywhere."""
     node: Any = config
     for part in param.split("."):
-        if not isinstance(node, Mapping) or part not in node:
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, Mapping) and part in node:
+            node = node[part]
+        else:
             return _find_key(config, param.rsplit(".", 1)[-1])
-        node = node[part]
     return node
 
 
