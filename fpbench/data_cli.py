@@ -143,6 +143,8 @@ def generate_gpt_fl(
     model: Annotated[Path, typer.Option("--model", help="local diffusers text-to-image folder")],
     per_class: Annotated[int, typer.Option("--per-class", min=1, help="images per class")] = 100,
     seed: Annotated[int, typer.Option("--seed")] = 0,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="denoising steps")] = 50,
+    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda")] = "auto",
     root: RootOpt = None,
     sets: Annotated[
         list[str] | None, typer.Option("--set", help="dataset config KEY=VALUE (repeatable)")
@@ -156,5 +158,5 @@ def generate_gpt_fl(
     require_text_to_image(model)
     cls = DATASETS.get(name)
     classes = cls.load(_config(cls, _parse_sets(sets)), data_root(root)).class_names
-    written = generate_images(classes, out, model, per_class, seed=seed)
+    written = generate_images(classes, out, model, per_class, seed=seed, steps=steps, device=device)
     console.print(f"wrote {written} images for {len(classes)} classes to {out}")
