@@ -381,7 +381,8 @@ def _swept(entry: dict[str, Any], axis: str, path: str) -> list[dict[str, Any]]:
     has placeholders, else `label-arg=v-...`; a list value is written joined by "x".
     """
     sweep = entry.get("sweep")
-    if sweep is None:
+    label = entry.get("label", entry["name"])
+    if sweep is None or not isinstance(label, str):  # a bad label is reported by the caller
         return [entry]
     ok = isinstance(sweep, dict) and sweep
     if not ok or not all(isinstance(v, list) and v for v in sweep.values()):
@@ -390,7 +391,6 @@ def _swept(entry: dict[str, Any], axis: str, path: str) -> list[dict[str, Any]]:
             "sweep = { shots = [1, 2, 4] }"
         )
     base = {k: v for k, v in entry.items() if k != "sweep"}
-    label = base.get("label", base["name"])
     out = []
     for combo in itertools.product(*sweep.values()):
         values = dict(zip(sweep, combo, strict=True))
