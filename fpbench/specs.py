@@ -57,6 +57,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+class Augment(_Strict):
+    """On-device training augmentation (none by default; SGPT's reference code on Office)."""
+
+    hflip: bool = Field(False, description="random horizontal flip, p = 0.5")
+    rotate: float = Field(
+        0.0, ge=0, le=180, description="random rotation, uniform in +-this many degrees"
+    )
+
+    @property
+    def active(self) -> bool:
+        return self.hflip or self.rotate > 0
+
+
 class TrainConfig(_Strict):
     """Federated schedule and local optimisation, shared by every method."""
 
@@ -84,6 +97,7 @@ class TrainConfig(_Strict):
     max_local_steps: int | None = Field(
         None, ge=1, description="cap on a client's optimiser steps per round (all epochs)"
     )
+    augment: Augment = Field(Augment(), description="training augmentation, on the device")
 
 
 class RuntimeConfig(_Strict):
@@ -142,6 +156,7 @@ _LATER_FIELDS: dict[tuple[str, str], Any] = {
     ("backbone", "mean"): None,
     ("backbone", "std"): None,
     ("train", "max_local_steps"): None,
+    ("train", "augment"): Augment().model_dump(mode="json"),
 }
 
 

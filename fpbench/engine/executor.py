@@ -18,11 +18,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from fpbench.engine.augment import uniforms
 from fpbench.engine.inputs import Inputs
 from fpbench.engine.optim import make_optimizer
 from fpbench.engine.task import Task
 from fpbench.methods.base import Context, Method, ServerState
-from fpbench.specs import TrainConfig
+from fpbench.specs import Augment, TrainConfig
 
 
 @dataclass
@@ -158,18 +159,16 @@ def train_group(
             grad_clip=cfg.grad_clip,
         )
         for epoch in range(phase.epochs):
+            seeds = [derive_seed(seed, round_idx, c, phase_idx, epoch) for c in client_ids]
             batches = [
-                client_batches(
-                    task.train_idx[c],
-                    cfg.batch_size,
-                    derive_seed(seed, round_idx, c, phase_idx, epoch),
-                )[: budget[row]]
+                client_batches(task.train_idx[c], cfg.batch_size, seeds[row])[: budget[row]]
                 for row, c in enumerate(client_ids)
             ]
+            views = (cfg.augment, seeds) if cfg.augment.active else None
             budget = [n if n is None else n - len(b) for n, b in zip(budget, batches, strict=True)]
             for step in range(max(len(b) for b in batches)):
                 active = torch.tensor([step < len(b) for b in batches], device=device)
-                per_client = _step(method, leaves, task, inputs, batches, step, ctx, k)
+                per_client = _step(method, leaves, task, inputs, batches, step, ctx, k, views)
                 opt.zero_grad()
                 per_client.sum().backward()
                 opt.step(active)
@@ -188,13 +187,23 @@ def _step(
     step: int,
     ctx: Context,
     k: int,
+    views: tuple[Augment, list[int]] | None = None,
 ) -> Tensor:
-    """Per-client mean loss (K,) of one lockstep minibatch; zero for clients without a batch."""
+    """Per-client mean loss (K,) of one lockstep minibatch; zero for clients without a batch.
+
+    `views`: the augmentation and each row's epoch seed, which with a sample's index fixes its
+    random view (see `fpbench.engine.augment`).
+    """
     parts = [(row, b[step]) for row, b in enumerate(batches) if step < len(b)]
     idx = torch.cat([b for _, b in parts])
     rows = torch.cat([torch.full((len(b),), row, dtype=torch.long) for row, b in parts])
     rows = rows.to(idx.device)
-    x = inputs.train(idx)
+    if views is None:
+        x = inputs.train(idx)
+    else:
+        cfg, seeds = views
+        sample_seeds = torch.tensor(seeds, device=idx.device)[rows]  # (B,)
+        x = inputs.train(idx, augmentation=(cfg, uniforms(sample_seeds, idx, 2)))
     ctx.query = inputs.query("train", idx)
     per_sample = method.loss(leaves, x, task.data.train_labels[idx], rows, ctx)  # (B,)
     counts = torch.zeros(k, device=idx.device).index_add_(0, rows, torch.ones_like(per_sample))

@@ -17,8 +17,10 @@ import torch
 from torch import Tensor
 
 from fpbench.backbones import PromptedViT
+from fpbench.engine.augment import augment
 from fpbench.engine.task import Task
 from fpbench.methods.base import Method
+from fpbench.specs import Augment
 
 
 class FeatureCache:
@@ -125,8 +127,18 @@ class Inputs:
         cached = self.queries.get(split)
         return None if cached is None else cached[idx]
 
-    def train(self, idx: Tensor) -> Tensor:
-        return self._get("train", self.task.data.train_images, idx)
+    def train(self, idx: Tensor, augmentation: tuple[Augment, Tensor] | None = None) -> Tensor:
+        """`x` of train samples idx (B,); `augmentation` (config, draws (B, 2)) gives each
+        sample its random view, computed from the images (never from cached features)."""
+        if augmentation is None:
+            return self._get("train", self.task.data.train_images, idx)
+        cfg, draws = augmentation
+        bb = self.backbone
+        x = augment(bb.preprocess(self.task.data.train_images[idx]), cfg, draws, bb.mean, bb.std)
+        if self.frozen_input == "cls":
+            with torch.no_grad():
+                return bb.forward_features(x).cls
+        return x
 
     def test(self, idx: Tensor | slice) -> Tensor:
         return self._get("test", self.task.data.test_images, idx)
