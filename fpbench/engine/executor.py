@@ -164,7 +164,9 @@ def train_group(
                 client_batches(task.train_idx[c], cfg.batch_size, seeds[row])[: budget[row]]
                 for row, c in enumerate(client_ids)
             ]
-            views = (cfg.augment, seeds) if cfg.augment.active else None
+            views = None
+            if cfg.augment.active:  # each row's epoch seed, with a sample's index, fixes its view
+                views = (cfg.augment, torch.tensor(seeds, device=device))
             budget = [n if n is None else n - len(b) for n, b in zip(budget, batches, strict=True)]
             for step in range(max(len(b) for b in batches)):
                 active = torch.tensor([step < len(b) for b in batches], device=device)
@@ -187,12 +189,12 @@ def _step(
     step: int,
     ctx: Context,
     k: int,
-    views: tuple[Augment, list[int]] | None = None,
+    views: tuple[Augment, Tensor] | None = None,
 ) -> Tensor:
     """Per-client mean loss (K,) of one lockstep minibatch; zero for clients without a batch.
 
-    `views`: the augmentation and each row's epoch seed, which with a sample's index fixes its
-    random view (see `fpbench.engine.augment`).
+    `views`: the augmentation and each row's epoch seed (K,), which with a sample's index fixes
+    its random view (see `fpbench.engine.augment`).
     """
     parts = [(row, b[step]) for row, b in enumerate(batches) if step < len(b)]
     idx = torch.cat([b for _, b in parts])
@@ -202,8 +204,7 @@ def _step(
         x = inputs.train(idx)
     else:
         cfg, seeds = views
-        sample_seeds = torch.tensor(seeds, device=idx.device)[rows]  # (B,)
-        x = inputs.train(idx, augmentation=(cfg, uniforms(sample_seeds, idx, 2)))
+        x = inputs.train(idx, augmentation=(cfg, uniforms(seeds[rows], idx, 2)))  # seeds (K,)
     ctx.query = inputs.query("train", idx)
     per_sample = method.loss(leaves, x, task.data.train_labels[idx], rows, ctx)  # (B,)
     counts = torch.zeros(k, device=idx.device).index_add_(0, rows, torch.ones_like(per_sample))

@@ -114,12 +114,7 @@ def share(servers: dict[str, ServerState], weights: dict[str, float]) -> dict[st
 
 def start_shared(servers: dict[str, ServerState]) -> dict[str, ServerState]:
     """Give every group the first group's initial values of the parameters they share."""
-    names = shared_names(servers)
-    first = next(iter(servers.values())).params
-    return {
-        k: ServerState({**s.params, **{n: first[n].clone() for n in names}}, s.personal, s.buffers)
-        for k, s in servers.items()
-    }
+    return share(servers, {k: float(i == 0) for i, k in enumerate(servers)})
 
 
 def merge_counts(parts: list[tuple[EvalCounts, list[int]]]) -> EvalCounts:
