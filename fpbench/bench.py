@@ -6,6 +6,8 @@ federation of `clients` clients with `steps` minibatches of `batch` samples each
 * local-training samples/s of one FedVPT round with the reference executor (one client at a
   time) and the lockstep executor (all clients in one pass), and their ratio;
 * head-tune's per-round time with frozen features computed on the fly vs cached, and the ratio;
+* FedRep's per-round time (10 head-only epochs, then 1 prompt epoch) with the head phase's
+  backbone outputs recomputed every epoch vs computed once (`Phase.resume_layer`), and the ratio;
 * evaluation samples/s (one pass over the test split);
 * on CUDA, the achieved TFLOP/s of the lockstep step and its fraction of the device's bf16 peak.
 """
@@ -86,6 +88,7 @@ def bench(
         out["train_samples_per_s_lockstep"] / out["train_samples_per_s_reference"]
     )
     out.update(_headtune(cfg, task, dev, prec, ids, repeats))
+    out.update(_resume(cfg, task, dev, prec, ids, repeats))
     test_s = _time(
         lambda: evaluate(fedvpt, server, task, cfg.train.eval_batch_size, precision=prec),
         dev,
@@ -143,6 +146,32 @@ def _headtune(
         "headtune_round_s_cached": times["cached"],
         "headtune_cached_speedup": times["uncached"] / times["cached"],
         "headtune_cache_build_s": build_s,
+    }
+
+
+def _resume(
+    cfg, task, dev: torch.device, prec: str, ids: list[int], repeats: int
+) -> dict[str, float]:
+    cfg = cfg.model_copy(
+        update={"method": cfg.method.model_copy(update={"name": "fedrep", "args": {}})}
+    )
+    method = build_method(cfg, task, dev, pretrained=False)
+    server = method.init_server(torch.Generator().manual_seed(0))
+    times = {
+        name: _time(
+            lambda r=reuse: train_clients(
+                method, server, task, ids, cfg.train, round_idx=0, seed=0,
+                precision=prec, reuse_frozen=r,
+            ),
+            dev,
+            repeats,
+        )
+        for name, reuse in (("recomputed", False), ("cached", True))
+    }  # fmt: skip
+    return {
+        "fedrep_round_s_recomputed": times["recomputed"],
+        "fedrep_round_s_cached": times["cached"],
+        "hidden_cache_speedup": times["recomputed"] / times["cached"],
     }
 
 

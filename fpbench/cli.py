@@ -467,7 +467,8 @@ def bench_cmd(
         Path | None, typer.Option("--json", help="also write the figures here")
     ] = None,
 ) -> None:
-    """Throughput of the executors, the feature cache and evaluation (random weights)."""
+    """Throughput of the executors, the feature and hidden-state caches and evaluation (random
+    weights)."""
     from fpbench.bench import bench
     from fpbench.registry import BACKBONES
 

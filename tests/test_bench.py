@@ -19,6 +19,9 @@ KEYS = {
     "headtune_cached_speedup",
     "headtune_cache_build_s",
     "eval_samples_per_s",
+    "fedrep_round_s_recomputed",
+    "fedrep_round_s_cached",
+    "hidden_cache_speedup",
 }
 
 

@@ -181,8 +181,35 @@ class PromptedViT(nn.Module):
         return_layers: Iterable[int] = (),
     ) -> ViTFeatures:
         """Full prompted forward of preprocessed images x (B, 3, S, S)."""
+        return self.forward_from(self.embed(x), 0, prompts, style, return_layers)
+
+    def prefix(
+        self,
+        x: Tensor,
+        end: int,
+        prompts: Mapping[int, Tensor] | None = None,
+        style: str = "accumulate",
+    ) -> Tensor:
+        """The hidden states (B, T, d) entering block `end` (`depth`: after the last block)."""
+        return self.run_blocks(self.embed(x), 0, end, prompts, style)[0]
+
+    def forward_from(
+        self,
+        tokens: Tensor,
+        start: int,
+        prompts: Mapping[int, Tensor] | None = None,
+        style: str = "accumulate",
+        return_layers: Iterable[int] = (),
+    ) -> ViTFeatures:
+        """Finish a forward from the hidden states (B, T, d) entering block `start`.
+
+        The prompt tokens already in `tokens` are counted from its length; prompts of layers
+        below `start` are ignored, so `forward_from(prefix(x, s, P), s, P)` equals
+        `forward_features(x, P)`.
+        """
+        num_prompts = tokens.shape[1] - self.num_prefix_tokens - self.vit.patch_embed.num_patches
         tokens, layer_cls, num_prompts = self.run_blocks(
-            self.embed(x), 0, self.depth, prompts, style, 0, return_layers
+            tokens, start, self.depth, prompts, style, num_prompts, return_layers
         )
         return self.finish(tokens, num_prompts, layer_cls)
 

@@ -19,10 +19,10 @@ import torch
 from torch import Tensor
 
 from fpbench.engine.augment import uniforms
-from fpbench.engine.inputs import Inputs
+from fpbench.engine.inputs import HiddenCache, Inputs
 from fpbench.engine.optim import make_optimizer
 from fpbench.engine.task import Task
-from fpbench.methods.base import Context, Method, ServerState
+from fpbench.methods.base import Context, Method, Phase, ServerState
 from fpbench.specs import Augment, TrainConfig
 
 
@@ -68,8 +68,13 @@ def train_clients(
     executor: str = "lockstep",
     inputs: Inputs | None = None,
     precision: str = "fp32",
+    reuse_frozen: bool = True,
 ) -> LocalResult:
-    """Local training of this round's clients with the chosen executor."""
+    """Local training of this round's clients with the chosen executor.
+
+    `reuse_frozen=False` recomputes the lower blocks of phases that set `resume_layer` at every
+    step instead of once per phase (same result; for tests and the benchmark).
+    """
     inputs = inputs or Inputs.of(method, task)
     if executor == "lockstep":
         groups = [client_ids]
@@ -84,7 +89,7 @@ def train_clients(
             results.append(
                 train_group(
                     method, server, task, inputs, g, cfg,
-                    round_idx=round_idx, seed=seed, earlier=earlier,
+                    round_idx=round_idx, seed=seed, earlier=earlier, reuse_frozen=reuse_frozen,
                 )
             )  # fmt: skip
             earlier = {k: earlier.get(k, 0) + v.sum(0) for k, v in results[-1].stats.items()}
@@ -127,6 +132,7 @@ def train_group(
     round_idx: int,
     seed: int,
     earlier: dict[str, Tensor] | None = None,
+    reuse_frozen: bool = True,
 ) -> LocalResult:
     """Train K clients together: one forward/backward per step over all their minibatches.
 
@@ -149,6 +155,11 @@ def train_group(
     lr = round_lr(cfg, round_idx)
     for phase_idx, phase in enumerate(method.phases(cfg.local_epochs, tuple(params))):
         ctx.phase = phase.name
+        ctx.resume_layer = resume_layer(method, inputs, phase, cfg) if reuse_frozen else 0
+        hidden = None
+        if ctx.resume_layer:
+            rows = [task.train_idx[c].to(device) for c in client_ids]
+            hidden = HiddenCache(rows, len(task.data.train_labels))
         leaves = {n: p.detach().requires_grad_(n in phase.trainable) for n, p in params.items()}
         opt = make_optimizer(
             cfg.optimizer,
@@ -170,7 +181,9 @@ def train_group(
             budget = [n if n is None else n - len(b) for n, b in zip(budget, batches, strict=True)]
             for step in range(max(len(b) for b in batches)):
                 active = torch.tensor([step < len(b) for b in batches], device=device)
-                per_client = _step(method, leaves, task, inputs, batches, step, ctx, k, views)
+                per_client = _step(
+                    method, leaves, task, inputs, batches, step, ctx, k, views, hidden
+                )
                 opt.zero_grad()
                 per_client.sum().backward()
                 opt.step(active)
@@ -178,6 +191,20 @@ def train_group(
                 loss_steps += active
         params = {n: t.detach() for n, t in leaves.items()}
     return LocalResult(ids, params, ctx.stats, loss_sum / loss_steps.clamp(min=1))
+
+
+def resume_layer(method: Method, inputs: Inputs, phase: Phase, cfg: TrainConfig) -> int:
+    """The block a phase can resume from with cached states, or 0 where it cannot.
+
+    Not under augmentation (every epoch sees new views), not for methods that take frozen
+    features instead of images, and not where the method's query would have to be computed
+    from the images (it is not cached).
+    """
+    if not phase.resume_layer or cfg.augment.active or inputs.frozen_input is not None:
+        return 0
+    if method.frozen_query() and not inputs.queries:
+        return 0
+    return phase.resume_layer
 
 
 def _step(
@@ -190,17 +217,23 @@ def _step(
     ctx: Context,
     k: int,
     views: tuple[Augment, Tensor] | None = None,
+    hidden: HiddenCache | None = None,
 ) -> Tensor:
     """Per-client mean loss (K,) of one lockstep minibatch; zero for clients without a batch.
 
     `views`: the augmentation and each row's epoch seed (K,), which with a sample's index fixes
-    its random view (see `fpbench.engine.augment`).
+    its random view (see `fpbench.engine.augment`). `hidden`: the phase's cached states
+    entering block `ctx.resume_layer`, which then stand in for the images.
     """
     parts = [(row, b[step]) for row, b in enumerate(batches) if step < len(b)]
     idx = torch.cat([b for _, b in parts])
     rows = torch.cat([torch.full((len(b),), row, dtype=torch.long) for row, b in parts])
     rows = rows.to(idx.device)
-    if views is None:
+    if hidden is not None:
+        x = hidden.get(
+            idx, rows, lambda i, r: method.prefix(leaves, inputs.train(i), r, ctx.resume_layer)
+        )
+    elif views is None:
         x = inputs.train(idx)
     else:
         cfg, seeds = views

@@ -4,7 +4,9 @@ Most methods take preprocessed images: uint8 images stay on the device and are r
 normalised there per batch. A method that declares `frozen_input = "cls"` (e.g. head-tune) takes
 the frozen backbone's final cls features instead; those do not depend on anything trained, so
 they are computed once per (backbone, dataset, split), kept in memory and optionally on disk,
-and training a head on them skips the backbone entirely.
+and training a head on them skips the backbone entirely. A training phase whose lower blocks
+see nothing it trains (`Phase.resume_layer`) gets the hidden states entering its first trained
+block from a `HiddenCache`, filled on first use and kept for the phase.
 """
 
 from __future__ import annotations
@@ -151,3 +153,36 @@ class Inputs:
             with torch.no_grad():
                 return self.backbone.forward_features(x).cls
         return x
+
+
+class HiddenCache:
+    """Hidden states of each (row, train sample) of one training phase, computed on first use.
+
+    They depend on the row's parameters that the phase keeps fixed, so they live only as long
+    as the phase: a row's sample is run through the lower blocks once, not once per epoch.
+    """
+
+    def __init__(self, rows: list[Tensor], num_train: int) -> None:
+        """rows: each row's train indices (n_r,) into the train split of size `num_train`."""
+        device = rows[0].device
+        self.slot = torch.full((len(rows), num_train), -1, dtype=torch.long, device=device)
+        start = 0
+        for r, idx in enumerate(rows):
+            self.slot[r, idx] = torch.arange(start, start + len(idx), device=device)
+            start += len(idx)
+        self.filled = torch.zeros(start, dtype=torch.bool, device=device)
+        self.states: Tensor | None = None  # (total, T, d), allocated on first use
+
+    def get(self, idx: Tensor, rows: Tensor, compute: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+        """States (B, T, d) of samples idx (B,) of rows (B,); `compute(idx, rows)` gives the
+        missing ones."""
+        slots = self.slot[rows, idx]  # (B,)
+        missing = ~self.filled[slots]
+        if bool(missing.any()):
+            with torch.no_grad():
+                new = compute(idx[missing], rows[missing]).detach()  # (b, T, d)
+            if self.states is None:
+                self.states = new.new_empty(len(self.filled), *new.shape[1:])
+            self.states[slots[missing]] = new
+            self.filled[slots[missing]] = True
+        return self.states[slots]

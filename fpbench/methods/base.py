@@ -72,11 +72,18 @@ class TaskInfo:
 
 @dataclass(frozen=True)
 class Phase:
-    """One block of local training: which parameters train, for how many epochs."""
+    """One block of local training: which parameters train, for how many epochs.
+
+    `resume_layer` > 0 declares that, in this phase, the hidden states entering that block
+    (`depth`: after the last block) depend on nothing the phase trains. Without augmentation the
+    engine then computes them once per phase with `Method.prefix` and calls the forward with
+    them as `x` and `ctx.resume_layer` set, so lower blocks never run twice.
+    """
 
     name: str
     trainable: tuple[str, ...]
     epochs: int
+    resume_layer: int = 0
 
 
 @dataclass
@@ -107,6 +114,7 @@ class Context:
     (for methods whose reference code lets a client see its predecessors, e.g. SGPT's counts).
     `query` are the batch's cached frozen queries (B, dq) when the method declares
     `frozen_query` and the engine caches them; None: the method computes them itself.
+    `resume_layer` > 0: `x` holds the hidden states entering that block (see `Phase`).
     """
 
     training: bool
@@ -116,6 +124,7 @@ class Context:
     stats: dict[str, Tensor] = field(default_factory=dict)
     earlier: dict[str, Tensor] = field(default_factory=dict)
     query: Tensor | None = None  # (B, dq)
+    resume_layer: int = 0
 
 
 class Method:
@@ -175,6 +184,13 @@ class Method:
     ) -> Tensor:
         """Per-sample training loss (B,); the engine averages it per client."""
         return F.cross_entropy(self.forward(params, x, client_index, ctx), y, reduction="none")
+
+    def prefix(
+        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, layer: int
+    ) -> Tensor:
+        """Hidden states (B, T, d) entering block `layer` for preprocessed images x; needed
+        by methods whose phases set `resume_layer` (their forward then takes these states)."""
+        raise NotImplementedError(f"{self.name} sets a phase's resume_layer but has no prefix")
 
     # -- server -----------------------------------------------------------------------------
     def aggregate(

@@ -31,6 +31,7 @@ class FedRep(ShallowPromptModel):
 
     def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
         return [
-            Phase("head", ("head_w", "head_b"), self.cfg.head_epochs),
+            # prompts are fixed while the head trains: the final states are computed once
+            Phase("head", ("head_w", "head_b"), self.cfg.head_epochs, self.backbone.depth),
             Phase("representation", ("prompts",), local_epochs),
         ]

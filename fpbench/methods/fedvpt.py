@@ -42,9 +42,18 @@ class ShallowPromptModel(Method):
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
     ) -> Tensor:
-        prompts = params["prompts"][client_index]  # (B, p, d)
-        feats = self.backbone.forward_features(x, {0: prompts}, style="shallow").cls  # (B, d)
-        return per_client_linear(feats, params["head_w"], params["head_b"], client_index)
+        prompts = {0: params["prompts"][client_index]}  # (B, p, d)
+        if ctx.resume_layer:  # x: cached hidden states entering that block
+            feats = self.backbone.forward_from(x, ctx.resume_layer, prompts, style="shallow")
+        else:
+            feats = self.backbone.forward_features(x, prompts, style="shallow")
+        return per_client_linear(feats.cls, params["head_w"], params["head_b"], client_index)
+
+    def prefix(
+        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, layer: int
+    ) -> Tensor:
+        prompts = {0: params["prompts"][client_index]}  # (B, p, d)
+        return self.backbone.prefix(x, layer, prompts, style="shallow")
 
 
 @METHODS.register()

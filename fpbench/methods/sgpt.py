@@ -467,11 +467,13 @@ class SGPT(Method):
         group = tuple(n for n in GROUP_PHASE if n in names)
         if not self.group_layers:
             return [Phase("shared", shared, local_epochs)]
+        # shared prompts are fixed in the group phase: the states below its first layer are too
+        group_phase = Phase("group", group, local_epochs, min(self.group_layers))
         if not self.shared_layers:
-            return [Phase("group", group, local_epochs)]
+            return [group_phase]
         if self.cfg.schedule == "joint":
             return [Phase("joint", tuple(dict.fromkeys(shared + group)), local_epochs)]
-        blocks = [Phase("shared", shared, local_epochs), Phase("group", group, local_epochs)]
+        blocks = [Phase("shared", shared, local_epochs), group_phase]
         return blocks[::-1] if self.cfg.schedule == "bcd-inverted" else blocks
 
     # -- math -------------------------------------------------------------------------------
@@ -491,10 +493,7 @@ class SGPT(Method):
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
     ) -> tuple[Tensor, Tensor | None]:
         """Logits (B, C) and, when keys train, the per-sample key loss (B,)."""
-        prompts: dict[int, Tensor] = {}
-        if self.shared_layers:
-            shared = params["shared_prompts"][client_index]  # (B, Ls, p, d)
-            prompts.update({layer: shared[:, i] for i, layer in enumerate(self.shared_layers)})
+        prompts = self.shared_prompts(params, client_index)
         selecting = bool(self.group_layers) and (not ctx.training or ctx.phase != "shared")
         keys_loss = None
         if selecting:
@@ -502,10 +501,27 @@ class SGPT(Method):
             chosen = params["group_prompts"][client_index, groups]  # (B, Lg, p, d)
             prompts.update({layer: chosen[:, i] for i, layer in enumerate(self.group_layers)})
             keys_loss = key_loss(cos, groups) if ctx.training else None
-        feats = self.backbone.forward_features(x, prompts, style=self.cfg.prompt_style)
+        style = self.cfg.prompt_style
+        if ctx.resume_layer:  # x: cached hidden states entering that block
+            feats = self.backbone.forward_from(x, ctx.resume_layer, prompts, style)
+        else:
+            feats = self.backbone.forward_features(x, prompts, style)
         pooled = self.pool(feats, selecting)  # (B, d)
         logits = per_client_linear(pooled, params["head_w"], params["head_b"], client_index)
         return logits, keys_loss
+
+    def shared_prompts(self, params: dict[str, Tensor], client_index: Tensor) -> dict[int, Tensor]:
+        """Each sample's row of shared prompts by layer: {layer: (B, p, d)}."""
+        if not self.shared_layers:
+            return {}
+        shared = params["shared_prompts"][client_index]  # (B, Ls, p, d)
+        return {layer: shared[:, i] for i, layer in enumerate(self.shared_layers)}
+
+    def prefix(
+        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, layer: int
+    ) -> Tensor:
+        prompts = self.shared_prompts(params, client_index)
+        return self.backbone.prefix(x, layer, prompts, self.cfg.prompt_style)
 
     def pool(self, feats: ViTFeatures, selecting: bool) -> Tensor:
         """The head's input (B, d): mean of cls and the first prompt-token outputs.
