@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fpbench.engine.executor import train_clients
-from fpbench.methods.base import Phase
+from fpbench.methods.base import Context, Phase
 
 
 def test_fedvpt_d_inserts_one_prompt_set_per_layer(tiny):
@@ -19,10 +19,12 @@ def test_fedvpt_d_inserts_one_prompt_set_per_layer(tiny):
     expected = method.backbone.forward_features(
         x, {i: prompts[i].expand(2, -1, -1) for i in range(len(prompts))}, style="deep"
     ).cls
-    logits = method.forward(params, x, rows, None)
+    logits = method.forward(params, x, rows, Context(training=True))
     torch.testing.assert_close(logits, expected @ params["head_w"][0].T + params["head_b"][0])
     leaf = params["prompts"].requires_grad_()
-    method.forward({**params, "prompts": leaf}, x, rows, None).square().sum().backward()
+    method.forward(
+        {**params, "prompts": leaf}, x, rows, Context(training=True)
+    ).square().sum().backward()
     assert (leaf.grad.flatten(2).abs().sum(-1) > 0).all()  # every layer's prompt is used
 
 

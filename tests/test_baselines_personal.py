@@ -166,17 +166,19 @@ def test_per_fedavg_meta_gradient_is_first_order_maml(tiny):
 
     # by hand: theta' = theta - alpha grad L(theta; first two); expect grad L(theta'; last two)
     theta = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
-    inner = F.cross_entropy(method.forward(theta, x[:2], rows[:2], None), y[:2])
+    inner = F.cross_entropy(method.forward(theta, x[:2], rows[:2], Context(training=True)), y[:2])
     grads = torch.autograd.grad(inner, list(theta.values()))
     adapted = {
         k: (v - 0.5 * g).detach().requires_grad_()
         for (k, v), g in zip(theta.items(), grads, strict=True)
     }
-    F.cross_entropy(method.forward(adapted, x[2:], rows[2:], None), y[2:]).backward()
+    F.cross_entropy(
+        method.forward(adapted, x[2:], rows[2:], Context(training=True)), y[2:]
+    ).backward()
     for k in got:
         torch.testing.assert_close(got[k], adapted[k].grad, atol=1e-6, rtol=1e-5)
     # and it is not the plain gradient of the outer half at theta
-    plain = F.cross_entropy(method.forward(theta, x[2:], rows[2:], None), y[2:])
+    plain = F.cross_entropy(method.forward(theta, x[2:], rows[2:], Context(training=True)), y[2:])
     plain = torch.autograd.grad(plain, list(theta.values()))
     assert any(not torch.allclose(got[k], g, atol=1e-5) for k, g in zip(theta, plain, strict=True))
 
@@ -208,9 +210,11 @@ def test_per_fedavg_takes_one_local_step_before_evaluation(tiny):
     x = method.backbone.preprocess(task.data.train_images[:3])
     y = task.data.train_labels[:3]
     start = method.eval_params(server, torch.tensor([0]))
-    stepped = plain_adapt(start, x, y, torch.zeros(3, dtype=torch.long), None)
+    stepped = plain_adapt(start, x, y, torch.zeros(3, dtype=torch.long), Context(training=False))
     theta = {k: v.clone().requires_grad_() for k, v in start.items()}
-    F.cross_entropy(method.forward(theta, x, torch.zeros(3, dtype=torch.long), None), y).backward()
+    F.cross_entropy(
+        method.forward(theta, x, torch.zeros(3, dtype=torch.long), Context(training=True)), y
+    ).backward()
     for k in theta:
         torch.testing.assert_close(stepped[k], start[k] - 0.01 * theta[k].grad)
 

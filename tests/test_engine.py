@@ -8,6 +8,7 @@ import torch
 
 from fpbench.engine.evaluate import evaluate
 from fpbench.engine.runner import run_cell, sampling_schedule, should_eval
+from fpbench.methods.base import Context
 from fpbench.store import Store
 from tests.conftest import tiny_config
 
@@ -35,7 +36,9 @@ def test_global_evaluation_indexes_one_prediction_pass(tiny):
     for c, idx in enumerate(task.test_idx):
         x = method.backbone.preprocess(task.data.test_images[idx])
         params = method.eval_params(server, torch.tensor([0]))
-        pred = method.forward(params, x, torch.zeros(len(idx), dtype=torch.long), None).argmax(-1)
+        pred = method.forward(
+            params, x, torch.zeros(len(idx), dtype=torch.long), Context(training=False)
+        ).argmax(-1)
         assert int((pred == task.data.test_labels[idx]).sum()) == ev.correct_local[c]
 
 

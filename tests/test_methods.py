@@ -7,7 +7,13 @@ import torch
 
 from fpbench.engine.executor import train_clients
 from fpbench.engine.inputs import FeatureCache, Inputs
-from fpbench.methods.base import Method, ServerState, per_client_linear, weighted_mean
+from fpbench.methods.base import (
+    Context,
+    Method,
+    ServerState,
+    per_client_linear,
+    weighted_mean,
+)
 from fpbench.registry import METHODS
 
 ALL = METHODS.names()
@@ -140,7 +146,9 @@ def test_head_tune_is_a_linear_head_on_cached_frozen_cls(tiny):
     torch.testing.assert_close(cached, cls)
     torch.testing.assert_close(on_the_fly, cls)
     params = method.client_params(server, torch.tensor([0]))
-    logits = method.forward(params, cached, torch.zeros(3, dtype=torch.long), None)
+    logits = method.forward(
+        params, cached, torch.zeros(3, dtype=torch.long), Context(training=True)
+    )
     torch.testing.assert_close(logits, cls @ server.params["head_w"].T + server.params["head_b"])
 
 

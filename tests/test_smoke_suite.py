@@ -41,13 +41,19 @@ def test_smoke_suite_end_to_end(tmp_path):
         ]
         final = dict(
             con.execute(
-                "select runs.method || '/' || runs.partition, value from metrics join runs "
-                "on runs.id = metrics.run_id where name = 'acc_global_last3'"
+                "select runs.method || '/' || runs.partition || '/' || name, value from metrics "
+                "join runs on runs.id = metrics.run_id and metrics.client_id is null "
+                "where name in ('acc_global_last3', 'acc_local_mean_last3')"
             )
         )
     assert statuses == ["done"] * 6
     chance = 1 / 20
-    assert all(final[f"fedvpt/{p}"] > 3 * chance for p in ("path-s4", "dir-0.3")), final
+    for p in ("path-s4", "dir-0.3"):
+        glob = {m: final[f"{m}/{p}/acc_global_last3"] for m in ("head-tune", "fedvpt", "local")}
+        assert glob["fedvpt"] > 3 * chance, final
+        assert glob["fedvpt"] > glob["head-tune"] + 0.01, final  # prompts make a difference
+        local_mean = final[f"local/{p}/acc_local_mean_last3"]
+        assert local_mean > glob["local"] + 0.1, final  # and so does personalisation
 
     again = fpbench("run", "--suite", "smoke", cwd=tmp_path, env=env)
     assert again.returncode == 0 and "6 already done" in again.stdout

@@ -147,11 +147,20 @@ def test_info_is_cheap_and_agrees_with_load() -> None:
     per_class=st.integers(3, 5),
     num_domains=st.integers(1, 3),
     seed=st.integers(0, 2**40),
+    layout=st.sampled_from([("single", "none"), ("pair", "none"), ("pair", "random")]),
 )
 def test_any_valid_config_generates_consistent_data(
-    num_classes: int, num_coarse: int, image_size: int, per_class: int, num_domains: int, seed: int
+    num_classes: int,
+    num_coarse: int,
+    image_size: int,
+    per_class: int,
+    num_domains: int,
+    seed: int,
+    layout: tuple[str, str],
 ) -> None:
     cfg = Synthetic.Config(
+        layout=layout[0],
+        cue=layout[1],
         num_classes=num_classes,
         num_coarse=min(num_coarse, num_classes),
         image_size=image_size,
@@ -211,3 +220,54 @@ def test_default_config_is_fast() -> None:
 def _class_means(images: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
     x = images.float() / 255
     return torch.stack([x[labels == c].mean(0) for c in range(num_classes)])  # (C, 3, H, W)
+
+
+# ---------------------------------------------------------------- layout "pair" and its cue
+PAIR = dict(num_classes=6, image_size=16, train_per_class=40, test_per_class=40, num_coarse=6)
+PAIR.update(noise=0.0, layout="pair")
+
+
+def _half_accuracy(centroids: torch.Tensor, images: torch.Tensor, labels, half: str) -> float:
+    """Nearest-centroid accuracy of one image half against per-class half-image centroids."""
+    s = images.shape[-1] // 2
+    x = images[..., :s] if half == "left" else images[..., s:]
+    pred = torch.cdist(x.float().flatten(1), centroids).argmin(1)
+    return (pred == labels).float().mean().item()
+
+
+def _left_centroids(data) -> torch.Tensor:
+    s = data.train_images.shape[-1] // 2
+    left = data.train_images[..., :s].float().flatten(1)
+    return torch.stack([left[data.train_labels == c].mean(0) for c in range(PAIR["num_classes"])])
+
+
+def test_pair_layout_puts_the_label_on_the_left() -> None:
+    data = Synthetic.load(Synthetic.Config(**PAIR), ROOT)
+    s = data.train_images.shape[-1] // 2
+    right = data.train_images[..., s:].float().flatten(1)
+    right_centroids = torch.stack([right[data.train_labels == c].mean(0) for c in range(6)])
+    left_acc = _half_accuracy(_left_centroids(data), data.test_images, data.test_labels, "left")
+    right_acc = _half_accuracy(right_centroids, data.test_images, data.test_labels, "right")
+    assert left_acc > 0.45 and right_acc < 0.25  # chance 1/6: the right object is another class
+
+
+def test_pair_cue_tint_says_which_side_holds_the_label() -> None:
+    centroids = _left_centroids(Synthetic.load(Synthetic.Config(**PAIR), ROOT))  # same classes
+    data = Synthetic.load(Synthetic.Config(**PAIR, cue="random"), ROOT)
+    images, labels = data.test_images, data.test_labels
+    warm = images[:, 0].float().mean((1, 2)) > images[:, 2].float().mean((1, 2))
+    assert 0.3 < warm.float().mean() < 0.7  # both sides occur
+    # an object looks the same in either half (the halves are a pure shift apart)
+    left_w, right_w = (
+        _half_accuracy(centroids, images[warm], labels[warm], h) for h in ("left", "right")
+    )
+    left_c, right_c = (
+        _half_accuracy(centroids, images[~warm], labels[~warm], h) for h in ("left", "right")
+    )
+    assert left_w > right_w + 0.1 and right_c > left_c + 0.1
+
+
+def test_cue_needs_the_pair_layout() -> None:
+    with pytest.raises(ValidationError, match="layout"):
+        Synthetic.Config(cue="random")
+    assert Synthetic.Config(layout="pair", cue="random").cue == "random"

@@ -19,6 +19,16 @@ Generative model (coordinates in [-1, 1]^2, intensities in [0, 1] before quantis
   style scaled by ``style_strength``: a 3x3 colour mix and bias, a contrast change, and a
   high-frequency grating overlay (period 3-6 px) with its own orientation and colour.
 
+Layout ``pair`` (the offline smoke suite's): each image holds two smaller objects, the first
+``PAIR_PARTS`` strokes of a class arrangement at +-0.22 around a centre in the left half and in
+the right half, over a plain grey background with a faint random wave and tint. The label is the
+left object; the right one is another random class. With ``cue = "random"`` (how `vit-smoke` is
+pretrained) the label's side is random and the background tint says which, warm for left and
+cool for right, with a random strength. A backbone pretrained that way reads the cued object
+into its cls token; without the tint its cls mixes both objects, which a linear head cannot
+undo but a learned prompt, standing in for the tint, can. That is what lets prompts beat
+head-tuning offline: it is built into the data on purpose.
+
 Difficulty (default config): raw-pixel nearest class mean gets the coarse group right ~99% of
 the time but the fine class only ~30% (chance 5%); a 4-layer ViT (dim 96, patch 4) trained from
 scratch on 300 images per class reaches ~80% test accuracy.
@@ -34,6 +44,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+from typing import Literal
 
 import numpy as np
 import torch
@@ -48,6 +59,11 @@ DISTRACTORS = 3  # random strokes per image
 BASE_WAVES = 3  # plane waves in a coarse group's base
 STROKE_SIGMA = (0.2, 0.07)  # stroke extent along / across its orientation
 SHIFT = 0.45  # max translation of the class arrangement
+# layout "pair": two smaller objects, one per half, over a plain background
+PAIR_PARTS = 4  # strokes per object (the first PAIR_PARTS of the class's arrangement)
+PAIR_SPREAD = 0.22 / 0.45  # objects use the class offsets scaled to +-0.22
+PAIR_SIGMA = (0.14, 0.06)
+PAIR_CUE = (0.14, 0.0, -0.14)  # background tint of a left cue (warm); a right cue is its negative
 _CHUNK_PIXELS = 2**20  # pixels per rendered chunk: bounds memory, few parallel regions
 
 Params = dict[str, torch.Tensor]
@@ -133,19 +149,71 @@ def _sample_params(cfg: Synthetic.Config, protos: Params, per_class: int, stream
     }
 
 
+def _pair_params(cfg: Synthetic.Config, protos: Params, per_class: int, stream: int) -> Params:
+    """Per-sample draws of layout "pair": the labelled object, another class's object, a cue."""
+    g, C = _generator(cfg.seed, stream), cfg.num_classes
+    n = C * per_class
+    perm = torch.randperm(n, generator=g)
+    labels = torch.arange(C).repeat_interleave(per_class)[perm]  # (n,)
+    domains = (torch.arange(per_class).repeat(C) % cfg.num_domains)[perm]  # (n,)
+    other = (labels + torch.randint(1, C, (n,), generator=g)) % C  # another class
+    if cfg.cue == "random":  # +1: the label is on the left, -1: on the right; random strength
+        side = torch.randint(0, 2, (n,), generator=g) * 2 - 1
+        strength = side * _uniform(g, (n,), 0.25, 1.0)
+    else:  # the label is on the left and nothing says so
+        side, strength = torch.ones(n, dtype=torch.long), torch.zeros(n)
+    pair = torch.stack([torch.where(side > 0, labels, other), torch.where(side > 0, other, labels)])
+    pair = pair.T  # (n, 2): the left and right objects' classes
+    centre_x = torch.stack([_uniform(g, (n,), -0.62, -0.38), _uniform(g, (n,), 0.38, 0.62)], 1)
+    centre = torch.stack([centre_x, _uniform(g, (n, 2), -0.4, 0.4)], -1)  # (n, 2, 2)
+    k = PAIR_PARTS
+    pos = PAIR_SPREAD * protos["offsets"][pair, :k] + centre[:, :, None]  # (n, 2, k, 2)
+    pos = pos + 0.03 * torch.randn((n, 2, k, 2), generator=g)
+    ang = protos["angles"][pair, :k] + 0.15 * torch.randn((n, 2, k), generator=g)
+    amp = (torch.rand((n, 2, k), generator=g) > 0.1).float() * _uniform(g, (n, 2, k), 0.7, 1.0)
+    col = protos["palette"][protos["coarse"][pair], :k]  # (n, 2, k, 3)
+    tint = (
+        0.5 + strength[:, None] * torch.tensor(PAIR_CUE) + 0.05 * torch.randn((n, 3), generator=g)
+    )
+    return {
+        "labels": labels,
+        "domains": domains,
+        "pos": pos.flatten(1, 2),  # (n, 2k, 2)
+        "ang": ang.flatten(1),
+        "amp": amp.flatten(1),
+        "col": col.flatten(1, 2),  # (n, 2k, 3)
+        "tint": tint,  # (n, 3)
+        "wave_dir": _unit_vectors(g, (n,)),  # (n, 2)
+        "wave_freq": 2 * math.pi * _uniform(g, (n,), 0.2, 0.6),
+        "wave_phase": _uniform(g, (n,), 0.0, 2 * math.pi),
+        "wave_colour": _colour_vectors(g, (n,), 0.06),
+        "grating_phase": _uniform(g, (n,), 0.0, 2 * math.pi),
+    }
+
+
+def _pair_background(p: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A plain tinted background with one faint random wave: (n, 3, H, W)."""
+    d = p["wave_dir"]
+    arg = p["wave_freq"][:, None, None] * (x * d[:, 0, None, None] + y * d[:, 1, None, None])
+    wave = torch.cos(arg + p["wave_phase"][:, None, None])  # (n, H, W)
+    return p["tint"][:, :, None, None] + wave[:, None] * p["wave_colour"][:, :, None, None]
+
+
 def _grid(size: int) -> tuple[torch.Tensor, torch.Tensor]:
     t = (torch.arange(size, dtype=torch.float32) + 0.5) * (2.0 / size) - 1.0
     y, x = torch.meshgrid(t, t, indexing="ij")
     return x, y  # (H, W) each
 
 
-def _strokes(p: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def _strokes(
+    p: Params, x: torch.Tensor, y: torch.Tensor, sigma: tuple[float, float] = STROKE_SIGMA
+) -> torch.Tensor:
     """Sum of coloured oriented Gaussian strokes: (n, 3, H, W)."""
     dx = x - p["pos"][..., 0, None, None]  # (n, S, H, W)
     dy = y - p["pos"][..., 1, None, None]
     cos, sin = p["ang"].cos()[..., None, None], p["ang"].sin()[..., None, None]
     u, v = dx * cos + dy * sin, dy * cos - dx * sin
-    su, sv = STROKE_SIGMA
+    su, sv = sigma
     shape = p["amp"][..., None, None] * torch.exp(-0.5 * ((u / su) ** 2 + (v / sv) ** 2))
     out = torch.zeros(shape.shape[0], 3, *x.shape)
     for s in range(shape.shape[1]):  # few strokes: a loop keeps memory at (n, 3, H, W)
@@ -192,9 +260,12 @@ def _render(
 ) -> torch.Tensor:
     """Render one chunk of samples to uint8 images (n, 3, H, W)."""
     x, y = _grid(cfg.image_size)
-    img = _base(p, protos, x, y) + _strokes(p, x, y)
-    img = (img - 0.5) * p["contrast"][:, None, None, None] + 0.5
-    img = img + p["brightness"][:, None, None, None]
+    if cfg.layout == "pair":
+        img = _pair_background(p, x, y) + _strokes(p, x, y, PAIR_SIGMA)
+    else:
+        img = _base(p, protos, x, y) + _strokes(p, x, y)
+        img = (img - 0.5) * p["contrast"][:, None, None, None] + 0.5
+        img = img + p["brightness"][:, None, None, None]
     img = _stylise(img, p, styles, x, y)
     img = img + cfg.noise * torch.randn(img.shape, generator=g)
     return (img.clamp(0.0, 1.0) * 255.0).round().to(torch.uint8)
@@ -204,7 +275,8 @@ def _split(
     cfg: Synthetic.Config, protos: Params, styles: Params, per_class: int, stream: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Generate one split: (images (n, 3, H, W) uint8, labels (n,), domains (n,))."""
-    p = _sample_params(cfg, protos, per_class, stream)
+    draw = _pair_params if cfg.layout == "pair" else _sample_params
+    p = draw(cfg, protos, per_class, stream)
     noise_gen = _generator(cfg.seed, stream + 10)
     n, step = p["labels"].shape[0], max(1, _CHUNK_PIXELS // cfg.image_size**2)
     chunks = []
@@ -232,6 +304,16 @@ class Synthetic:
         style_strength: float = Field(0.5, ge=0.0, le=2.0, description="Domain style scale.")
         noise: float = Field(0.06, ge=0.0, le=1.0, description="Pixel noise sd (0-1 scale).")
         seed: int = Field(0, ge=0, description="Generation seed; fixes the class prototypes.")
+        layout: Literal["single", "pair"] = Field(
+            "single",
+            description="single: one object per image over its coarse group's base; pair: two "
+            "smaller objects, the labelled one on the left, another class's on the right",
+        )
+        cue: Literal["none", "random"] = Field(
+            "none",
+            description="pair only. random: the labelled object's side is random and a "
+            "background tint of random strength says which (warm: left); none: no tint",
+        )
 
         @model_validator(mode="after")
         def _consistent(self) -> Synthetic.Config:
@@ -239,6 +321,8 @@ class Synthetic:
                 raise ValueError(
                     f"num_coarse = {self.num_coarse} exceeds num_classes = {self.num_classes}"
                 )
+            if self.cue != "none" and self.layout != "pair":
+                raise ValueError(f"cue = {self.cue!r} needs layout = 'pair'")
             low = min(self.train_per_class, self.test_per_class)
             if self.num_domains > low:
                 raise ValueError(
