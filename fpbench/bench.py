@@ -118,13 +118,17 @@ def _config(backbone: str, clients: int, batch: int, steps: int, dev: torch.devi
     return expand_suite(raw, name="bench").cells[0]
 
 
+def _with_method(cfg, task, dev: torch.device, name: str):
+    """The config with another method (default args), and that method built."""
+    method_cfg = cfg.method.model_copy(update={"name": name, "args": {}})
+    cfg = cfg.model_copy(update={"method": method_cfg})
+    return cfg, build_method(cfg, task, dev, pretrained=False)
+
+
 def _headtune(
     cfg, task, dev: torch.device, prec: str, ids: list[int], repeats: int
 ) -> dict[str, float]:
-    cfg = cfg.model_copy(
-        update={"method": cfg.method.model_copy(update={"name": "head-tune", "args": {}})}
-    )
-    method = build_method(cfg, task, dev, pretrained=False)
+    cfg, method = _with_method(cfg, task, dev, "head-tune")
     server = method.init_server(torch.Generator().manual_seed(0))
     start = time.perf_counter()
     with autocast(dev, prec):
@@ -152,10 +156,7 @@ def _headtune(
 def _resume(
     cfg, task, dev: torch.device, prec: str, ids: list[int], repeats: int
 ) -> dict[str, float]:
-    cfg = cfg.model_copy(
-        update={"method": cfg.method.model_copy(update={"name": "fedrep", "args": {}})}
-    )
-    method = build_method(cfg, task, dev, pretrained=False)
+    cfg, method = _with_method(cfg, task, dev, "fedrep")
     server = method.init_server(torch.Generator().manual_seed(0))
     times = {
         name: _time(

@@ -122,13 +122,22 @@ def _styles(cfg: Synthetic.Config) -> Params:
     }
 
 
+def _shuffled_labels(
+    cfg: Synthetic.Config, per_class: int, g: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels (n,) and domains (n,) of a split, `per_class` of each class, in random order."""
+    C = cfg.num_classes
+    perm = torch.randperm(C * per_class, generator=g)
+    labels = torch.arange(C).repeat_interleave(per_class)[perm]
+    domains = (torch.arange(per_class).repeat(C) % cfg.num_domains)[perm]
+    return labels, domains
+
+
 def _sample_params(cfg: Synthetic.Config, protos: Params, per_class: int, stream: int) -> Params:
     """Draw every per-sample nuisance of one split, in a fixed order."""
-    g, C = _generator(cfg.seed, stream), cfg.num_classes
-    n = C * per_class
-    perm = torch.randperm(n, generator=g)
-    labels = torch.arange(C).repeat_interleave(per_class)[perm]  # (n,)
-    domains = (torch.arange(per_class).repeat(C) % cfg.num_domains)[perm]  # (n,)
+    g = _generator(cfg.seed, stream)
+    labels, domains = _shuffled_labels(cfg, per_class, g)
+    n = len(labels)
     shift = _uniform(g, (n, 1, 2), -SHIFT, SHIFT)
     keep = (torch.rand((n, PARTS), generator=g) > 0.1).float()
     parts_pos = protos["offsets"][labels] + shift + 0.05 * torch.randn((n, PARTS, 2), generator=g)
@@ -152,10 +161,8 @@ def _sample_params(cfg: Synthetic.Config, protos: Params, per_class: int, stream
 def _pair_params(cfg: Synthetic.Config, protos: Params, per_class: int, stream: int) -> Params:
     """Per-sample draws of layout "pair": the labelled object, another class's object, a cue."""
     g, C = _generator(cfg.seed, stream), cfg.num_classes
-    n = C * per_class
-    perm = torch.randperm(n, generator=g)
-    labels = torch.arange(C).repeat_interleave(per_class)[perm]  # (n,)
-    domains = (torch.arange(per_class).repeat(C) % cfg.num_domains)[perm]  # (n,)
+    labels, domains = _shuffled_labels(cfg, per_class, g)
+    n = len(labels)
     other = (labels + torch.randint(1, C, (n,), generator=g)) % C  # another class
     if cfg.cue == "random":  # +1: the label is on the left, -1: on the right; random strength
         side = torch.randint(0, 2, (n,), generator=g) * 2 - 1
