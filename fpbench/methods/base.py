@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
-from fpbench.backbones import PromptedViT
+from fpbench.backbones import PromptedViT, ViTFeatures
 
 Inference = Literal["global", "client-conditioned", "personal"]
 
@@ -184,6 +184,15 @@ class Method:
     ) -> Tensor:
         """Per-sample training loss (B,); the engine averages it per client."""
         return F.cross_entropy(self.forward(params, x, client_index, ctx), y, reduction="none")
+
+    def features(
+        self, x: Tensor, ctx: Context, prompts: dict[int, Tensor], style: str
+    ) -> ViTFeatures:
+        """The prompted backbone's features of x: preprocessed images, or, where
+        `ctx.resume_layer` is set, the cached hidden states entering that block."""
+        if ctx.resume_layer:
+            return self.backbone.forward_from(x, ctx.resume_layer, prompts, style)
+        return self.backbone.forward_features(x, prompts, style)
 
     def prefix(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, layer: int

@@ -43,10 +43,7 @@ class ShallowPromptModel(Method):
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
     ) -> Tensor:
         prompts = {0: params["prompts"][client_index]}  # (B, p, d)
-        if ctx.resume_layer:  # x: cached hidden states entering that block
-            feats = self.backbone.forward_from(x, ctx.resume_layer, prompts, style="shallow")
-        else:
-            feats = self.backbone.forward_features(x, prompts, style="shallow")
+        feats = self.features(x, ctx, prompts, "shallow")
         return per_client_linear(feats.cls, params["head_w"], params["head_b"], client_index)
 
     def prefix(

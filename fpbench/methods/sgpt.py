@@ -501,11 +501,7 @@ class SGPT(Method):
             chosen = params["group_prompts"][client_index, groups]  # (B, Lg, p, d)
             prompts.update({layer: chosen[:, i] for i, layer in enumerate(self.group_layers)})
             keys_loss = key_loss(cos, groups) if ctx.training else None
-        style = self.cfg.prompt_style
-        if ctx.resume_layer:  # x: cached hidden states entering that block
-            feats = self.backbone.forward_from(x, ctx.resume_layer, prompts, style)
-        else:
-            feats = self.backbone.forward_features(x, prompts, style)
+        feats = self.features(x, ctx, prompts, self.cfg.prompt_style)
         pooled = self.pool(feats, selecting)  # (B, d)
         logits = per_client_linear(pooled, params["head_w"], params["head_b"], client_index)
         return logits, keys_loss
