@@ -98,6 +98,12 @@ class TrainConfig(_Strict):
         None, ge=1, description="cap on a client's optimiser steps per round (all epochs)"
     )
     augment: Augment = Field(Augment(), description="training augmentation, on the device")
+    aggregation_weights: Literal["train_size", "domain_size"] = Field(
+        "train_size",
+        description="FedAvg client weights: the client's train size, or its domain's full "
+        "train-list size shared equally by the domain's clients (SGPT reference code on "
+        "Office-Caltech10 / DomainNet, whose clients train on a subset)",
+    )
 
 
 class RuntimeConfig(_Strict):
@@ -157,6 +163,7 @@ _LATER_FIELDS: dict[tuple[str, str], Any] = {
     ("backbone", "std"): None,
     ("train", "max_local_steps"): None,
     ("train", "augment"): Augment().model_dump(mode="json"),
+    ("train", "aggregation_weights"): "train_size",
 }
 
 

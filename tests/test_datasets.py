@@ -468,6 +468,8 @@ def test_fedbn_sgpt_subset_takes_first_items(tmp_path) -> None:
     assert torch.bincount(data.train_domains).tolist() == [keep] * 4
     first = [k for j, (_, k) in enumerate(items["amazon"]) if j % 3 != 0][:keep]
     assert data.train_labels[data.train_domains == 0].tolist() == first  # list order kept
+    full = [len(items[d]) - len(range(0, len(items[d]), 3)) for d in cls.domains]
+    assert data.domain_train_sizes.tolist() == full  # the whole lists (SGPT's FedAvg weights)
 
 
 def test_fedbn_unknown_text_label_raises(tmp_path) -> None:

@@ -341,7 +341,7 @@ def _round(
         if local is None:
             weight[g.key] = 0.0
             continue
-        weights = task.train_sizes[local.client_ids].to(device)
+        weights = task.aggregation_weights[local.client_ids].to(device)
         d, u = g.method.communication(servers[g.key])
         down, up = down + _nbytes(d) * len(weights), up + _nbytes(u) * len(weights)
         servers[g.key] = g.method.aggregate(

@@ -76,21 +76,33 @@ GROUP_PHASE = (*HEAD, "group_prompts", "keys")
 
 # Named settings: preset -> field overrides (explicit fields win over the preset).
 SGPT_PRESETS: dict[str, dict[str, Any]] = {
-    # SGPT Table 3 (prompts and local schedule)
-    "shared-only": {"group_layers": ()},
+    # SGPT Table 3 (prompts and local schedule). "Share" is FedVPT-D (its values are Table 1's
+    # FedVPT-D s = 10 row): a VPT-uniform prompt at every block, replaced block to block, head
+    # on cls, FedAvg, one phase
+    "shared-only": {
+        "shared_layers": "all",
+        "group_layers": (),
+        "prompt_style": "deep",
+        "shared_init": "uniform",
+    },
     "group-only": {"shared_layers": ()},
     "shared-group-joint": {"schedule": "joint"},
     "bcd-inverted": {"schedule": "bcd-inverted"},
     "bcd": {},
-    # SGPT Table 4 (learning Select's keys): each row adds one thing to the previous
+    # SGPT Table 4 (learning Select's keys), read from sec. 4.3 and appendix B.2: "FedAvg" learns
+    # the keys with plain FedAvg (sample-size weights, plain nearest-key Select, no momentum);
+    # "w/ qg" adds the selection probability q_g, i.e. Eq. 6's weighted Select and B.2's key
+    # weights N_g^i / sum_i N_g^i from the selection counts; "w/ momentum and qg" adds Eq. 7's
+    # momentum on keys and group prompts, which is SGPT itself. (The other reading, q_g in Select
+    # only with keys still FedAvg'd, is `key_weighting = "samples"`.)
     "keys-fedavg": {
         "select_weighting": "none",
         "key_weighting": "samples",
         "key_momentum": 0.0,
         "group_momentum": 0.0,
     },
-    "keys-qg": {"key_weighting": "samples", "key_momentum": 0.0, "group_momentum": 0.0},
-    "keys-qg-momentum": {"key_weighting": "samples"},
+    "keys-qg": {"key_momentum": 0.0, "group_momentum": 0.0},
+    "keys-qg-momentum": {},
     # the reference's other train.sh settings (ViT-B/16), and the paper's readings
     "cifar-s50": {"shared_layers": (0, 1, 2, 3, 4), "group_layers": (5, 6)},
     "office": {
@@ -113,10 +125,11 @@ SGPT_PRESETS: dict[str, dict[str, Any]] = {
 class SGPTConfig(PresetConfig):
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = SGPT_PRESETS
     num_groups: int = Field(20, ge=1, description="G groups/keys (reference: CIFAR 20, Office 4)")
-    shared_layers: tuple[int, ...] | None = Field(
+    shared_layers: tuple[int, ...] | Literal["all"] | None = Field(
         None,
-        description="0-based blocks with a shared prompt; () none. None: the reference layout "
-        "scaled to the depth, the first max(1, depth // 3) blocks (0-3 on ViT-B, as train.sh)",
+        description="0-based blocks with a shared prompt; () none; 'all' every block. None: the "
+        "reference layout scaled to the depth, the first max(1, depth // 3) blocks (0-3 on "
+        "ViT-B, as train.sh)",
     )
     group_layers: tuple[int, ...] | None = Field(
         None,
@@ -352,7 +365,10 @@ def nearest_group(queries: Tensor, keys: Tensor) -> Tensor:
 def resolve_layers(cfg: SGPTConfig, depth: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(shared, group) 0-based blocks; None fields take the reference layout scaled to depth."""
     n_shared = max(1, depth // 3)
-    shared = tuple(range(n_shared)) if cfg.shared_layers is None else tuple(cfg.shared_layers)
+    if cfg.shared_layers == "all":
+        shared = tuple(range(depth))
+    else:
+        shared = tuple(range(n_shared)) if cfg.shared_layers is None else tuple(cfg.shared_layers)
     start = max(shared) + 1 if shared else n_shared
     group = (
         tuple(range(start, min(depth, start + max(1, depth // 4))))
