@@ -207,6 +207,20 @@ rules = [{ path = "train.rounds", value = 2, source = "x" }]
         check(paper, blocks, cells)
 
 
+def test_match_takes_glob_lists_and_negations(tmp_path):
+    rule = '{ path = "train.batch_size", value = 40, source = "x", match = { method = %s } }'
+    for match, hits in [('"fed*"', 1), ('["head-*", "fedvpt"]', 2), ('"!fedvpt"', 1),
+                        ('["*", "!head-tune", "!fedvpt"]', None)]:  # fmt: skip
+        paper, blocks, cells = _paper(
+            tmp_path, f"[[protocol]]\ntables = [1]\nrules = [{rule % match}]\n"
+        )
+        if hits is None:
+            with pytest.raises(FpbenchError, match="matches no suite cell"):
+                check(paper, blocks, cells)
+        else:
+            assert len(check(paper, blocks, cells)) == hits, match
+
+
 def test_protocol_equality():
     assert same(1.0, 1) and same([0.5, 1], (0.5, 1.0)) and same(None, "null")
     assert not same(0.01, 0.0100001) and not same(True, 1) and not same([1, 2], [1])
@@ -225,7 +239,10 @@ def test_cli_lists_the_declared_deviations_of_a_paper():
     ]  # fmt: skip
     want = [r["path"] for r in deviations(load_protocol("sgpt"))]
     assert [line.split("|")[3].strip() for line in lines[2:]] == want
-    assert any("train.summary_window" in line and "| unstated |" in line for line in lines)
+    (alpha,) = [line for line in lines if "partition.args.alpha" in line]
+    assert [c.strip() for c in alpha.split("|")[1:7]] == [
+        "1", "dataset=five-dataset", "partition.args.alpha", "unstated", "sec. 5.1", "1000.0",
+    ]  # fmt: skip
 
 
 def test_cli_deviations_without_a_paper_is_one_clear_error():

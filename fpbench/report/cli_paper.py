@@ -91,7 +91,7 @@ def show_deviations(paper: str, fmt: str, out: Path | None) -> None:
 
     table = Table(title=f"{paper}: declared deviations from the paper's protocol")
     for col in frame.columns:
-        table.add_column(col, overflow="fold")
+        table.add_column(col, overflow="fold", no_wrap=col in ("tables", "path", "paper"))
     for row in rows:
         table.add_row(*row.values())
     target = Console(record=True, width=220) if out else console

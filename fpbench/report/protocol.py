@@ -9,7 +9,9 @@ feeding a table are those its cells select (suite, method, dataset, partition la
 A rule pins one dotted path of `RunConfig.model_dump(mode="json")` (or the virtual path `seeds`:
 the sorted seeds of each cell over its seeds) to the paper's `value`, or, where the rule declares
 a `deviation`, to what fpbench runs instead (`deviation.runs`, with a one-line `reason`).
-TOML has no null: the string "null" stands for None.
+TOML has no null: the string "null" stands for None. A `match` maps run labels (suite, method,
+dataset, partition) to an fnmatch glob or a list of them: a label matches when it matches any of
+its positive globs (or there are none) and none of its negative ones ("!fedpr" leaves fedpr out).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class Rule:
     path: str
     value: Any
     source: str
-    match: Mapping[str, str] = field(default_factory=dict)
+    match: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     deviation: Deviation | None = None
 
     @property
@@ -61,7 +63,7 @@ class Block:
     index: int
     tables: tuple[int, ...]
     rules: tuple[Rule, ...]
-    match: Mapping[str, str] = field(default_factory=dict)
+    match: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -140,10 +142,13 @@ def _block(i: int, raw: Mapping[str, Any], where: str) -> Block:
     return Block(i + 1, tuple(tables), rules, _match(raw.get("match", {}), at))
 
 
-def _match(raw: Any, at: str) -> dict[str, str]:
+def _match(raw: Any, at: str) -> dict[str, tuple[str, ...]]:
     if not isinstance(raw, Mapping) or set(raw) - set(SELECT):
         raise FpbenchError(f"{at}: match takes labels {', '.join(SELECT)}, got {raw!r}")
-    return {k: str(v) for k, v in raw.items()}
+    out = {k: tuple(map(str, v)) if isinstance(v, list) else (str(v),) for k, v in raw.items()}
+    if any(not globs for globs in out.values()):
+        raise FpbenchError(f"{at}: a match label needs at least one glob, got {raw!r}")
+    return out
 
 
 def _rule(raw: Mapping[str, Any], at: str) -> Rule:
@@ -246,8 +251,16 @@ def check(paper: Paper, blocks: list[Block], cells: list[FedCell]) -> list[Findi
     return findings
 
 
-def _matches(match: Mapping[str, str], cell: FedCell) -> bool:
-    return all(fnmatch.fnmatchcase(cell.label(k), pattern) for k, pattern in match.items())
+def _matches(match: Mapping[str, tuple[str, ...]], cell: FedCell) -> bool:
+    return all(_label_matches(cell.label(k), globs) for k, globs in match.items())
+
+
+def _label_matches(label: str, globs: tuple[str, ...]) -> bool:
+    """Any positive glob (or none given) and no negative ("!glob") one."""
+    yes = [g for g in globs if not g.startswith("!")]
+    no = [g[1:] for g in globs if g.startswith("!")]
+    hit = not yes or any(fnmatch.fnmatchcase(label, g) for g in yes)
+    return hit and not any(fnmatch.fnmatchcase(label, g) for g in no)
 
 
 def _check_rule(block: Block, rule: Rule, cells: list[FedCell], at: str) -> list[Finding]:
@@ -329,10 +342,14 @@ def deviations(blocks: list[Block]) -> list[dict[str, str]]:
         for rule in block.rules:
             if rule.deviation is None:
                 continue
-            match = {**block.match, **rule.match}
+            match = [f"{k}={','.join(v)}" for k, v in {**block.match, **rule.match}.items()]
+            if set(block.match) & set(rule.match):  # both narrow one label: show both
+                match = [f"{k}={','.join(v)}" for k, v in block.match.items()] + [
+                    f"{k}={','.join(v)}" for k, v in rule.match.items()
+                ]
             rows.append({
                 "tables": ", ".join(map(str, block.tables)),
-                "match": " ".join(f"{k}={v}" for k, v in match.items()) or "all",
+                "match": " ".join(match) or "all",
                 "path": rule.path,
                 "paper": _show(rule.value),
                 "source": rule.source,
