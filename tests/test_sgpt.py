@@ -340,3 +340,83 @@ def test_switches_train_evaluate_and_keep_executors_equal(tiny):
     assert new.buffers["select_counts"].sum() == lock.stats["select_counts"].sum() > 0
     counts = evaluate(method, new, task, 64)
     assert counts.total_local.sum() > 0 and 0 <= counts.global_acc[0] <= 1
+
+
+# -- block coordinate descent: each block leaves the other's parameters alone ------------------
+def _trained(tiny, method, task, only=None):
+    cfg, _, _ = tiny("sgpt", local_epochs=2)
+    server = method.init_server(torch.Generator().manual_seed(0))
+    if only is not None:
+        phases = method.phases
+        method.phases = lambda e, names: [p for p in phases(e, names) if p.name == only]
+    ids = task.trainable_clients()[:2]
+    out = train_clients(method, server, task, ids, cfg.train, round_idx=0, seed=0)
+    return server, out.params
+
+
+def test_the_group_block_leaves_shared_prompts_and_the_shared_block_keys(tiny):
+    method, task = _sgpt(tiny, num_groups=3, cluster_metric=False)
+    server, full = _trained(tiny, method, task)
+    _, shared_only = _trained(
+        tiny, _sgpt(tiny, num_groups=3, cluster_metric=False)[0], task, "shared"
+    )
+    # the shared block trains the shared prompts alone and leaves keys and group prompts as sent
+    for name in ("keys", "group_prompts"):
+        sent = server.params[name].expand_as(shared_only[name])
+        torch.testing.assert_close(shared_only[name], sent, rtol=0, atol=0)
+    # the group block, which follows it, leaves the shared prompts where the shared block put them
+    torch.testing.assert_close(
+        full["shared_prompts"], shared_only["shared_prompts"], rtol=0, atol=0
+    )
+    # ... and trains the keys (the key loss reaches them)
+    assert not torch.equal(full["keys"], server.params["keys"].expand_as(full["keys"]))
+
+
+@pytest.mark.parametrize(
+    "arch, size",
+    [
+        ({"embed_dim": 48, "num_heads": 3, "img_size": 32}, 32),  # ViT-B's 12 blocks, narrow
+        pytest.param({}, 224, marks=pytest.mark.slow),  # ViT-B/16 itself
+    ],
+)
+def test_vit_b16_head_reads_cls_and_the_group_tokens(arch, size):
+    """On the ViT-B/16 architecture (random weights, timm blocks) with the reference layout
+    (shared 0-3, group 4-6, accumulating), each group token enters its block right after cls and
+    the head's input is the mean of the final cls and those three group-token outputs."""
+    from fpbench.backbones.vit import BackboneSpec
+    from fpbench.methods.base import TaskInfo
+
+    spec = BackboneSpec(name="b16", timm_name="vit_base_patch16_224", timm_kwargs=arch)
+    backbone = spec.create()
+    d = backbone.embed_dim
+    info = TaskInfo(num_classes=d, num_clients=1, class_priors=torch.ones(1, d) / d,
+                    train_sizes=torch.ones(1))  # fmt: skip
+    method = METHODS.get("sgpt")(SGPTConfig(num_groups=2, cluster_metric=False), backbone, info)
+    assert (method.shared_layers, method.group_layers) == ((0, 1, 2, 3), (4, 5, 6))
+    params = method.client_params(method.init_server(torch.Generator().manual_seed(0)),
+                                  torch.zeros(1, dtype=torch.long))  # fmt: skip
+    params["head_w"] = torch.eye(d).unsqueeze(0)  # the logits are the head's input
+    params["head_b"] = torch.zeros(1, d)
+    params["shared_prompts"] = torch.randn_like(params["shared_prompts"])
+    x = torch.randn(2, 3, size, size)
+    rows = torch.zeros(2, dtype=torch.long)
+    entering, final = {}, {}
+    hooks = [
+        backbone.vit.blocks[b].register_forward_pre_hook(
+            lambda _m, a, b=b: entering.__setitem__(b, a[0].detach())
+        )
+        for b in (4, 5, 6)
+    ]
+    hooks.append(backbone.vit.norm.register_forward_hook(
+        lambda _m, _a, out: final.__setitem__("tokens", out.detach())))  # fmt: skip
+    with torch.no_grad():
+        groups, _ = method.select_groups(params["keys"], x, rows, Context(training=False))
+        pooled = method.forward(params, x, rows, Context(training=False))
+    for h in hooks:
+        h.remove()
+    chosen = params["group_prompts"][0, groups]  # (B, 3, 1, d)
+    for i, block in enumerate((4, 5, 6)):
+        torch.testing.assert_close(entering[block][:, 1], chosen[:, i, 0])
+    tokens = final["tokens"]  # (B, 1 + 3 + 4 + patches, d): cls, g6, g5, g4, s3..s0, patches
+    assert tokens.shape[1] == 1 + 3 + 4 + (size // 16) ** 2
+    torch.testing.assert_close(pooled, tokens[:, :4].mean(1), rtol=1e-5, atol=1e-5)

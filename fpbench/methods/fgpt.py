@@ -44,6 +44,7 @@ from fpbench.methods.base import (
     init_prompts,
     per_client_linear,
 )
+from fpbench.methods.numerics import fp32
 from fpbench.registry import METHODS
 
 PAPER_DEPTH = 12
@@ -128,6 +129,7 @@ def make_keys(gen: torch.Generator, num: int, dim: int, kind: str) -> Tensor:
     return q.T.contiguous()
 
 
+@fp32
 def select_groups(query: Tensor, keys: Tensor, k: int = 1) -> Tensor:
     """Indices (B, k) of the k keys with the highest cosine similarity to each query (B, dq)."""
     sims = F.normalize(query, dim=-1) @ F.normalize(keys, dim=-1).T  # (B, G)

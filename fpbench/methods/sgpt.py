@@ -67,6 +67,7 @@ from fpbench.methods.base import (
     init_prompts,
     per_client_linear,
 )
+from fpbench.methods.numerics import fp32
 from fpbench.registry import METHODS
 
 LEAKY_SLOPE = 0.01  # the reference's `--leaky` query activation
@@ -212,12 +213,14 @@ def select_query(cls: Tensor, activation: str = "relu") -> Tensor:
     return F.normalize(act, dim=-1)
 
 
+@fp32
 def key_cosines(query: Tensor, keys: Tensor, client_index: Tensor) -> Tensor:
     """cos(query_b, key g of sample b's row) (B, G) for query (B, d) and keys (K, G, d)."""
     unit = F.normalize(keys, dim=-1)[client_index]  # (B, G, d)
     return (unit * query.unsqueeze(1)).sum(-1)
 
 
+@fp32
 def frequency_scores(cos: Tensor, counts: Tensor, eps: float) -> Tensor:
     """Training-time distances (B, G): (1 - cos) * (q_g + eps), q = counts / sum; 1 - cos at 0."""
     total = counts.sum()
@@ -356,6 +359,7 @@ def cluster_accuracy(groups: Tensor, coarse: Tensor, g: int, c: int) -> float:
     return float(table[rows, cols].sum())
 
 
+@fp32
 def nearest_group(queries: Tensor, keys: Tensor) -> Tensor:
     """Test-time selection (n,): each query (n, dq) takes its nearest key of keys (G, dq)."""
     unit = F.normalize(keys.detach().float().to(queries.device), dim=-1)  # (G, dq)
