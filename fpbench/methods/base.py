@@ -86,6 +86,19 @@ class Phase:
     resume_layer: int = 0
 
 
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """A parameter's own optimiser, replacing the run's `train` settings for it.
+
+    The lr follows the run's schedule: it is scaled by the same per-round factor as `train.lr`.
+    """
+
+    optimizer: Literal["sgd", "adam"]
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+
 @dataclass
 class ServerState:
     """Global parameters (no client axis), per-client personal tables (N, ...) and buffers."""
@@ -167,6 +180,10 @@ class Method:
         }
         out.update({name: t[client_ids].clone() for name, t in server.personal.items()})
         return out
+
+    def optimizer_settings(self) -> dict[str, OptimizerSettings]:
+        """Parameters trained with their own optimiser (e.g. pixel prompts); others use `train`."""
+        return {}
 
     def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
         """The local schedule over the parameter `names`; default one phase training all."""
