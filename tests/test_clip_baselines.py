@@ -71,8 +71,8 @@ def test_class_sums_by_hand():
 
 
 def test_dual_head_takes_the_more_confident_head_per_sample():
-    prompt = torch.tensor([[2.0, 0.0], [0.5, 0.0], [1.0, 0.0]])
-    proto = torch.tensor([[0.0, 1.0], [0.0, 3.0], [1.0, 0.0]])  # row 2: a tie -> prompt head
+    prompt = torch.tensor([[3.0, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    proto = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 3.0], [0.0, 5.0, 0.0]])  # row 2: a tie
     out = dual_head(prompt, proto)
     assert torch.equal(out, torch.stack([prompt[0], proto[1], prompt[2]]))
 
@@ -113,7 +113,8 @@ def test_uopp_eval_uses_the_prototype_head_where_confident(tiny):
     proto_logits = (
         method.backbone.logit_scale * F.normalize(feats, dim=-1) @ server.buffers["prototypes"].T
     )
-    torch.testing.assert_close(logits, dual_head(train_logits, proto_logits))
+    valid = torch.arange(task.data.num_classes) < 3  # classes with a prototype
+    torch.testing.assert_close(logits, dual_head(train_logits, proto_logits, valid))
     loss = method.loss(params, feats, torch.arange(5) % 3, rows, Context(training=True))
     torch.testing.assert_close(loss, F.cross_entropy(train_logits, torch.arange(5) % 3,
                                                      reduction="none"))  # fmt: skip
@@ -123,11 +124,12 @@ def test_uopp_eval_uses_the_prototype_head_where_confident(tiny):
 def test_generation_weights_by_hand():
     query = torch.tensor([[1.0, 0.0]])
     cands = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    w = generation_weights(query, cands, torch.tensor([[True, True, True]]), tau=0.5)
+    # cosines 1, 0 and 1/sqrt(2) over tau 0.5: softmax(2, sqrt(2)) over the correlated two
+    a, b = math.exp(2), math.exp(2**0.5)
+    torch.testing.assert_close(w, torch.tensor([[a / (a + b), 0, b / (a + b)]]))
     w = generation_weights(query, cands, torch.tensor([[True, True, False]]), tau=0.5)
-    # cosines 1 and 0 over tau 0.5: softmax(2, 0); the third is masked out
-    torch.testing.assert_close(
-        w, torch.tensor([[1 / (1 + math.exp(-2)), 1 / (1 + math.exp(2)), 0]])
-    )
+    torch.testing.assert_close(w, torch.tensor([[1.0, 0, 0]]))  # the third is masked out
 
 
 def test_powder_generation_aggregation_and_eval(tiny):

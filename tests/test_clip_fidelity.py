@@ -51,3 +51,44 @@ def test_visual_prompt_follows_its_own_optimiser_and_the_run_schedule(tiny):
     assert isinstance(adam, StackedAdam) and adam.params == [tensors[0]] and adam.lr == 0.001
     assert isinstance(sgd, StackedSGD) and sgd.params == [tensors[1]]
     assert sgd.lr == 20.0 and sgd.momentum == 0.9 and sgd.weight_decay == 0.0
+
+
+# -- UOPP's dual head ---------------------------------------------------------------------------
+def test_uopp_both_heads_can_win_at_clip_scale():
+    from fpbench.methods.uopp import dual_head
+
+    # cosines as CLIP gives them: image-text ones narrow, image-prototype ones wide
+    prompt = 100 * torch.tensor([[0.26, 0.22, 0.21, 0.20], [0.24, 0.23, 0.22, 0.21]])
+    proto = 100 * torch.tensor([[0.95, 0.85, 0.60, 0.55], [0.95, 0.40, 0.38, 0.36]])
+    out = dual_head(prompt, proto)
+    # sample 0: the prompt's top class stands further out of its spread; sample 1: the prototype's
+    # (the raw softmax picked the prototype head for both: its margins are 10 and 55 logits)
+    assert torch.equal(out, torch.stack([prompt[0], proto[1]]))
+
+
+def test_uopp_prototype_statistics_skip_classes_without_a_prototype():
+    from fpbench.methods.uopp import calibrated_confidence
+
+    logits = torch.tensor([[3.0, 1.0, 0.0, 0.0]])
+    valid = torch.tensor([True, True, False, False])
+    # over the two valid classes the standardised logits are (1, -1)
+    expected = torch.tensor([1.0, -1.0]).softmax(-1).amax()
+    torch.testing.assert_close(calibrated_confidence(logits, valid), expected.view(1))
+
+
+# -- Powder's start prompt -----------------------------------------------------------------------
+def test_powder_gives_uncorrelated_clients_no_weight(tiny):
+    _, task, method = tiny("powder")
+    server = _server(method)
+    server.buffers["pool_seen"] = torch.ones(task.num_clients)
+    priors = torch.zeros(task.num_clients, task.data.num_classes)
+    for c in range(task.num_clients):  # disjoint classes: every pair has correlation 0
+        priors[c, c] = 1.0
+    task.class_priors = priors
+    method.task = task
+    pool = torch.stack([torch.full_like(server.params["ctx"], float(c + 1)) for c in range(4)])
+    server.buffers["pool"] = pool
+    start = method.generate(server, torch.tensor([0]))
+    # only G (the federation's prior shares the client's class); the old softmax over all gave
+    # the three unrelated tasks e^0 each next to G's e^(cos / 0.1)
+    torch.testing.assert_close(start[0], server.params["ctx"])
