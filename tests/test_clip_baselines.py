@@ -206,11 +206,18 @@ def test_load_generated_reads_class_folders(tmp_path):
         load_generated(tmp_path, ["dog"])
 
 
-def test_gpt_fl_without_images_starts_from_coop_init(tiny):
+def test_gpt_fl_without_images_stops_with_one_line_and_opts_out_with_zero_epochs(tiny):
     _, _, method = tiny("gpt-fl")
     _, _, promptfl = tiny("promptfl")
-    assert method.cfg.synthetic_dir is None
+    assert method.cfg.server_epochs == 0  # the offline opt-out: PromptFL from CoOp's init
     torch.testing.assert_close(_server(method).params["ctx"], _server(promptfl).params["ctx"])
+    method.cfg = method.Config()
+    with pytest.raises(FpbenchError, match=r"^gpt-fl needs generated images: run `fpbench data "
+                       r"generate-gpt-fl synthetic --out DIR"):  # fmt: skip
+        _server(method)
+    method.cfg = method.Config(synthetic_dir="nowhere/{dataset}")
+    with pytest.raises(FpbenchError, match="in 'nowhere/synthetic': run `fpbench data generate"):
+        _server(method)
 
 
 def test_gpt_fl_pretrains_the_prompt_on_generated_images(tiny, tmp_path):
@@ -225,7 +232,9 @@ def test_gpt_fl_pretrains_the_prompt_on_generated_images(tiny, tmp_path):
         logits = method.logits(method.image_features(feats), method.text_features(ctx[None]), rows)
         return F.cross_entropy(logits, labels).item()
 
-    method.cfg = method.Config(synthetic_dir=str(tmp_path), server_epochs=5, server_lr=0.05)
+    (tmp_path / "synthetic").symlink_to(tmp_path, target_is_directory=True)
+    folder = str(tmp_path / "{dataset}")  # the cell's dataset fills it in
+    method.cfg = method.Config(synthetic_dir=folder, server_epochs=5, server_lr=0.05)
     pretrained = _server(method).params["ctx"]
     assert pretrained.shape == start.shape and loss(pretrained) < loss(start)
 

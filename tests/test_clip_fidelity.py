@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -92,3 +93,73 @@ def test_powder_gives_uncorrelated_clients_no_weight(tiny):
     # only G (the federation's prior shares the client's class); the old softmax over all gave
     # the three unrelated tasks e^0 each next to G's e^(cos / 0.1)
     torch.testing.assert_close(start[0], server.params["ctx"])
+
+
+# -- GPT-FL without generated images ------------------------------------------------------------
+GPT_FL_SUITE = """
+name = "gptfl"
+seeds = [0]
+[defaults]
+backbone = { name = "clip-test" }
+dataset = { num_classes = 4, image_size = 16, train_per_class = 4, test_per_class = 2 }
+partition = { num_clients = 2, heldout_frac = 0.0 }
+train = { rounds = 1, batch_size = 8 }
+[[datasets]]
+name = "synthetic"
+[[partitions]]
+name = "iid"
+[[methods]]
+name = "gpt-fl"
+synthetic_dir = "generated/{dataset}"
+"""
+
+
+def test_gpt_fl_run_without_images_stops_before_writing_anything(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from fpbench.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gptfl.toml").write_text(GPT_FL_SUITE)
+    result = CliRunner().invoke(app, ["run", "--suite", "gptfl.toml", "--db", "results/x.db"])
+    assert result.exit_code == 2, result.stdout
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: gpt-fl needs generated images in 'generated/synthetic': run `fpbench data "
+        "generate-gpt-fl synthetic --out generated/synthetic --model /path/to/text-to-image`"
+    ]
+    assert not (tmp_path / "results").exists()
+
+
+def _local_mean_run(store, method, seed, value, cfg):
+    rec = store.create_run(
+        run_key=f"{method}-{seed}", suite="clip-single-domain", method=method,
+        dataset="flowers102", partition="path-10", seed=seed, config=cfg,
+        fpbench_version="test", torch_version="test", device="cpu",
+    )  # fmt: skip
+    store.write_round(rec.id, 0, loss_train=1.0, wall_s=1.0, bytes_up=0, bytes_down=0,
+                      metrics=[(None, "acc_local_mean", value, None)])  # fmt: skip
+
+
+def test_sdfed_gpt_fl_cell_needs_generated_images_not_a_promptfl_number(tmp_path):
+    from fpbench.report.paper import fill_paper, load_paper, load_results
+    from fpbench.store import Store
+
+    store = Store(f"sqlite:///{tmp_path / 'r.db'}")
+    vit = {"backbone": {"name": "clip-vit-b16"}}
+    without = {**vit, "method": {"name": "gpt-fl", "args": {"synthetic_dir": None}}}
+    with_images = {**vit, "method": {"args": {"synthetic_dir": "generated/gpt-fl/{dataset}"}}}
+    _local_mean_run(store, "gpt-fl", 0, 0.9, without)
+    _local_mean_run(store, "coop", 0, 0.9, without)
+    table = fill_paper(load_paper("sdfed"), load_results(store), 1)[0]
+    assert table.cell("coop", "flowers102-vit").n == 1  # the same stored shape fills a cell
+    cell = table.cell("gpt-fl", "flowers102-vit")
+    assert cell.n == 0
+    assert cell.hint() == (
+        "needs generated images (suite clip-single-domain: gpt-fl/flowers102/path-10)"
+    )
+    _local_mean_run(store, "gpt-fl", 1, 0.8, with_images)
+    table = fill_paper(load_paper("sdfed"), load_results(store), 1)[0]
+    cell = table.cell("gpt-fl", "flowers102-vit")
+    assert (cell.n, cell.mean) == (1, pytest.approx(80.0))
+    store.close()

@@ -59,6 +59,7 @@ class TaskInfo:
     class_priors: Tensor  # (N, C) each client's train label distribution
     train_sizes: Tensor  # (N,) each client's number of train samples
     class_names: tuple[str, ...] = ()  # the dataset's class names (CLIP text prompts need them)
+    dataset: str = ""  # the dataset's registry name (GPT-FL's generated-image folder)
     # The clients' train images, only for methods whose clients share a summary of their data
     # once before training (FedMix's mean images); None where the caller does not provide them.
     train_images: Tensor | None = None  # (n, 3, H, W) uint8, the whole train split

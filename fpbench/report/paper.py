@@ -7,7 +7,8 @@ each cell. A cell's run selection merges, later winning: the table's `suite`, `m
 `scale`, `unit`, `rank`, `higher_is_better`; the row's fields; the column's fields; and an
 optional `[tables.cells]` entry "row.column". Selection fields are `suite`, `method`,
 `dataset`, `partition` (run labels) and `config` (a nested table that must be contained in the
-run's resolved config). A metric is an aggregate name (its `_last<N>` summary is used) or a
+run's resolved config); `needs` names an input the runs need first, which an empty cell shows.
+A metric is an aggregate name (its `_last<N>` summary is used) or a
 derived one computed from the curve of `target_metric`: `rounds_to_target`,
 `wall_s_to_target`, `bytes_to_target` (up + down), `params_to_target` (fp32 parameters sent
 down to one client: bytes_down / 4 / the cell's `clients_per_round`).
@@ -229,6 +230,8 @@ class Cell:
         if not spec.get("method") or not spec.get("metric"):
             return "reference only (not produced by fpbench)"
         labels = "/".join(str(spec[k]) for k in ("method", "dataset", "partition") if k in spec)
+        if spec.get("needs"):  # an input the runs need first (e.g. GPT-FL's generated images)
+            return f"needs {spec['needs']} (suite {spec.get('suite', '?')}: {labels})"
         extra = f" {_flat(spec['config'])}" if spec.get("config") else ""
         return f"needs suite {spec.get('suite', '?')}: {labels}{extra} · {spec['metric']}"
 
