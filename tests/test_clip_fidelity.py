@@ -163,3 +163,27 @@ def test_sdfed_gpt_fl_cell_needs_generated_images_not_a_promptfl_number(tmp_path
     cell = table.cell("gpt-fl", "flowers102-vit")
     assert (cell.n, cell.mean) == (1, pytest.approx(80.0))
     store.close()
+
+
+# -- TPFL Tables 1-2 read the all-class test set ------------------------------------------------
+def test_tpfl_tables_score_every_row_on_the_all_class_test_set(tmp_path):
+    from fpbench.report.paper import fill_paper, load_paper, load_results
+    from fpbench.store import Store
+
+    store = Store(f"sqlite:///{tmp_path / 'r.db'}")
+    rec = store.create_run(
+        run_key="local-0", suite="clip-fewshot", method="local", dataset="eurosat",
+        partition="few-shot", seed=0, config={"backbone": {"name": "clip-vit-b16"}},
+        fpbench_version="test", torch_version="test", device="cpu",
+    )  # fmt: skip
+    # a client of one class scores ~100% on its own classes, ~1/10 + zero-shot help on all
+    metrics = [(None, "acc_local_mean", 0.99, None), (None, "acc_global", 0.26, None)]
+    store.write_round(rec.id, 0, loss_train=1.0, wall_s=1.0, bytes_up=0, bytes_down=0,
+                      metrics=metrics)  # fmt: skip
+    paper = load_paper("tpfl")
+    cell = fill_paper(paper, load_results(store), 1)[0].cell("local", "eurosat")
+    assert cell.mean == pytest.approx(26.0)
+    for number in (1, 2):
+        t = paper.table(number)
+        assert {t.spec(r, c)["metric"] for r in t.rows for c in t.columns} == {"acc_global"}
+    store.close()
