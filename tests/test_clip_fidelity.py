@@ -187,3 +187,42 @@ def test_tpfl_tables_score_every_row_on_the_all_class_test_set(tmp_path):
         t = paper.table(number)
         assert {t.spec(r, c)["metric"] for r in t.rows for c in t.columns} == {"acc_global"}
     store.close()
+
+
+# -- macro F1 (TPFL Figs. 2-3) --------------------------------------------------------------------
+def test_macro_f1_by_hand():
+    import numpy as np
+
+    from fpbench.engine.metrics import macro_f1
+
+    # class 0: tp 1, 2 predicted, 1 true -> 2/3; class 1: tp 1, 1 predicted, 3 true -> 1/2;
+    # class 2: predicted once, never true -> 0; class 3 never occurs and is left out
+    f1 = macro_f1(np.array([0, 0, 1, 2]), np.array([0, 1, 1, 1]), 4)
+    assert f1 == pytest.approx((2 / 3 + 1 / 2 + 0) / 3)
+
+
+def test_f1_macro_global_is_recorded_per_round_for_global_and_personal_methods(tiny):
+    import numpy as np
+
+    from fpbench.engine.evaluate import evaluate
+    from fpbench.engine.metrics import EvalCounts, aggregates, macro_f1
+
+    counts = EvalCounts(
+        correct_local=np.array([1, 1, 1]), total_local=np.array([2, 2, 2]),
+        heldout=np.array([False, False, True]), global_acc=np.array([0.5, 0.5, np.nan]),
+        global_total=4, f1_global=np.array([0.5, 0.7, np.nan]),
+    )  # fmt: skip
+    assert aggregates(counts)["f1_macro_global"] == pytest.approx(0.6)
+    _, task, method = tiny("promptfl")
+    server = _server(method)
+    ev = evaluate(method, server, task, 64)
+    params = method.eval_params(server, torch.zeros(1, dtype=torch.long))
+    x = task.data.test_images
+    feats = method.backbone.encode_image(method.backbone.preprocess(x))
+    rows = torch.zeros(len(x), dtype=torch.long)
+    pred = method.forward(params, feats, rows, Context(training=False)).argmax(-1)
+    expected = macro_f1(pred.numpy(), task.data.test_labels.numpy(), task.data.num_classes)
+    assert ev.f1_global.tolist() == [pytest.approx(expected)]
+    _, task, local = tiny("coop-local")
+    ev = evaluate(local, _server(local), task, 64)
+    assert np.isfinite(ev.f1_global[~task.heldout.numpy()]).all()
