@@ -226,3 +226,33 @@ def test_f1_macro_global_is_recorded_per_round_for_global_and_personal_methods(t
     _, task, local = tiny("coop-local")
     ev = evaluate(local, _server(local), task, 64)
     assert np.isfinite(ev.f1_global[~task.heldout.numpy()]).all()
+
+
+# -- tables rendered from measured values --------------------------------------------------------
+def test_fgpt_table2_and_sdfed_table5_read_measured_parameters_and_round_times(tmp_path):
+    from fpbench.report.paper import fill_paper, load_paper, load_results
+    from fpbench.store import Store
+
+    store = Store(f"sqlite:///{tmp_path / 'r.db'}")
+    rec = store.create_run(
+        run_key="fgpt", suite="fgpt-table1", method="fgpt", dataset="cifar100",
+        partition="path-s10", seed=0, config={}, fpbench_version="t", torch_version="t",
+        device="cpu",
+    )  # fmt: skip
+    store.write_round(rec.id, 0, loss_train=1.0, wall_s=1.0, bytes_up=0, bytes_down=0,
+                      metrics=[(None, "params_trainable", 92_160.0, None)])  # fmt: skip
+    rec = store.create_run(
+        run_key="sdfed", suite="clip-single-domain", method="sdfed", dataset="flowers102",
+        partition="path-10", seed=0, config={"backbone": {"name": "clip-vit-b16"}},
+        fpbench_version="t", torch_version="t", device="cpu",
+    )  # fmt: skip
+    for r, wall in enumerate([4.0, 4.2, 9.0]):  # the last round also evaluates
+        store.write_round(rec.id, r, loss_train=1.0, wall_s=wall, bytes_up=0, bytes_down=0,
+                          metrics=[(None, "acc_local_mean", 0.9, None)])  # fmt: skip
+    results = load_results(store)
+    fgpt = fill_paper(load_paper("fgpt"), results, 2)[0]
+    assert fgpt.cell("params", "ours-vit").mean == pytest.approx(0.09216)  # millions
+    assert fgpt.cell("params", "fedavg-vit").hint() == "reference only (not produced by fpbench)"
+    sdfed = fill_paper(load_paper("sdfed"), results, 5)[0]
+    assert sdfed.cell("training", "time").mean == pytest.approx(4200.0)  # median, in ms
+    store.close()
