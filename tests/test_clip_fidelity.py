@@ -256,3 +256,22 @@ def test_fgpt_table2_and_sdfed_table5_read_measured_parameters_and_round_times(t
     sdfed = fill_paper(load_paper("sdfed"), results, 5)[0]
     assert sdfed.cell("training", "time").mean == pytest.approx(4200.0)  # median, in ms
     store.close()
+
+
+# -- CoOp-style training settings in the paper suites -------------------------------------------
+SDFED_SUITES = ("clip-single-domain", "clip-multi-domain", "clip-model-het", "clip-dirichlet",
+                "sdfed-ablations")  # fmt: skip
+
+
+def test_clip_paper_suites_train_as_the_reference_code_does():
+    from fpbench.specs import load_suite
+
+    for name in (*SDFED_SUITES, "sdfed-sweeps", "clip-fewshot", "clip-fewshot-sweeps"):
+        cells = load_suite(name).cells
+        assert {c.train.weight_decay for c in cells} == {5e-4}, name  # Dassl's default
+        if name in SDFED_SUITES:
+            assert {c.seed for c in cells} == {0, 1, 2, 3, 4}, name  # SDFed: five seeds
+    fedotp = [c for c in load_suite("clip-dirichlet").cells if c.method.name == "fedotp"]
+    assert fedotp and {c.method.args["eps"] for c in fedotp} == {0.1}  # FedOTP's CIFAR script
+    fewshot = [c for c in load_suite("clip-single-domain").cells if c.method.name == "fedotp"]
+    assert {c.method.args["eps"] for c in fewshot} == {0.01}  # its few-shot scripts
