@@ -275,3 +275,15 @@ def test_clip_paper_suites_train_as_the_reference_code_does():
     assert fedotp and {c.method.args["eps"] for c in fedotp} == {0.1}  # FedOTP's CIFAR script
     fewshot = [c for c in load_suite("clip-single-domain").cells if c.method.name == "fedotp"]
     assert {c.method.args["eps"] for c in fewshot} == {0.01}  # its few-shot scripts
+
+
+# -- SDFed's and TPFL's protocols live as data and the protocol test holds the suites to them -----
+def test_sdfed_and_tpfl_protocols_cover_every_table_with_a_suite():
+    from fpbench.report.paper import load_paper
+    from fpbench.report.protocol import check_paper, load_protocol
+
+    for name in ("sdfed", "tpfl"):
+        covered = {n for block in load_protocol(name) for n in block.tables}
+        with_suite = {t.number for t in load_paper(name).tables if t.defaults.get("suite")}
+        assert covered == with_suite, name
+        assert check_paper(name) == [], name
