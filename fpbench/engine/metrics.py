@@ -14,6 +14,8 @@
 * `acc_domain_<d>`: for domain partitions, the mean local accuracy of the participating clients
   of domain d (SGPT / PEP-FedPT / SDFed per-domain columns).
 * `acc_profile_<name>`: in a model-heterogeneous run, the same for the clients of a profile.
+* `f1_macro_global`: macro F1 on the full test split (TPFL Figs. 2-3), averaged over clients
+  like `acc_global`; F1 is averaged over the classes present in the labels or the predictions.
 * `params_trainable`: shared parameters plus one client's personal ones, stored once (round 0).
 * `<name>_last10`: the mean of an aggregate over the last 10 evaluated rounds (the papers' figure).
 """
@@ -42,6 +44,7 @@ class EvalCounts:
     global_acc: np.ndarray  # (N,) per-client accuracy on the full test split, or (1,) if global
     global_total: int  # size of the full test split
     heldout_applicable: bool = True
+    f1_global: np.ndarray | None = None  # macro F1 on the full test split, shaped as global_acc
 
 
 MetricRow = tuple[int | None, str, float, int | None]  # client_id, name, value, count
@@ -82,12 +85,29 @@ def aggregates(ev: EvalCounts) -> dict[str, float]:
     glob = glob[~np.isnan(glob)]
     if glob.size:
         out["acc_global"] = float(glob.mean())
+    if ev.f1_global is not None:
+        f1 = ev.f1_global if len(ev.f1_global) == 1 else ev.f1_global[~ev.heldout]
+        f1 = f1[~np.isnan(f1)]
+        if f1.size:
+            out["f1_macro_global"] = float(f1.mean())
     held = has_test & ev.heldout
     if held.any() and ev.heldout_applicable:
         hacc = ev.correct_local[held] / ev.total_local[held]
         out["acc_heldout_mean"] = float(hacc.mean())
         out["acc_heldout_worst"] = float(hacc.min())
     return out
+
+
+def macro_f1(pred: np.ndarray, labels: np.ndarray, num_classes: int) -> float:
+    """Unweighted mean over classes of F1 = 2 tp / (2 tp + fp + fn), over the classes that occur
+    in `labels` or `pred` (scikit-learn's "macro" average)."""
+    pred, labels = np.asarray(pred, dtype=np.int64), np.asarray(labels, dtype=np.int64)
+    tp = np.bincount(labels[pred == labels], minlength=num_classes)
+    n_pred = np.bincount(pred, minlength=num_classes)
+    n_true = np.bincount(labels, minlength=num_classes)
+    present = (n_pred + n_true) > 0
+    f1 = 2 * tp[present] / (n_pred[present] + n_true[present])
+    return float(f1.mean()) if f1.size else float("nan")
 
 
 def summary(history: list[dict[str, float]], window: int) -> dict[str, float]:

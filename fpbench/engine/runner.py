@@ -122,6 +122,7 @@ def build_method(
         class_priors=task.priors,
         train_sizes=task.train_sizes,
         class_names=tuple(task.data.class_names),
+        dataset=cfg.dataset.name,
         train_images=task.data.train_images,
         train_idx=tuple(task.train_idx),
         heldout=task.heldout,
