@@ -151,8 +151,8 @@ def test_round_counts_selections_and_aggregates_by_frequency(tiny):
     torch.testing.assert_close(new.buffers["selection_counts"], counts.sum(0))
     assert method.round_metrics(server) == {}  # NaN before any round: not stored
     metrics = method.round_metrics(new)
-    assert set(metrics) == {"sim_shared", "sim_group_global", "sim_group_local"}
-    assert metrics["sim_shared"] == pytest.approx(
+    assert set(metrics) == {"sim_shared_prompt", "sim_group_prompt_global", "sim_group_prompt_local"}
+    assert metrics["sim_shared_prompt"] == pytest.approx(
         mean_pairwise_cosine(local.params["shared_prompts"]).item()
     )
     down, up = method.communication(new)
@@ -166,9 +166,9 @@ def test_prompt_similarities_of_table_11():
     group = torch.stack([torch.stack([a, a]), torch.stack([a, b])])  # (K=2, G=2, 1, d)
     counts = torch.tensor([[1.0, 2.0], [3.0, 0.0]])  # group 1: only client 0 selected it
     sims = prompt_similarities(shared, group, counts, torch.stack([a, b]))
-    assert sims["sim_shared"].item() == pytest.approx(1.0)
-    assert sims["sim_group_global"].item() == pytest.approx(0.0)
-    assert sims["sim_group_local"].item() == pytest.approx(1.0)  # group 0 only (a vs a)
+    assert sims["sim_shared_prompt"].item() == pytest.approx(1.0)
+    assert sims["sim_group_prompt_global"].item() == pytest.approx(0.0)
+    assert sims["sim_group_prompt_local"].item() == pytest.approx(1.0)  # group 0 only (a vs a)
 
 
 def test_shared_only_is_vpt_shallow(tiny):
