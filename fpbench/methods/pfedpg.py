@@ -10,7 +10,8 @@ is exactly the one-token form). Client ("personalised prompt adaptation"): start
 trains the prompts and its own linear head H_n (never sent) with cross-entropy, returns
 delta = P~_n - P_n. Server ("personalised prompt generation"): treats -delta as the gradient
 at P_n, i.e. descends 1/2 ||P_n(phi) - P~_n||^2 in phi = (P_base, descriptors, G), averaged over
-the round's participants (pFedHN's rule, shared with `pfedhn`). The sign is the descent one: the
+the round's participants (`server_reduce = "mean"`: with server lr 1 the basis moves by the
+mean delta, a FedAvg step; pFedPG's paper does not say; "sum" is pFedHN's per-client step). The sign is the descent one: the
 unofficial re-implementation's +delta and its unused generated prompt (notes, sec. 9.2) are
 not reproduced. Evaluation: each client's last adapted prompts and its head (kept locally); a
 client never sampled uses the initial generated prompts.
@@ -24,6 +25,7 @@ mean prompt delta, as a FedAvg step would), no momentum, no weight decay.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -38,6 +40,9 @@ from fpbench.registry import METHODS
 class PFedPGConfig(HypernetConfig):
     server_lr: float = Field(1.0, gt=0, description="learning rate of the prompt generator")
     server_momentum: float = Field(0.0, ge=0, lt=1, description="server SGD momentum")
+    server_reduce: Literal["sum", "mean"] = Field(
+        "mean", description="combine the participants' generator gradients: mean (a FedAvg step)"
+    )
     server_weight_decay: float = Field(0.0, ge=0, description="server SGD weight decay")
     generator_heads: int | None = Field(
         None, ge=1, description="attention heads of the generator; None: the backbone's"
