@@ -399,13 +399,28 @@ def table(
     table_no: Annotated[
         int | None, typer.Option("--table", help="only this table of --paper")
     ] = None,
+    deviations: Annotated[
+        bool,
+        typer.Option(
+            "--deviations", help="with --paper: list where fpbench's protocol departs from it"
+        ),
+    ] = False,
 ) -> None:
     """Mean +- std over seeds of each method's final metrics (mean of the last 10 evals).
 
     With --paper: the paper's tables in its layout, fpbench's values beside the paper's.
+    With --paper --deviations: every declared deviation from the paper's protocol (table(s),
+    cells, config path, the paper's value and source, what fpbench runs, and why).
     """
     from fpbench.report.tables import render, summary_table
 
+    if deviations:
+        if not paper:
+            raise FpbenchError("--deviations needs --paper NAME")
+        from fpbench.report.cli_paper import show_deviations
+
+        show_deviations(paper, fmt.value, out)
+        return
     if paper:
         from fpbench.report.cli_paper import show_paper_tables
 
