@@ -45,7 +45,9 @@ def _prompt_phase_forwards(method, task, cfg, rep_epochs) -> int:
     calls, forward = [], method.forward
     method.forward = lambda p, x, ci, ctx: calls.append(ctx.resume_layer) or forward(p, x, ci, ctx)
     server = method.init_server(torch.Generator().manual_seed(0))
-    train_clients(method, server, task, task.trainable_clients()[:2], cfg.train, round_idx=0, seed=0)
+    train_clients(
+        method, server, task, task.trainable_clients()[:2], cfg.train, round_idx=0, seed=0
+    )
     del method.forward
     return sum(1 for layer in calls if not layer)
 

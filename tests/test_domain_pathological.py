@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from fpbench.errors import FpbenchError
-from fpbench.partition import make_clients
-from fpbench.partition import base
+from fpbench.partition import base, make_clients
 from tests.test_partition import make_data
 
 

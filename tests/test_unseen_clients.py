@@ -69,13 +69,17 @@ def test_a_run_records_the_excluded_count_and_no_rows_for_them(tmp_path):
     m = store.metrics(aggregate_only=False)
     assert m[m["name"] == "clients_untrained"]["value"].tolist() == [2.0]
     assert len(m[m["name"] == "acc_local"]) == 1
-    score = cfg.model_copy(update={"train": cfg.train.model_copy(update={"unseen_clients": "score"})})
+    score = cfg.model_copy(
+        update={"train": cfg.train.model_copy(update={"unseen_clients": "score"})}
+    )
     assert score.run_key != cfg.run_key
     run_cell(score, store, checkpoint_dir=tmp_path)
     m = store.metrics(aggregate_only=False)
     run = store.find_run(score.run_key).id
     mine = m[m["run_id"] == run]
-    assert len(mine[mine["name"] == "acc_local"]) == 3 and "clients_untrained" not in set(mine["name"])
+    assert len(mine[mine["name"] == "acc_local"]) == 3 and "clients_untrained" not in set(
+        mine["name"]
+    )
 
 
 def test_p_pt_scores_a_new_client_with_the_initial_prompts_and_the_federated_head(tiny):

@@ -131,9 +131,9 @@ def domain_accuracies(
     """`acc_domain_<d>`: mean local accuracy of the participating clients of domain d.
 
     Clients without a domain (label-skew partitions), held-out clients, excluded untrained
-    clients and clients with an empty local test set are left out, as in `acc_local_mean`; so is a domain left without
-    clients. Any other grouping of clients works the same with its own `prefix` (model
-    heterogeneity's `acc_profile_<name>`).
+    clients and clients with an empty local test set are left out, as in `acc_local_mean`; so
+    is a domain left without clients. Any other grouping of clients works the same with its
+    own `prefix` (model heterogeneity's `acc_profile_<name>`).
     """
     if not domain_names:
         return {}

@@ -13,7 +13,8 @@ participants (`server_reduce = "sum"`): the paper takes one step per sampled cli
 client's delta moves phi with the full server lr, as K steps from the same point would; "mean"
 divides that step by K. SGD with momentum and weight decay, whose state lives in the server
 buffers. Nothing stays on the clients: evaluation uses the generated
-tensors, and a held-out client (untrained embedding) is not applicable.
+tensors; a held-out client (untrained embedding) is not applicable, and a participating client
+not yet sampled is left out of the local metrics by default (`train.unseen_clients`).
 
 Defaults from the original paper and its code: hidden width 100, 3 hidden layers, embedding size
 1 + N / 4, server SGD lr 1e-2, momentum 0.9, weight decay 1e-3. The local optimiser, its

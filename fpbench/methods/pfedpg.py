@@ -11,10 +11,12 @@ trains the prompts and its own linear head H_n (never sent) with cross-entropy, 
 delta = P~_n - P_n. Server ("personalised prompt generation"): treats -delta as the gradient
 at P_n, i.e. descends 1/2 ||P_n(phi) - P~_n||^2 in phi = (P_base, descriptors, G), averaged over
 the round's participants (`server_reduce = "mean"`: with server lr 1 the basis moves by the
-mean delta, a FedAvg step; pFedPG's paper does not say; "sum" is pFedHN's per-client step). The sign is the descent one: the
-unofficial re-implementation's +delta and its unused generated prompt (notes, sec. 9.2) are
-not reproduced. Evaluation: each client's last adapted prompts and its head (kept locally); a
-client never sampled uses the initial generated prompts.
+mean delta, a FedAvg step; pFedPG's paper does not say; "sum" is pFedHN's per-client step).
+The sign is the descent one: the unofficial re-implementation's +delta and its unused
+generated prompt (notes, sec. 9.2) are not reproduced. Evaluation: each client's last adapted
+prompts and its head (kept locally); a client never sampled has only its initial generated
+prompts and a random head, so by default (`train.unseen_clients`) it is left out of the local
+metrics and counted in `clients_untrained`.
 
 Defaults (fpbench's; the paper's generator and server-optimiser settings are not in the sources
 we could read): prompt length 5, the backbone's number of attention heads (12 on ViT-B/16, as

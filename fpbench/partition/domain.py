@@ -148,13 +148,22 @@ class DomainPathological:
     @staticmethod
     def split(cfg: Config, data: ImageDataset, rng: np.random.Generator) -> list[Client]:
         d_train, d_test = domains_of(data)
-        y, y_test, C, k = train_labels(data), test_labels(data), data.num_classes, cfg.clients_per_domain
+        y, y_test, C, k = (
+            train_labels(data),
+            test_labels(data),
+            data.num_classes,
+            cfg.clients_per_domain,
+        )
         clients: list[Client] = []
         for d in range(data.num_domains):
             deal = _deal_classes(C, k, cfg.s, rng)
             train = [rng.permutation(np.flatnonzero((d_train == d) & (y == c))) for c in range(C)]
-            test = [rng.permutation(np.flatnonzero((d_test == d) & (y_test == c))) for c in range(C)]
+            test = [
+                rng.permutation(np.flatnonzero((d_test == d) & (y_test == c))) for c in range(C)
+            ]
             held = set(rng.choice(k, size=cfg.heldout_per_domain, replace=False).tolist())
-            for j, (tr, te) in enumerate(zip(_consume(deal, train), _consume(deal, test), strict=True)):
+            for j, (tr, te) in enumerate(
+                zip(_consume(deal, train), _consume(deal, test), strict=True)
+            ):
                 clients.append(make_client(d * k + j, tr, te, y, C, d, j in held))
         return clients
