@@ -97,6 +97,12 @@ class TrainConfig(_Strict):
     max_local_steps: int | None = Field(
         None, ge=1, description="cap on a client's optimiser steps per round (all epochs)"
     )
+    unseen_clients: Literal["exclude", "score"] = Field(
+        "exclude",
+        description="personal methods' participating clients not yet sampled in any round: "
+        "exclude them from local metrics (their count is `clients_untrained`) or score them "
+        "with their untrained personal parameters",
+    )
     augment: Augment = Field(Augment(), description="training augmentation, on the device")
     aggregation_weights: Literal["train_size", "domain_size"] = Field(
         "train_size",
@@ -162,6 +168,7 @@ _LATER_FIELDS: dict[tuple[str, str], Any] = {
     ("backbone", "mean"): None,
     ("backbone", "std"): None,
     ("train", "max_local_steps"): None,
+    ("train", "unseen_clients"): "score",  # the behaviour before the field existed
     ("train", "augment"): Augment().model_dump(mode="json"),
     ("train", "aggregation_weights"): "train_size",
 }

@@ -185,6 +185,21 @@ def test_missing_cells_name_the_suite_and_cell_that_fill_them(sgpt_t1):
     assert "`fpbench run --suite sgpt-table1`" in md
 
 
+def test_a_cell_whose_runs_lack_its_metric_says_so(tmp_path):
+    """FGPT Table 11: a run of the cell without `sim_shared_prompt` is named, not hidden."""
+    store = Store(f"sqlite:///{tmp_path / 'r.db'}")
+    cfg = {"train": {"local_epochs": 2}}
+    _run(store, "fgpt-table8", "fgpt", 0, [0.78], cfg=cfg)  # stores acc_global only
+    t11 = fill_paper(load_paper("fgpt"), load_results(store), 11)[0]
+    shared, acc = t11.cell("fgpt", "shared"), t11.cell("fgpt", "acc")
+    assert (shared.n, shared.runs, acc.n) == (0, 1, 1)
+    assert shared.hint() == (
+        "1 run(s) of fgpt/cifar100/path-s10 train.local_epochs=2 lack metric sim_shared_prompt"
+    )
+    assert "needs suite" in t11.cell("fed-dualprompt", "shared").hint()  # no run at all
+    store.close()
+
+
 def test_best_and_second_best_per_column(sgpt_t1):
     marks = {c.row: c.mark for c in sgpt_t1.cells if c.column == "cifar100-global-s10"}
     assert marks["sgpt"] == "best" and marks["fedvpt"] == "second"

@@ -160,7 +160,9 @@ def _evaluate_per_client(
     each sample's row, so one forward serves several clients, as in lockstep training.
     """
     data = task.data
-    heldout_ok = method.inference == "client-conditioned"
+    heldout_ok = method.inference == "client-conditioned" or getattr(
+        method, "scores_new_clients", False
+    )
     clients = [
         c
         for c in (range(task.num_clients) if only is None else only)

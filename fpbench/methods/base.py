@@ -148,6 +148,9 @@ class Method:
     Config: ClassVar[type[MethodConfig]] = MethodConfig
     inference: ClassVar[Inference] = "global"
     personal: ClassVar[frozenset[str]] = frozenset()  # parameter names kept per client
+    # a personal method that says what it deploys to a new client (`eval_params` of a client
+    # that never trained): held-out clients are then scored with it instead of not applicable
+    scores_new_clients: ClassVar[bool] = False
     # None: forward takes preprocessed images; "cls": the frozen backbone's final cls features
     # (B, d), which the engine computes once and caches.
     frozen_input: ClassVar[str | None] = None

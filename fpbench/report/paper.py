@@ -219,6 +219,7 @@ class Cell:
     n: int = 0
     mark: str = ""  # "best" / "second" among fpbench's values
     paper_mark: str = ""  # the same among the paper's values
+    runs: int = 0  # stored runs the cell selects, with or without its metric
 
     @property
     def diff(self) -> float | None:
@@ -235,6 +236,8 @@ class Cell:
         if spec.get("needs"):  # an input the runs need first (e.g. GPT-FL's generated images)
             return f"needs {spec['needs']} (suite {spec.get('suite', '?')}: {labels})"
         extra = f" {_flat(spec['config'])}" if spec.get("config") else ""
+        if self.runs and not self.n:
+            return f"{self.runs} run(s) of {labels}{extra} lack metric {spec['metric']}"
         return f"needs suite {spec.get('suite', '?')}: {labels}{extra} · {spec['metric']}"
 
 
@@ -334,7 +337,8 @@ def fill(table: PaperTable, results: Results) -> list[Cell]:
             mean = sum(vals) / len(vals) if vals else None
             std = pd.Series(vals).std(ddof=1) if len(vals) > 1 else None
             reported = table.values[(row.key, col.key)]
-            cells.append(Cell(row.key, col.key, spec, reported, mean, std, len(vals)))
+            runs = len(_matching_runs(results, spec))
+            cells.append(Cell(row.key, col.key, spec, reported, mean, std, len(vals), runs=runs))
     return _marked(_marked(cells, "mean", "mark"), "paper", "paper_mark")
 
 
