@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 from typer.testing import CliRunner
 
+from fpbench import stages
 from fpbench.cli import app
-from fpbench.engine import stages
 from fpbench.run_log import LineObserver, clock, headline
 from fpbench.run_summary import next_commands
 from tests.conftest import TINY_SUITE_TOML

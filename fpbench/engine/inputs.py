@@ -20,10 +20,10 @@ from torch import Tensor
 
 from fpbench.backbones import PromptedViT
 from fpbench.engine.augment import augment
-from fpbench.engine.stages import report
 from fpbench.engine.task import Task
 from fpbench.methods.base import Method
 from fpbench.specs import Augment
+from fpbench.stages import report
 
 
 class FeatureCache:

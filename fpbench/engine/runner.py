@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 import fpbench
+from fpbench import stages
 from fpbench.backbones import create_backbone
 from fpbench.engine import checkpoint as ckpt_io
-from fpbench.engine import stages
 from fpbench.engine.evaluate import evaluate
 from fpbench.engine.executor import LocalResult, concat_results, derive_seed, train_clients
 from fpbench.engine.groups import (
