@@ -351,6 +351,11 @@ def list_(what: Annotated[Listable, typer.Argument(help="what to list")]) -> Non
             "backbones": BACKBONES,
         }[what.value]
         rows = [(name, _summary_line(registry.get(name))) for name in registry.names()]
+    if what.value == "backbones":  # fpbench.backbones.custom
+        rows += [
+            ("timm:<model>", "any timm ViT, e.g. timm:deit_small_patch16_224.fb_in1k"),
+            ("open_clip:<arch>@<tag>", "any CLIP, e.g. open_clip:ViT-B-32@laion2b_s34b_b79k"),
+        ]
     table = Table(title=what.value)
     table.add_column("name")
     table.add_column("description")
