@@ -53,6 +53,7 @@ class LineObserver:
         self.stream, self.total, self.every_s, self.now = stream, total_cells, every_s, now
         self.ended = 0
         self.started: dict[str, tuple[float, int]] = {}  # run_key -> (time, first round)
+        self.setup: dict[str, float] = {}  # run_key -> when its setup (data, frozen passes) began
         self.last: dict[str, dict[str, float]] = {}  # run_key -> last evaluated metrics
         self.stage_shown: dict[tuple[str, str], float] = {}  # (run_key, what) -> last line
 
@@ -81,6 +82,8 @@ class LineObserver:
     def stage(self, cfg: Any, what: str, done: int, total: int) -> None:
         key = (cfg.run_key if cfg is not None else "", what)
         now = self.now()
+        if cfg is not None:
+            self.setup.setdefault(cfg.run_key, now)
         last = self.stage_shown.get(key)
         if 0 < done < total and last is not None and now - last < self.every_s:
             return
@@ -98,6 +101,7 @@ class LineObserver:
         self.ended += 1
         cfg = result.cfg
         t0, _ = self.started.pop(cfg.run_key, (None, 0))
+        t0 = self.setup.pop(cfg.run_key, t0)  # the wall time includes the cell's setup
         status = result.status
         if status == "skipped" and result.error is None:
             status = "skipped (already done)"

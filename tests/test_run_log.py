@@ -50,13 +50,16 @@ def test_rounds_cells_and_eta():
     out, now = io.StringIO(), Clock()
     log = LineObserver(out, total_cells=3, now=now)
     cfg = _cfg(rounds=10)
+    log.stage(cfg, "preparing data", 0, 1)
+    now.t += 5  # setup: in the cell's wall time, not in the rounds' ETA
+    log.stage(cfg, "preparing data", 1, 1)
     log.cell_start(cfg, 2)  # resumed: rounds 3.. run here
     now.t += 30
     log.round_end(cfg, 3, {})  # not evaluated: no line
     log.round_end(cfg, 4, {"acc_global": 0.25, "acc_local_worst": 0.1, "loss_train": 2.0})
     now.t += 10
     log.cell_end(SimpleNamespace(cfg=cfg, status="done", error=None))
-    lines = out.getvalue().splitlines()
+    lines = out.getvalue().splitlines()[2:]
     assert len(lines) == 3 and all(re.match(STAMP, line) for line in lines)
     assert lines[0].endswith(
         "start  fedvpt / cifar100 / s=10 / seed 0 (10 rounds, resuming at round 3)"
@@ -67,7 +70,7 @@ def test_rounds_cells_and_eta():
         "loss 2  elapsed 0:30  ETA 0:50"
     )
     assert lines[2][9:] == (
-        "end    [1/3] fedvpt / cifar100 / s=10 / seed 0  done in 0:40  global 25.00%  "
+        "end    [1/3] fedvpt / cifar100 / s=10 / seed 0  done in 0:45  global 25.00%  "
         "worst 10.00%  loss 2"
     )
 
