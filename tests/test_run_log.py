@@ -164,3 +164,18 @@ def test_run_piped_to_a_file_in_a_subprocess(tmp_path):
     assert re.search(STAMP + r"round 2/2  fedvpt / synthetic / pathological / seed 0  global", text)
     assert "suite tiny: 1 run, 0 already done, 0 failed" in text
     assert "fpbench table --suite tiny --db results/fpbench.db" in text
+
+
+def test_terminal_bars_for_frozen_passes_come_and_go():
+    from rich.progress import Progress
+
+    from fpbench.cli import _ProgressObserver
+
+    with Progress(disable=True) as progress:
+        bars = _ProgressObserver(progress, total_cells=1)
+        bars.stage(_cfg(), "frozen cls features (train split)", 0, 300)
+        (task,) = [t for t in progress.tasks if "frozen" in t.description]
+        bars.stage(_cfg(), "frozen cls features (train split)", 120, 300)
+        assert (task.completed, task.total) == (120, 300)
+        bars.stage(_cfg(), "frozen cls features (train split)", 300, 300)
+        assert [t.description for t in progress.tasks] == ["cells"]
