@@ -30,6 +30,7 @@ from fpbench.cli_common import (
 )
 from fpbench.data_cli import data_app
 from fpbench.errors import FpbenchError
+from fpbench.run_log import LineObserver
 from fpbench.store.cli_db import db_app
 
 app = typer.Typer(
@@ -101,6 +102,15 @@ class _ProgressObserver:
     def round_end(self, cfg, round_idx: int, metrics: dict[str, float]) -> None:
         if cfg.run_key in self.rounds:
             self.progress.update(self.rounds[cfg.run_key], completed=round_idx + 1)
+
+    def stage(self, cfg, what: str, done: int, total: int) -> None:
+        """A bar for long work outside the rounds (frozen passes, data, pretraining)."""
+        key = f"{cfg.run_key if cfg is not None else ''}:{what}"
+        if key not in self.rounds:
+            self.rounds[key] = self.progress.add_task(f"  {what}", total=total)
+        self.progress.update(self.rounds[key], completed=done)
+        if done >= total:
+            self.progress.remove_task(self.rounds.pop(key))
 
     def cell_end(self, result) -> None:
         if (bar := self.rounds.pop(result.cfg.run_key, None)) is not None:
@@ -203,23 +213,25 @@ def run(
         return
     if CELL_KEY not in url:
         open_store(db).close()  # creates the tables once; an unreachable database fails here
+    live = console.is_terminal  # off a terminal (cluster logs, tee): plain lines, no bars
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=False,
+        *columns, TimeElapsedColumn(), console=err, transient=False, disable=not live
     ) as progress:
-        _pretrain_smoke_backbone(cells, progress)
+        observer = (
+            _ProgressObserver(progress, len(cells))
+            if live
+            else LineObserver(sys.stdout, len(cells))
+        )
+        _pretrain_smoke_backbone(cells, observer)
         results = run_cells(
             cells,
             url,
             checkpoint_dir=checkpoint_dir.absolute(),
             dispatch=dispatch,
-            observer=_ProgressObserver(progress, len(cells)),
+            observer=observer,
         )
-    _report_results(loaded.name, results)
+    _report_results(loaded.name, results, suite, db)
 
 
 def _retry_selection(suite: str, cells: list, url: str) -> list:
@@ -235,8 +247,8 @@ def _retry_selection(suite: str, cells: list, url: str) -> list:
     return failed
 
 
-def _pretrain_smoke_backbone(cells, progress: Progress) -> None:
-    """Pretrain `vit-smoke` once (cached) with a progress bar, before the cells need it."""
+def _pretrain_smoke_backbone(cells, observer) -> None:
+    """Pretrain `vit-smoke` once (cached), showing progress, before the cells need it."""
     from fpbench.backbones.smoke import ensure_pretrained
     from fpbench.registry import BACKBONES
 
@@ -245,18 +257,14 @@ def _pretrain_smoke_backbone(cells, progress: Progress) -> None:
         for c in cells
     ):
         return
-    task = None
 
     def show(step: int, total: int, loss: float) -> None:
-        nonlocal task
-        if task is None:
-            task = progress.add_task("pretraining vit-smoke (once)", total=total)
-        progress.update(task, completed=step)
+        observer.stage(None, "pretraining vit-smoke (once)", step, total)
 
     ensure_pretrained(progress=show)
 
 
-def _report_results(suite: str, results) -> None:
+def _report_results(suite: str, results, suite_arg: str, db: str) -> None:
     counts = {s: sum(r.status == s for r in results) for s in ("done", "skipped", "failed")}
     busy = sum(r.status == "skipped" and r.error is not None for r in results)
     console.print(
@@ -272,8 +280,24 @@ def _report_results(suite: str, results) -> None:
                 highlight=False,
                 soft_wrap=True,
             )
+    _print_summary(suite_arg, db)
     if counts["failed"]:
         raise typer.Exit(1)
+
+
+def _print_summary(suite: str, db: str) -> None:
+    """The suite's table (as `fpbench table --suite`) and the commands to go on with."""
+    from fpbench.run_summary import next_commands, summary_text
+
+    if "{run_key}" in db:  # one file per cell: the tables need them merged first
+        console.print(f"next: fpbench db merge results/merged.db {db.replace('{run_key}', '*')}")
+        return
+    text = summary_text(db, suite, DEFAULT_METRICS)
+    if text is not None:
+        print(text)
+    console.print("next:", highlight=False)
+    for command in next_commands(suite, db):
+        console.print(f"  {command}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _print_cells(suite: str, cells, db: str) -> None:
@@ -329,6 +353,11 @@ def list_(what: Annotated[Listable, typer.Argument(help="what to list")]) -> Non
             "backbones": BACKBONES,
         }[what.value]
         rows = [(name, _summary_line(registry.get(name))) for name in registry.names()]
+    if what.value == "backbones":  # fpbench.backbones.custom
+        rows += [
+            ("timm:<model>", "any timm ViT, e.g. timm:deit_small_patch16_224.fb_in1k"),
+            ("open_clip:<arch>@<tag>", "any CLIP, e.g. open_clip:ViT-B-32@laion2b_s34b_b79k"),
+        ]
     table = Table(title=what.value)
     table.add_column("name")
     table.add_column("description")

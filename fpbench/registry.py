@@ -31,6 +31,11 @@ class Registry(Generic[T]):
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._items: dict[str, T] = {}
+        self._resolvers: dict[str, Callable[[str], T]] = {}
+
+    def add_resolver(self, prefix: str, resolve: Callable[[str], T]) -> None:
+        """Names `prefix:rest` that are not registered are built by `resolve(rest)`."""
+        self._resolvers[prefix] = resolve
 
     def register(self, name: str | None = None) -> Callable[[T], T]:
         """Decorator: register an object under `name` (default: its `name` attribute)."""
@@ -46,11 +51,15 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> T:
         load_plugins()
+        prefix, colon, rest = name.partition(":")
+        if name not in self._items and colon and prefix in self._resolvers:
+            return self._resolvers[prefix](rest)
         if name not in self._items:
             close = difflib.get_close_matches(name, list(self._items), n=3)
             hint = f" Did you mean {', '.join(close)}?" if close else ""
+            more = "".join(f", or {p}:NAME" for p in self._resolvers)
             raise UnknownNameError(
-                f"unknown {self.kind} {name!r}.{hint} Valid: {', '.join(self.names())}"
+                f"unknown {self.kind} {name!r}.{hint} Valid: {', '.join(self.names())}{more}"
             )
         return self._items[name]
 

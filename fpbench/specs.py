@@ -43,9 +43,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from fpbench.errors import FpbenchError
 from fpbench.registry import BACKBONES, DATASETS, METHODS, PARTITIONS, Registry
+from fpbench.shipped import shipped_dir
 
 AXES = {"datasets": "dataset", "partitions": "partition", "methods": "method"}
-SUITE_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+SUITE_DIR = shipped_dir()  # the shipped suites: package data, or benchmarks/ in a checkout
 MAX_CELLS = 100_000  # a suite larger than this is almost surely a typo in a grid
 MAX_LABEL = 100
 # suite names and labels end up in tables, plots and the database, never in file paths; still,

@@ -9,6 +9,7 @@ import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
@@ -196,3 +197,22 @@ def test_report_renders_in_headless_chromium(report, tmp_path):
         capture_output=True, timeout=120, check=True,
     )  # fmt: skip
     assert shot.read_bytes().startswith(PNG)
+
+
+def test_counts_print_as_integers_under_one_header_row(db):
+    """params_trainable 2580, not 2580.00; the `method` label heads the first column."""
+    from fpbench.report.html import _tables
+
+    with Store(f"sqlite:///{db}") as store:
+        frame = store.metrics(suite=SUITE)
+    counts = frame[frame["name"] == "acc_global"].copy()
+    counts["name"] = "params_trainable"
+    counts["value"] = counts["method"].map({"fedavg": 1290.0, "sgpt": 2580.0})
+    html_tables = _tables(pd.concat([frame, counts], ignore_index=True), SUITE)
+    page = "\n".join(html_tables)
+    heading = next(i for i, part in enumerate(html_tables) if "param" in part.lower())
+    last = _parse(html_tables[heading + 1]).tables[0]
+    assert last[:3] == ["method", "synthetic / dir-0.3", "synthetic / path-s4"]
+    assert last[3:] == ["fedavg", "1290 ± 0", "-", "sgpt", "2580", "2580"]
+    for table in re.findall(r"<thead>.*?</thead>", page, flags=re.S):
+        assert table.count("<tr") == 1  # no second header row holding only `method`

@@ -11,7 +11,8 @@
 | clip-vit-b16, clip-rn50 | open_clip ViT-B-16-quickgelu / RN50-quickgelu | OpenAI (hub or file) |
 
 Every backbone can instead load a local weights file (`weights=`), through the same timm (ViT)
-or open_clip (CLIP) loading path.
+or open_clip (CLIP) loading path. Unregistered models are named `timm:<model>` (any timm
+VisionTransformer) or `open_clip:<arch>@<tag>` (`fpbench.backbones.custom`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fpbench.backbones.clip import CLIP_SPECS, PromptedCLIP
+from fpbench.backbones.custom import RESOLVERS
 from fpbench.backbones.smoke import SMOKE_ARCH, SMOKE_MEAN, SMOKE_STD, SMOKE_TIMM_NAME
 from fpbench.backbones.vit import BackboneSpec, PromptedViT, ViTFeatures, preprocess_images
 from fpbench.registry import BACKBONES
@@ -78,6 +80,8 @@ _SPECS = (
 )
 for _spec in (*_SPECS, *CLIP_SPECS):
     BACKBONES.register()(_spec)
+for _prefix, _resolve in RESOLVERS.items():  # timm:NAME, open_clip:ARCH@TAG
+    BACKBONES.add_resolver(_prefix, _resolve)
 
 
 def create_backbone(
@@ -89,7 +93,8 @@ def create_backbone(
     """Build a registered backbone, frozen and in eval mode.
 
     Args:
-        name: Registry name (`fpbench list backbones`).
+        name: Registry name (`fpbench list backbones`), `timm:<model>` or
+            `open_clip:<arch>@<tag>`.
         weights: A local weights file (.pth/.pt/.bin/.safetensors/.npz) loaded through timm's
             file loader instead of the backbone's default weights.
         cache_dir: fpbench's cache folder, where `vit-smoke` keeps its self-pretrained weights

@@ -86,7 +86,9 @@ class PromptedCLIP(nn.Module):
         self.embed_dim: int = _joint_dim(model)
         size = model.visual.image_size
         self.img_size: int = int(size[0] if isinstance(size, (tuple, list)) else size)
-        self.mean, self.std = CLIP_MEAN, CLIP_STD
+        norm = getattr(model.visual, "preprocess_cfg", None) or {}  # the pretrained config's
+        self.mean = tuple(float(v) for v in norm.get("mean", CLIP_MEAN))
+        self.std = tuple(float(v) for v in norm.get("std", CLIP_STD))
         self.train(False)
 
     def train(self, mode: bool = True) -> PromptedCLIP:
@@ -227,17 +229,22 @@ class ClipSpec:
         name: Registry name (e.g. "clip-vit-b16").
         model_name: open_clip architecture (OpenAI weights need the -quickgelu variants).
         description: One line for `fpbench list backbones`.
-        pretrained: "openai" (open_clip's tag, or a local file) or "seeded" (a tiny config:
-            a seeded random init saved once to the cache and loaded from that file).
+        pretrained: "openai" (open_clip's pretrained `tag`, or a local file), "seeded" (a tiny
+            config: a seeded random init saved once to the cache and loaded from that file) or
+            "file" (only a local weights file).
+        tag: open_clip's pretrained tag ("openai", "laion2b_s34b_b79k", ...).
         hf_repo: Hugging Face repo of the open_clip weights, for the offline cache lookup.
+        own_tokenizer: the architecture's own tokenizer (else ViT-B-16's, as OpenAI's CLIPs).
         seed: Seed of the random init.
     """
 
     name: str
     model_name: str
     description: str = ""
-    pretrained: Literal["openai", "seeded"] = "seeded"
+    pretrained: Literal["openai", "seeded", "file"] = "seeded"
+    tag: str = "openai"
     hf_repo: str = ""
+    own_tokenizer: bool = False
     seed: int = 0
 
     def create(
@@ -254,9 +261,15 @@ class ClipSpec:
             model = self._from_file(Path(weights).expanduser())
         elif self.pretrained == "seeded":
             model = self._from_file(self._seeded_file(cache_dir))
+        elif self.pretrained == "file":
+            raise FpbenchError(
+                f"{self.name} names no pretrained tag: give backbone.weights = PATH, or a tag "
+                f"(open_clip:{self.model_name}@TAG; `open_clip.list_pretrained()` lists them)"
+            )
         else:
             model = self._from_openai()
-        return PromptedCLIP(model, name=self.name, tokenizer=open_clip.get_tokenizer("ViT-B-16"))
+        tokenizer = open_clip.get_tokenizer(self.model_name if self.own_tokenizer else "ViT-B-16")
+        return PromptedCLIP(model, name=self.name, tokenizer=tokenizer)
 
     def _random(self) -> nn.Module:
         with torch.random.fork_rng(devices=[]):
@@ -298,15 +311,15 @@ class ClipSpec:
         if not _hub_reachable():
             raise FpbenchError(self._download_hint("no network, or HF_HUB_OFFLINE is set"))
         try:
-            return open_clip.create_model(self.model_name, pretrained="openai")
+            return open_clip.create_model(self.model_name, pretrained=self.tag)
         except Exception as err:
             raise FpbenchError(self._download_hint(_first_line(err))) from err
 
     def _download_hint(self, why: str) -> str:
-        cfg = open_clip.get_pretrained_cfg(self.model_name, "openai") or {}
+        cfg = open_clip.get_pretrained_cfg(self.model_name, self.tag) or {}
         url = f"https://huggingface.co/{self.hf_repo}/resolve/main/open_clip_model.safetensors"
         return (
-            f"the OpenAI weights of {self.name} ({self.model_name}) are missing ({why}); "
+            f"the {self.tag} weights of {self.name} ({self.model_name}) are missing ({why}); "
             f"download {url} (or {cfg.get('url', 'the OpenAI .pt archive')}) and set "
             f'backbone = {{ name = "{self.name}", weights = "PATH" }} in the suite'
         )

@@ -20,7 +20,14 @@ import torch
 
 from fpbench.data.base import ImageDataset
 from fpbench.data.info import DatasetInfo
-from fpbench.data.prepared import Progress, RealConfig, RealDataset, read_pickle
+from fpbench.data.prepared import (
+    Progress,
+    RealConfig,
+    RealDataset,
+    pickle_field,
+    read_pickle,
+    text,
+)
 from fpbench.errors import FpbenchError
 from fpbench.registry import DATASETS
 
@@ -34,14 +41,35 @@ SGPT_CIFAR_STD = (0.2673, 0.2564, 0.2762)
 
 
 def _images(batch: dict, path: Path) -> np.ndarray:
-    data = np.asarray(batch[b"data"], dtype=np.uint8)
+    data = np.asarray(pickle_field(batch, "data", path), dtype=np.uint8)
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
-        raise FpbenchError(f"{path}: expected CIFAR data of shape (N, 3072), got {data.shape}")
+        raise FpbenchError(
+            f"malformed dataset file {path}: expected CIFAR data of shape (N, 3072), "
+            f"got {data.shape}"
+        )
     return data.reshape(-1, 3, 32, 32)
 
 
-def _names(meta: dict, key: bytes) -> list[str]:
-    return [n.decode() if isinstance(n, bytes) else str(n) for n in meta[key]]
+def _labels(batch: dict, key: str, path: Path, count: int) -> np.ndarray:
+    """Integer labels `key` of a batch, one per image."""
+    labels = np.asarray(pickle_field(batch, key, path))
+    if labels.shape != (count,) or not np.issubdtype(labels.dtype, np.integer):
+        raise FpbenchError(
+            f"malformed dataset file {path}: {key!r} should be {count} integer labels, "
+            f"got {labels.dtype} of shape {labels.shape}"
+        )
+    return labels.astype(np.int64)
+
+
+def _names(meta: dict, key: str, path: Path) -> list[str]:
+    return [text(n) for n in pickle_field(meta, key, path)]
+
+
+def _split(folder: Path, name: str, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """Images and labels `key` of one batch file (bytes or str keys)."""
+    batch = read_pickle(folder / name)
+    images = _images(batch, folder / name)
+    return images, _labels(batch, key, folder / name, len(images))
 
 
 def read_cifar10(folder: Path, progress: Progress) -> ImageDataset:
@@ -49,37 +77,37 @@ def read_cifar10(folder: Path, progress: Progress) -> ImageDataset:
     xs, ys = [], []
     for i, name in enumerate(CIFAR10_TRAIN):
         progress("cifar10 batches", i, len(CIFAR10_TRAIN) + 1)
-        batch = read_pickle(folder / name)
-        xs.append(_images(batch, folder / name))
-        ys.append(np.asarray(batch[b"labels"], dtype=np.int64))
-    test = read_pickle(folder / "test_batch")
+        x, y = _split(folder, name, "labels")
+        xs.append(x)
+        ys.append(y)
+    test_x, test_y = _split(folder, "test_batch", "labels")
     progress("cifar10 batches", len(CIFAR10_TRAIN) + 1, len(CIFAR10_TRAIN) + 1)
+    meta = folder / "batches.meta"
     return ImageDataset(
         name=Cifar10.name,
         train_images=torch.from_numpy(np.concatenate(xs)),
         train_labels=torch.from_numpy(np.concatenate(ys)),
-        test_images=torch.from_numpy(_images(test, folder / "test_batch")),
-        test_labels=torch.as_tensor(test[b"labels"], dtype=torch.int64),
-        class_names=_names(read_pickle(folder / "batches.meta"), b"label_names"),
+        test_images=torch.from_numpy(test_x),
+        test_labels=torch.from_numpy(test_y),
+        class_names=_names(read_pickle(meta), "label_names", meta),
     )
 
 
 def read_cifar100(folder: Path, progress: Progress) -> ImageDataset:
     """Read the CIFAR-100 python files in `folder`; coarse labels become `coarse_of_class`."""
     progress("cifar100 files", 0, 2)
-    train = read_pickle(folder / "train")
-    test = read_pickle(folder / "test")
+    train_x, fine = _split(folder, "train", "fine_labels")
+    coarse = _labels(read_pickle(folder / "train"), "coarse_labels", folder / "train", len(fine))
+    test_x, test_y = _split(folder, "test", "fine_labels")
     progress("cifar100 files", 2, 2)
-    fine = np.asarray(train[b"fine_labels"], dtype=np.int64)
-    coarse = np.asarray(train[b"coarse_labels"], dtype=np.int64)
-    meta = read_pickle(folder / "meta")
+    meta = folder / "meta"
     return ImageDataset(
         name=Cifar100.name,
-        train_images=torch.from_numpy(_images(train, folder / "train")),
+        train_images=torch.from_numpy(train_x),
         train_labels=torch.from_numpy(fine),
-        test_images=torch.from_numpy(_images(test, folder / "test")),
-        test_labels=torch.as_tensor(test[b"fine_labels"], dtype=torch.int64),
-        class_names=_names(meta, b"fine_label_names"),
+        test_images=torch.from_numpy(test_x),
+        test_labels=torch.from_numpy(test_y),
+        class_names=_names(read_pickle(meta), "fine_label_names", meta),
         coarse_of_class=torch.from_numpy(coarse_of_class(fine, coarse, 100, folder)),
     )
 

@@ -31,9 +31,11 @@ from fpbench.data.prepared import (
     RealDataset,
     download_archive,
     hwc_to_chw,
+    pickle_field,
     read_pickle,
     sample_per_group,
     split_train_test,
+    text,
 )
 from fpbench.errors import FpbenchError
 from fpbench.registry import DATASETS
@@ -83,7 +85,7 @@ def _class_names(root: Path) -> list[str]:
     meta_file = Path(root) / CIFAR100_DIR / "meta"
     if not meta_file.is_file():
         return [f"class{c:02d}" for c in range(100)]
-    return [n.decode() for n in read_pickle(meta_file)[b"fine_label_names"]]
+    return [text(n) for n in pickle_field(read_pickle(meta_file), "fine_label_names", meta_file)]
 
 
 @DATASETS.register()

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict
 from fpbench.data.base import ImageDataset
 from fpbench.data.info import DatasetInfo
 from fpbench.errors import FpbenchError
+from fpbench.stages import report
 
 ENV_VAR = "FPBENCH_DATA"
 DEFAULT_ROOT = Path("data")
@@ -143,7 +144,13 @@ class RealDataset:
             cls.download(root)
             if not cls.raw_present(root):
                 raise cls.missing(root)
-        save_prepared(cls.build(cfg, root, progress), path, cfg)
+        try:
+            data = cls.build(cfg, root, progress)
+        except (KeyError, IndexError, TypeError, ValueError) as e:  # a native file not as expected
+            raise FpbenchError(
+                f"malformed {cls.name} files under {cls.raw_dir(root)}: {type(e).__name__}: {e}"
+            ) from None
+        save_prepared(data, path, cfg)
         return path
 
     @classmethod
@@ -152,7 +159,7 @@ class RealDataset:
         root = Path(root)
         path = cls.cache_path(cfg, root)
         if not path.is_file():
-            cls.prepare(cfg, root)
+            cls.prepare(cfg, root, progress=report)  # shown by `fpbench run` as it goes
         return load_prepared(path)
 
 
@@ -228,9 +235,34 @@ def _check_consistent(data: ImageDataset) -> None:
 
 
 def read_pickle(path: Path) -> Any:
-    """A Python-2-era pickle (CIFAR batches, FedBN lists) with byte strings kept as bytes."""
-    with open(path, "rb") as f:
-        return pickle.load(f, encoding="bytes")
+    """A pickle as the mirrors ship it: Python 2's (byte-string keys, kept as bytes) or 3's.
+
+    Raises:
+        FpbenchError: naming the file, when it cannot be read or is not a pickle.
+    """
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f, encoding="bytes")
+    except Exception as e:  # truncated, not a pickle, unknown classes: one line with the file
+        raise FpbenchError(f"malformed dataset file {path}: not a readable pickle ({e})") from None
+
+
+def pickle_field(record: Any, key: str, path: Path) -> Any:
+    """`record[key]` of a pickled dict whose keys are bytes (Python 2) or str (Python 3)."""
+    if not isinstance(record, dict):
+        raise FpbenchError(
+            f"malformed dataset file {path}: expected a pickled dict, got {type(record).__name__}"
+        )
+    for k in (key, key.encode()):
+        if k in record:
+            return record[k]
+    have = ", ".join(sorted(k.decode() if isinstance(k, bytes) else str(k) for k in record))
+    raise FpbenchError(f"malformed dataset file {path}: no {key!r} entry (it has: {have})")
+
+
+def text(value: Any) -> str:
+    """A pickled name as str, whether Python 2 stored it as bytes or Python 3 as str."""
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def hwc_to_chw(images: np.ndarray) -> torch.Tensor:

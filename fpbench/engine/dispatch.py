@@ -165,6 +165,10 @@ class _QueueObserver(Observer):
     def round_end(self, cfg: RunConfig, round_idx: int, metrics: dict[str, float]) -> None:
         self.events.put(("round", cfg.run_key, round_idx, metrics))
 
+    def stage(self, cfg: RunConfig | None, what: str, done: int, total: int) -> None:
+        if cfg is not None:
+            self.events.put(("stage", cfg.run_key, done, {"what": what, "total": total}))
+
 
 def run_one(
     cfg: RunConfig,
@@ -274,6 +278,7 @@ def forward_events(events: Any, by_key: dict[str, RunConfig], observer: Observer
     handlers: dict[str, Callable[..., None]] = {
         "start": lambda cfg, r, _m: observer.cell_start(cfg, r),
         "round": observer.round_end,
+        "stage": lambda cfg, done, m: observer.stage(cfg, m["what"], done, m["total"]),
     }
     while True:
         try:

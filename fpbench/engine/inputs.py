@@ -23,6 +23,7 @@ from fpbench.engine.augment import augment
 from fpbench.engine.task import Task
 from fpbench.methods.base import Method
 from fpbench.specs import Augment
+from fpbench.stages import report
 
 
 class FeatureCache:
@@ -58,13 +59,20 @@ def backbone_fingerprint(backbone: PromptedViT) -> str:
 
 @torch.no_grad()
 def _batched(
-    fn: Callable[[Tensor], Tensor], backbone: PromptedViT, images: Tensor, batch_size: int
+    fn: Callable[[Tensor], Tensor],
+    backbone: PromptedViT,
+    images: Tensor,
+    batch_size: int,
+    what: str = "frozen pass",
 ) -> Tensor:
-    """fn over preprocessed uint8 images, in batches: (N, dq) fp32 ((0, d) for no images)."""
-    out = [
-        fn(backbone.preprocess(images[i : i + batch_size])).float()
-        for i in range(0, len(images), batch_size)
-    ]
+    """fn over preprocessed uint8 images, in batches: (N, dq) fp32 ((0, d) for no images).
+
+    Reports its progress in images as stage `what` (`fpbench.engine.stages`)."""
+    out = []
+    report(what, 0, len(images))
+    for i in range(0, len(images), batch_size):
+        out.append(fn(backbone.preprocess(images[i : i + batch_size])).float())
+        report(what, min(i + batch_size, len(images)), len(images))
     return torch.cat(out) if out else images.new_zeros(0, backbone.embed_dim).float()
 
 
@@ -94,7 +102,9 @@ class Inputs:
             return {
                 split: cache.get(
                     f"{base}-{kind}-{split}",
-                    lambda im=images: _batched(fn, backbone, im, batch_size),
+                    lambda im=images, s=split: _batched(
+                        fn, backbone, im, batch_size, f"frozen {kind} features ({s} split)"
+                    ),
                     device,
                 )
                 for split, images in (("train", data.train_images), ("test", data.test_images))

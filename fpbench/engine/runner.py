@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 import fpbench
+from fpbench import stages
 from fpbench.backbones import create_backbone
 from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.evaluate import evaluate
@@ -55,7 +56,11 @@ class Observer:
         """A cell starts training at `start_round` (> 0 when resumed)."""
 
     def round_end(self, cfg: RunConfig, round_idx: int, metrics: dict[str, float]) -> None:
-        """A round is stored; `metrics` are its aggregates if it was evaluated."""
+        """A round is stored; `metrics` are its aggregates and `loss_train` if it was evaluated."""
+
+    def stage(self, cfg: RunConfig | None, what: str, done: int, total: int) -> None:
+        """Long work outside the rounds (data preparation, a frozen pass): `done` of `total`
+        steps, 0 when it starts and `total` when it ends; `cfg` None for suite-wide work."""
 
     def cell_end(self, result: CellResult) -> None:
         """A cell finished, was skipped or failed."""
@@ -182,9 +187,14 @@ def run_cell(
         return CellResult(cfg, "skipped", "claimed by another driver")
     device = resolve_device(cfg.runtime.device)
     torch.manual_seed(derive_seed(cfg.seed, "torch"))
+    observer = observer or Observer()
     try:
-        task = build_task(cfg, device)
-        groups = build_groups(cfg, task, device, cache)
+        on_stage = getattr(observer, "stage", Observer().stage)  # duck-typed observers may lack it
+        with stages.reporting(lambda what, done, total: on_stage(cfg, what, done, total)):
+            stages.report("preparing data", 0, 1)
+            task = build_task(cfg, device)
+            stages.report("preparing data", 1, 1)
+            groups = build_groups(cfg, task, device, cache)
     except Exception as e:
         if not isinstance(e, FpbenchError):  # a crash (a bug, out of memory) is recorded
             record = record or _create_record(cfg, store, device)
@@ -196,7 +206,6 @@ def run_cell(
         return CellResult(cfg, "skipped", "claimed by another driver")
     try:
         with store.keep_alive(record.id, owner, claim_timeout / 4):
-            observer = observer or Observer()
             elapsed = _rounds(cfg, groups, task, store, record.id, checkpoint_dir, observer, owner)
     except ClaimLost as e:
         return CellResult(cfg, "skipped", str(e))
@@ -320,7 +329,9 @@ def _rounds(
         store.write_round(run_id, r, wall_s=wall, metrics=rows, owner=owner, **scalars)
         ckpt = ckpt_io.Checkpoint(cfg.run_key, r, server, ckpt.history, ckpt.elapsed_s + wall)
         ckpt_io.save(path, ckpt)
-        observer.round_end(cfg, r, ckpt.history[-1] if should_eval(r, cfg.train) else {})
+        evaluated = should_eval(r, cfg.train)
+        metrics = {**ckpt.history[-1], "loss_train": scalars["loss_train"]} if evaluated else {}
+        observer.round_end(cfg, r, metrics)
     return ckpt.elapsed_s
 
 

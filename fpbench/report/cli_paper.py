@@ -31,7 +31,9 @@ OutOpt = Annotated[
 MetricOpt = Annotated[str, typer.Option(help="metric on the value axis")]
 
 
-def paper_renderables(db: str, paper: str, table: int | None, fmt: str) -> list[Any]:
+def paper_renderables(
+    db: str, paper: str, table: int | None, fmt: str, width: int | None = None
+) -> list[Any]:
     """Each requested table of `paper`, filled from `db` (an absent database fills nothing)."""
     import pandas as pd
 
@@ -47,18 +49,18 @@ def paper_renderables(db: str, paper: str, table: int | None, fmt: str) -> list[
     else:
         with open_store(db) as store:
             results = load_results(store, suites)
-    return [render(filled, fmt) for filled in fill_paper(spec, results, table)]
+    return [render(filled, fmt, width) for filled in fill_paper(spec, results, table)]
 
 
 def show_paper_tables(db: str, paper: str, table: int | None, fmt: str, out: Path | None) -> None:
     """Print the paper's tables (or write them to `out`): fpbench's values beside the paper's."""
     from rich.console import Console
 
-    parts = paper_renderables(db, paper, table, fmt)
+    target = Console(record=True, width=220) if out else console
+    parts = paper_renderables(db, paper, table, fmt, target.width)  # term: fit the terminal
     if fmt != "term":
         write_or_print("\n".join(parts), out)
         return
-    target = Console(record=True, width=220) if out else console
     for part in parts:
         target.print(part)
     if out:

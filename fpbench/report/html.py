@@ -157,7 +157,8 @@ def _tables(metrics: pd.DataFrame, suite: str) -> list[str]:
         table = summary_table(metrics, [metric], suite=suite)
         table.columns = [" / ".join(str(x) for x in col[:-1]) for col in table.columns]
         parts.append(f"<h3>{_esc(plots.axis_label(metric))}</h3>")
-        parts.append(table.to_html(classes="summary", border=0, escape=True))
+        # the row labels as a first column: one header row, as in the terminal table
+        parts.append(table.reset_index().to_html(index=False, classes="summary", border=0))
     return parts or [_note("no summary metrics stored", "missing")]
 
 

@@ -31,8 +31,9 @@ import tomllib
 
 from fpbench.errors import FpbenchError
 from fpbench.report.tables import final_values, is_percent
+from fpbench.shipped import shipped_dir
 
-PAPERS_DIR = Path(__file__).resolve().parent.parent.parent / "benchmarks" / "papers"
+PAPERS_DIR = shipped_dir() / "papers"
 EMPTY = frozenset({"", "-", "–", "—", "NA", "N/A", "n/a"})
 SELECT = ("suite", "method", "dataset", "partition")
 DERIVED = ("rounds_to_target", "wall_s_to_target", "bytes_to_target", "params_to_target")

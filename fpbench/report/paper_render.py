@@ -1,7 +1,8 @@
 """Render filled paper tables (`fpbench.report.paper`) to the terminal, Markdown, CSV or LaTeX.
 
 Every cell shows fpbench's value (mean ± std over seeds) beside the paper's value and the
-difference; a cell without runs names the suite and cell that would fill it. Best and second
+difference; a cell without runs names the suite and cell that would fill it (in the terminal,
+once under the table). Best and second
 best values (per column, or per row where the paper ranks methods along a row) are bold and
 underlined, for fpbench's values and for the paper's.
 """
@@ -50,13 +51,19 @@ def paper_text(cell: Cell) -> str:
     return DASH if cell.reported.empty else cell.reported.text
 
 
-def render(filled: FilledTable, fmt: str) -> Any:
-    """A rich Table for "term", else a string (Markdown, CSV, LaTeX).
+def render(filled: FilledTable, fmt: str, width: int | None = None) -> Any:
+    """A rich renderable for "term" (fitting `width` columns, default 80), else a string
+    (Markdown, CSV, LaTeX).
 
     Raises:
         FpbenchError: unknown `fmt`.
     """
-    renderers = {"term": to_rich, "md": to_markdown, "csv": to_csv, "latex": to_latex}
+    renderers = {
+        "term": lambda f: to_rich(f, width),
+        "md": to_markdown,
+        "csv": to_csv,
+        "latex": to_latex,
+    }
     if fmt not in renderers:
         raise FpbenchError(f"unknown table format {fmt!r}; choose one of {', '.join(FORMATS)}")
     return renderers[fmt](filled)
@@ -75,35 +82,11 @@ def footer(filled: FilledTable) -> list[str]:
 # -- terminal ------------------------------------------------------------------------------------
 
 
-def _rich_mark(text: str, mark: str) -> str:
-    return {"best": f"[bold]{text}[/bold]", "second": f"[underline]{text}[/underline]"}.get(
-        mark, text
-    )
+def to_rich(filled: FilledTable, width: int | None = None) -> Any:
+    """A rich renderable at most `width` columns wide (`fpbench.report.paper_term`)."""
+    from fpbench.report.paper_term import to_terminal
 
-
-def _rich_cell(cell: Cell) -> str:
-    from rich.markup import escape
-
-    paper = _rich_mark(escape(paper_text(cell)), cell.paper_mark)
-    if cell.mean is None:
-        return f"[dim]{DASH}[/dim]\npaper {paper}\n[dim]{escape(cell.hint())}[/dim]"
-    color = "green" if cell.diff is not None and abs(cell.diff) <= CLOSE else "yellow"
-    diff = f" [{color}]Δ {diff_text(cell)}[/{color}]" if cell.diff is not None else ""
-    return f"{_rich_mark(escape(ours_text(cell)), cell.mark)}\n[dim]paper[/dim] {paper}{diff}"
-
-
-def to_rich(filled: FilledTable) -> Any:
-    """A rich Table: column headers carry their group path, cells three short lines."""
-    from rich.table import Table
-
-    t = filled.table
-    out = Table(title=filled.title, caption="\n".join(footer(filled)), show_lines=True)
-    out.add_column(t.row_title or "")
-    for col in t.columns:
-        out.add_column("\n".join([*col.group, col.label]), justify="right")
-    for row in t.rows:
-        out.add_row(row.label, *[_rich_cell(filled.cell(row.key, c.key)) for c in t.columns])
-    return out
+    return to_terminal(filled, width or 80)
 
 
 # -- markdown --------------------------------------------------------------------------------------

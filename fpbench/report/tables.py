@@ -134,14 +134,24 @@ def _stats(
 
 
 def format_cell(mean: float, std: float, n: int, metric: str) -> str:
-    """'83.41 ± 0.52' for accuracies (percent); the std is omitted for a single run."""
+    """'83.41 ± 0.52' for accuracies (percent); the std is omitted for a single run.
+
+    Other metrics print whole numbers as integers (`params_trainable` 2580, not 2580.00).
+    """
     if pd.isna(mean):
         return MISSING
-    scale = 100.0 if is_percent(metric) else 1.0
-    text = f"{mean * scale:.2f}"
+    percent = is_percent(metric)
+    scale = 100.0 if percent else 1.0
+    text = _number(mean * scale, percent)
     if n > 1 and not pd.isna(std):
-        text += f" ± {std * scale:.2f}"
+        text += f" ± {_number(std * scale, percent)}"
     return text
+
+
+def _number(value: float, percent: bool) -> str:
+    if not percent and float(value).is_integer():
+        return f"{int(value)}"
+    return f"{value:.2f}"
 
 
 def summary_table(
