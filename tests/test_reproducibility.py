@@ -156,7 +156,7 @@ def test_kill_9_then_resume_equals_uninterrupted(workdir, reference, kill, store
 def test_executors_store_what_the_serial_run_stores(workdir, reference, executor):
     if "submitit-local" in executor:
         pytest.importorskip("submitit")
-    db = f"{executor[-3]}.db".lstrip("-")
+    db = "submitit.db" if "submitit-local" in executor else "jobs.db"
     result = _cli(workdir, *executor, "--db", db, "--job-dir", "jobs")
     assert result.returncode == 0, result.stdout + result.stderr
     got, want = _rows(workdir / db), _rows(reference)
