@@ -138,6 +138,14 @@ def run(
     client_executor: Annotated[
         str | None, typer.Option(help="client training: lockstep or reference")
     ] = None,
+    deterministic: Annotated[
+        bool | None,
+        typer.Option(
+            "--deterministic/--no-deterministic",
+            help="deterministic kernels (default: the suite's runtime.deterministic, on): "
+            "bit-identical results across processes, resumes and executors; off is faster",
+        ),
+    ] = None,
     jobs: Annotated[
         int, typer.Option(min=1, help="cells at once (worker processes; SLURM array parallelism)")
     ] = 1,
@@ -186,7 +194,8 @@ def run(
         os.environ["FPBENCH_DATA"] = str(data_root.expanduser().absolute())
     if executor in ("lockstep", "reference"):  # the option's meaning before cell executors
         executor, client_executor = "local", client_executor or executor
-    runtime = {k: v for k, v in {"device": device, "executor": client_executor}.items() if v}
+    given = {"device": device, "executor": client_executor, "deterministic": deterministic}
+    runtime = {k: v for k, v in given.items() if v is not None}
     if client_executor and client_executor not in ("lockstep", "reference"):
         raise FpbenchError(
             f"--client-executor must be lockstep or reference, got {client_executor!r}"

@@ -124,6 +124,12 @@ class RuntimeConfig(_Strict):
     compile: bool = Field(False, description="torch.compile the backbone's blocks")
     cache_features: bool = Field(True, description="compute frozen features once (head-tune)")
     feature_cache_dir: str | None = Field(None, description="also keep them on disk here")
+    deterministic: bool = Field(
+        True,
+        description="deterministic kernels: results bit-identical across processes, resumes and "
+        "executors on one machine; false is faster and may differ in the last bits, which "
+        "training amplifies (see fpbench.determinism)",
+    )
 
 
 class Component(_Strict):

@@ -281,7 +281,9 @@ def test_sigkill_at_any_point_then_rerun_gives_identical_rows(tmp_path, uninterr
     assert store.last_round(record.id) == expected_last
     # the same command again: the dead owner's claim is taken over, the run resumes
     assert run_cell(cfg, store, checkpoint_dir=ck).status == "done"
-    pd.testing.assert_frame_equal(_results(store), uninterrupted)  # nothing missing or doubled
+    pd.testing.assert_frame_equal(
+        _results(store), uninterrupted, check_exact=True
+    )  # nothing missing or doubled
     assert store.rounds(record.id)["round"].tolist() == list(range(KILL_ROUNDS))
 
 
@@ -314,7 +316,7 @@ def test_jobs_2_runs_cells_in_worker_processes_like_a_serial_run(workdir, serial
     assert result.exit_code == 0, result.output
     assert "2 run, 0 already done, 0 failed" in result.output
     store = _sqlite(workdir / "p.db")
-    pd.testing.assert_frame_equal(_results(store), serial[1])
+    pd.testing.assert_frame_equal(_results(store), serial[1], check_exact=True)
     assert set(store.runs()["status"]) == {"done"}
     assert not list((workdir / "results" / "checkpoints").glob("*.pt"))
     again = runner.invoke(app, ["run", "--suite", "tiny", "--jobs", "2", "--db", "p.db"])
@@ -330,7 +332,7 @@ def test_per_cell_databases_hold_one_run_each(tmp_path, serial):
         store = _sqlite(tmp_path / f"cell-{cfg.run_key}.db")
         assert store.runs()["run_key"].tolist() == [cfg.run_key]
         expected = rows[rows["run_key"] == cfg.run_key].reset_index(drop=True)
-        pd.testing.assert_frame_equal(_results(store), expected)
+        pd.testing.assert_frame_equal(_results(store), expected, check_exact=True)
 
 
 def test_submitit_local_executor_matches_serial(tmp_path, serial):
@@ -341,7 +343,7 @@ def test_submitit_local_executor_matches_serial(tmp_path, serial):
     dispatch = Dispatch(executor="submitit-local", jobs=2, folder=tmp_path / "jobs")
     results = run_cells(cells, url, checkpoint_dir=tmp_path / "ck", dispatch=dispatch)
     assert [r.status for r in results] == ["done", "done"], results
-    pd.testing.assert_frame_equal(_results(_sqlite(tmp_path / "s.db")), rows)
+    pd.testing.assert_frame_equal(_results(_sqlite(tmp_path / "s.db")), rows, check_exact=True)
 
 
 @pytest.mark.slow
@@ -353,7 +355,7 @@ def test_ray_executor_matches_serial(tmp_path, serial):
     dispatch = Dispatch(executor="ray", jobs=2)
     results = run_cells(cells, url, checkpoint_dir=tmp_path / "ck", dispatch=dispatch)
     assert [r.status for r in results] == ["done", "done"], results
-    pd.testing.assert_frame_equal(_results(_sqlite(tmp_path / "r.db")), rows)
+    pd.testing.assert_frame_equal(_results(_sqlite(tmp_path / "r.db")), rows, check_exact=True)
 
 
 def test_unknown_executor_and_missing_engine_are_user_errors(workdir, monkeypatch):
@@ -400,7 +402,7 @@ def test_postgres_claims_race_and_workers_write_concurrently(pg_url, serial, tmp
     assert [r.status for r in results] == ["done"] * 4
     got = _results(store)
     pd.testing.assert_frame_equal(
-        got[got["run_key"].isin(rows["run_key"])].reset_index(drop=True), rows
+        got[got["run_key"].isin(rows["run_key"])].reset_index(drop=True), rows, check_exact=True
     )
     runs = store.runs().set_index("run_key")
     for cfg in more:
@@ -447,4 +449,6 @@ def test_sigkill_of_a_jobs_worker_then_rerun_matches_serial(workdir):
     cells = list(expand_suite(tomllib.loads(suite), name="tiny").cells)
     serial = _sqlite(workdir / "serial.db")
     run_suite(cells, serial, checkpoint_dir=workdir / "serial-ck")
-    pd.testing.assert_frame_equal(_results(_sqlite(workdir / "k.db")), _results(serial))
+    pd.testing.assert_frame_equal(
+        _results(_sqlite(workdir / "k.db")), _results(serial), check_exact=True
+    )

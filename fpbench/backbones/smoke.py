@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from fpbench.backbones.vit import preprocess_images
+from fpbench.determinism import deterministic
 from fpbench.errors import FpbenchError
 
 SMOKE_TIMM_NAME = "test_vit"
@@ -173,7 +174,7 @@ def _save_atomic(state_dict: dict[str, torch.Tensor], path: Path) -> None:
 def pretrain(recipe: SmokeRecipe, progress: Progress | None = None) -> dict[str, torch.Tensor]:
     """Train the recipe's ViT + linear head; return the backbone state_dict (no head)."""
     images, labels = _pretraining_data(recipe)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), deterministic(True):  # the same file everywhere
         torch.manual_seed(recipe.torch_seed)
         model = timm.create_model(recipe.timm_name, num_classes=recipe.num_classes, **recipe.arch)
         _train(model, images, labels, recipe, progress)

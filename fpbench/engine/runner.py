@@ -16,6 +16,7 @@ import torch
 import fpbench
 from fpbench import stages
 from fpbench.backbones import create_backbone
+from fpbench.determinism import deterministic
 from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.evaluate import evaluate
 from fpbench.engine.executor import LocalResult, concat_results, derive_seed, train_clients
@@ -179,7 +180,24 @@ def run_cell(
 
     The cell is claimed atomically first (see `fpbench.store.claims`): a cell another live
     driver is running is skipped, and a claim silent for `claim_timeout` seconds is taken over.
+    It computes in deterministic mode unless `runtime.deterministic` is off (see
+    `fpbench.determinism`); every executor comes through here.
+
+    Raises:
+        FpbenchError: missing data or weights, or an op with no deterministic kernel.
     """
+    with deterministic(cfg.runtime.deterministic):
+        return _run_cell(cfg, store, checkpoint_dir, observer, cache, claim_timeout)
+
+
+def _run_cell(
+    cfg: RunConfig,
+    store: Store,
+    checkpoint_dir: Path,
+    observer: Observer | None,
+    cache: FeatureCache | None,
+    claim_timeout: float,
+) -> CellResult:
     record = store.find_run(cfg.run_key)
     if record is not None and record.status == "done":
         return CellResult(cfg, "skipped")

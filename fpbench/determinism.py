@@ -1,0 +1,63 @@
+"""Deterministic mode (`runtime.deterministic`): a cell's numbers follow from its config and seed.
+
+Every executor reaches `run_cell`, which trains inside `deterministic(cfg.runtime.deterministic)`.
+On, it selects PyTorch's deterministic kernels and raises where an op has none (named in an
+`FpbenchError`); the CUDA settings those kernels need come with it. What the mode fixes here:
+the backward of per-sample gathers (`params[name][client_index]`, the seam every method uses) and
+`index_put_(accumulate=True)` accumulate with atomic adds in parallel on CPU, in an order that
+depends on thread scheduling; with the mode they accumulate in a fixed order. On CUDA it also
+fixes `index_add_` / `scatter_add_`, cuBLAS's workspace split and cuDNN's algorithm choice.
+
+The rest of the engine needs nothing: every seed is derived from the config (no clock, no
+global RNG left unseeded), dicts iterate in insertion order, sets are only tested for
+membership, and no DataLoader workers are used.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from fpbench.errors import FpbenchError
+
+CUBLAS_WORKSPACE = ":4096:8"  # what cuBLAS needs to pick one reduction order (CUDA >= 10.2)
+_NO_KERNEL = re.compile(r"^(\S+) does not have a deterministic implementation")
+
+
+@contextmanager
+def deterministic(on: bool) -> Iterator[None]:
+    """PyTorch's deterministic algorithms on (or off) for the block; the old state comes back."""
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
+    if on:
+        # read by cuBLAS when it creates its handle, i.e. before CUDA's first matmul
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(on, warn_only=False)
+    torch.backends.cudnn.deterministic = on
+    torch.backends.cudnn.benchmark = False if on else before[3]
+    try:
+        yield
+    except RuntimeError as e:
+        if on and (op := nondeterministic_op(e)) is not None:
+            raise FpbenchError(
+                f"{op} has no deterministic implementation on this device; set "
+                "runtime.deterministic = false (fpbench run --no-deterministic) to run it anyway"
+            ) from e
+        raise
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2:]
+
+
+def nondeterministic_op(e: BaseException) -> str | None:
+    """The op PyTorch names when deterministic mode meets a kernel without such a version."""
+    match = _NO_KERNEL.match(str(e))
+    return match.group(1) if match else None
