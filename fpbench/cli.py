@@ -82,7 +82,8 @@ def _select_cells(suite, methods: list[str] | None, seeds: list[int] | None):
 
 
 class _ProgressObserver:
-    """Rich progress: one bar over the suite's cells, one over the current cell's rounds.
+    """Rich progress: one bar over the suite's cells, one over the current cell's rounds, one
+    over each frozen pass while it runs.
 
     Implements `fpbench.engine.runner.Observer` (not subclassed, to keep `--help` free of torch).
     """
@@ -91,6 +92,7 @@ class _ProgressObserver:
         self.progress = progress
         self.cells = progress.add_task("cells", total=total_cells)
         self.rounds: dict[str, Any] = {}  # run_key -> rounds bar (several with --jobs)
+        self.frozen: dict[tuple[str, str], Any] = {}  # (run_key, what) -> a frozen pass's bar
 
     def cell_start(self, cfg, start_round: int) -> None:
         label = f"{cfg.method.label} / {cfg.dataset.label} / {cfg.partition.label} / s{cfg.seed}"
@@ -106,6 +108,14 @@ class _ProgressObserver:
         if (bar := self.rounds.pop(result.cfg.run_key, None)) is not None:
             self.progress.remove_task(bar)
         self.progress.advance(self.cells)
+
+    def frozen_progress(self, cfg, what: str, done: int, total: int) -> None:
+        key = (cfg.run_key, what)
+        if key not in self.frozen:
+            self.frozen[key] = self.progress.add_task(f"    frozen {what}", total=total)
+        self.progress.update(self.frozen[key], completed=done, total=total)
+        if done >= total:
+            self.progress.remove_task(self.frozen.pop(key))
 
 
 @app.command()

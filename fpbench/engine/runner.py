@@ -58,6 +58,9 @@ class Observer:
     def cell_end(self, result: CellResult) -> None:
         """A cell finished, was skipped or failed."""
 
+    def frozen_progress(self, cfg: RunConfig, what: str, done: int, total: int) -> None:
+        """A frozen pass (features or queries of `what`) has computed `done` of `total`."""
+
 
 class NonFiniteLoss(RuntimeError):
     """Local training produced a NaN or infinite loss: the cell fails (its error is stored)."""
@@ -304,6 +307,8 @@ def _rounds(
         ckpt = ckpt_io.Checkpoint(cfg.run_key, -1, pack(servers), [], 0.0)
     store.truncate_after(run_id, ckpt.round)
     observer.cell_start(cfg, ckpt.round + 1)
+    for g in groups:
+        g.inputs.on_progress(lambda what, d, t: observer.frozen_progress(cfg, what, d, t))
     schedule = sampling_schedule(
         cfg.seed, cfg.train.rounds, task.trainable_clients(), cfg.train.participation
     )
