@@ -497,11 +497,13 @@ def bench_cmd(
 
 
 def _register_commands() -> None:
+    from fpbench.estimate_cli import register as register_estimate
     from fpbench.report.cli_paper import register_plot_commands
     from fpbench.report.cli_report import register_report_commands
 
     register_plot_commands(plot_app)
     register_report_commands(app, plot_app)
+    register_estimate(app)
 
 
 _register_commands()

@@ -52,8 +52,12 @@ def load_dataset(comp: Component) -> ImageDataset:
 
 def build_task(cfg: RunConfig, device: torch.device) -> Task:
     """Load (or reuse) the dataset, partition it, and move images and indices to `device`."""
-    data = load_dataset(cfg.dataset)
-    clients = make_clients(cfg.partition.name, cfg.partition.args, data, seed=cfg.seed)
+    return task_of(load_dataset(cfg.dataset), cfg.partition, cfg.seed, device)
+
+
+def task_of(data: ImageDataset, partition: Component, seed: int, device: torch.device) -> Task:
+    """Partition `data` with `partition` and move images and indices to `device`."""
+    clients = make_clients(partition.name, partition.args, data, seed=seed)
     on_device = dataclasses.replace(
         data,
         train_images=data.train_images.to(device),
