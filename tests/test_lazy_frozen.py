@@ -106,9 +106,12 @@ def test_disk_cache_serves_another_process_without_computing(tmp_path, tiny, for
     computed = sum(forwards.values())
     assert computed == len(task.train_idx[a])
     again = Inputs.of(method, task, FeatureCache(tmp_path), batch_size=16)  # as a new process
+    events: list[tuple[str, int, int]] = []
+    again.on_progress(lambda what, done, total: events.append((what, done, total)))
     idx = task.train_idx[a]
     assert torch.equal(again.query("train", idx), first.query("train", idx))
     assert sum(forwards.values()) == computed  # read from disk
+    assert events == [("query-sgpt-block1-relu (train)", len(idx), len(idx))]  # the bar ends
     again.query("train", task.train_idx[b])  # b was never computed: computed now, b only
     assert sum(forwards.values()) == computed + len(task.train_idx[b])
 

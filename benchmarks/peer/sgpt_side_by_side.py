@@ -103,7 +103,8 @@ Path(out).write_text(json.dumps({"status": result.status, "total_s": total, "rou
 
 
 def run(cmd: list[str], **kw) -> None:
-    print("$", " ".join(str(c) for c in cmd), file=sys.stderr, flush=True)
+    shown = ["<fpbench side>" if "\n" in str(c) else str(c) for c in cmd]
+    print("$", " ".join(shown), file=sys.stderr, flush=True)
     subprocess.run([str(c) for c in cmd], check=True, **kw)
 
 

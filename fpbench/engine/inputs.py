@@ -161,6 +161,8 @@ class FrozenSplit:
             key = f"{self.key}-u{tag:016x}"
             compute = lambda u=unit: self._compute(u, done, total)  # noqa: E731
             self.store.put(unit, self.cache.unit(key, compute, self.owner.device), tag)
+        if self.progress is not None and done[0] < total:  # some units came from disk
+            self.progress(self.what, total, total)
         for unit in need:
             self.ready[unit] = True
 
