@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from collections import Counter
 
 import pytest
@@ -126,3 +127,19 @@ def test_frozen_passes_report_progress(tiny) -> None:
     n = sum(len(task.train_idx[c]) for c in ids)
     assert events[-1] == ("query-sgpt-block1-relu (train)", n, n)
     assert [d for _, d, _ in events] == sorted(d for _, d, _ in events)  # one pass, rising
+
+
+def test_fpbench_run_shows_a_bar_per_frozen_pass_while_it_runs() -> None:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from fpbench.cli import _ProgressObserver
+
+    cfg = tiny_config("sgpt")
+    with Progress(console=Console(file=io.StringIO())) as progress:
+        observer = _ProgressObserver(progress, 1)
+        observer.frozen_progress(cfg, "query (train)", 16, 40)
+        (bar,) = [t for t in progress.tasks if "frozen query (train)" in t.description]
+        assert (bar.completed, bar.total) == (16, 40)
+        observer.frozen_progress(cfg, "query (train)", 40, 40)
+        assert not [t for t in progress.tasks if "frozen" in t.description]  # gone when done
