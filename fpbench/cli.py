@@ -176,6 +176,7 @@ def run(
     from fpbench.data.prepared import data_root as data_root_of
     from fpbench.data.prepared import require_present
     from fpbench.engine.dispatch import CELL_KEY, Dispatch, run_cells, validate
+    from fpbench.methods.gpt_fl import require_generated
     from fpbench.specs import load_suite
     from fpbench.store import Store
 
@@ -195,6 +196,7 @@ def run(
         _print_cells(loaded.name, cells, db)
         return
     require_present([c.dataset.name for c in cells], data_root_of())  # before anything is written
+    require_generated(cells)  # GPT-FL's generated images, likewise
     url = Store.url_from_path_or_url(db if "://" in db else Path(db).absolute())
     dispatch = Dispatch(
         executor=executor,
@@ -409,13 +411,28 @@ def table(
     table_no: Annotated[
         int | None, typer.Option("--table", help="only this table of --paper")
     ] = None,
+    deviations: Annotated[
+        bool,
+        typer.Option(
+            "--deviations", help="with --paper: list where fpbench's protocol departs from it"
+        ),
+    ] = False,
 ) -> None:
     """Mean +- std over seeds of each method's final metrics (mean of the last 10 evals).
 
     With --paper: the paper's tables in its layout, fpbench's values beside the paper's.
+    With --paper --deviations: every declared deviation from the paper's protocol (table(s),
+    cells, config path, the paper's value and source, what fpbench runs, and why).
     """
     from fpbench.report.tables import render, summary_table
 
+    if deviations:
+        if not paper:
+            raise FpbenchError("--deviations needs --paper NAME")
+        from fpbench.report.cli_paper import show_deviations
+
+        show_deviations(paper, fmt.value, out)
+        return
     if paper:
         from fpbench.report.cli_paper import show_paper_tables
 

@@ -97,7 +97,19 @@ class TrainConfig(_Strict):
     max_local_steps: int | None = Field(
         None, ge=1, description="cap on a client's optimiser steps per round (all epochs)"
     )
+    unseen_clients: Literal["exclude", "score"] = Field(
+        "exclude",
+        description="personal methods' participating clients not yet sampled in any round: "
+        "exclude them from local metrics (their count is `clients_untrained`) or score them "
+        "with their untrained personal parameters",
+    )
     augment: Augment = Field(Augment(), description="training augmentation, on the device")
+    aggregation_weights: Literal["train_size", "domain_size"] = Field(
+        "train_size",
+        description="FedAvg client weights: the client's train size, or its domain's full "
+        "train-list size shared equally by the domain's clients (SGPT reference code on "
+        "Office-Caltech10 / DomainNet, whose clients train on a subset)",
+    )
 
 
 class RuntimeConfig(_Strict):
@@ -156,7 +168,9 @@ _LATER_FIELDS: dict[tuple[str, str], Any] = {
     ("backbone", "mean"): None,
     ("backbone", "std"): None,
     ("train", "max_local_steps"): None,
+    ("train", "unseen_clients"): "score",  # the behaviour before the field existed
     ("train", "augment"): Augment().model_dump(mode="json"),
+    ("train", "aggregation_weights"): "train_size",
 }
 
 

@@ -51,8 +51,12 @@ name = "fedvpt"
 """
 
 
+# Method args the tiny federation needs offline (GPT-FL has no generated images here)
+OFFLINE_ARGS = {"gpt-fl": {"server_epochs": 0}}
+
+
 def tiny_config(method: str = "fedvpt", **train) -> RunConfig:
-    raw = {**TINY, "methods": [{"name": method}]}
+    raw = {**TINY, "methods": [{"name": method, **OFFLINE_ARGS.get(method, {})}]}
     raw["defaults"] = {**TINY["defaults"], "train": {**TINY["defaults"]["train"], **train}}
     if getattr(METHODS.get(method), "backbone_family", "vit") == "clip":
         raw["defaults"]["backbone"] = {"name": "clip-test"}

@@ -213,7 +213,12 @@ def test_each_sample_uses_the_e_prompt_of_its_key(tiny):
     torch.testing.assert_close(method.forward(other, x, rows, Context(training=False)), base)
     chosen = dict(params, e_prompts=params["e_prompts"].clone())
     chosen["e_prompts"][0, 3] += bump
-    assert not torch.allclose(method.forward(chosen, x, rows, Context(training=False)), base)
+    g, e = chosen["g_prompts"][0], chosen["e_prompts"][0, 3]  # the selected E-prompt, by hand
+    prompts = {b: g[i].expand(4, -1, -1) for i, b in enumerate(method.g_layers)}
+    prompts |= {b: e[i].expand(4, -1, -1) for i, b in enumerate(method.e_layers)}
+    cls = method.backbone.forward_features(x, prompts, style="deep").cls
+    expected = cls @ params["head_w"][0].T + params["head_b"][0]
+    torch.testing.assert_close(method.forward(chosen, x, rows, Context(training=False)), expected)
 
 
 def test_dualprompt_config_errors_name_the_fix(tiny):

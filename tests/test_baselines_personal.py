@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -87,8 +88,12 @@ def test_pfedhn_outputs_every_clients_prompts_and_head_and_gradients_reach_the_h
     assert used.tolist() == [i in (0, 2) for i in range(n)]  # only the clients' own embeddings
 
 
-def test_pfedhn_server_step_is_torch_sgd_on_the_delta_gradient(tiny):
+@pytest.mark.parametrize(("reduce", "divide"), [("sum", 1), ("mean", 2)])
+def test_pfedhn_server_step_is_torch_sgd_on_the_delta_gradient(tiny, reduce, divide):
+    """Default "sum": each client's delta gets the full server step (pFedHN's per-client step)."""
     _, task, method = tiny("pfedhn")
+    assert method.cfg.server_reduce == "sum"
+    method.cfg = method.cfg.model_copy(update={"server_reduce": reduce})
     server = _server(method)
     ids = torch.tensor([0, 1])
     leaves = {k: v.clone().requires_grad_() for k, v in server.params.items()}
@@ -100,7 +105,7 @@ def test_pfedhn_server_step_is_torch_sgd_on_the_delta_gradient(tiny):
         server = method.aggregate(server, trained, ids, torch.ones(2), {})
         opt.zero_grad()
         out = method.generate(leaves, ids)
-        sum(0.5 * (out[k] - trained[k]).pow(2).sum() for k in out).div(2).backward()
+        sum(0.5 * (out[k] - trained[k]).pow(2).sum() for k in out).div(divide).backward()
         opt.step()
     for k, v in leaves.items():
         torch.testing.assert_close(server.params[k], v.detach(), atol=1e-6, rtol=1e-5)

@@ -179,3 +179,21 @@ def test_missing_pretrained_weights_say_what_to_download(monkeypatch, cache, nam
     msg = str(err.value)
     assert "\n" not in msg and "download https://huggingface.co/timm/" in msg
     assert f'name = "{name}", weights = "PATH"' in msg
+
+
+@pytest.mark.parametrize("name", ["clip-test", "clip-test-rn"])
+def test_encode_image_tokens_position_0_is_encode_image(cache, name):
+    model = create_backbone(name, cache_dir=cache)
+    gen = torch.Generator().manual_seed(0)
+    size = model.img_size
+    images = torch.randint(0, 256, (3, 3, size, size), generator=gen, dtype=torch.uint8)
+    x = model.preprocess(images)
+    prompt = 0.1 * torch.randn(3, 3, size, size, generator=gen)
+    for pixels in (None, prompt):
+        tokens = model.encode_image_tokens(x, pixels)  # (B, 1 + M, E)
+        assert tokens.shape[0] == 3 and tokens.shape[1] > 1 and tokens.shape[2] == model.embed_dim
+        torch.testing.assert_close(
+            tokens[:, 0], model.encode_image(x, pixels), atol=1e-5, rtol=1e-5
+        )
+    # the local tokens are features of their own, not copies of the pooled one
+    assert (tokens[:, 1:] - tokens[:, :1]).abs().amax() > 1e-5

@@ -71,8 +71,8 @@ def test_class_sums_by_hand():
 
 
 def test_dual_head_takes_the_more_confident_head_per_sample():
-    prompt = torch.tensor([[2.0, 0.0], [0.5, 0.0], [1.0, 0.0]])
-    proto = torch.tensor([[0.0, 1.0], [0.0, 3.0], [1.0, 0.0]])  # row 2: a tie -> prompt head
+    prompt = torch.tensor([[3.0, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    proto = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 3.0], [0.0, 5.0, 0.0]])  # row 2: a tie
     out = dual_head(prompt, proto)
     assert torch.equal(out, torch.stack([prompt[0], proto[1], prompt[2]]))
 
@@ -113,7 +113,8 @@ def test_uopp_eval_uses_the_prototype_head_where_confident(tiny):
     proto_logits = (
         method.backbone.logit_scale * F.normalize(feats, dim=-1) @ server.buffers["prototypes"].T
     )
-    torch.testing.assert_close(logits, dual_head(train_logits, proto_logits))
+    valid = torch.arange(task.data.num_classes) < 3  # classes with a prototype
+    torch.testing.assert_close(logits, dual_head(train_logits, proto_logits, valid))
     loss = method.loss(params, feats, torch.arange(5) % 3, rows, Context(training=True))
     torch.testing.assert_close(loss, F.cross_entropy(train_logits, torch.arange(5) % 3,
                                                      reduction="none"))  # fmt: skip
@@ -123,11 +124,12 @@ def test_uopp_eval_uses_the_prototype_head_where_confident(tiny):
 def test_generation_weights_by_hand():
     query = torch.tensor([[1.0, 0.0]])
     cands = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    w = generation_weights(query, cands, torch.tensor([[True, True, True]]), tau=0.5)
+    # cosines 1, 0 and 1/sqrt(2) over tau 0.5: softmax(2, sqrt(2)) over the correlated two
+    a, b = math.exp(2), math.exp(2**0.5)
+    torch.testing.assert_close(w, torch.tensor([[a / (a + b), 0, b / (a + b)]]))
     w = generation_weights(query, cands, torch.tensor([[True, True, False]]), tau=0.5)
-    # cosines 1 and 0 over tau 0.5: softmax(2, 0); the third is masked out
-    torch.testing.assert_close(
-        w, torch.tensor([[1 / (1 + math.exp(-2)), 1 / (1 + math.exp(2)), 0]])
-    )
+    torch.testing.assert_close(w, torch.tensor([[1.0, 0, 0]]))  # the third is masked out
 
 
 def test_powder_generation_aggregation_and_eval(tiny):
@@ -204,11 +206,18 @@ def test_load_generated_reads_class_folders(tmp_path):
         load_generated(tmp_path, ["dog"])
 
 
-def test_gpt_fl_without_images_starts_from_coop_init(tiny):
+def test_gpt_fl_without_images_stops_with_one_line_and_opts_out_with_zero_epochs(tiny):
     _, _, method = tiny("gpt-fl")
     _, _, promptfl = tiny("promptfl")
-    assert method.cfg.synthetic_dir is None
+    assert method.cfg.server_epochs == 0  # the offline opt-out: PromptFL from CoOp's init
     torch.testing.assert_close(_server(method).params["ctx"], _server(promptfl).params["ctx"])
+    method.cfg = method.Config()
+    with pytest.raises(FpbenchError, match=r"^gpt-fl needs generated images: run `fpbench data "
+                       r"generate-gpt-fl synthetic --out DIR"):  # fmt: skip
+        _server(method)
+    method.cfg = method.Config(synthetic_dir="nowhere/{dataset}")
+    with pytest.raises(FpbenchError, match="in 'nowhere/synthetic': run `fpbench data generate"):
+        _server(method)
 
 
 def test_gpt_fl_pretrains_the_prompt_on_generated_images(tiny, tmp_path):
@@ -223,7 +232,9 @@ def test_gpt_fl_pretrains_the_prompt_on_generated_images(tiny, tmp_path):
         logits = method.logits(method.image_features(feats), method.text_features(ctx[None]), rows)
         return F.cross_entropy(logits, labels).item()
 
-    method.cfg = method.Config(synthetic_dir=str(tmp_path), server_epochs=5, server_lr=0.05)
+    (tmp_path / "synthetic").symlink_to(tmp_path, target_is_directory=True)
+    folder = str(tmp_path / "{dataset}")  # the cell's dataset fills it in
+    method.cfg = method.Config(synthetic_dir=folder, server_epochs=5, server_lr=0.05)
     pretrained = _server(method).params["ctx"]
     assert pretrained.shape == start.shape and loss(pretrained) < loss(start)
 

@@ -105,15 +105,33 @@ def test_atpfl_loss_adds_contrast_only_with_a_previous_prompt(tiny):
     ctx = Context(training=True, buffers=server.buffers)
     ce = F.cross_entropy(method.forward(params, x, rows, ctx), y, reduction="none")
     torch.testing.assert_close(method.loss(params, x, y, rows, ctx), ce)  # round 0: no negative
-    # previous prompt == global prompt: both InfoNCE terms are log 2 whatever z is
-    params["prev_ctx"] = server.buffers["global_ctx"].expand_as(params["ctx"]).clone()
-    params["prev_visual"] = server.buffers["global_visual_prompt"].expand(2, -1, -1).clone()
+    # previous prompt != global prompt: the global one must be the positive, the previous one
+    # the negative (the terms written out by hand, so swapping the roles fails)
+    gen = torch.Generator().manual_seed(3)
+    params["prev_ctx"] = params["ctx"] + 0.5 * torch.randn(params["ctx"].shape, generator=gen)
+    params["prev_visual"] = torch.randn(params["visual_prompt"].shape, generator=gen)
     params["has_prev"] = torch.tensor([1.0, 0.0])
-    params["ctx"] = params["ctx"] + 0.05 * torch.randn_like(params["ctx"])
+    params["ctx"] = params["ctx"] + 0.2 * torch.randn(params["ctx"].shape, generator=gen)
+    params["visual_prompt"] = 0.3 * torch.randn(params["visual_prompt"].shape, generator=gen)
     out = method.loss(params, x, y, rows, ctx)
     ce = F.cross_entropy(method.forward(params, x, rows, ctx), y, reduction="none")
-    bonus = torch.tensor([2, 2, 0, 0]) * math.log(2.0) * method.cfg.mu
-    torch.testing.assert_close(out, ce + bonus)
+    t = method.cfg.temperature
+
+    def l_con(z, glob, prev):  # -log e^(cos(z, g)/T) / (e^(cos(z, g)/T) + e^(cos(z, p)/T))
+        pos = torch.exp(F.cosine_similarity(z, glob, dim=-1) / t)
+        return -torch.log(pos / (pos + torch.exp(F.cosine_similarity(z, prev, dim=-1) / t)))
+
+    text = method.text_features(params["ctx"][:1])[0]  # client 0's class texts (C, E)
+    text_g = method.text_features(server.buffers["global_ctx"][None])[0]
+    text_p = method.text_features(params["prev_ctx"][:1])[0]
+    con_t = l_con(text, text_g, text_p).mean()
+    img = method.image_features(x[:2], params["visual_prompt"][:1].expand(2, -1, -1))
+    img_g = method.image_features(x[:2], server.buffers["global_visual_prompt"].expand(2, -1, -1))
+    img_p = method.image_features(x[:2], params["prev_visual"][:1].expand(2, -1, -1))
+    con = con_t + l_con(img, img_g, img_p)  # samples 0, 1 belong to client 0
+    expected = ce + method.cfg.mu * torch.cat([con, torch.zeros(2)])  # client 1: no previous
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert (out[:2] - ce[:2] - math.log(2.0) * method.cfg.mu * 2).abs().min() > 1e-3
 
 
 # -- SDFed's subspace refinement and losses -----------------------------------------------------
@@ -147,10 +165,23 @@ def test_stretch_and_separation_losses_by_hand():
     assert separation_loss(local, global_, 2.0).item() == pytest.approx((2 - 2**0.5 + 2) / 2)
 
 
+def _removal_projector(g: torch.Tensor, n_drop: int) -> torch.Tensor:
+    """I - (the top n_drop eigenvectors of G^T G) (m, m), computed without the SVD."""
+    _, vecs = torch.linalg.eigh(g.double().T @ g.double())  # ascending eigenvalues
+    top = vecs[:, g.shape[-1] - n_drop :]  # (m, n_drop)
+    return (torch.eye(g.shape[-1], dtype=torch.float64) - top @ top.T).float()
+
+
 def test_sdfed_loss_is_the_sum_of_eq_14(tiny):
     _, task, method = tiny("sdfed")
+    # lambda = 0.2: floor(0.2 * 32) = 6 <= S_s = 8 directions go, all in G_s's row space, so the
+    # projector is unique and an eigendecomposition of G^T G must give the same one
+    method.cfg = method.Config(lam=0.2)
     server = _server(method)
     params = method.client_params(server, torch.tensor([0, 2]))
+    gen = torch.Generator().manual_seed(5)
+    params["global_prompt"] = torch.randn(params["global_prompt"].shape, generator=gen)
+    params["local_prompt"] = torch.randn(params["local_prompt"].shape, generator=gen)
     feats = torch.randn(4, method.backbone.embed_dim)  # cached image features
     y, rows = torch.tensor([0, 1, 2, 3]), torch.tensor([0, 1, 1, 0])
     layout = method.layout(8)
@@ -160,14 +191,16 @@ def test_sdfed_loss_is_the_sum_of_eq_14(tiny):
     for i in range(4):
         k = int(rows[i])
         g, loc = params["global_prompt"][k], params["local_prompt"][k]
+        r = _removal_projector(g, 6)
+        assert (g @ r).abs().max() < 0.5 * g.abs().max()  # most of G_s is gone, not all (S > 6)
         t_g = layout.text_features(method.backbone, g[None])[0]
         t_l = layout.text_features(method.backbone, loc[None])[0]
-        t_r = layout.text_features(method.backbone, (loc @ projector(g, 0.6))[None])[0]
+        t_r = layout.text_features(method.backbone, (loc @ r)[None])[0]
         ce = sum(F.cross_entropy(scale * f[i] @ t.T, y[i]) for t in (t_g, t_l))
         reg = ((t_l - t_r) ** 2).sum(-1).mean() + F.relu(0.8 - (t_l - t_g).norm(dim=-1)).mean()
         total[i] = ce + reg
     out = method.loss(params, feats, y, rows, Context(training=True))
-    torch.testing.assert_close(out, total, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, total, atol=1e-4, rtol=1e-4)
 
 
 def test_sdfed_variable_local_lengths(tiny):
@@ -230,8 +263,12 @@ def test_sdfed_ablations(tiny, pfhf, srlp, irdc):
     logits = method.forward(params, feats, rows, Context(training=False))
     loss = method.loss(params, feats, y, rows, Context(training=True))
     ce = F.cross_entropy(logits, y, reduction="none")
-    if not pfhf:  # global prompt only
-        torch.testing.assert_close(loss, ce)
+    if not pfhf:  # global prompt only: CoOp's logits of the global prompt, built by hand
+        g = params["global_prompt"][0]
+        t_g = method.layout(8).text_features(method.backbone, g[None])[0]  # (C, E)
+        ref = method.backbone.logit_scale * F.normalize(feats, dim=-1) @ t_g.T
+        torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(loss, F.cross_entropy(ref, y, reduction="none"))
     else:  # projected local prompt at inference, CE(local) + CE(global), no regularisers
         g = params["global_prompt"][0]
         local = params["local_prompt"][0] @ projector(g, 0.6)
@@ -273,13 +310,42 @@ def test_plan_of_one_prompt_and_uniform_similarity_is_uniform():
     torch.testing.assert_close(plan, torch.full((1, 4, 1), 0.2))  # rho / M on every patch
 
 
-def test_fedotp_keeps_the_local_prompt_private(tiny):
+def test_unbalanced_plan_of_a_2x2_case_by_hand():
+    # S = I, eps = 0.5: K = [[1, k], [k, 1]] with k = e^-2; a = 1/2, b = rho / 2 = 0.4. By
+    # symmetry u and v are constant; u = min(a / ((1 + k) v), 1) reaches its cap 1 after a few
+    # steps, then v = b / (1 + k): T = K * 0.4 / (1 + k), rows sum to 0.4 <= a, columns to b
+    k = math.exp(-2.0)
+    plan = transport_plan(torch.eye(2, dtype=torch.float64)[None], 0.8, 0.5, 1e-12, 1000)
+    expected = torch.tensor([[1.0, k], [k, 1.0]], dtype=torch.float64) * 0.4 / (1 + k)
+    torch.testing.assert_close(plan[0], expected)
+    # balanced: both marginals 1/2, T = K / (2 (1 + k))
+    plan = transport_plan(torch.eye(2, dtype=torch.float64)[None], 0.8, 0.5, 1e-12, 1000, True)
+    torch.testing.assert_close(plan[0], expected / 0.4 / 2)
+
+
+def test_fedotp_local_prompt_never_leaves_the_client(tiny):
     _, task, method = tiny("fedotp")
     server = _server(method)
     assert set(server.params) == {"global_ctx"} and set(server.personal) == {"local_ctx"}
+    down, up = method.communication(server)
+    assert set(down) == set(up) == {"global_ctx"}
+    ids = torch.tensor([0, 2])
+    trained = method.client_params(server, ids)
+    trained["global_ctx"] = _constant(server.params, [1.0, 4.0])["global_ctx"]
+    trained["local_ctx"] = trained["local_ctx"] + torch.tensor([10.0, 20.0]).view(2, 1, 1)
+    new = method.aggregate(server, trained, ids, torch.tensor([30.0, 10.0]), {})
+    torch.testing.assert_close(
+        new.params["global_ctx"], torch.full_like(server.params["global_ctx"], 1.75)
+    )
+    # each participant's local prompt comes back only to its own row; the others keep theirs
+    assert torch.equal(new.personal["local_ctx"][0], trained["local_ctx"][0])
+    assert torch.equal(new.personal["local_ctx"][2], trained["local_ctx"][1])
+    for c in (1, 3):
+        assert torch.equal(new.personal["local_ctx"][c], server.personal["local_ctx"][c])
+    # and the global prompt carries nothing of the local ones (it is the weighted mean of 1 and 4)
+    params = method.client_params(new, torch.tensor([1, 2]))
+    assert torch.equal(params["local_ctx"][0], server.personal["local_ctx"][1])
     x = method.backbone.preprocess(task.data.train_images[:3])
-    params = method.client_params(server, torch.tensor([0, 1]))
     logits = method.forward(params, x, torch.tensor([0, 1, 1]), Context(training=False))
-    assert logits.shape == (3, task.data.num_classes) and torch.isfinite(logits).all()
     # the score is a sum of plan * cosine with total plan mass rho: |logit| <= scale * rho
     assert logits.abs().max() <= method.backbone.logit_scale * 0.8 + 1e-4

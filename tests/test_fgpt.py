@@ -77,7 +77,6 @@ def test_config_defaults_are_the_papers():
     assert (cfg.num_groups, cfg.shared_prompt_len, cfg.group_prompt_len) == (20, 5, 1)
     assert cfg.keys == "orthogonal" and cfg.topk == 1
     assert METHODS.get("fgpt-u").Config().topk == 5
-    assert PRESETS["table6-u2"] == {"topk": 2} and PRESETS["table4-group-random-keys"]
 
 
 def test_bad_layer_and_topk_raise(tiny):
@@ -151,8 +150,12 @@ def test_round_counts_selections_and_aggregates_by_frequency(tiny):
     torch.testing.assert_close(new.buffers["selection_counts"], counts.sum(0))
     assert method.round_metrics(server) == {}  # NaN before any round: not stored
     metrics = method.round_metrics(new)
-    assert set(metrics) == {"sim_shared", "sim_group_global", "sim_group_local"}
-    assert metrics["sim_shared"] == pytest.approx(
+    assert set(metrics) == {
+        "sim_shared_prompt",
+        "sim_group_prompt_global",
+        "sim_group_prompt_local",
+    }
+    assert metrics["sim_shared_prompt"] == pytest.approx(
         mean_pairwise_cosine(local.params["shared_prompts"]).item()
     )
     down, up = method.communication(new)
@@ -166,9 +169,9 @@ def test_prompt_similarities_of_table_11():
     group = torch.stack([torch.stack([a, a]), torch.stack([a, b])])  # (K=2, G=2, 1, d)
     counts = torch.tensor([[1.0, 2.0], [3.0, 0.0]])  # group 1: only client 0 selected it
     sims = prompt_similarities(shared, group, counts, torch.stack([a, b]))
-    assert sims["sim_shared"].item() == pytest.approx(1.0)
-    assert sims["sim_group_global"].item() == pytest.approx(0.0)
-    assert sims["sim_group_local"].item() == pytest.approx(1.0)  # group 0 only (a vs a)
+    assert sims["sim_shared_prompt"].item() == pytest.approx(1.0)
+    assert sims["sim_group_prompt_global"].item() == pytest.approx(0.0)
+    assert sims["sim_group_prompt_local"].item() == pytest.approx(1.0)  # group 0 only (a vs a)
 
 
 def test_shared_only_is_vpt_shallow(tiny):
@@ -214,11 +217,47 @@ def test_engine_cached_query_gives_the_same_training(tiny):
         torch.testing.assert_close(cached.params[k], plain.params[k])
 
 
-def test_presets_are_valid_configs():
-    for args in PRESETS.values():
-        cfg = FGPTConfig(**args)
-        assert all(getattr(cfg, k) == v for k, v in args.items())
-    assert len(PRESETS) == 13
+# The paper's ablation rows, written out from the paper (not from PRESETS): each preset must
+# resolve to exactly these settings, everything else FGPT's defaults.
+PAPER_ROWS = {
+    "table4-pt-fedavg": {"num_groups": 1},  # D.4: shared and group positions, FedAvg
+    "table4-group-random-keys": {"keys": "random"},
+    "table4-orthogonal-keys": {},
+    "table4-u-inference": {"topk": 5},
+    "table3-groups-15": {"num_groups": 15},
+    "table3-groups-20": {"num_groups": 20},
+    "table3-groups-25": {"num_groups": 25},
+    "table3-groups-30": {"num_groups": 30},
+    "table3-groups-35": {"num_groups": 35},
+    "table6-u2": {"topk": 2},
+    "table6-u5": {"topk": 5},
+    "table10-resnet50": {"select_encoder": "resnet50"},
+    "table11-shared-only": {"num_groups": 0},
+}
+
+
+def test_presets_are_the_papers_rows():
+    assert set(PRESETS) == set(PAPER_ROWS)
+    defaults = FGPTConfig().model_dump()
+    for name, row in PAPER_ROWS.items():
+        got = FGPTConfig(preset=name).model_dump()
+        assert got == {**defaults, **row, "preset": name}, name
+
+
+def test_pt_fedavg_is_fedavg_at_the_shared_and_group_positions(tiny):
+    """Table 4 / 11's PT-FedAvg: one group prompt, every sample selects it, so its aggregation
+    by selection counts is FedAvg by train size, and it still enters at FGPT's group layer."""
+    cfg, task, method = _method(tiny, preset="table4-pt-fedavg")
+    assert method.group_layer == default_layer(5, method.backbone.depth)
+    server = _server(method)
+    local = train_clients(
+        method, server, task, task.trainable_clients(), cfg.train, round_idx=0, seed=0
+    )
+    sizes = task.train_sizes[local.client_ids]
+    new = method.aggregate(server, local.params, local.client_ids, sizes, local.stats)
+    w = sizes / sizes.sum()
+    for k in ("group_prompts", "shared_prompts", "head_w"):
+        torch.testing.assert_close(new.params[k], torch.tensordot(w, local.params[k], 1))
 
 
 def test_lighter_select_encoder_from_timm(tiny):

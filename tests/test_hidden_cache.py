@@ -109,7 +109,7 @@ def _block0_samples(method, task, cfg, reuse: bool) -> int:
 
 def test_fedrep_head_epochs_run_the_backbone_once_per_sample(tiny) -> None:
     cfg, task, method = tiny("fedrep", local_epochs=2)
-    method.cfg = method.cfg.model_copy(update={"head_epochs": 3})
+    method.cfg = method.cfg.model_copy(update={"head_epochs": 3, "rep_epochs": 2})
     n = sum(len(task.train_idx[c]) for c in task.trainable_clients())
     # head phase: 3 epochs -> once; prompt phase: 2 epochs, prompts at block 0 train
     assert _block0_samples(method, task, cfg, reuse=False) == 3 * n + 2 * n

@@ -71,7 +71,12 @@ def test_a_round_trains_is_deterministic_and_keeps_the_backbone(tiny, name):
         assert torch.equal(v, before[k]), f"backbone tensor {k} changed"
     assert torch.isfinite(local.loss).all()
     start = method.client_params(server, local.client_ids)
-    assert any(not torch.equal(start[k], local.params[k]) for k in start)
+    trainable = {n for phase in method.phases(cfg.train.local_epochs, tuple(start))
+                 for n in phase.trainable}  # fmt: skip
+    assert trainable, "no phase trains anything"
+    for k in start:  # each tensor a phase trains moves; every other one stays put
+        moved = not torch.equal(start[k], local.params[k])
+        assert moved == (k in trainable), f"{k}: trainable={k in trainable}, moved={moved}"
     _, again = _round(method, task, cfg, "lockstep", server)  # same seed, same result
     for k in local.params:
         assert torch.equal(again.params[k], local.params[k])

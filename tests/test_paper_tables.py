@@ -19,23 +19,23 @@ from fpbench.store import Store
 # under ../shared/papers: "-", "NA", "N/A", "–"). Every other cell must carry a value.
 TABLES = {
     "sgpt": [1, 2, 3, 4, 5],
-    "fgpt": [1, 3, 4, 6, 7, 8, 9, 10, 11],
+    "fgpt": [1, 2, 3, 4, 6, 7, 8, 9, 10, 11],
     "pep-fedpt": [1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17],
-    "sdfed": [1, 2, 3, 4, 6, 7],
+    "sdfed": [1, 2, 3, 4, 5, 6, 7],
     "tpfl": [1, 2],
 }
 SHAPES = {  # (rows, columns) of each printed table
     "sgpt": {1: (8, 9), 2: (7, 12), 3: (5, 2), 4: (3, 2), 5: (1, 4)},
-    "fgpt": {1: (5, 7), 3: (5, 2), 4: (4, 1), 6: (2, 3), 7: (2, 7), 8: (4, 7), 9: (2, 3),
+    "fgpt": {1: (5, 7), 2: (1, 4), 3: (5, 2), 4: (4, 1), 6: (2, 3), 7: (2, 7), 8: (4, 7), 9: (2, 3),
              10: (5, 5), 11: (4, 4)},
     "pep-fedpt": {1: (8, 8), 2: (8, 10), 3: (8, 4), 4: (2, 2), 5: (2, 2), 6: (5, 3), 8: (2, 4),
                   9: (2, 3), 10: (2, 3), 11: (2, 3), 12: (3, 1), 13: (3, 1), 14: (8, 4),
                   15: (8, 3), 16: (8, 4), 17: (3, 3)},
-    "sdfed": {1: (6, 10), 2: (6, 10), 3: (6, 8), 4: (6, 5), 6: (5, 5), 7: (7, 2)},
+    "sdfed": {1: (6, 10), 2: (6, 10), 3: (6, 8), 4: (6, 5), 5: (4, 2), 6: (5, 5), 7: (7, 2)},
     "tpfl": {1: (4, 7), 2: (4, 7)},
 }  # fmt: skip
 EMPTY_CELLS = {("fgpt", 1): 1, ("fgpt", 10): 3, ("fgpt", 11): 3, ("pep-fedpt", 3): 2,
-               ("pep-fedpt", 14): 2}  # fmt: skip
+               ("pep-fedpt", 14): 2, ("sdfed", 5): 1}  # fmt: skip
 
 
 def test_every_listed_table_is_transcribed_with_all_its_values():
@@ -183,6 +183,21 @@ def test_missing_cells_name_the_suite_and_cell_that_fill_them(sgpt_t1):
     assert other.n == 0 and "path-s50" in other.hint()
     md = paper_render.to_markdown(sgpt_t1)
     assert "`fpbench run --suite sgpt-table1`" in md
+
+
+def test_a_cell_whose_runs_lack_its_metric_says_so(tmp_path):
+    """FGPT Table 11: a run of the cell without `sim_shared_prompt` is named, not hidden."""
+    store = Store(f"sqlite:///{tmp_path / 'r.db'}")
+    cfg = {"train": {"local_epochs": 2}}
+    _run(store, "fgpt-table8", "fgpt", 0, [0.78], cfg=cfg)  # stores acc_global only
+    t11 = fill_paper(load_paper("fgpt"), load_results(store), 11)[0]
+    shared, acc = t11.cell("fgpt", "shared"), t11.cell("fgpt", "acc")
+    assert (shared.n, shared.runs, acc.n) == (0, 1, 1)
+    assert shared.hint() == (
+        "1 run(s) of fgpt/cifar100/path-s10 train.local_epochs=2 lack metric sim_shared_prompt"
+    )
+    assert "needs suite" in t11.cell("fed-dualprompt", "shared").hint()  # no run at all
+    store.close()
 
 
 def test_best_and_second_best_per_column(sgpt_t1):

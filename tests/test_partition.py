@@ -62,6 +62,7 @@ CASES: dict[str, dict] = {
     "pachinko": {"beta": 0.5},
     "domain": {"num_clients": 3},
     "domain-dirichlet": {"num_clients": 6, "clients_per_domain": 2, "min_size": 5},
+    "domain-pathological": {"num_clients": 12, "clients_per_domain": 4, "s": 5},
     "natural": {"num_clients": USERS},
     "disjoint-classes": {},
 }

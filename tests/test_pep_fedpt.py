@@ -7,7 +7,9 @@ import math
 
 import pytest
 import torch
+from timm.models.vision_transformer import VisionTransformer
 
+from fpbench.backbones import VIT_TEST_ARCH, PromptedViT
 from fpbench.engine.executor import train_clients
 from fpbench.errors import FpbenchError
 from fpbench.methods.base import Context
@@ -115,20 +117,56 @@ def test_default_layers_and_config_are_the_papers(tiny):
     cfg = PEPConfig()
     assert (cfg.num_shared, cfg.tau, cfg.prototype_period, cfg.use_priors) == (1, 0.05, 10, True)
     assert cfg.aggregation == "uniform" and cfg.ccmp_style == "replace" and cfg.dp_epsilon is None
-    assert PRESETS["table4-shared-only"] == {"ccmp_layers": []}
-    assert PRESETS["table8-dp-eps-0.2"] == {"dp_epsilon": 0.2}
     with pytest.raises(FpbenchError, match="ccmp_layers"):
         _method(tiny, ccmp_layers=[1, 0])
     with pytest.raises(FpbenchError, match="ccmp_layers"):
         _method(tiny, ccmp_layers=[2])
 
 
-def test_presets_are_valid_configs():
-    for args in PRESETS.values():
-        cfg = PEPConfig(**args)
-        for k, v in args.items():
-            assert getattr(cfg, k) == (tuple(v) if isinstance(v, list) else v)
-    assert PRESETS["table17-layers-9-10-11-tau-0.0001"] == {"ccmp_layers": [9, 10, 11], "tau": 1e-4}
+# The paper's ablation rows, written out from the paper (not from PRESETS); block indices are
+# ViT-B's. Each preset must resolve to exactly these settings, the rest PEP-FedPT's defaults.
+PAPER_ROWS = {
+    "table4-shared-only": {"ccmp_layers": ()},
+    "table4-shared-ccmp": {},
+    "table5-without-priors": {"use_priors": False},
+    "table5-with-priors": {},
+    "table11-ns-1": {"num_shared": 1},
+    "table11-ns-5": {"num_shared": 5},
+    "table11-ns-10": {"num_shared": 10},
+    "table13-layers-1-2-3": {"ccmp_layers": (1, 2, 3)},
+    "table13-layers-5-6-7": {"ccmp_layers": (5, 6, 7)},
+    "table13-layers-8-9-10": {"ccmp_layers": (8, 9, 10)},
+    **{
+        f"table17-layers-{a}-{a + 1}-{a + 2}-tau-{tau}": {
+            "ccmp_layers": (a, a + 1, a + 2),
+            "tau": t,
+        }
+        for a in (1, 5, 9)
+        for tau, t in (("0.0001", 1e-4), ("0.05", 0.05), ("100", 100.0))
+    },
+    **{
+        f"fig10-tau-{tau}": {"tau": t}
+        for tau, t in (
+            ("1e-05", 1e-5),
+            ("0.0001", 1e-4),
+            ("0.001", 1e-3),
+            ("0.01", 1e-2),
+            ("0.05", 0.05),
+            ("1", 1.0),
+            ("10", 10.0),
+            ("100", 100.0),
+        )
+    },  # fmt: skip
+    "table8-dp-eps-0.2": {"dp_epsilon": 0.2},
+}
+
+
+def test_presets_are_the_papers_rows():
+    assert set(PRESETS) == set(PAPER_ROWS)
+    defaults = PEPConfig().model_dump()
+    for name, row in PAPER_ROWS.items():
+        got = PEPConfig(preset=name).model_dump()
+        assert got == {**defaults, **row, "preset": name}, name
 
 
 def _manual(method, params, x, protos, prior, style):
@@ -316,3 +354,43 @@ def test_communication_and_shared_only_ablation(tiny):
         params, x, torch.zeros(2, dtype=torch.long), Context(False, priors=task.priors[:1])
     )
     torch.testing.assert_close(out, cls @ params["head_w"][0].T + params["head_b"][0])
+
+
+def _deep_method(tiny, **args):
+    """PEP-FedPT on a 12-block tiny ViT (ViT-B's depth): the default CCMP blocks 5, 6, 7 are
+    deep enough that the cls entering them depends on the input (on the 2-block test backbone
+    the first CCMP block sees the embedded cls token, the same for every image)."""
+    cfg, task, small = tiny("pep-fedpt")
+    arch = {**VIT_TEST_ARCH, "depth": 12}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        deep = PromptedViT(
+            VisionTransformer(**arch, num_classes=0), mean=(0.5,) * 3, std=(0.5,) * 3
+        )
+    cls = METHODS.get("pep-fedpt")
+    return cfg, task, cls(cls.Config(**args), deep, small.task)
+
+
+def test_ccmp_on_a_deep_backbone_mixes_per_sample_weights_at_blocks_5_6_7(tiny):
+    cfg, task, method = _deep_method(tiny, tau=0.5)
+    assert method.layers == (5, 6, 7)
+    server = _server(method)
+    protos = torch.randn(
+        server.buffers["prototypes"].shape, generator=torch.Generator().manual_seed(1)
+    )
+    buffers = {**server.buffers, "prototypes": protos, "rounds_done": torch.tensor(3)}
+    params = method.client_params(server, torch.tensor([2]))
+    x = method.backbone.preprocess(task.data.train_images[:4])
+    prior = torch.full((1, task.data.num_classes), 1.0 / task.data.num_classes)
+    vit = method.backbone
+    tokens = torch.cat([vit.embed(x)[:, :1], params["shared_prompts"][0].expand(4, -1, -1)], 1)
+    tokens = torch.cat([tokens, vit.embed(x)[:, 1:]], 1)
+    entering, _, _ = vit.run_blocks(tokens, 0, 5, None, "accumulate", 1)  # cls entering block 5
+    s = ccmp_weights(entering[:, 0], protos[0], prior.expand(4, -1), method.cfg.tau)
+    assert (s - s[:1]).abs().amax(-1)[1:].min() > 1e-4  # every image its own mixture
+    first = ccmp_weights(vit.embed(x)[:, 0], protos[0], prior.expand(4, -1), method.cfg.tau)
+    assert (first - first[:1]).abs().max() < 1e-6  # block 0 would give all images one mixture
+    ctx = Context(training=False, priors=prior, buffers=buffers)
+    logits = method.forward(params, x, torch.zeros(4, dtype=torch.long), ctx)
+    expected, _ = _manual(method, params, x, protos, prior, method.cfg.ccmp_style)
+    torch.testing.assert_close(logits, expected)

@@ -204,14 +204,56 @@ def test_aggregate_fedavg_momentum_and_selection_weighted_keys(tiny):
     assert server.buffers["select_counts"].tolist() == [0, 0]  # the old state is not modified
 
 
-def test_table4_presets_aggregate_keys_by_samples_without_momentum(tiny):
-    method, _ = _sgpt(tiny, num_groups=2, preset="keys-qg")
+def _table4_round(tiny, preset):
+    method, _ = _sgpt(tiny, num_groups=2, preset=preset)
     server = method.init_server(torch.Generator().manual_seed(0))
+    server.params = {k: torch.full_like(v, 2.0) for k, v in server.params.items()}
     new = _toy_round(method, server, torch.tensor([[60, 2], [20, 0]]))
-    torch.testing.assert_close(new.params["keys"], torch.full_like(new.params["keys"], 1.5))
-    torch.testing.assert_close(
-        new.params["group_prompts"], torch.full_like(new.params["group_prompts"], 1.5)
-    )
+    return method, new.params["keys"][:, 0].tolist(), new.params["group_prompts"].unique().tolist()
+
+
+def test_table4_fedavg_row_averages_keys_by_samples_without_momentum(tiny):
+    method, keys, group = _table4_round(tiny, "keys-fedavg")
+    assert keys == [1.5, 1.5] and group == [1.5]  # (30 * 1 + 10 * 3) / 40, no momentum
+    x = method.backbone.preprocess(tiny("sgpt")[1].data.train_images[:4])
+    rows = torch.zeros(4, dtype=torch.long)
+    keys_t = torch.stack([method.query(x)[0], -method.query(x)[0]]).unsqueeze(0)
+    ctx = Context(training=True, phase="group", buffers={"select_counts": torch.tensor([9, 0])})
+    groups, cos = method.select_groups(keys_t, x, rows, ctx)  # no q_g: plain nearest key
+    assert groups.tolist() == cos.argmax(1).tolist()
+
+
+def test_table4_qg_row_weighs_keys_by_selection_counts_without_momentum(tiny):
+    _, keys, group = _table4_round(tiny, "keys-qg")
+    # key 0: counts (60, 20) > 50 -> (0.75 * 1 + 0.25 * 3); key 1: T = 2 <= 50 -> uniform
+    assert keys == [1.5, 2.0] and group == [1.5]
+
+
+def test_table4_momentum_row_is_sgpt_itself(tiny):
+    _, keys, group = _table4_round(tiny, "keys-qg-momentum")
+    assert keys == [1.75, 2.0] and group == [1.75]  # 0.5 * 2 + 0.5 * (1.5 | 2.0)
+    same = SGPTConfig(preset="keys-qg-momentum").model_dump(exclude={"preset"})
+    assert same == SGPTConfig().model_dump(exclude={"preset"})
+
+
+def test_table3_share_row_is_fedvpt_d(tiny):
+    """Table 3's "Share" (79.49 / 63.38) is Table 1's FedVPT-D s = 10 row: the preset must give
+    the same parameters at init, the same single phase and the same logits."""
+    cfg, task, vptd = tiny("fedvpt-d")
+    share, _ = _sgpt(tiny, preset="shared-only")
+    assert share.shared_layers == tuple(range(share.backbone.depth)) and not share.group_layers
+    a = vptd.init_server(torch.Generator().manual_seed(3)).params
+    b = share.init_server(torch.Generator().manual_seed(3)).params
+    assert set(b) == {"shared_prompts", "head_w", "head_b"}
+    torch.testing.assert_close(b["shared_prompts"], a["prompts"])
+    torch.testing.assert_close(b["head_w"], a["head_w"])
+    assert [p.name for p in share.phases(5, tuple(b))] == ["shared"]
+    x = share.backbone.preprocess(task.data.train_images[:6])
+    rows = torch.zeros(6, dtype=torch.long)
+    pa = vptd.client_params(vptd.init_server(torch.Generator().manual_seed(3)), rows[:1])
+    pb = share.client_params(share.init_server(torch.Generator().manual_seed(3)), rows[:1])
+    for ctx in (Context(training=False), Context(training=True, phase="shared")):
+        torch.testing.assert_close(share.forward(pb, x, rows, ctx), vptd.forward(pa, x, rows, ctx))
 
 
 def test_communication_declares_counts(tiny):
@@ -255,9 +297,8 @@ def test_layers_default_to_the_reference_layout_scaled_to_depth():
 
 
 def test_presets_validate_and_explicit_fields_win():
-    for name, overrides in SGPT_PRESETS.items():
+    for name in SGPT_PRESETS:
         cfg = SGPTConfig(preset=name)
-        assert all(getattr(cfg, k) == v for k, v in overrides.items())
         again = SGPTConfig(**cfg.model_dump(mode="json"))
         assert again == cfg  # the stored config re-validates to itself
     assert SGPTConfig(preset="office", num_groups=6).num_groups == 6
@@ -298,4 +339,90 @@ def test_switches_train_evaluate_and_keep_executors_equal(tiny):
     new = method.aggregate(server, lock.params, lock.client_ids, task.train_sizes[ids], lock.stats)
     assert new.buffers["select_counts"].sum() == lock.stats["select_counts"].sum() > 0
     counts = evaluate(method, new, task, 64)
-    assert counts.total_local.sum() > 0 and 0 <= counts.global_acc[0] <= 1
+    x = method.backbone.preprocess(task.data.test_images)
+    rows = torch.zeros(len(x), dtype=torch.long)
+    with torch.no_grad():  # the global model, nearest-key selection, on the whole test set
+        params = method.client_params(new, rows[:1])
+        logits = method.forward(params, x, rows, Context(training=False))
+    right = (logits.argmax(1) == task.data.test_labels).float().mean().item()
+    assert counts.global_acc[0] == pytest.approx(right)
+
+
+# -- block coordinate descent: each block leaves the other's parameters alone ------------------
+def _trained(tiny, method, task, only=None):
+    cfg, _, _ = tiny("sgpt", local_epochs=2)
+    server = method.init_server(torch.Generator().manual_seed(0))
+    if only is not None:
+        phases = method.phases
+        method.phases = lambda e, names: [p for p in phases(e, names) if p.name == only]
+    ids = task.trainable_clients()[:2]
+    out = train_clients(method, server, task, ids, cfg.train, round_idx=0, seed=0)
+    return server, out.params
+
+
+def test_the_group_block_leaves_shared_prompts_and_the_shared_block_keys(tiny):
+    method, task = _sgpt(tiny, num_groups=3, cluster_metric=False)
+    server, full = _trained(tiny, method, task)
+    _, shared_only = _trained(
+        tiny, _sgpt(tiny, num_groups=3, cluster_metric=False)[0], task, "shared"
+    )
+    # the shared block trains the shared prompts alone and leaves keys and group prompts as sent
+    for name in ("keys", "group_prompts"):
+        sent = server.params[name].expand_as(shared_only[name])
+        torch.testing.assert_close(shared_only[name], sent, rtol=0, atol=0)
+    # the group block, which follows it, leaves the shared prompts where the shared block put them
+    torch.testing.assert_close(
+        full["shared_prompts"], shared_only["shared_prompts"], rtol=0, atol=0
+    )
+    # ... and trains the keys (the key loss reaches them)
+    assert not torch.equal(full["keys"], server.params["keys"].expand_as(full["keys"]))
+
+
+@pytest.mark.parametrize(
+    "arch, size",
+    [
+        ({"embed_dim": 48, "num_heads": 3, "img_size": 32}, 32),  # ViT-B's 12 blocks, narrow
+        pytest.param({}, 224, marks=pytest.mark.slow),  # ViT-B/16 itself
+    ],
+)
+def test_vit_b16_head_reads_cls_and_the_group_tokens(arch, size):
+    """On the ViT-B/16 architecture (random weights, timm blocks) with the reference layout
+    (shared 0-3, group 4-6, accumulating), each group token enters its block right after cls and
+    the head's input is the mean of the final cls and those three group-token outputs."""
+    from fpbench.backbones.vit import BackboneSpec
+    from fpbench.methods.base import TaskInfo
+
+    spec = BackboneSpec(name="b16", timm_name="vit_base_patch16_224", timm_kwargs=arch)
+    backbone = spec.create()
+    d = backbone.embed_dim
+    info = TaskInfo(num_classes=d, num_clients=1, class_priors=torch.ones(1, d) / d,
+                    train_sizes=torch.ones(1))  # fmt: skip
+    method = METHODS.get("sgpt")(SGPTConfig(num_groups=2, cluster_metric=False), backbone, info)
+    assert (method.shared_layers, method.group_layers) == ((0, 1, 2, 3), (4, 5, 6))
+    params = method.client_params(method.init_server(torch.Generator().manual_seed(0)),
+                                  torch.zeros(1, dtype=torch.long))  # fmt: skip
+    params["head_w"] = torch.eye(d).unsqueeze(0)  # the logits are the head's input
+    params["head_b"] = torch.zeros(1, d)
+    params["shared_prompts"] = torch.randn_like(params["shared_prompts"])
+    x = torch.randn(2, 3, size, size)
+    rows = torch.zeros(2, dtype=torch.long)
+    entering, final = {}, {}
+    hooks = [
+        backbone.vit.blocks[b].register_forward_pre_hook(
+            lambda _m, a, b=b: entering.__setitem__(b, a[0].detach())
+        )
+        for b in (4, 5, 6)
+    ]
+    hooks.append(backbone.vit.norm.register_forward_hook(
+        lambda _m, _a, out: final.__setitem__("tokens", out.detach())))  # fmt: skip
+    with torch.no_grad():
+        groups, _ = method.select_groups(params["keys"], x, rows, Context(training=False))
+        pooled = method.forward(params, x, rows, Context(training=False))
+    for h in hooks:
+        h.remove()
+    chosen = params["group_prompts"][0, groups]  # (B, 3, 1, d)
+    for i, block in enumerate((4, 5, 6)):
+        torch.testing.assert_close(entering[block][:, 1], chosen[:, i, 0])
+    tokens = final["tokens"]  # (B, 1 + 3 + 4 + patches, d): cls, g6, g5, g4, s3..s0, patches
+    assert tokens.shape[1] == 1 + 3 + 4 + (size // 16) ** 2
+    torch.testing.assert_close(pooled, tokens[:, :4].mean(1), rtol=1e-5, atol=1e-5)

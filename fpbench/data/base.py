@@ -28,6 +28,9 @@ class ImageDataset:
     domain_names: list[str] | None = None
     coarse_of_class: torch.Tensor | None = None  # (C,) int64
     train_users: torch.Tensor | None = None  # (N,) int64 natural client per sample (iNaturalist)
+    # (D,) int64 each domain's full train-list size before any subsetting (the SGPT code weighs
+    # Office / DomainNet clients by it); None where the dataset does not record it
+    domain_train_sizes: torch.Tensor | None = None
 
     @property
     def num_classes(self) -> int:

@@ -22,6 +22,8 @@ bilinear filter (the SGPT code's Resize(224, 224)); greyscale images become RGB.
 smallest train list over the domains, each domain trains on the first floor(f * m) items of its
 train list, in list order (f = 0.5 for Office-Caltech10, 0.05 for DomainNet); test sets stay whole.
 The reference code's [0, 1] input scaling (no normalization) is a backbone choice, not a data one.
+Each domain's full train-list size is kept (`domain_train_sizes`): the SGPT code weighs a client
+by it in FedAvg (`train.aggregation_weights = "domain_size"`).
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ class _DomainFolders(RealDataset):
     @classmethod
     def build(cls, cfg: FedBNConfig, root: Path, progress: Progress) -> ImageDataset:
         per_domain = cls.lists(cfg, root)
+        full_sizes = torch.tensor([len(train[0]) for train, _ in per_domain], dtype=torch.long)
         if cfg.sgpt_subset:
             m = min(len(train[0]) for train, _ in per_domain)
             keep = int(np.floor(cls.sgpt_fraction * m))
@@ -163,6 +166,7 @@ class _DomainFolders(RealDataset):
             train_domains=out["train"][2].long(),
             test_domains=out["test"][2].long(),
             domain_names=list(cls.domains),
+            domain_train_sizes=full_sizes,
         )
 
 

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from fpbench.engine.executor import autocast, client_batches, derive_seed
 from fpbench.engine.inputs import Inputs
-from fpbench.engine.metrics import EvalCounts
+from fpbench.engine.metrics import EvalCounts, macro_f1
 from fpbench.engine.task import Task
 from fpbench.methods.base import Context, Method, ServerState
 
@@ -115,14 +115,15 @@ def _evaluate_global(
     everything = torch.arange(len(data.test_labels), device=data.test_labels.device)
     rows = torch.zeros_like(everything)
     if label_space == "all":
-        correct = predict(method, params, inputs, everything, rows, ctx, batch_size)
-        correct = correct == data.test_labels
+        pred = predict(method, params, inputs, everything, rows, ctx, batch_size)
+        correct = pred == data.test_labels
         local = [correct[idx] for idx in task.test_idx]
     else:  # one forward: the test split's logits, masked per client for the local sets
         batches = logits_of(method, params, inputs, everything, rows, ctx, batch_size)
         empty = everything.new_zeros(0, data.num_classes, dtype=torch.float)
         logits = torch.cat([b.float() for b in batches] or [empty])  # (M, C)
-        correct = logits.argmax(-1) == data.test_labels
+        pred = logits.argmax(-1)
+        correct = pred == data.test_labels
         classes = client_classes(task)  # (N, C)
         local = [
             _masked(logits[idx], classes[c].expand(len(idx), -1)).argmax(-1)
@@ -135,7 +136,12 @@ def _evaluate_global(
         heldout=task.heldout.numpy(),
         global_acc=np.array([correct.float().mean().item()]),
         global_total=len(correct),
+        f1_global=np.array([_f1(pred, data.test_labels, data.num_classes)]),
     )
+
+
+def _f1(pred: Tensor, labels: Tensor, num_classes: int) -> float:
+    return macro_f1(pred.cpu().numpy(), labels.cpu().numpy(), num_classes)
 
 
 def _evaluate_per_client(
@@ -154,7 +160,9 @@ def _evaluate_per_client(
     each sample's row, so one forward serves several clients, as in lockstep training.
     """
     data = task.data
-    heldout_ok = method.inference == "client-conditioned"
+    heldout_ok = method.inference == "client-conditioned" or getattr(
+        method, "scores_new_clients", False
+    )
     clients = [
         c
         for c in (range(task.num_clients) if only is None else only)
@@ -162,6 +170,7 @@ def _evaluate_per_client(
     ]
     correct_local = np.zeros(task.num_clients, dtype=np.int64)
     global_acc = np.full(task.num_clients, np.nan)
+    f1_global = np.full(task.num_clients, np.nan)
     everything = torch.arange(len(data.test_labels), device=data.test_labels.device)
     classes = client_classes(task) if label_space == "client" else None  # (N, C)
     chunk = max(1, batch_size // 32)
@@ -179,9 +188,10 @@ def _evaluate_per_client(
             correct_local[c] = int(correct[row].sum())
         participants = [row for row, c in enumerate(ids.tolist()) if not task.heldout[c]]
         full = [everything if row in participants else everything[:0] for row in range(len(ids))]
-        correct = _correct(method, params, inputs, full, ctx, batch_size)
+        preds = _predicted(method, params, inputs, full, ctx, batch_size)
         for row in participants:
-            global_acc[ids[row]] = correct[row].float().mean().item()
+            global_acc[ids[row]] = (preds[row] == data.test_labels).float().mean().item()
+            f1_global[ids[row]] = _f1(preds[row], data.test_labels, data.num_classes)
     return EvalCounts(
         correct_local=correct_local,
         total_local=np.array([len(idx) for idx in task.test_idx]),
@@ -189,6 +199,7 @@ def _evaluate_per_client(
         global_acc=global_acc,
         global_total=len(data.test_labels),
         heldout_applicable=heldout_ok,
+        f1_global=f1_global,
     )
 
 
@@ -227,13 +238,25 @@ def _correct(
 
     `allowed` (K, C) bool, if given, restricts row k's predictions to the classes allowed[k].
     """
+    preds = _predicted(method, params, inputs, idx, ctx, batch_size, allowed)
+    labels = inputs.task.data.test_labels
+    return [p == labels[i] for p, i in zip(preds, idx, strict=True)]
+
+
+def _predicted(
+    method: Method,
+    params: dict[str, Tensor],
+    inputs: Inputs,
+    idx: list[Tensor],
+    ctx: Context,
+    batch_size: int,
+    allowed: Tensor | None = None,
+) -> list[Tensor]:
+    """Per row k: the labels row k predicts for its test samples idx[k] (see `_correct`)."""
     flat, rows = _flat(idx)
     mask = None if allowed is None else allowed[rows.to(allowed.device)]  # (M, C)
-    right = (
-        predict(method, params, inputs, flat, rows, ctx, batch_size, mask)
-        == inputs.task.data.test_labels[flat]
-    )
-    return list(right.split([len(t) for t in idx]))
+    pred = predict(method, params, inputs, flat, rows, ctx, batch_size, mask)
+    return list(pred.split([len(t) for t in idx]))
 
 
 def _flat(parts: list[Tensor]) -> tuple[Tensor, Tensor]:

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from fpbench.engine.augment import uniforms
 from fpbench.engine.inputs import HiddenCache, Inputs
-from fpbench.engine.optim import make_optimizer
+from fpbench.engine.optim import OptimizerGroup, make_optimizer
 from fpbench.engine.task import Task
 from fpbench.methods.base import Context, Method, Phase, ServerState
 from fpbench.specs import Augment, TrainConfig
@@ -161,14 +161,7 @@ def train_group(
             rows = [task.train_idx[c].to(device) for c in client_ids]
             hidden = HiddenCache(rows, len(task.data.train_labels))
         leaves = {n: p.detach().requires_grad_(n in phase.trainable) for n, p in params.items()}
-        opt = make_optimizer(
-            cfg.optimizer,
-            [leaves[n] for n in phase.trainable],
-            lr=lr,
-            momentum=cfg.momentum,
-            weight_decay=cfg.weight_decay,
-            grad_clip=cfg.grad_clip,
-        )
+        opt = phase_optimizer(method, cfg, [leaves[n] for n in phase.trainable], phase, lr)
         for epoch in range(phase.epochs):
             seeds = [derive_seed(seed, round_idx, c, phase_idx, epoch) for c in client_ids]
             batches = [
@@ -191,6 +184,44 @@ def train_group(
                 loss_steps += active
         params = {n: t.detach() for n, t in leaves.items()}
     return LocalResult(ids, params, ctx.stats, loss_sum / loss_steps.clamp(min=1))
+
+
+def phase_optimizer(
+    method: Method, cfg: TrainConfig, tensors: list[Tensor], phase: Phase, lr: float
+) -> OptimizerGroup:
+    """The run's optimiser for a phase's tensors, plus one per tensor with its own settings.
+
+    A tensor's own lr is scaled by this round's schedule factor (lr / train.lr).
+    """
+    own = method.optimizer_settings()
+    shared = [t for n, t in zip(phase.trainable, tensors, strict=True) if n not in own]
+    opts = []
+    if shared:
+        opts.append(
+            make_optimizer(
+                cfg.optimizer,
+                shared,
+                lr=lr,
+                momentum=cfg.momentum,
+                weight_decay=cfg.weight_decay,
+                grad_clip=cfg.grad_clip,
+            )
+        )
+    factor = lr / cfg.lr
+    for name, t in zip(phase.trainable, tensors, strict=True):
+        if name in own:
+            s = own[name]
+            opts.append(
+                make_optimizer(
+                    s.optimizer,
+                    [t],
+                    lr=s.lr * factor,
+                    momentum=s.momentum,
+                    weight_decay=s.weight_decay,
+                    grad_clip=cfg.grad_clip,
+                )
+            )
+    return OptimizerGroup(opts)
 
 
 def resume_layer(method: Method, inputs: Inputs, phase: Phase, cfg: TrainConfig) -> int:

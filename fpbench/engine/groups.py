@@ -130,12 +130,13 @@ def merge_counts(parts: list[tuple[EvalCounts, list[int]]]) -> EvalCounts:
     n = len(first.total_local)
     correct = np.zeros(n, dtype=np.int64)
     global_acc = np.full(n, np.nan)
+    f1 = np.full(n, np.nan)
     for counts, clients in parts:
         idx = np.asarray(clients, dtype=np.int64)
         correct[idx] = counts.correct_local[idx]
-        global_acc[idx] = (
-            counts.global_acc[0] if len(counts.global_acc) == 1 else counts.global_acc[idx]
-        )
+        global_acc[idx] = _per_client(counts.global_acc, idx)
+        if counts.f1_global is not None:
+            f1[idx] = _per_client(counts.f1_global, idx)
     return EvalCounts(
         correct_local=correct,
         total_local=first.total_local,
@@ -143,7 +144,13 @@ def merge_counts(parts: list[tuple[EvalCounts, list[int]]]) -> EvalCounts:
         global_acc=global_acc,
         global_total=first.global_total,
         heldout_applicable=first.heldout_applicable,
+        f1_global=f1,
     )
+
+
+def _per_client(values: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """A group's per-client values at idx; a global model's one value for each of them."""
+    return np.full(len(idx), values[0]) if len(values) == 1 else values[idx]
 
 
 def client_profiles(het: ModelHet) -> list[int]:

@@ -10,10 +10,17 @@
 * `acc_pooled`: correct / total over the union of the local test sets (what SGPT's code calls
   "global accuracy").
 * `acc_heldout_mean` / `acc_heldout_worst`: the same on held-out clients, which never train;
-  not applicable (absent) for personal methods.
+  not applicable (absent) for personal methods, except those that say what they deploy to a new
+  client (`Method.scores_new_clients`, e.g. P-PT: the initial prompts and the federated head).
+* `clients_untrained` (personal methods, `train.unseen_clients = "exclude"`, the default): the
+  participating clients not yet sampled in any round. They have no trained personal parameters
+  (pFedPG / pFedHN would give them a random head or embedding), so they are left out of every
+  local and per-client global metric above, and counted here.
 * `acc_domain_<d>`: for domain partitions, the mean local accuracy of the participating clients
   of domain d (SGPT / PEP-FedPT / SDFed per-domain columns).
 * `acc_profile_<name>`: in a model-heterogeneous run, the same for the clients of a profile.
+* `f1_macro_global`: macro F1 on the full test split (TPFL Figs. 2-3), averaged over clients
+  like `acc_global`; F1 is averaged over the classes present in the labels or the predictions.
 * `params_trainable`: shared parameters plus one client's personal ones, stored once (round 0).
 * `<name>_last10`: the mean of an aggregate over the last 10 evaluated rounds (the papers' figure).
 """
@@ -42,6 +49,8 @@ class EvalCounts:
     global_acc: np.ndarray  # (N,) per-client accuracy on the full test split, or (1,) if global
     global_total: int  # size of the full test split
     heldout_applicable: bool = True
+    f1_global: np.ndarray | None = None  # macro F1 on the full test split, shaped as global_acc
+    untrained: np.ndarray | None = None  # (N,) bool: participating clients left out (unseen)
 
 
 MetricRow = tuple[int | None, str, float, int | None]  # client_id, name, value, count
@@ -50,8 +59,9 @@ MetricRow = tuple[int | None, str, float, int | None]  # client_id, name, value,
 def client_rows(ev: EvalCounts) -> list[MetricRow]:
     """Per-client rows: acc_local / acc_heldout, plus acc_global for per-client models."""
     rows: list[MetricRow] = []
+    skip = _untrained(ev)
     for c in range(len(ev.total_local)):
-        if ev.total_local[c] == 0 or (ev.heldout[c] and not ev.heldout_applicable):
+        if ev.total_local[c] == 0 or (ev.heldout[c] and not ev.heldout_applicable) or skip[c]:
             continue
         name = "acc_heldout" if ev.heldout[c] else "acc_local"
         rows.append(
@@ -61,33 +71,59 @@ def client_rows(ev: EvalCounts) -> list[MetricRow]:
         rows += [
             (c, "acc_global", float(a), ev.global_total)
             for c, a in enumerate(ev.global_acc)
-            if not ev.heldout[c] and not np.isnan(a)
+            if not ev.heldout[c] and not skip[c] and not np.isnan(a)
         ]
     return rows
+
+
+def _untrained(ev: EvalCounts) -> np.ndarray:
+    """(N,) bool: the clients excluded as never trained (none when not marked)."""
+    none = np.zeros(len(ev.total_local), dtype=bool)
+    return none if ev.untrained is None else ev.untrained.astype(bool)
 
 
 def aggregates(ev: EvalCounts) -> dict[str, float]:
     """The per-round aggregate metrics (client_id NULL rows)."""
     has_test = ev.total_local > 0
-    part = has_test & ~ev.heldout
+    skip = _untrained(ev)
+    part = has_test & ~ev.heldout & ~skip
     acc = ev.correct_local[part] / ev.total_local[part]
     out: dict[str, float] = {}
+    if ev.untrained is not None:
+        out["clients_untrained"] = float(skip.sum())
     if acc.size:
         out["acc_local_mean"] = float(acc.mean())
         out["acc_local_worst"] = float(acc.min())
         for q in PERCENTILES:
             out[f"acc_local_p{q:02d}"] = float(np.percentile(acc, q))
         out["acc_pooled"] = float(ev.correct_local[part].sum() / ev.total_local[part].sum())
-    glob = ev.global_acc if len(ev.global_acc) == 1 else ev.global_acc[~ev.heldout]
+    glob = ev.global_acc if len(ev.global_acc) == 1 else ev.global_acc[~ev.heldout & ~skip]
     glob = glob[~np.isnan(glob)]
     if glob.size:
         out["acc_global"] = float(glob.mean())
+    if ev.f1_global is not None:
+        f1 = ev.f1_global if len(ev.f1_global) == 1 else ev.f1_global[~ev.heldout]
+        f1 = f1[~np.isnan(f1)]
+        if f1.size:
+            out["f1_macro_global"] = float(f1.mean())
     held = has_test & ev.heldout
     if held.any() and ev.heldout_applicable:
         hacc = ev.correct_local[held] / ev.total_local[held]
         out["acc_heldout_mean"] = float(hacc.mean())
         out["acc_heldout_worst"] = float(hacc.min())
     return out
+
+
+def macro_f1(pred: np.ndarray, labels: np.ndarray, num_classes: int) -> float:
+    """Unweighted mean over classes of F1 = 2 tp / (2 tp + fp + fn), over the classes that occur
+    in `labels` or `pred` (scikit-learn's "macro" average)."""
+    pred, labels = np.asarray(pred, dtype=np.int64), np.asarray(labels, dtype=np.int64)
+    tp = np.bincount(labels[pred == labels], minlength=num_classes)
+    n_pred = np.bincount(pred, minlength=num_classes)
+    n_true = np.bincount(labels, minlength=num_classes)
+    present = (n_pred + n_true) > 0
+    f1 = 2 * tp[present] / (n_pred[present] + n_true[present])
+    return float(f1.mean()) if f1.size else float("nan")
 
 
 def summary(history: list[dict[str, float]], window: int) -> dict[str, float]:
@@ -114,15 +150,15 @@ def domain_accuracies(
 ) -> dict[str, float]:
     """`acc_domain_<d>`: mean local accuracy of the participating clients of domain d.
 
-    Clients without a domain (label-skew partitions), held-out clients and clients with an
-    empty local test set are left out, as in `acc_local_mean`; so is a domain left without
-    clients. Any other grouping of clients works the same with its own `prefix` (model
-    heterogeneity's `acc_profile_<name>`).
+    Clients without a domain (label-skew partitions), held-out clients, excluded untrained
+    clients and clients with an empty local test set are left out, as in `acc_local_mean`; so
+    is a domain left without clients. Any other grouping of clients works the same with its
+    own `prefix` (model heterogeneity's `acc_profile_<name>`).
     """
     if not domain_names:
         return {}
     dom = np.array([-1 if d is None else d for d in client_domains])  # (N,)
-    part = (ev.total_local > 0) & ~ev.heldout
+    part = (ev.total_local > 0) & ~ev.heldout & ~_untrained(ev)
     out = {}
     for d, name in enumerate(domain_names):
         mine = part & (dom == d)

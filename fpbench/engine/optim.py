@@ -134,3 +134,21 @@ def make_optimizer(
             params, lr, (momentum, 0.999), weight_decay=weight_decay, grad_clip=grad_clip
         )
     raise ValueError(f"unknown optimizer {name!r}")
+
+
+class OptimizerGroup:
+    """Several stacked optimisers stepped together (parameters with their own settings).
+
+    Gradient clipping stays per optimiser: each clips its own tensors' joint per-client norm.
+    """
+
+    def __init__(self, optimizers: list[StackedOptimizer]) -> None:
+        self.optimizers = optimizers
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad()
+
+    def step(self, mask: Tensor) -> None:
+        for opt in self.optimizers:
+            opt.step(mask)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import platform
 import time
@@ -30,6 +31,7 @@ from fpbench.engine.groups import (
 )
 from fpbench.engine.inputs import FeatureCache, Inputs
 from fpbench.engine.metrics import (
+    EvalCounts,
     MetricRow,
     aggregates,
     client_rows,
@@ -125,6 +127,7 @@ def build_method(
         class_priors=task.priors,
         train_sizes=task.train_sizes,
         class_names=tuple(task.data.class_names),
+        dataset=cfg.dataset.name,
         train_images=task.data.train_images,
         train_idx=tuple(task.train_idx),
         heldout=task.heldout,
@@ -315,7 +318,10 @@ def _rounds(
     )
     for r in range(ckpt.round + 1, cfg.train.rounds):
         start = time.perf_counter()
-        server, rows, scalars = _round(groups, ckpt.server, task, cfg, r, schedule[r], ckpt.history)
+        seen = sorted({c for ids in schedule[: r + 1] for c in ids})
+        server, rows, scalars = _round(
+            groups, ckpt.server, task, cfg, r, schedule[r], ckpt.history, seen
+        )
         wall = time.perf_counter() - start
         store.write_round(run_id, r, wall_s=wall, metrics=rows, owner=owner, **scalars)
         ckpt = ckpt_io.Checkpoint(cfg.run_key, r, server, ckpt.history, ckpt.elapsed_s + wall)
@@ -336,8 +342,12 @@ def _round(
     r: int,
     client_ids: list[int],
     history: list[dict[str, float]],
+    seen: list[int] | None = None,
 ):
-    """One round: local training, aggregation, evaluation; returns the rows to store."""
+    """One round: local training, aggregation, evaluation; returns the rows to store.
+
+    `seen`: the clients sampled in this or any earlier round (default: this round's).
+    """
     device = task.priors.device
     precision = resolve_precision(cfg.runtime.precision, device)
     servers = unpack(server, [g.key for g in groups])
@@ -347,7 +357,7 @@ def _round(
         if local is None:
             weight[g.key] = 0.0
             continue
-        weights = task.train_sizes[local.client_ids].to(device)
+        weights = task.aggregation_weights[local.client_ids].to(device)
         d, u = g.method.communication(servers[g.key])
         down, up = down + _nbytes(d) * len(weights), up + _nbytes(u) * len(weights)
         servers[g.key] = g.method.aggregate(
@@ -373,7 +383,8 @@ def _round(
         count = max(params_trainable(s.params, s.personal) for s in servers.values())
         rows.append((None, "params_trainable", count, None))
     if should_eval(r, cfg.train):
-        rows += _evaluate(groups, servers, task, cfg, precision, history, r)
+        seen = client_ids if seen is None else seen
+        rows += _evaluate(groups, servers, task, cfg, precision, history, r, seen)
     return pack(servers), rows, {"loss_train": loss, "bytes_up": up, "bytes_down": down}
 
 
@@ -414,6 +425,7 @@ def _evaluate(
     precision: str,
     history: list[dict[str, float]],
     r: int,
+    seen: list[int],
 ) -> list[MetricRow]:
     """Evaluate every group on its clients; the per-client and aggregate rows of the round."""
     single = len(groups) == 1
@@ -435,6 +447,7 @@ def _evaluate(
             for g in groups
         ]
     )
+    counts = mark_untrained(counts, groups, seen, cfg.train.unseen_clients)
     domains = [c.domain for c in task.clients]
     agg = aggregates(counts) | domain_accuracies(counts, domains, task.data.domain_names)
     if cfg.model_het is not None:
@@ -446,6 +459,22 @@ def _evaluate(
     if r == cfg.train.rounds - 1:
         rows += [(None, k, v, None) for k, v in summary(history, cfg.train.summary_window).items()]
     return rows
+
+
+def mark_untrained(
+    counts: EvalCounts, groups: list[Group], seen: list[int], rule: str
+) -> EvalCounts:
+    """Under `train.unseen_clients = "exclude"`, mark the personal methods' participating
+    clients that no round has sampled yet (see `fpbench.engine.metrics`)."""
+    personal = [g for g in groups if g.method.inference == "personal"]
+    if rule != "exclude" or not personal:
+        return counts
+    mine = np.zeros(len(counts.total_local), dtype=bool)
+    for g in personal:
+        mine[np.asarray(g.clients, dtype=np.int64)] = True
+    trained = np.zeros_like(mine)
+    trained[np.asarray(seen, dtype=np.int64)] = True
+    return dataclasses.replace(counts, untrained=mine & ~trained & ~counts.heldout)
 
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:

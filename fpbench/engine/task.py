@@ -14,6 +14,7 @@ from torch import Tensor
 
 from fpbench.data import ImageDataset
 from fpbench.data.prepared import data_root
+from fpbench.errors import FpbenchError
 from fpbench.partition import Client, make_clients
 from fpbench.registry import DATASETS
 from fpbench.specs import Component, RunConfig
@@ -30,6 +31,12 @@ class Task:
     priors: Tensor  # (N, C)
     train_sizes: Tensor  # (N,)
     heldout: Tensor  # (N,) bool
+    aggregation_sizes: Tensor | None = None  # (N,) FedAvg weights; None: train_sizes
+
+    @property
+    def aggregation_weights(self) -> Tensor:
+        """(N,) each client's FedAvg weight (unnormalised)."""
+        return self.train_sizes if self.aggregation_sizes is None else self.aggregation_sizes
 
     @property
     def num_clients(self) -> int:
@@ -52,10 +59,17 @@ def load_dataset(comp: Component) -> ImageDataset:
 
 def build_task(cfg: RunConfig, device: torch.device) -> Task:
     """Load (or reuse) the dataset, partition it, and move images and indices to `device`."""
-    return task_of(load_dataset(cfg.dataset), cfg.partition, cfg.seed, device)
+    data = load_dataset(cfg.dataset)
+    return task_of(data, cfg.partition, cfg.seed, device, cfg.train.aggregation_weights)
 
 
-def task_of(data: ImageDataset, partition: Component, seed: int, device: torch.device) -> Task:
+def task_of(
+    data: ImageDataset,
+    partition: Component,
+    seed: int,
+    device: torch.device,
+    aggregation_weights: str = "train_size",
+) -> Task:
     """Partition `data` with `partition` and move images and indices to `device`."""
     clients = make_clients(partition.name, partition.args, data, seed=seed)
     on_device = dataclasses.replace(
@@ -75,7 +89,36 @@ def task_of(data: ImageDataset, partition: Component, seed: int, device: torch.d
         ),
         train_sizes=torch.tensor([len(c.train_idx) for c in clients], dtype=torch.float32),
         heldout=torch.tensor([c.heldout for c in clients]),
+        aggregation_sizes=aggregation_sizes(aggregation_weights, data, clients),
     )
+
+
+def aggregation_sizes(rule: str, data: ImageDataset, clients: list[Client]) -> Tensor | None:
+    """FedAvg weights (N,) under `rule`; None for "train_size" (the clients' train sizes).
+
+    "domain_size": each client weighs its domain's full train-list size divided by the number of
+    clients of that domain (the SGPT code's weights on Office-Caltech10 / DomainNet).
+
+    Raises:
+        FpbenchError: the dataset records no domain sizes, or a client has no domain.
+    """
+    if rule == "train_size":
+        return None
+    if data.domain_train_sizes is None:
+        raise FpbenchError(
+            f"train.aggregation_weights = 'domain_size' needs a dataset that records its domains' "
+            f"full sizes; {data.name} does not (a file prepared before they were recorded: "
+            "delete it and prepare again)"
+        )
+    domains = [c.domain for c in clients]
+    if any(d is None for d in domains):
+        raise FpbenchError(
+            "train.aggregation_weights = 'domain_size' needs a per-domain partition (domain, "
+            "domain-dirichlet)"
+        )
+    per_domain = {d: domains.count(d) for d in set(domains)}
+    sizes = [float(data.domain_train_sizes[d]) / per_domain[d] for d in domains]
+    return torch.tensor(sizes, dtype=torch.float32)
 
 
 def _indices(idx: np.ndarray, device: torch.device) -> Tensor:

@@ -59,6 +59,7 @@ class TaskInfo:
     class_priors: Tensor  # (N, C) each client's train label distribution
     train_sizes: Tensor  # (N,) each client's number of train samples
     class_names: tuple[str, ...] = ()  # the dataset's class names (CLIP text prompts need them)
+    dataset: str = ""  # the dataset's registry name (GPT-FL's generated-image folder)
     # The clients' train images, only for methods whose clients share a summary of their data
     # once before training (FedMix's mean images); None where the caller does not provide them.
     train_images: Tensor | None = None  # (n, 3, H, W) uint8, the whole train split
@@ -84,6 +85,19 @@ class Phase:
     trainable: tuple[str, ...]
     epochs: int
     resume_layer: int = 0
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """A parameter's own optimiser, replacing the run's `train` settings for it.
+
+    The lr follows the run's schedule: it is scaled by the same per-round factor as `train.lr`.
+    """
+
+    optimizer: Literal["sgd", "adam"]
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
 
 
 @dataclass
@@ -134,6 +148,9 @@ class Method:
     Config: ClassVar[type[MethodConfig]] = MethodConfig
     inference: ClassVar[Inference] = "global"
     personal: ClassVar[frozenset[str]] = frozenset()  # parameter names kept per client
+    # a personal method that says what it deploys to a new client (`eval_params` of a client
+    # that never trained): held-out clients are then scored with it instead of not applicable
+    scores_new_clients: ClassVar[bool] = False
     # None: forward takes preprocessed images; "cls": the frozen backbone's final cls features
     # (B, d), which the engine computes once and caches.
     frozen_input: ClassVar[str | None] = None
@@ -167,6 +184,10 @@ class Method:
         }
         out.update({name: t[client_ids].clone() for name, t in server.personal.items()})
         return out
+
+    def optimizer_settings(self) -> dict[str, OptimizerSettings]:
+        """Parameters trained with their own optimiser (e.g. pixel prompts); others use `train`."""
+        return {}
 
     def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
         """The local schedule over the parameter `names`; default one phase training all."""

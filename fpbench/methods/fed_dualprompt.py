@@ -14,7 +14,11 @@ loss, which pulls the selected key towards its queries. Prompts are inserted as 
 style: each prompted block replaces the previous prompt tokens) rather than DualPrompt's default
 prefix-tuning, which the backbone does not provide; the G- and E-prompt lengths must be equal.
 
-Server: FedAvg of everything (G-prompt, E-prompt pool, keys, head) by client train size.
+Server: FedAvg of everything (G-prompt, E-prompt pool, keys, head) by client train size. The
+aggregation also records FGPT Table 11's prompt similarities with the G-prompt as the shared
+prompt and the E-prompts as the group prompts (`sim_shared_prompt`: across the clients' trained
+G-prompts; `sim_group_prompt_global`: among the aggregated E-prompts; `sim_group_prompt_local`:
+per E-prompt across the clients that selected it, see `fpbench.methods.fgpt`).
 
 Defaults from DualPrompt's Split CIFAR-100 configuration: G-prompt length 5 at blocks 0-1,
 E-prompts of length 5 at blocks 2-4, pool size 10, top-1 selection, matching-loss weight 1.
@@ -36,10 +40,17 @@ from fpbench.methods.base import (
     Context,
     Method,
     MethodConfig,
+    ServerState,
     TaskInfo,
     init_linear,
     init_prompts,
     per_client_linear,
+)
+from fpbench.methods.fgpt import (
+    SIMILARITIES,
+    finite_similarities,
+    prompt_similarities,
+    selection_counts,
 )
 from fpbench.methods.sgpt import key_cosines
 from fpbench.registry import METHODS
@@ -124,6 +135,10 @@ class FedDualPrompt(Method):
         """Logits (B, C) and each sample's cosine with its selected key (B,)."""
         query = ctx.query if ctx.query is not None else self.query(x)  # (B, d)
         index, match = select_prompts(params["e_keys"], query, client_index)
+        if ctx.training:  # N_m^i of each row, for the similarity metrics
+            rows, pool = params["e_keys"].shape[:2]
+            counts = selection_counts(client_index, index, rows, pool)  # (K, M)
+            ctx.stats["prompt_counts"] = ctx.stats.get("prompt_counts", 0) + counts
         g = params["g_prompts"][client_index]  # (B, Lg, p, d)
         e = params["e_prompts"][client_index, index]  # (B, Le, p, d)
         prompts = {b: g[:, i] for i, b in enumerate(self.g_layers)}
@@ -143,3 +158,27 @@ class FedDualPrompt(Method):
         logits, match = self.logits_and_match(params, x, client_index, ctx)
         ce = F.cross_entropy(logits, y, reduction="none")  # (B,)
         return ce + self.cfg.key_weight * (1 - match)
+
+    def init_server(self, gen: torch.Generator) -> ServerState:
+        server = super().init_server(gen)
+        server.buffers.update({n: torch.tensor(float("nan")) for n in SIMILARITIES})
+        return server
+
+    def aggregate(
+        self,
+        server: ServerState,
+        trained: dict[str, Tensor],
+        client_ids: Tensor,
+        weights: Tensor,
+        stats: dict[str, Tensor],
+    ) -> ServerState:
+        new = super().aggregate(server, trained, client_ids, weights, stats)  # FedAvg
+        e = trained["e_prompts"]  # (K, M, Le, p, d)
+        counts = stats.get("prompt_counts", torch.zeros(e.shape[:2], device=e.device))
+        sims = prompt_similarities(trained["g_prompts"], e, counts, new.params["e_prompts"])
+        buffers = dict(new.buffers) | {k: v.to(e.device) for k, v in sims.items()}
+        return ServerState(new.params, new.personal, buffers)
+
+    def round_metrics(self, server: ServerState) -> dict[str, float]:
+        """FGPT Table 11's prompt similarities of the last aggregation (where defined)."""
+        return finite_similarities(server.buffers)

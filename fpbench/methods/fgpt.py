@@ -17,8 +17,8 @@ of the top-K groups (Alg. 3, K = 5), running the blocks below the group layer on
 Layers are 0-based block indices. The paper inserts group prompts at its 6th layer L_6 (1-based,
 L_1 = the first block), i.e. block 5 of ViT-B's 12; on other depths the default is
 floor(5 * depth / 12). The aggregation also records Table 11's prompt similarities
-(`sim_shared`, `sim_group_global`, `sim_group_local`) in `server.buffers`, stored each round as
-metrics.
+(`sim_shared_prompt`, `sim_group_prompt_global`, `sim_group_prompt_local`; the shared one also
+with G = 0, Table 11's "PT-FedAvg-share") in `server.buffers`, stored each round as metrics.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from fpbench.methods.base import (
     init_prompts,
     per_client_linear,
 )
+from fpbench.methods.numerics import fp32
 from fpbench.registry import METHODS
 
 PAPER_DEPTH = 12
@@ -52,8 +53,9 @@ PAPER_GROUP_BLOCK = 5  # the paper's L_6, 1-based
 
 # Ablation presets: method args over the defaults (paper table in the name).
 PRESETS: dict[str, dict[str, object]] = {
-    # Table 4: PT-FedAvg (one group = same prompt positions, FedAvg), + group prompts with
-    # random keys, + orthogonal keys (= fgpt), + U-inference (= fgpt-u).
+    # Table 4: PT-FedAvg (one group = prompts at both the shared and the group positions,
+    # FedAvg; also Tables 1, 7, 8 and 11's "PT-FedAvg" per Table 11's text), + group prompts
+    # with random keys, + orthogonal keys (= fgpt), + U-inference (= fgpt-u).
     "table4-pt-fedavg": {"num_groups": 1},
     "table4-group-random-keys": {"keys": "random"},
     "table4-orthogonal-keys": {},
@@ -128,6 +130,7 @@ def make_keys(gen: torch.Generator, num: int, dim: int, kind: str) -> Tensor:
     return q.T.contiguous()
 
 
+@fp32
 def select_groups(query: Tensor, keys: Tensor, k: int = 1) -> Tensor:
     """Indices (B, k) of the k keys with the highest cosine similarity to each query (B, dq)."""
     sims = F.normalize(query, dim=-1) @ F.normalize(keys, dim=-1).T  # (B, G)
@@ -184,10 +187,19 @@ def prompt_similarities(
         if int((counts[:, g] > 0).sum()) >= 2
     ]
     return {
-        "sim_shared": mean_pairwise_cosine(shared),
-        "sim_group_global": mean_pairwise_cosine(global_group),
-        "sim_group_local": torch.stack(local).mean() if local else torch.tensor(float("nan")),
+        "sim_shared_prompt": mean_pairwise_cosine(shared),
+        "sim_group_prompt_global": mean_pairwise_cosine(global_group),
+        "sim_group_prompt_local": torch.stack(local).mean() if local else torch.tensor(math.nan),
     }
+
+
+SIMILARITIES = ("sim_shared_prompt", "sim_group_prompt_global", "sim_group_prompt_local")
+
+
+def finite_similarities(buffers: dict[str, Tensor]) -> dict[str, float]:
+    """The Table 11 similarities in `buffers` that are defined (NaN ones are not stored)."""
+    values = {n: float(buffers[n]) for n in SIMILARITIES if n in buffers}
+    return {n: v for n, v in values.items() if math.isfinite(v)}
 
 
 def default_layer(paper_block: int, depth: int) -> int:
@@ -277,8 +289,7 @@ class FGPT(Method):
         if g:
             server.buffers["keys"] = make_keys(gen, g, self.key_dim, self.cfg.keys)  # (G, dq)
             server.buffers["selection_counts"] = torch.zeros(g)
-            nan = torch.tensor(float("nan"))
-            server.buffers.update(sim_shared=nan, sim_group_global=nan, sim_group_local=nan)
+        server.buffers.update({n: torch.tensor(math.nan) for n in SIMILARITIES})
         return server
 
     # -- math -------------------------------------------------------------------------------
@@ -351,6 +362,8 @@ class FGPT(Method):
     ) -> ServerState:
         params = super().aggregate(server, trained, client_ids, weights, stats).params  # FedAvg
         buffers = dict(server.buffers)
+        device = trained["head_w"].device
+        sims = {"sim_shared_prompt": mean_pairwise_cosine(trained["shared_prompts"])}
         if self.cfg.num_groups:
             counts = stats["group_counts"].to(trained["head_w"].dtype)  # (K, G)
             old = server.params["group_prompts"]
@@ -359,14 +372,12 @@ class FGPT(Method):
             sims = prompt_similarities(
                 trained["shared_prompts"], trained["group_prompts"], counts, params["group_prompts"]
             )
-            buffers.update({k: v.to(old.device) for k, v in sims.items()})
+        buffers.update({k: v.to(device) for k, v in sims.items()})
         return ServerState(params, server.personal, buffers)
 
     def round_metrics(self, server: ServerState) -> dict[str, float]:
         """Table 11's prompt similarities of the last aggregation (where defined)."""
-        names = ("sim_shared", "sim_group_global", "sim_group_local")
-        values = {n: float(server.buffers[n]) for n in names if n in server.buffers}
-        return {n: v for n, v in values.items() if math.isfinite(v)}
+        return finite_similarities(server.buffers)
 
     def communication(self, server: ServerState) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """Down: the trainable weights (keys are fixed and known to every client, not resent).

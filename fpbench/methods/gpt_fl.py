@@ -11,16 +11,19 @@ lr 0.002, momentum 0.9, batch 32), then federated training is exactly PromptFL (
 weighted FedAvg of the context, global inference).
 
 The generated images are read from `synthetic_dir` (`fpbench data generate-gpt-fl` writes it
-with a local diffusers model; layout in `fpbench.data.gpt_fl_generate`). With no `synthetic_dir`
-the server-side pretraining is skipped and the method is PromptFL from CoOp's random init: this
-keeps the method runnable offline (conformance tests, smoke suites), but such runs are not GPT-FL
-results; the stored config says which (`synthetic_dir = null`). The generated set is encoded
-once by the frozen image encoder (no augmentation) at the start of the run.
+with a local diffusers model; layout in `fpbench.data.gpt_fl_generate`); "{dataset}" in it
+stands for the cell's dataset, so one suite entry names every dataset's folder. Without the
+images GPT-FL would be PromptFL under another name, so a run without them stops with one line
+saying how to make them (checked before a suite writes anything); `server_epochs = 0` is the
+explicit opt-out (PromptFL from CoOp's init, for the offline smoke suites and tests). The
+generated set is encoded once by the frozen image encoder (no augmentation) at the start of
+the run.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,17 +31,49 @@ from pydantic import Field
 from torch import Tensor
 
 from fpbench.data.gpt_fl_generate import load_generated
+from fpbench.errors import FpbenchError
 from fpbench.methods.coop import CoOpConfig, CoOpModel
 from fpbench.registry import METHODS
 
 
 class GPTFLConfig(CoOpConfig):
     synthetic_dir: str | None = Field(
-        None, description="generated images <dir>/<class>/*.png; None: no server pretraining"
+        None, description='generated images <dir>/<class>/*.png; "{dataset}": the cell\'s dataset'
     )
     server_epochs: int = Field(50, ge=0, description="server-side CoOp epochs on generated data")
     server_lr: float = Field(0.002, gt=0)
     server_batch_size: int = Field(32, ge=1)
+
+
+def generated_dir(args: GPTFLConfig | dict, dataset: str) -> Path | None:
+    """The folder of generated images a GPT-FL cell reads, or None with `server_epochs = 0`.
+
+    Raises:
+        FpbenchError: the images are needed but not named or not there (one line saying how to
+            make them).
+    """
+    cfg = args if isinstance(args, GPTFLConfig) else GPTFLConfig(**args)
+    if cfg.server_epochs == 0:
+        return None
+    how = f"fpbench data generate-gpt-fl {dataset} --out DIR --model /path/to/text-to-image"
+    if not cfg.synthetic_dir:
+        raise FpbenchError(
+            f"gpt-fl needs generated images: run `{how}` and set synthetic_dir = DIR "
+            "(or server_epochs = 0 for PromptFL without them)"
+        )
+    root = Path(cfg.synthetic_dir.replace("{dataset}", dataset))
+    if not root.is_dir():
+        raise FpbenchError(
+            f"gpt-fl needs generated images in {str(root)!r}: run `{how.replace('DIR', str(root))}`"
+        )
+    return root
+
+
+def require_generated(cells: list[Any]) -> None:
+    """Fail fast, before a suite writes anything, when a GPT-FL cell lacks its images."""
+    for cell in cells:
+        if cell.method.name == GPTFL.name:
+            generated_dir(cell.method.args, cell.dataset.name)
 
 
 @METHODS.register()
@@ -48,9 +83,10 @@ class GPTFL(CoOpModel):
 
     def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
         ctx = self.init_context(gen)
-        if not self.cfg.synthetic_dir or self.cfg.server_epochs == 0:
+        root = generated_dir(self.cfg, self.task.dataset or "DATASET")
+        if root is None:
             return {"ctx": ctx}
-        root, names = Path(self.cfg.synthetic_dir), list(self.task.class_names)
+        names = list(self.task.class_names)
         images, labels = load_generated(root, names, size=self.backbone.img_size)
         return {"ctx": self.pretrain(ctx, self.generated_features(images), labels, gen)}
 

@@ -6,8 +6,10 @@ what personalising the prompts alone does: the FedVPT model (VPT-shallow prompts
 head on a frozen ViT), where each client's prompts are personal (trained locally, never sent,
 never aggregated) and the head is trained with FedAvg. The paper describes it in one sentence;
 that the head is federated is our reading, consistent with its results (P-PT below FedVPT, and
-an accuracy reported for unseen clients, which only a shared part can give). Inference here is
-personal (held-out clients: not applicable), as the benchmark treats personal prompts.
+an accuracy reported for unseen clients, which only a shared part can give). Inference is
+personal. A new (held-out) client is scored with what P-PT deploys to it, zero-shot: the common
+initial prompts (it has trained no personal ones) and the federated head; the paper reports this
+"Testing Acc" (Tables 3 and 14) without saying how it was obtained, so this is fpbench's reading.
 
 Defaults: one prompt token, PEP-FedPT's number of shared prompts n_S = 1 (the paper does not
 state P-PT's own length); the local optimiser and schedule are the benchmark's `train` settings.
@@ -31,3 +33,4 @@ class PPT(ShallowPromptModel):
     Config = PPTConfig
     inference = "personal"
     personal = frozenset({"prompts"})
+    scores_new_clients = True  # initial prompts + federated head (module docstring)

@@ -59,6 +59,7 @@ from fpbench.methods.base import (
     init_prompts,
     per_client_linear,
 )
+from fpbench.methods.numerics import fp32
 from fpbench.registry import METHODS
 
 PAPER_DEPTH = 12
@@ -131,6 +132,7 @@ class PEPConfig(PresetConfig):
 # the math, as small functions (unit-tested)
 
 
+@fp32
 def ccmp_weights(cls: Tensor, prototypes: Tensor, priors: Tensor, tau: float) -> Tensor:
     """Eqs. 13-15: s^c proportional to exp(cos(cls, mu^c) / tau) * delta^c, normalised.
 

@@ -8,10 +8,13 @@ an MLP (ReLU) whose output layers emit the client's prompts (p, d), head weight 
 (C,). Client: starts from the generated tensors, trains them for the local epochs with
 cross-entropy, returns the update direction delta = trained - generated. Server: one step on the
 hypernetwork with the gradient -(d generated / d phi)^T delta, i.e. the gradient of
-1/2 ||generated(phi) - trained||^2 (the paper's update rule), averaged over the round's
-participants (the paper samples one client per step); SGD with momentum and weight decay, whose
-state lives in the server buffers. Nothing stays on the clients: evaluation uses the generated
-tensors, and a held-out client (untrained embedding) is not applicable.
+1/2 ||generated(phi) - trained||^2 (the paper's update rule), summed over the round's
+participants (`server_reduce = "sum"`): the paper takes one step per sampled client, so each
+client's delta moves phi with the full server lr, as K steps from the same point would; "mean"
+divides that step by K. SGD with momentum and weight decay, whose state lives in the server
+buffers. Nothing stays on the clients: evaluation uses the generated
+tensors; a held-out client (untrained embedding) is not applicable, and a participating client
+not yet sampled is left out of the local metrics by default (`train.unseen_clients`).
 
 Defaults from the original paper and its code: hidden width 100, 3 hidden layers, embedding size
 1 + N / 4, server SGD lr 1e-2, momentum 0.9, weight decay 1e-3. The local optimiser, its
@@ -22,7 +25,7 @@ VPT-shallow default (FGPT does not state it for this baseline).
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +50,11 @@ class HypernetConfig(MethodConfig):
     server_lr: float = Field(1e-2, gt=0, description="learning rate of the server's generator")
     server_momentum: float = Field(0.9, ge=0, lt=1, description="server SGD momentum")
     server_weight_decay: float = Field(1e-3, ge=0, description="server SGD weight decay (L2)")
+    server_reduce: Literal["sum", "mean"] = Field(
+        "sum",
+        description="combine the participants' generator gradients: sum (one full step per "
+        "client, pFedHN's per-client step) or mean (one step of their average)",
+    )
 
 
 class HypernetworkMethod(Method):
@@ -107,14 +115,16 @@ class HypernetworkMethod(Method):
     def generator_grads(
         self, phi: dict[str, Tensor], trained: dict[str, Tensor], client_ids: Tensor
     ) -> dict[str, Tensor]:
-        """Gradient of mean_k 1/2 ||generated_k(phi) - trained_k||^2 with respect to phi."""
+        """Gradient of sum_k (or mean_k) 1/2 ||generated_k(phi) - trained_k||^2 w.r.t. phi."""
         leaves = {k: v.detach().requires_grad_() for k, v in phi.items()}
         with torch.enable_grad():
             out = self.generate(leaves, client_ids)
             # d/dphi of <generated, -delta> = (d generated / d phi)^T (generated - trained)
             surrogate = sum(
                 (out[n] * (out[n].detach() - trained[n].detach())).sum() for n in self.generated
-            ) / len(client_ids)
+            )
+            if self.cfg.server_reduce == "mean":
+                surrogate = surrogate / len(client_ids)
             grads = torch.autograd.grad(surrogate, list(leaves.values()), allow_unused=True)
         pairs = zip(phi.items(), grads, strict=True)
         return {k: torch.zeros_like(v) if g is None else g for (k, v), g in pairs}

@@ -10,10 +10,13 @@ is exactly the one-token form). Client ("personalised prompt adaptation"): start
 trains the prompts and its own linear head H_n (never sent) with cross-entropy, returns
 delta = P~_n - P_n. Server ("personalised prompt generation"): treats -delta as the gradient
 at P_n, i.e. descends 1/2 ||P_n(phi) - P~_n||^2 in phi = (P_base, descriptors, G), averaged over
-the round's participants (pFedHN's rule, shared with `pfedhn`). The sign is the descent one: the
-unofficial re-implementation's +delta and its unused generated prompt (notes, sec. 9.2) are
-not reproduced. Evaluation: each client's last adapted prompts and its head (kept locally); a
-client never sampled uses the initial generated prompts.
+the round's participants (`server_reduce = "mean"`: with server lr 1 the basis moves by the
+mean delta, a FedAvg step; pFedPG's paper does not say; "sum" is pFedHN's per-client step).
+The sign is the descent one: the unofficial re-implementation's +delta and its unused
+generated prompt (notes, sec. 9.2) are not reproduced. Evaluation: each client's last adapted
+prompts and its head (kept locally); a client never sampled has only its initial generated
+prompts and a random head, so by default (`train.unseen_clients`) it is left out of the local
+metrics and counted in `clients_untrained`.
 
 Defaults (fpbench's; the paper's generator and server-optimiser settings are not in the sources
 we could read): prompt length 5, the backbone's number of attention heads (12 on ViT-B/16, as
@@ -24,6 +27,7 @@ mean prompt delta, as a FedAvg step would), no momentum, no weight decay.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -38,6 +42,9 @@ from fpbench.registry import METHODS
 class PFedPGConfig(HypernetConfig):
     server_lr: float = Field(1.0, gt=0, description="learning rate of the prompt generator")
     server_momentum: float = Field(0.0, ge=0, lt=1, description="server SGD momentum")
+    server_reduce: Literal["sum", "mean"] = Field(
+        "mean", description="combine the participants' generator gradients: mean (a FedAvg step)"
+    )
     server_weight_decay: float = Field(0.0, ge=0, description="server SGD weight decay")
     generator_heads: int | None = Field(
         None, ge=1, description="attention heads of the generator; None: the backbone's"

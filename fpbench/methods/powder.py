@@ -14,9 +14,12 @@ context (M, d).
 
 * Server state: the global prompt G and a pool with each client's latest task prompt P_j.
 * Generation (server side, sent down as the client's start prompt): candidates are G and the
-  pool prompts of the other clients seen so far; weights softmax(corr / tau), where corr is the
-  cosine between class priors (the client's vs the candidate task's; for G the federation's
-  sample-weighted prior), so a client with no seen neighbour starts from G.
+  pool prompts of the other clients seen so far; weights softmax(corr / tau) over the
+  candidates with corr > 0, where corr is the cosine between class priors (the client's vs the
+  candidate task's; for G the federation's sample-weighted prior). An uncorrelated task (corr 0:
+  no class in common) gets no weight, as a correlation-weighted transfer means (a softmax over
+  all candidates would still give each e^0 / sum of the mass: with disjoint classes about 29%
+  of the start prompt from unrelated tasks); a client with no correlated neighbour starts from G.
 * Local objective: CE(P) + distill * KL(p_start || p_P), p = softmax of CLIP's logits under
   the generated start prompt (teacher, no gradient) and the trained one.
 * Two-step aggregation: (1) within a task: each participant's trained prompt replaces its pool
@@ -48,12 +51,16 @@ class PowderConfig(CoOpConfig):
 
 
 def generation_weights(query: Tensor, candidates: Tensor, available: Tensor, tau: float) -> Tensor:
-    """softmax over available candidates of cos(query, candidate) / tau: (K, P), (J, P) -> (K, J).
+    """softmax of cos(query, candidate) / tau over the available, positively correlated
+    candidates: (K, P), (J, P) -> (K, J).
 
-    `available` (K, J) marks which candidates each query may use (at least one per row).
+    `available` (K, J) marks which candidates each query may use (at least one per row); a row
+    with no positive correlation among them falls back to all its available candidates.
     """
     corr = F.normalize(query, dim=-1) @ F.normalize(candidates, dim=-1).T  # (K, J)
-    return (corr / tau).masked_fill(~available, float("-inf")).softmax(-1)
+    keep = available & (corr > 0)
+    keep = torch.where(keep.any(-1, keepdim=True), keep, available)
+    return (corr / tau).masked_fill(~keep, float("-inf")).softmax(-1)
 
 
 @METHODS.register()

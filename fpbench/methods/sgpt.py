@@ -68,6 +68,7 @@ from fpbench.methods.base import (
     init_prompts,
     per_client_linear,
 )
+from fpbench.methods.numerics import fp32
 from fpbench.registry import METHODS
 
 LEAKY_SLOPE = 0.01  # the reference's `--leaky` query activation
@@ -77,21 +78,33 @@ GROUP_PHASE = (*HEAD, "group_prompts", "keys")
 
 # Named settings: preset -> field overrides (explicit fields win over the preset).
 SGPT_PRESETS: dict[str, dict[str, Any]] = {
-    # SGPT Table 3 (prompts and local schedule)
-    "shared-only": {"group_layers": ()},
+    # SGPT Table 3 (prompts and local schedule). "Share" is FedVPT-D (its values are Table 1's
+    # FedVPT-D s = 10 row): a VPT-uniform prompt at every block, replaced block to block, head
+    # on cls, FedAvg, one phase
+    "shared-only": {
+        "shared_layers": "all",
+        "group_layers": (),
+        "prompt_style": "deep",
+        "shared_init": "uniform",
+    },
     "group-only": {"shared_layers": ()},
     "shared-group-joint": {"schedule": "joint"},
     "bcd-inverted": {"schedule": "bcd-inverted"},
     "bcd": {},
-    # SGPT Table 4 (learning Select's keys): each row adds one thing to the previous
+    # SGPT Table 4 (learning Select's keys), read from sec. 4.3 and appendix B.2: "FedAvg" learns
+    # the keys with plain FedAvg (sample-size weights, plain nearest-key Select, no momentum);
+    # "w/ qg" adds the selection probability q_g, i.e. Eq. 6's weighted Select and B.2's key
+    # weights N_g^i / sum_i N_g^i from the selection counts; "w/ momentum and qg" adds Eq. 7's
+    # momentum on keys and group prompts, which is SGPT itself. (The other reading, q_g in Select
+    # only with keys still FedAvg'd, is `key_weighting = "samples"`.)
     "keys-fedavg": {
         "select_weighting": "none",
         "key_weighting": "samples",
         "key_momentum": 0.0,
         "group_momentum": 0.0,
     },
-    "keys-qg": {"key_weighting": "samples", "key_momentum": 0.0, "group_momentum": 0.0},
-    "keys-qg-momentum": {"key_weighting": "samples"},
+    "keys-qg": {"key_momentum": 0.0, "group_momentum": 0.0},
+    "keys-qg-momentum": {},
     # the reference's other train.sh settings (ViT-B/16), and the paper's readings
     "cifar-s50": {"shared_layers": (0, 1, 2, 3, 4), "group_layers": (5, 6)},
     "office": {
@@ -114,10 +127,11 @@ SGPT_PRESETS: dict[str, dict[str, Any]] = {
 class SGPTConfig(PresetConfig):
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = SGPT_PRESETS
     num_groups: int = Field(20, ge=1, description="G groups/keys (reference: CIFAR 20, Office 4)")
-    shared_layers: tuple[int, ...] | None = Field(
+    shared_layers: tuple[int, ...] | Literal["all"] | None = Field(
         None,
-        description="0-based blocks with a shared prompt; () none. None: the reference layout "
-        "scaled to the depth, the first max(1, depth // 3) blocks (0-3 on ViT-B, as train.sh)",
+        description="0-based blocks with a shared prompt; () none; 'all' every block. None: the "
+        "reference layout scaled to the depth, the first max(1, depth // 3) blocks (0-3 on "
+        "ViT-B, as train.sh)",
     )
     group_layers: tuple[int, ...] | None = Field(
         None,
@@ -201,12 +215,14 @@ def select_query(cls: Tensor, activation: str = "relu") -> Tensor:
     return F.normalize(act, dim=-1)
 
 
+@fp32
 def key_cosines(query: Tensor, keys: Tensor, client_index: Tensor) -> Tensor:
     """cos(query_b, key g of sample b's row) (B, G) for query (B, d) and keys (K, G, d)."""
     unit = F.normalize(keys, dim=-1)[client_index]  # (B, G, d)
     return (unit * query.unsqueeze(1)).sum(-1)
 
 
+@fp32
 def frequency_scores(cos: Tensor, counts: Tensor, eps: float) -> Tensor:
     """Training-time distances (B, G): (1 - cos) * (q_g + eps), q = counts / sum; 1 - cos at 0."""
     total = counts.sum()
@@ -345,6 +361,7 @@ def cluster_accuracy(groups: Tensor, coarse: Tensor, g: int, c: int) -> float:
     return float(table[rows, cols].sum())
 
 
+@fp32
 def nearest_group(queries: Tensor, keys: Tensor) -> Tensor:
     """Test-time selection (n,): each query (n, dq) takes its nearest key of keys (G, dq)."""
     unit = F.normalize(keys.detach().float().to(queries.device), dim=-1)  # (G, dq)
@@ -354,7 +371,10 @@ def nearest_group(queries: Tensor, keys: Tensor) -> Tensor:
 def resolve_layers(cfg: SGPTConfig, depth: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(shared, group) 0-based blocks; None fields take the reference layout scaled to depth."""
     n_shared = max(1, depth // 3)
-    shared = tuple(range(n_shared)) if cfg.shared_layers is None else tuple(cfg.shared_layers)
+    if cfg.shared_layers == "all":
+        shared = tuple(range(depth))
+    else:
+        shared = tuple(range(n_shared)) if cfg.shared_layers is None else tuple(cfg.shared_layers)
     start = max(shared) + 1 if shared else n_shared
     group = (
         tuple(range(start, min(depth, start + max(1, depth // 4))))

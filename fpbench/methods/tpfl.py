@@ -9,8 +9,13 @@ the visual prompt each averaged with weights n_i / sum_j n_j (eq. 3). Inference:
 prompts for every client.
 
 Defaults: 16 context tokens (CoOp; the paper gives no length), padding pattern 30 pixels wide
-at 224 px (Bahng et al.; scaled to the backbone's input size), standard-normal visual init. The
-paper trains with Adam, lr 1e-3 and a cosine schedule over 20 epochs (set in the suite).
+at 224 px (Bahng et al.; scaled to the backbone's input size). The paper trains with Adam, lr 1e-3
+and a cosine schedule over 20 epochs (set in the suite) and says nothing about the visual
+prompt's own training; a pixel prompt at that lr barely moves in the few steps a few-shot client
+takes, so the visual prompt follows its authors' recipe instead (Bahng et al.'s CLIP setting:
+SGD, lr 40, momentum 0.9, no weight decay; annealed with the run's schedule) and starts at zero,
+so round 0 sees CLIP's own images (Bahng's N(0, 1) init covers 46% of the pixels with noise:
+`visual_init = "normal"`, `visual_optimizer = "shared"` restore the old reading).
 Random-patch positions are drawn per sample from torch's global generator (Bahng draws one per
 batch); runs stay reproducible, but the reference and lockstep executors then see different
 positions, so only the padding and fixed-patch patterns are executor-invariant.
@@ -26,7 +31,7 @@ from pydantic import Field
 from torch import Tensor
 
 from fpbench.backbones.clip_prompts import PixelPrompter
-from fpbench.methods.base import Context
+from fpbench.methods.base import Context, OptimizerSettings
 from fpbench.methods.coop import CoOpConfig, CoOpModel
 from fpbench.registry import METHODS
 
@@ -36,6 +41,15 @@ class TPFLConfig(CoOpConfig):
     visual_size: int | None = Field(
         None, ge=1, description="prompt width/patch side in pixels; None: 30 at 224 px, scaled"
     )
+    visual_init: Literal["zeros", "normal"] = Field(
+        "zeros", description="zeros: no effect at round 0; normal: Bahng's N(0, 1)"
+    )
+    visual_optimizer: Literal["sgd", "adam", "shared"] = Field(
+        "sgd", description="the visual prompt's optimiser (Bahng: SGD); shared: the run's train"
+    )
+    visual_lr: float = Field(40.0, gt=0, description="Bahng et al.'s CLIP lr")
+    visual_momentum: float = Field(0.9, ge=0, lt=1)
+    visual_weight_decay: float = Field(0.0, ge=0)
 
 
 class TwinPromptModel(CoOpModel):
@@ -53,7 +67,20 @@ class TwinPromptModel(CoOpModel):
         return self._prompter
 
     def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
-        return {"ctx": self.init_context(gen), "visual_prompt": self.prompter.init(gen)}
+        ctx = self.init_context(gen)
+        visual = self.prompter.init(gen)
+        if self.cfg.visual_init == "zeros":
+            visual = torch.zeros_like(visual)
+        return {"ctx": ctx, "visual_prompt": visual}
+
+    def optimizer_settings(self) -> dict[str, OptimizerSettings]:
+        cfg = self.cfg
+        if cfg.visual_optimizer == "shared":
+            return {}
+        own = OptimizerSettings(
+            cfg.visual_optimizer, cfg.visual_lr, cfg.visual_momentum, cfg.visual_weight_decay
+        )
+        return {"visual_prompt": own}
 
     def image_features(self, x: Tensor, visual: Tensor | None = None) -> Tensor:
         """Normalised features (B, E) of images x (B, 3, S, S) plus per-sample prompts (B, 3, P)."""

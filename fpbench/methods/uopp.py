@@ -19,9 +19,14 @@ Adaptation to non-continual few-shot prompt learning on a frozen CLIP (one task,
   clients seen so far, normalised. The original's rectification (a meta-learned neural ODE
   that moves few-shot prototypes towards the base-session statistics) needs a base session and
   is not reproduced: pooling every client's samples is the rectification available here;
-* dual heads: prototype logits exp(logit_scale) * cos(f, p_c); each sample takes the head whose
-  softmax is more confident (max probability; ties: the prompt head). Classes without a
-  prototype score 0. Training is the prompt head's cross-entropy (prototypes are not trained).
+* dual heads: prototype logits exp(logit_scale) * cos(f, p_c); each sample takes the head that
+  is more confident (ties: the prompt head). Image-prototype cosines spread far wider than
+  image-text ones, so at CLIP's logit scale the raw prototype softmax nearly always wins and the
+  prompt would barely matter; each head's confidence is therefore calibrated: the max softmax
+  probability of its logits standardised per sample (zero mean, unit std over the classes it
+  scores), which reads how far the top class stands out of the head's own spread. Classes
+  without a prototype score 0 and are left out of the prototype head's statistics. Training is
+  the prompt head's cross-entropy (prototypes are not trained).
 
 Inference is global (one prompt, one prototype set). Defaults: CoOp's 16 context tokens (SDFed
 runs every baseline at 8, set in the suite).
@@ -50,10 +55,24 @@ def class_sums(
     return sums.view(rows, num_classes, -1), counts.view(rows, num_classes)
 
 
-def dual_head(prompt_logits: Tensor, proto_logits: Tensor) -> Tensor:
-    """Per sample, the logits (B, C) of the head with the larger max softmax probability."""
-    conf_prompt = prompt_logits.softmax(-1).amax(-1)  # (B,)
-    conf_proto = proto_logits.softmax(-1).amax(-1)
+def calibrated_confidence(logits: Tensor, valid: Tensor | None = None) -> Tensor:
+    """Max softmax probability (B,) of logits (B, C) standardised per row over `valid` (C,)."""
+    if valid is None:
+        valid = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+    kept = logits[:, valid]  # (B, C')
+    z = (kept - kept.mean(-1, keepdim=True)) / kept.std(-1, unbiased=False, keepdim=True).clamp(
+        min=1e-12
+    )
+    return z.softmax(-1).amax(-1)
+
+
+def dual_head(prompt_logits: Tensor, proto_logits: Tensor, valid: Tensor | None = None) -> Tensor:
+    """Per sample, the logits (B, C) of the head with the larger calibrated confidence.
+
+    `valid` (C,) marks the classes the prototype head scores (those with a prototype).
+    """
+    conf_prompt = calibrated_confidence(prompt_logits)  # (B,)
+    conf_proto = calibrated_confidence(proto_logits, valid)
     use_proto = (conf_proto > conf_prompt).unsqueeze(-1)  # (B, 1)
     return torch.where(use_proto, proto_logits, prompt_logits)
 
@@ -82,7 +101,10 @@ class UOPP(CoOpModel):
             return prompt_logits
         protos = ctx.buffers["prototypes"].to(feats.dtype)  # (C, E)
         proto_logits = self.backbone.logit_scale * feats @ protos.T  # (B, C)
-        return dual_head(prompt_logits, proto_logits)
+        valid = protos.abs().sum(-1) > 0  # (C,)
+        if int(valid.sum()) < 2:  # no prototype head to speak of yet
+            return prompt_logits
+        return dual_head(prompt_logits, proto_logits, valid)
 
     def loss(
         self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context

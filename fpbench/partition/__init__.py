@@ -71,7 +71,8 @@ def make_clients(
     y = train_labels(data)
     if cfg.shots is not None:
         clients = [_keep_shots(c, y, cfg.shots, data.num_classes, rng) for c in clients]
-    clients = _flag_heldout(clients, cfg.heldout_frac, rng)
+    if not any(c.heldout for c in clients):  # a partition may choose its own held-out clients
+        clients = _flag_heldout(clients, cfg.heldout_frac, rng)
     _check_min_train(clients, cfg.min_train, name)
     return clients
 

@@ -18,6 +18,7 @@ from fpbench.partition.base import (
     test_labels,
     train_labels,
 )
+from fpbench.partition.label import _consume, _deal_classes
 from fpbench.registry import PARTITIONS
 
 
@@ -102,3 +103,67 @@ class DomainDirichlet:
             make_client(i, p, t, y, C, domain=i // k)
             for i, (p, t) in enumerate(zip(parts, tests, strict=True))
         ]
+
+
+@PARTITIONS.register("domain-pathological")
+class DomainPathological:
+    """Each domain split into `clients_per_domain` clients holding `s` of its classes each.
+
+    PEP-FedPT's DomainNet protocol (Table 7: 10 clients per domain, 5 classes per client; A.4.7:
+    one client per domain held out). Within each domain, classes are dealt and split as in
+    `pathological` (each class shared by s * k / C clients, U(0.4, 0.6) portions), train and
+    test samples from that domain's pools. Clients d*k .. d*k+k-1 belong to domain d.
+    `heldout_per_domain` clients of each domain (drawn at random) are held out, in place of
+    `heldout_frac`.
+    """
+
+    name = "domain-pathological"
+
+    class Config(PartitionConfig):
+        clients_per_domain: int = Field(10, ge=1, description="Clients per domain (k).")
+        s: int = Field(5, ge=1, description="Classes per client, within its domain.")
+        heldout_per_domain: int = Field(0, ge=0, description="Held-out clients per domain.")
+
+    @staticmethod
+    def check(cfg: Config, info: DatasetInfo) -> None:
+        _need_domains(DomainPathological.name, info)
+        k, C, s = cfg.clients_per_domain, info.num_classes, cfg.s
+        if cfg.num_clients != k * info.num_domains:
+            raise FpbenchError(
+                f"partition.num_clients = {cfg.num_clients} must equal clients_per_domain x "
+                f"domains ({k} x {info.num_domains}) for partition 'domain-pathological'; set "
+                f"partition.num_clients = {k * info.num_domains}"
+            )
+        if s > C or (s * k) % C:
+            raise FpbenchError(
+                f"partition 'domain-pathological': s * clients_per_domain ({s} x {k}) must be a "
+                f"multiple of the number of classes ({C}) with s <= {C}"
+            )
+        if cfg.heldout_per_domain and (cfg.heldout_frac or cfg.heldout_per_domain >= k):
+            raise FpbenchError(
+                "partition.heldout_per_domain needs heldout_frac = 0 and fewer than "
+                f"clients_per_domain ({k}) held-out clients per domain"
+            )
+
+    @staticmethod
+    def split(cfg: Config, data: ImageDataset, rng: np.random.Generator) -> list[Client]:
+        d_train, d_test = domains_of(data)
+        y, y_test, C, k = (
+            train_labels(data),
+            test_labels(data),
+            data.num_classes,
+            cfg.clients_per_domain,
+        )
+        clients: list[Client] = []
+        for d in range(data.num_domains):
+            deal = _deal_classes(C, k, cfg.s, rng)
+            train = [rng.permutation(np.flatnonzero((d_train == d) & (y == c))) for c in range(C)]
+            test = [
+                rng.permutation(np.flatnonzero((d_test == d) & (y_test == c))) for c in range(C)
+            ]
+            held = set(rng.choice(k, size=cfg.heldout_per_domain, replace=False).tolist())
+            for j, (tr, te) in enumerate(
+                zip(_consume(deal, train), _consume(deal, test), strict=True)
+            ):
+                clients.append(make_client(d * k + j, tr, te, y, C, d, j in held))
+        return clients

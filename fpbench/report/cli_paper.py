@@ -65,6 +65,41 @@ def show_paper_tables(db: str, paper: str, table: int | None, fmt: str, out: Pat
         write_or_print(target.export_text(), out)
 
 
+def show_deviations(paper: str, fmt: str, out: Path | None) -> None:
+    """Print every deviation `paper`'s protocol declares (what fpbench runs instead, and why)."""
+    import pandas as pd
+
+    from fpbench.report.paper import load_paper
+    from fpbench.report.protocol import deviations, load_protocol
+    from fpbench.report.tables import render
+
+    load_paper(paper)  # unknown paper: one clear line
+    blocks = load_protocol(paper)
+    rows = deviations(blocks)
+    if not blocks:
+        write_or_print(f"paper {paper} has no [[protocol]] blocks", out)
+        return
+    if not rows:
+        write_or_print(f"paper {paper}: no declared deviations", out)
+        return
+    frame = pd.DataFrame(rows)
+    if fmt != "term":
+        write_or_print(render(frame, fmt), out)
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{paper}: declared deviations from the paper's protocol")
+    for col in frame.columns:
+        table.add_column(col, overflow="fold", no_wrap=col in ("tables", "path", "paper"))
+    for row in rows:
+        table.add_row(*row.values())
+    target = Console(record=True, width=220) if out else console
+    target.print(table)
+    if out:
+        write_or_print(target.export_text(), out)
+
+
 def _load(db: str, suite: str):
     """The suite's stored name and its `Results`; no results is an error."""
     from fpbench.report.paper import load_results

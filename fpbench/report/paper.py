@@ -7,10 +7,12 @@ each cell. A cell's run selection merges, later winning: the table's `suite`, `m
 `scale`, `unit`, `rank`, `higher_is_better`; the row's fields; the column's fields; and an
 optional `[tables.cells]` entry "row.column". Selection fields are `suite`, `method`,
 `dataset`, `partition` (run labels) and `config` (a nested table that must be contained in the
-run's resolved config). A metric is an aggregate name (its `_last<N>` summary is used) or a
+run's resolved config); `needs` names an input the runs need first, which an empty cell shows.
+A metric is an aggregate name (its `_last<N>` summary is used) or a
 derived one computed from the curve of `target_metric`: `rounds_to_target`,
 `wall_s_to_target`, `bytes_to_target` (up + down), `params_to_target` (fp32 parameters sent
-down to one client: bytes_down / 4 / the cell's `clients_per_round`).
+down to one client: bytes_down / 4 / the cell's `clients_per_round`); `wall_s_per_round` is the
+median of a run's measured round times (a median, so the rounds that also evaluate do not weigh).
 
 Adding a paper or table is a new data file or a new `[[tables]]` entry, not new code.
 """
@@ -146,7 +148,8 @@ def load_paper(name: str, root: Path = PAPERS_DIR) -> Paper:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise FpbenchError(f"{path} is not valid TOML: {exc}") from exc
-    tables = tuple(_table(name, path, t) for t in data.get("tables", []))
+    tables = tuple(sorted((_table(name, path, t) for t in data.get("tables", [])),
+                          key=lambda t: t.number))  # fmt: skip
     return Paper(name, data.get("title", name), data.get("source", ""), tables)
 
 
@@ -216,6 +219,7 @@ class Cell:
     n: int = 0
     mark: str = ""  # "best" / "second" among fpbench's values
     paper_mark: str = ""  # the same among the paper's values
+    runs: int = 0  # stored runs the cell selects, with or without its metric
 
     @property
     def diff(self) -> float | None:
@@ -229,7 +233,11 @@ class Cell:
         if not spec.get("method") or not spec.get("metric"):
             return "reference only (not produced by fpbench)"
         labels = "/".join(str(spec[k]) for k in ("method", "dataset", "partition") if k in spec)
+        if spec.get("needs"):  # an input the runs need first (e.g. GPT-FL's generated images)
+            return f"needs {spec['needs']} (suite {spec.get('suite', '?')}: {labels})"
         extra = f" {_flat(spec['config'])}" if spec.get("config") else ""
+        if self.runs and not self.n:
+            return f"{self.runs} run(s) of {labels}{extra} lack metric {spec['metric']}"
         return f"needs suite {spec.get('suite', '?')}: {labels}{extra} · {spec['metric']}"
 
 
@@ -278,7 +286,9 @@ def run_values(results: Results, spec: Mapping[str, Any]) -> list[float]:
     if not ids:
         return []
     metric = str(spec["metric"])
-    if metric in DERIVED:
+    if metric == "wall_s_per_round":
+        raw = [_median_round_time(results, i) for i in ids]
+    elif metric in DERIVED:
         raw = [_to_target(results, i, spec) for i in ids]
     else:
         rows = results.metrics[results.metrics["run_id"].isin(ids)]
@@ -287,6 +297,13 @@ def run_values(results: Results, spec: Mapping[str, Any]) -> list[float]:
         except FpbenchError:
             return []
     return [v * scale_of(spec) for v in raw if v is not None and not math.isnan(v)]
+
+
+def _median_round_time(results: Results, run_id: int) -> float | None:
+    if results.rounds is None:
+        return None
+    times = results.rounds.loc[results.rounds["run_id"] == run_id, "wall_s"]
+    return float(times.median()) if len(times) else None
 
 
 def _to_target(results: Results, run_id: int, spec: Mapping[str, Any]) -> float | None:
@@ -320,7 +337,8 @@ def fill(table: PaperTable, results: Results) -> list[Cell]:
             mean = sum(vals) / len(vals) if vals else None
             std = pd.Series(vals).std(ddof=1) if len(vals) > 1 else None
             reported = table.values[(row.key, col.key)]
-            cells.append(Cell(row.key, col.key, spec, reported, mean, std, len(vals)))
+            runs = len(_matching_runs(results, spec))
+            cells.append(Cell(row.key, col.key, spec, reported, mean, std, len(vals), runs=runs))
     return _marked(_marked(cells, "mean", "mark"), "paper", "paper_mark")
 
 

@@ -1,0 +1,365 @@
+"""A paper's protocol as data, and the check that holds the suites feeding its tables to it.
+
+A paper data file (`benchmarks/papers/<paper>.toml`, see `fpbench.report.paper`) may carry, beside
+its `[[tables]]`, `[[protocol]]` blocks: rules on the resolved configs of the suite cells that
+feed some of its tables (format: notes/protocol-format.md, summarised in the README). The cells
+feeding a table are those its cells select (suite, method, dataset, partition labels and
+`config`, as `fpbench table --paper` selects runs), taken from `fpbench.specs.load_suite`.
+
+A rule pins one dotted path of `RunConfig.model_dump(mode="json")` (or the virtual path `seeds`:
+the sorted seeds of each cell over its seeds) to the paper's `value`, or, where the rule declares
+a `deviation`, to what fpbench runs instead (`deviation.runs`, with a one-line `reason`).
+TOML has no null: the string "null" stands for None. A `match` maps run labels (suite, method,
+dataset, partition) to an fnmatch glob or a list of them: a label matches when it matches any of
+its positive globs (or there are none) and none of its negative ones ("!fedpr" leaves fedpr out).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from fpbench.errors import FpbenchError
+from fpbench.report.paper import PAPERS_DIR, SELECT, Paper, PaperTable, _contains, load_paper
+
+UNSTATED = "unstated"
+NULL = "null"
+SEEDS = "seeds"
+REL_TOL = 1e-9
+
+
+@dataclass(frozen=True)
+class Deviation:
+    """What fpbench runs instead of the paper's value, and why."""
+
+    runs: Any
+    reason: str
+
+
+@dataclass(frozen=True)
+class Rule:
+    path: str
+    value: Any
+    source: str
+    match: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    deviation: Deviation | None = None
+
+    @property
+    def expected(self) -> Any:
+        """The value a cell must resolve to: the paper's, or the declared deviation's."""
+        return self.deviation.runs if self.deviation else self.value
+
+
+@dataclass(frozen=True)
+class Block:
+    """One `[[protocol]]` block: rules for the cells feeding `tables` (narrowed by `match`)."""
+
+    index: int
+    tables: tuple[int, ...]
+    rules: tuple[Rule, ...]
+    match: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FedCell:
+    """A suite cell feeding a paper table: its labels and resolved config (JSON form)."""
+
+    suite: str
+    method: str
+    dataset: str
+    partition: str
+    seed: int
+    config: Mapping[str, Any]
+    tables: frozenset[int]
+
+    @property
+    def name(self) -> str:
+        return f"{self.suite}: {self.method}/{self.dataset}/{self.partition}"
+
+    def label(self, key: str) -> str:
+        return str(getattr(self, key))
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A cell that does not run what the protocol says."""
+
+    block: int
+    tables: tuple[int, ...]
+    cell: str
+    path: str
+    expected: Any
+    got: Any
+    source: str
+    declared: bool
+
+    def __str__(self) -> str:
+        what = "declared deviation" if self.declared else "paper value"
+        tables = ",".join(map(str, self.tables))
+        return (
+            f"table(s) {tables}, cell {self.cell}: {self.path} = {self.got!r}, "
+            f"protocol {what} {self.expected!r} ({self.source})"
+        )
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+
+def load_protocol(name: str, root: Path = PAPERS_DIR) -> list[Block]:
+    """The `[[protocol]]` blocks of paper `name` (empty when it has none).
+
+    Raises:
+        FpbenchError: unknown paper, or a malformed block or rule.
+    """
+    path = root / f"{name}.toml"
+    if not path.is_file():
+        load_paper(name, root)  # raises the "unknown paper" error
+    return parse_protocol(tomllib.loads(path.read_text()), path.name)
+
+
+def parse_protocol(data: Mapping[str, Any], where: str = "<memory>") -> list[Block]:
+    """Blocks from a parsed paper data file."""
+    return [_block(i, b, where) for i, b in enumerate(data.get("protocol", []))]
+
+
+def _block(i: int, raw: Mapping[str, Any], where: str) -> Block:
+    at = f"{where} protocol block {i + 1}"
+    unknown = sorted(set(raw) - {"tables", "match", "rules"})
+    if unknown:
+        raise FpbenchError(f"{at}: unknown key(s) {unknown}; valid: match, rules, tables")
+    tables = raw.get("tables")
+    if not tables or not all(isinstance(t, int) for t in tables):
+        raise FpbenchError(f"{at}: tables must be a non-empty list of table numbers")
+    rules = tuple(_rule(r, f"{at} rule {j + 1}") for j, r in enumerate(raw.get("rules", [])))
+    if not rules:
+        raise FpbenchError(f"{at}: no rules")
+    return Block(i + 1, tuple(tables), rules, _match(raw.get("match", {}), at))
+
+
+def _match(raw: Any, at: str) -> dict[str, tuple[str, ...]]:
+    if not isinstance(raw, Mapping) or set(raw) - set(SELECT):
+        raise FpbenchError(f"{at}: match takes labels {', '.join(SELECT)}, got {raw!r}")
+    out = {k: tuple(map(str, v)) if isinstance(v, list) else (str(v),) for k, v in raw.items()}
+    if any(not globs for globs in out.values()):
+        raise FpbenchError(f"{at}: a match label needs at least one glob, got {raw!r}")
+    return out
+
+
+def _rule(raw: Mapping[str, Any], at: str) -> Rule:
+    unknown = sorted(set(raw) - {"path", "value", "source", "match", "deviation"})
+    missing = [k for k in ("path", "value", "source") if k not in raw]
+    if unknown or missing:
+        raise FpbenchError(
+            f"{at}: needs path, value, source (optional match, deviation); "
+            f"unknown {unknown}, missing {missing}"
+        )
+    at = f"{at} ({raw['path']})"
+    dev = raw.get("deviation")
+    if dev is not None:
+        if not isinstance(dev, Mapping) or set(dev) != {"runs", "reason"} or not dev["reason"]:
+            raise FpbenchError(f'{at}: deviation = {{ runs = ..., reason = "one line" }}')
+        dev = Deviation(dev["runs"], str(dev["reason"]))
+    if raw["value"] == UNSTATED and dev is None:
+        raise FpbenchError(f'{at}: value "unstated" needs a deviation saying what fpbench runs')
+    return Rule(
+        str(raw["path"]), raw["value"], str(raw["source"]), _match(raw.get("match", {}), at), dev
+    )
+
+
+# -- the cells feeding a paper's tables ----------------------------------------------------------
+
+
+def feeding_cells(paper: Paper, suites: Mapping[str, Any] | None = None) -> list[FedCell]:
+    """Every suite cell that feeds a table of `paper`, each once, with the tables it feeds.
+
+    `suites` maps a suite name to its `Suite` (tests pass in-memory suites); by default each is
+    read with `fpbench.specs.load_suite`.
+    """
+    from fpbench.specs import load_suite
+
+    loaded: dict[str, Any] = dict(suites or {})
+    found: dict[str, tuple[Any, set[int]]] = {}
+    for table in paper.tables:
+        for spec in _specs(table):
+            name = str(spec["suite"])
+            if name not in loaded:
+                loaded[name] = load_suite(name)
+            for cfg in loaded[name].cells:
+                if _selects(spec, cfg):
+                    found.setdefault(cfg.run_key, (cfg, set()))[1].add(table.number)
+    return [_fed(cfg, tables) for cfg, tables in found.values()]
+
+
+def _specs(table: PaperTable) -> Iterable[Mapping[str, Any]]:
+    for row in table.rows:
+        for col in table.columns:
+            spec = table.spec(row, col)
+            if spec.get("suite") and spec.get("method"):
+                yield spec
+
+
+def _selects(spec: Mapping[str, Any], cfg: Any) -> bool:
+    labels = {"suite": cfg.suite, "method": cfg.method.label, "dataset": cfg.dataset.label,
+              "partition": cfg.partition.label}  # fmt: skip
+    if any(k in spec and str(spec[k]) != labels[k] for k in SELECT):
+        return False
+    want = spec.get("config")
+    return not want or _contains(cfg.model_dump(mode="json"), want)
+
+
+def _fed(cfg: Any, tables: set[int]) -> FedCell:
+    return FedCell(
+        cfg.suite, cfg.method.label, cfg.dataset.label, cfg.partition.label, cfg.seed,
+        cfg.model_dump(mode="json"), frozenset(tables),
+    )  # fmt: skip
+
+
+# -- checking --------------------------------------------------------------------------------
+
+
+def check(paper: Paper, blocks: list[Block], cells: list[FedCell]) -> list[Finding]:
+    """Every difference between `cells` and the protocol `blocks` of `paper`.
+
+    Raises:
+        FpbenchError: a block naming a table the paper lacks, a block or rule selecting no
+            cell, or a rule path missing from a cell's resolved config (a typo).
+    """
+    numbers = {t.number for t in paper.tables}
+    findings: list[Finding] = []
+    for block in blocks:
+        at = f"{paper.name} protocol block {block.index} (tables {list(block.tables)})"
+        if set(block.tables) - numbers:
+            raise FpbenchError(
+                f"{at}: the paper has no table {sorted(set(block.tables) - numbers)}"
+            )
+        mine = [c for c in cells if c.tables & set(block.tables) and _matches(block.match, c)]
+        if not mine:
+            raise FpbenchError(f"{at}: matches no suite cell (match {dict(block.match)})")
+        for rule in block.rules:
+            chosen = [c for c in mine if _matches(rule.match, c)]
+            if not chosen:
+                raise FpbenchError(
+                    f"{at}, rule {rule.path}: matches no suite cell (match {dict(rule.match)})"
+                )
+            findings += _check_rule(block, rule, chosen, at)
+    return findings
+
+
+def _matches(match: Mapping[str, tuple[str, ...]], cell: FedCell) -> bool:
+    return all(_label_matches(cell.label(k), globs) for k, globs in match.items())
+
+
+def _label_matches(label: str, globs: tuple[str, ...]) -> bool:
+    """Any positive glob (or none given) and no negative ("!glob") one."""
+    yes = [g for g in globs if not g.startswith("!")]
+    no = [g[1:] for g in globs if g.startswith("!")]
+    hit = not yes or any(fnmatch.fnmatchcase(label, g) for g in yes)
+    return hit and not any(fnmatch.fnmatchcase(label, g) for g in no)
+
+
+def _check_rule(block: Block, rule: Rule, cells: list[FedCell], at: str) -> list[Finding]:
+    got: list[tuple[FedCell, Any]] = []
+    if rule.path == SEEDS:
+        runs: dict[tuple, list[FedCell]] = {}
+        for c in cells:
+            runs.setdefault((c.suite, c.method, c.dataset, c.partition, _unseeded(c)), []).append(c)
+        got = [(group[0], sorted(c.seed for c in group)) for group in runs.values()]
+    else:
+        for c in cells:
+            value = lookup(c.config, rule.path)
+            if value is _MISSING:
+                raise FpbenchError(f"{at}: path {rule.path!r} is not in the config of {c.name}")
+            got.append((c, value))
+    return [
+        Finding(
+            block.index,
+            block.tables,
+            c.name,
+            rule.path,
+            rule.expected,
+            value,
+            rule.source,
+            rule.deviation is not None,
+        )  # fmt: skip
+        for c, value in got
+        if not same(value, rule.expected)
+    ]
+
+
+def _unseeded(cell: FedCell) -> str:
+    import json
+
+    return json.dumps({k: v for k, v in cell.config.items() if k != "seed"}, sort_keys=True)
+
+
+_MISSING = object()
+
+
+def lookup(config: Mapping[str, Any], path: str) -> Any:
+    """The value at dotted `path` of `config`, or a sentinel when it is absent."""
+    node: Any = config
+    for part in path.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def same(got: Any, want: Any) -> bool:
+    """Protocol equality: floats to a relative 1e-9, sequences element-wise, "null" is None."""
+    if want == NULL or want is None:
+        return got is None
+    if isinstance(got, bool) or isinstance(want, bool):
+        return isinstance(got, bool) and isinstance(want, bool) and got == want
+    if isinstance(got, (int, float)) and isinstance(want, (int, float)):
+        return math.isclose(got, want, rel_tol=REL_TOL, abs_tol=0.0)
+    if isinstance(got, (list, tuple)) and isinstance(want, (list, tuple)):
+        return len(got) == len(want) and all(same(g, w) for g, w in zip(got, want, strict=True))
+    if isinstance(got, Mapping) and isinstance(want, Mapping):
+        return set(got) == set(want) and all(same(got[k], want[k]) for k in got)
+    return got == want
+
+
+def check_paper(name: str, root: Path = PAPERS_DIR) -> list[Finding]:
+    """Load paper `name`, its protocol and the suites feeding it; every undeclared difference."""
+    paper = load_paper(name, root)
+    return check(paper, load_protocol(name, root), feeding_cells(paper))
+
+
+# -- the deviations listing ------------------------------------------------------------------
+
+
+def deviations(blocks: list[Block]) -> list[dict[str, str]]:
+    """One row per declared deviation: tables, match, path, paper value, source, runs, reason."""
+    rows = []
+    for block in blocks:
+        for rule in block.rules:
+            if rule.deviation is None:
+                continue
+            match = [f"{k}={','.join(v)}" for k, v in {**block.match, **rule.match}.items()]
+            if set(block.match) & set(rule.match):  # both narrow one label: show both
+                match = [f"{k}={','.join(v)}" for k, v in block.match.items()] + [
+                    f"{k}={','.join(v)}" for k, v in rule.match.items()
+                ]
+            rows.append({
+                "tables": ", ".join(map(str, block.tables)),
+                "match": " ".join(match) or "all",
+                "path": rule.path,
+                "paper": _show(rule.value),
+                "source": rule.source,
+                "fpbench runs": _show(rule.deviation.runs),
+                "reason": rule.deviation.reason,
+            })  # fmt: skip
+    return rows
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_show, value)) + "]"
+    return str(value)
