@@ -133,6 +133,8 @@ def _headtune(
     start = time.perf_counter()
     with autocast(dev, prec):
         cached = Inputs.of(method, task, FeatureCache(), cfg.train.eval_batch_size)
+        for split in cached.frozen_splits():  # computed lazily otherwise: all of them, now
+            split[:]
     _sync(dev)
     build_s = time.perf_counter() - start
     on_the_fly = Inputs.of(method, task)

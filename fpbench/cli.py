@@ -83,7 +83,8 @@ def _select_cells(suite, methods: list[str] | None, seeds: list[int] | None):
 
 
 class _ProgressObserver:
-    """Rich progress: one bar over the suite's cells, one over the current cell's rounds.
+    """Rich progress: one bar over the suite's cells, one over the current cell's rounds, one
+    over each frozen pass while it runs.
 
     Implements `fpbench.engine.runner.Observer` (not subclassed, to keep `--help` free of torch).
     """
@@ -542,11 +543,13 @@ def bench_cmd(
 
 
 def _register_commands() -> None:
+    from fpbench.estimate_cli import register as register_estimate
     from fpbench.report.cli_paper import register_plot_commands
     from fpbench.report.cli_report import register_report_commands
 
     register_plot_commands(plot_app)
     register_report_commands(app, plot_app)
+    register_estimate(app)
 
 
 _register_commands()

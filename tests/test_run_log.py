@@ -141,7 +141,7 @@ def test_piped_run_prints_rounds_summary_and_next_commands(tmp_path, monkeypatch
                 out,
             )
         assert re.search(STAMP + r"end    \[\d/2\] " + re.escape(cell) + "  done in", out)
-    assert "frozen cls features (train split): started" in out
+    assert "frozen cls (train): started" in out
     assert "preparing data: done" in out
     table = CliRunner().invoke(app, ["table", "--suite", "tiny", "--db", "r.db"])
     assert table.output.strip() in out  # the same table as `fpbench table --suite`

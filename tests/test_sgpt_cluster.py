@@ -17,6 +17,7 @@ from fpbench.methods.sgpt import (
     overlap,
 )
 from fpbench.registry import METHODS
+from fpbench.specs import load_suite
 
 KM = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
 
@@ -79,6 +80,7 @@ def test_empty_cluster_keeps_its_centre():
 
 def _sgpt(tiny, **args):
     _, task, base = tiny("sgpt")
+    args = {"cluster_metric": True, **args}  # the diagnostics under test (off by default)
     return METHODS.get("sgpt")(SGPTConfig(**args), base.backbone, base.task)
 
 
@@ -146,10 +148,46 @@ def test_acc_cluster_of_a_collapsed_select_is_the_largest_coarse_share(tiny):
 def test_no_coarse_labels_no_acc_cluster(tiny):
     _, _, base = tiny("sgpt")
     flat = dataclasses.replace(base.task, coarse_of_class=None)
-    method = METHODS.get("sgpt")(SGPTConfig(num_groups=3), base.backbone, flat)
+    method = METHODS.get("sgpt")(SGPTConfig(num_groups=3, cluster_metric=True), base.backbone, flat)
     server = method.init_server(torch.Generator().manual_seed(0))
     out = method.round_metrics(server)
     assert method.coarse is None and "acc_cluster" not in out
     assert "congruence_kmeans" in out  # the other metrics are still there
     assert _sgpt(tiny, preset="shared-only").coarse is None  # no group prompts
     assert _sgpt(tiny, cluster_metric=False).coarse is None
+
+
+# -- the diagnostics run only where a suite reports them ------------------------------------
+
+
+def test_diagnostics_are_off_by_default_and_cost_no_frozen_pass(tiny, monkeypatch):
+    sgpt = METHODS.get("sgpt")
+    calls = []
+    query = sgpt.query
+    monkeypatch.setattr(sgpt, "query", lambda self, x: calls.append(len(x)) or query(self, x))
+    _, task, base = tiny("sgpt")
+    method = sgpt(SGPTConfig(), base.backbone, base.task)
+    assert not SGPTConfig().cluster_metric and calls == []  # built without a frozen pass
+    assert method.round_metrics(method.init_server(torch.Generator().manual_seed(0))) == {}
+    sgpt(SGPTConfig(cluster_metric=True), base.backbone, base.task)
+    n_test = len(task.data.test_labels)
+    assert sum(calls) == n_test + sum(len(task.train_idx[c]) for c in task.trainable_clients())
+
+
+@pytest.mark.parametrize(
+    ("suite", "reporting"),
+    [
+        ("sgpt-ablations", {"sgpt-keys-fedavg", "sgpt-keys-qg", "sgpt-keys-qg-momentum"}),
+        ("sgpt-ablations-smoke", {"sgpt-keys-fedavg", "sgpt-keys-qg", "sgpt-keys-qg-momentum"}),
+        (
+            "sgpt-sweeps-smoke",
+            {f"sgpt-key-momentum-{a}" for a in ("0", "0.25", "0.75", "0.9")}
+            | {"sgpt-momentum-0.5"},
+        ),
+    ],
+)
+def test_only_the_cells_of_table_4_and_fig_6a_record_the_diagnostics(suite, reporting):
+    cells = load_suite(suite).cells
+    on = {c.method.label for c in cells if c.method.args.get("cluster_metric")}
+    assert on == reporting
+    assert len(on) < len({c.method.label for c in cells})  # the other rows pay nothing

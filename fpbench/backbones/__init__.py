@@ -4,6 +4,7 @@
 |---|---|---|
 | vit-test | tiny ViT (16 px, patch 8, width 32, 2 blocks) | seeded random init |
 | vit-smoke | small ViT (32 px, patch 8, width 128, 4 blocks) | pretrained offline by fpbench |
+| vit-ti16-d4 | vit_tiny_patch16_224 with 4 blocks (benchmarks) | seeded random init, or a file |
 | vit-b16-in21k | vit_base_patch16_224.orig_in21k (SGPT, FGPT, PEP-FedPT) | hub |
 | vit-b16-augreg-in21k | vit_base_patch16_224.augreg_in21k | hub |
 | vit-s16-augreg-in21k | vit_small_patch16_224.augreg_in21k | hub |
@@ -58,6 +59,14 @@ _SPECS = (
         pretrained="smoke",
         mean=SMOKE_MEAN,
         std=SMOKE_STD,
+    ),
+    BackboneSpec(
+        name="vit-ti16-d4",
+        timm_name="vit_tiny_patch16_224",
+        timm_kwargs={"depth": 4},
+        description="ViT-Ti/16 cut to 4 blocks (224 px, width 192), seeded random init or a "
+        "weights file: the tiny side-by-side setting with the official SGPT code",
+        pretrained="none",
     ),
     BackboneSpec(
         name="vit-b16-in21k",

@@ -155,7 +155,7 @@ class Cifar10(RealDataset):
 
     @classmethod
     def info(cls, cfg: Config) -> DatasetInfo:
-        return DatasetInfo(num_classes=10, num_domains=1, has_coarse=False)
+        return DatasetInfo(10, 1, False, train_size=50_000, test_size=10_000, image_size=32)
 
     @classmethod
     def build(cls, cfg: Config, root: Path, progress: Progress) -> ImageDataset:
@@ -190,7 +190,7 @@ class Cifar100(RealDataset):
 
     @classmethod
     def info(cls, cfg: Config) -> DatasetInfo:
-        return DatasetInfo(num_classes=100, num_domains=1, has_coarse=True)
+        return DatasetInfo(100, 1, True, train_size=50_000, test_size=10_000, image_size=32)
 
     @classmethod
     def build(cls, cfg: Config, root: Path, progress: Progress) -> ImageDataset:

@@ -128,7 +128,12 @@ class Cifar100C(RealDataset):
 
     @classmethod
     def info(cls, cfg: Config) -> DatasetInfo:
-        return DatasetInfo(num_classes=100, num_domains=len(cfg.corruptions), has_coarse=False)
+        total = len(cfg.corruptions) * (cfg.per_domain or 10_000)  # 10,000 per severity
+        test = round(total * cfg.test_fraction)
+        return DatasetInfo(
+            100, len(cfg.corruptions), has_coarse=False,
+            train_size=total - test, test_size=test, image_size=32,
+        )  # fmt: skip
 
     @classmethod
     def build(cls, cfg: Config, root: Path, progress: Progress) -> ImageDataset:

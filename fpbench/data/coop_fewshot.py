@@ -94,6 +94,7 @@ class CoopFewShot(RealDataset):
     image_dir: ClassVar[str]  # "" when the split's paths are relative to `folder`
     split_file: ClassVar[str]
     num_classes: ClassVar[int]  # of the real split file (the partition checks use it)
+    sizes: ClassVar[tuple[int, int, int]]  # train / val / test items of the split file
     images_from: ClassVar[str]  # where the images come from, for the missing-data hint
     Config = CoopConfig
 
@@ -119,7 +120,11 @@ class CoopFewShot(RealDataset):
 
     @classmethod
     def info(cls, cfg: CoopConfig) -> DatasetInfo:
-        return DatasetInfo(num_classes=cls.num_classes, num_domains=1, has_coarse=False)
+        train, val, test = cls.sizes
+        return DatasetInfo(
+            cls.num_classes, 1, has_coarse=False, train_size=train + val * cfg.val_in_train,
+            test_size=test, image_size=cfg.image_size,
+        )  # fmt: skip
 
     @classmethod
     def build(cls, cfg: CoopConfig, root: Path, progress: Progress) -> ImageDataset:
@@ -156,6 +161,7 @@ class Caltech101(CoopFewShot):
     """Caltech101 (CoOp split): 100 classes, 4,128 / 1,649 / 2,465 train / val / test."""
 
     name = "caltech101"
+    sizes = (4_128, 1_649, 2_465)
     folder = "caltech-101"
     image_dir = "101_ObjectCategories"
     split_file = "split_zhou_Caltech101.json"
@@ -168,6 +174,7 @@ class OxfordPets(CoopFewShot):
     """Oxford-IIIT Pets (CoOp split): 37 classes, 2,944 / 736 / 3,669."""
 
     name = "oxford-pets"
+    sizes = (2_944, 736, 3_669)
     folder = "oxford_pets"
     image_dir = "images"
     split_file = "split_zhou_OxfordPets.json"
@@ -180,6 +187,7 @@ class StanfordCars(CoopFewShot):
     """Stanford Cars (CoOp split; paths include cars_train/ and cars_test/): 196 classes."""
 
     name = "stanford-cars"
+    sizes = (6_509, 1_635, 8_041)
     folder = "stanford_cars"
     image_dir = ""
     split_file = "split_zhou_StanfordCars.json"
@@ -192,6 +200,7 @@ class Flowers102(CoopFewShot):
     """Oxford Flowers-102 (CoOp's random 50/20/30 split): 102 classes, 4,093 / 1,633 / 2,463."""
 
     name = "flowers102"
+    sizes = (4_093, 1_633, 2_463)
     folder = "oxford_flowers"
     image_dir = "jpg"
     split_file = "split_zhou_OxfordFlowers.json"
@@ -204,6 +213,7 @@ class Food101(CoopFewShot):
     """Food-101 (CoOp's random 50/20/30 split): 101 classes, 50,500 / 20,200 / 30,300."""
 
     name = "food101"
+    sizes = (50_500, 20_200, 30_300)
     folder = "food-101"
     image_dir = "images"
     split_file = "split_zhou_Food101.json"
@@ -216,6 +226,7 @@ class DTD(CoopFewShot):
     """Describable Textures (CoOp's random 50/20/30 split): 47 classes, 2,820 / 1,128 / 1,692."""
 
     name = "dtd"
+    sizes = (2_820, 1_128, 1_692)
     folder = "dtd"
     image_dir = "images"
     split_file = "split_zhou_DescribableTextures.json"
@@ -228,6 +239,7 @@ class EuroSAT(CoopFewShot):
     """EuroSAT RGB (CoOp's random 50/20/30 split, CoOp's class names): 10 classes."""
 
     name = "eurosat"
+    sizes = (13_500, 5_400, 8_100)
     folder = "eurosat"
     image_dir = "2750"
     split_file = "split_zhou_EuroSAT.json"
@@ -240,6 +252,7 @@ class UCF101(CoopFewShot):
     """UCF101 middle frames (CoOp split of trainlist01 / testlist01): 101 classes."""
 
     name = "ucf101"
+    sizes = (7_639, 1_898, 3_783)
     folder = "ucf101"
     image_dir = "UCF-101-midframes"
     split_file = "split_zhou_UCF101.json"

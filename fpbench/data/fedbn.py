@@ -72,6 +72,7 @@ class _DomainFolders(RealDataset):
     domains: ClassVar[tuple[str, ...]]
     classes: ClassVar[tuple[str, ...]]
     sgpt_fraction: ClassVar[float]
+    approx_images: ClassVar[tuple[int, ...]]  # per domain (estimates only)
     Config = FedBNConfig
 
     @classmethod
@@ -95,7 +96,16 @@ class _DomainFolders(RealDataset):
 
     @classmethod
     def info(cls, cfg: FedBNConfig) -> DatasetInfo:
-        return DatasetInfo(len(cls.classes), len(cls.domains), has_coarse=False)
+        """Sizes from `approx_images` (per domain) and a `test_fraction` split: approximate."""
+        per_train = [round(n * (1 - cfg.test_fraction)) for n in cls.approx_images]
+        train = sum(per_train)
+        if cfg.sgpt_subset:
+            train = len(per_train) * int(cls.sgpt_fraction * min(per_train))
+        test = sum(cls.approx_images) - sum(per_train)
+        return DatasetInfo(
+            len(cls.classes), len(cls.domains), has_coarse=False,
+            train_size=train, test_size=test, image_size=cfg.image_size, sizes_exact=False,
+        )  # fmt: skip
 
     @classmethod
     def raw_split(cls, root: Path, domain: str, cfg: FedBNConfig) -> tuple[Items, Items]:
@@ -196,6 +206,7 @@ class OfficeCaltech10(_DomainFolders):
         "projector",
     )
     sgpt_fraction = 0.5
+    approx_images = (958, 1123, 157, 295)  # per domain, the standard release
     hint = (
         "get FedBN's office_caltech_10 folder (pickles + images, linked from the FedBN README at "
         "github.com/med-air/FedBN) or the raw class folders, and put it at <root>/office_caltech_10"
@@ -231,6 +242,7 @@ class DomainNet10(_DomainFolders):
         "zebra",
     )
     sgpt_fraction = 0.05
+    approx_images = (3000,) * 6  # per domain: a rough guess, the files decide
     hint = (
         "get FedBN's DomainNet pickles + images (FedBN README, github.com/med-air/FedBN), or the "
         "six domain zips and <domain>_{train,test}.txt split files from "

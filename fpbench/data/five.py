@@ -178,7 +178,17 @@ class FiveDataset(RealDataset):
 
     @classmethod
     def info(cls, cfg: Config) -> DatasetInfo:
-        return DatasetInfo(num_classes=10 * len(SOURCES), num_domains=len(SOURCES), has_coarse=True)
+        if cfg.per_domain is None:  # the sources' splits; notMNIST_small's 18,724 split here
+            notmnist_test = round(18_724 * cfg.notmnist_test_fraction)
+            train = 73_257 + 50_000 + 18_724 - notmnist_test + 60_000 + 60_000
+            test = 26_032 + 10_000 + notmnist_test + 10_000 + 10_000
+        else:
+            test = len(SOURCES) * round(cfg.per_domain * cfg.test_fraction)
+            train = len(SOURCES) * cfg.per_domain - test
+        return DatasetInfo(
+            10 * len(SOURCES), len(SOURCES), has_coarse=True,
+            train_size=train, test_size=test, image_size=32, sizes_exact=False,
+        )  # fmt: skip
 
     @classmethod
     def build(cls, cfg: Config, root: Path, progress: Progress) -> ImageDataset:

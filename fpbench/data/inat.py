@@ -115,7 +115,11 @@ class INaturalistUser120k(RealDataset):
 
     @classmethod
     def info(cls, cfg: Config) -> DatasetInfo:
-        return DatasetInfo(num_classes=NUM_CLASSES, num_domains=1, has_coarse=False)
+        # sizes: the split's release, before users under min_user_samples are dropped
+        return DatasetInfo(
+            NUM_CLASSES, 1, has_coarse=False, train_size=120_300, test_size=35_641,
+            image_size=cfg.image_size, sizes_exact=False,
+        )  # fmt: skip
 
     @classmethod
     def train_csv(cls, cfg: Config, root: Path) -> Path:

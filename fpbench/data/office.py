@@ -49,6 +49,7 @@ class _OfficeFolders(RealDataset):
     domains: ClassVar[tuple[tuple[str, ...], ...]]  # per domain: accepted folder names
     domain_names: ClassVar[tuple[str, ...]]
     classes: ClassVar[tuple[str, ...]]
+    approx_images: ClassVar[int]  # the standard release's image count (estimates only)
     Config = OfficeConfig
 
     @classmethod
@@ -73,7 +74,13 @@ class _OfficeFolders(RealDataset):
 
     @classmethod
     def info(cls, cfg: OfficeConfig) -> DatasetInfo:
-        return DatasetInfo(len(cls.classes), len(cls.domains), has_coarse=False)
+        """Sizes: the standard release's image count split by `test_fraction` (approximate)."""
+        test = round(cls.approx_images * cfg.test_fraction)
+        return DatasetInfo(
+            len(cls.classes), len(cls.domains), has_coarse=False,
+            train_size=cls.approx_images - test, test_size=test, image_size=cfg.image_size,
+            sizes_exact=False,
+        )  # fmt: skip
 
     @classmethod
     def domain_items(cls, root: Path, d: int) -> tuple[list[Path], list[int]]:
@@ -128,6 +135,7 @@ class Office31(_OfficeFolders):
     """Office31: 3 domains (amazon, dslr, webcam) x 31 office object classes, 4,110 images."""
 
     name = "office31"
+    approx_images = 4_110
     folders = ("office31", "Office31", "office-31", "OFFICE31")
     domains = (("amazon",), ("dslr",), ("webcam",))
     domain_names = ("amazon", "dslr", "webcam")
@@ -150,6 +158,7 @@ class OfficeHome(_OfficeFolders):
     """OfficeHome: 4 domains (Art, Clipart, Product, Real World) x 65 classes, 15,588 images."""
 
     name = "officehome"
+    approx_images = 15_588
     folders = ("OfficeHomeDataset_10072016", "OfficeHome", "office_home", "officehome")
     domains = (("Art",), ("Clipart",), ("Product",), ("Real World", "Real_World"))
     domain_names = ("Art", "Clipart", "Product", "Real World")

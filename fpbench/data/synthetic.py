@@ -341,7 +341,12 @@ class Synthetic:
     @staticmethod
     def info(cfg: Synthetic.Config) -> DatasetInfo:
         """Class/domain counts without generating anything."""
-        return DatasetInfo(cfg.num_classes, cfg.num_domains, has_coarse=True)
+        return DatasetInfo(
+            cfg.num_classes, cfg.num_domains, has_coarse=True,
+            train_size=cfg.num_classes * cfg.train_per_class,
+            test_size=cfg.num_classes * cfg.test_per_class,
+            image_size=cfg.image_size,
+        )  # fmt: skip
 
     @staticmethod
     def load(cfg: Synthetic.Config, root: pathlib.Path) -> ImageDataset:

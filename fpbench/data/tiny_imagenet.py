@@ -94,7 +94,7 @@ class TinyImageNet(RealDataset):
 
     @classmethod
     def info(cls, cfg: Config) -> DatasetInfo:
-        return DatasetInfo(num_classes=200, num_domains=1, has_coarse=False)
+        return DatasetInfo(200, 1, False, train_size=100_000, test_size=10_000, image_size=64)
 
     @classmethod
     def build(cls, cfg: Config, root: Path, progress: Progress) -> ImageDataset:

@@ -1,17 +1,29 @@
-"""What a method's forward receives as `x`, and the cache that computes frozen work once.
+"""What a method's forward receives as `x`, and the cache that computes frozen work lazily, once.
 
 Most methods take preprocessed images: uint8 images stay on the device and are resized and
 normalised there per batch. A method that declares `frozen_input = "cls"` (e.g. head-tune) takes
-the frozen backbone's final cls features instead; those do not depend on anything trained, so
-they are computed once per (backbone, dataset, split), kept in memory and optionally on disk,
-and training a head on them skips the backbone entirely. A training phase whose lower blocks
-see nothing it trains (`Phase.resume_layer`) gets the hidden states entering its first trained
-block from a `HiddenCache`, filled on first use and kept for the phase.
+the frozen backbone's final cls features instead, and one that declares `frozen_query` gets its
+frozen per-sample query (e.g. SGPT's Select) in `ctx.query`. Neither depends on anything
+trained, so with a `FeatureCache` they are computed once per sample and kept, in memory and
+optionally on disk, and training a head on them skips the backbone entirely.
+
+Lazily: a sample's frozen features are computed the first time a batch needs them, so a run pays
+only for the clients it trains and, once it first evaluates, the test split. The unit of work is
+canonical, so the values never depend on which client, round, cell or process asked first (a
+resumed run and every executor get the same bits): a train sample is computed with its owner
+client's samples (the lowest-id client holding it), in index order, `batch_size` at a time; the
+test split as a whole. Units are keyed by (backbone, dataset, split, feature, their indices,
+batch size) in memory and on disk.
+
+A training phase whose lower blocks see nothing it trains (`Phase.resume_layer`) gets the hidden
+states entering its first trained block from a `HiddenCache`, filled on first use and kept for
+the phase.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,26 +38,54 @@ from fpbench.specs import Augment
 from fpbench.stages import report
 
 
+class SplitStore:
+    """One split's frozen features (n, d), filled unit by unit; `tag` says which unit filled
+    each sample (0: none), so a sample is reused only where its canonical unit computed it."""
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.values: Tensor | None = None  # (n, d) fp32, allocated on the first unit
+        self.tag = torch.zeros(n, dtype=torch.long, device=device)
+
+    def put(self, idx: Tensor, feats: Tensor, tag: int) -> None:
+        if self.values is None:
+            self.values = feats.new_zeros(len(self.tag), *feats.shape[1:])
+        self.values[idx] = feats.to(self.values.device)
+        self.tag[idx] = tag
+
+
 class FeatureCache:
-    """Frozen features by key, in memory and (with a folder) on disk."""
+    """Frozen features, in memory (per split, shared by the cells of a process) and, with a
+    folder, on disk (one file per unit)."""
 
     def __init__(self, folder: Path | None = None) -> None:
         self.folder = folder
         self._memory: dict[str, Tensor] = {}
+        self._stores: dict[str, SplitStore] = {}
 
-    def get(self, key: str, compute, device: torch.device) -> Tensor:
-        if key in self._memory:
-            return self._memory[key]
+    def get(self, key: str, compute: Callable[[], Tensor], device: torch.device) -> Tensor:
+        """`compute()` once for `key` (then from memory, or from disk in another process)."""
+        if key not in self._memory:
+            self._memory[key] = self.unit(key, compute, device)
+        return self._memory[key]
+
+    def store(self, key: str, n: int, device: torch.device) -> SplitStore:
+        """The in-memory store of split `key` with n samples."""
+        found = self._stores.get(key)
+        if found is None or len(found.tag) != n:
+            found = self._stores[key] = SplitStore(n, device)
+        return found
+
+    def unit(self, key: str, compute: Callable[[], Tensor], device: torch.device) -> Tensor:
+        """One unit's features: from disk where kept there, else computed (and kept)."""
         path = self.folder / f"{key}.pt" if self.folder else None
         if path is not None and path.is_file():
-            feats = torch.load(path, map_location=device, weights_only=True)
-        else:
-            feats = compute()
-            if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(feats.cpu(), path.with_suffix(".tmp"))
-                path.with_suffix(".tmp").replace(path)
-        self._memory[key] = feats
+            return torch.load(path, map_location=device, weights_only=True)
+        feats = compute()
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes may write the same unit
+            torch.save(feats.cpu(), tmp)
+            tmp.replace(path)
         return feats
 
 
@@ -57,23 +97,89 @@ def backbone_fingerprint(backbone: PromptedViT) -> str:
     return h.hexdigest()[:12]
 
 
-@torch.no_grad()
-def _batched(
-    fn: Callable[[Tensor], Tensor],
-    backbone: PromptedViT,
-    images: Tensor,
-    batch_size: int,
-    what: str = "frozen pass",
-) -> Tensor:
-    """fn over preprocessed uint8 images, in batches: (N, dq) fp32 ((0, d) for no images).
+def owners(n: int, members: list[Tensor]) -> Tensor:
+    """(n,) the lowest index k with i in members[k], -1 where none (on members' device)."""
+    device = members[0].device if members else torch.device("cpu")
+    owner = torch.full((n,), -1, dtype=torch.long, device=device)
+    for k in range(len(members) - 1, -1, -1):
+        owner[members[k]] = k
+    return owner
 
-    Reports its progress in images as stage `what` (`fpbench.engine.stages`)."""
-    out = []
-    report(what, 0, len(images))
-    for i in range(0, len(images), batch_size):
-        out.append(fn(backbone.preprocess(images[i : i + batch_size])).float())
-        report(what, min(i + batch_size, len(images)), len(images))
-    return torch.cat(out) if out else images.new_zeros(0, backbone.embed_dim).float()
+
+def _unit_tag(idx: Tensor, batch_size: int) -> int:
+    """A nonzero 63-bit tag of a unit: its sorted indices and the batch size."""
+    h = hashlib.sha256(str(batch_size).encode())
+    h.update(idx.cpu().numpy().tobytes())
+    return int.from_bytes(h.digest()[:8], "little") >> 1 or 1
+
+
+class FrozenSplit:
+    """`fn`'s frozen features of one split's images, computed unit by unit on demand."""
+
+    def __init__(
+        self,
+        what: str,
+        fn: Callable[[Tensor], Tensor],
+        backbone: PromptedViT,
+        images: Tensor,
+        owner: Tensor,
+        *,
+        cache: FeatureCache,
+        key: str,
+        batch_size: int,
+    ) -> None:
+        self.what, self.fn, self.backbone, self.images = what, fn, backbone, images
+        self.cache, self.key, self.batch_size = cache, key, batch_size
+        self.owner = owner  # (n,) each sample's unit, -1: none
+        order = torch.argsort(owner, stable=True)
+        counts = torch.bincount(owner + 1, minlength=int(owner.max()) + 2).tolist()
+        self.units = list(order.split(counts))[1:]  # unit u: its samples, in index order
+        self.store = cache.store(key, len(owner), owner.device)
+        self.ready = torch.zeros(len(owner), dtype=torch.bool, device=owner.device)
+        self.computed = 0  # samples this split computed (not read from memory or disk)
+
+    def __getitem__(self, idx: Tensor | slice) -> Tensor:
+        """Features (B, d) of samples idx, computing the units they need first."""
+        if isinstance(idx, slice):
+            idx = torch.arange(len(self.owner), device=self.owner.device)[idx]
+        if not bool(self.ready[idx].all()):
+            self._fill(idx[~self.ready[idx]])
+        assert self.store.values is not None
+        return self.store.values[idx]
+
+    def _fill(self, missing: Tensor) -> None:
+        need = [self.units[u] for u in self.owner[missing].unique().tolist() if u >= 0]
+        orphans = missing[self.owner[missing] < 0].unique()  # in no unit: computed as asked
+        need += [orphans] if len(orphans) else []
+        tags = [_unit_tag(unit, self.batch_size) for unit in need]
+        todo = [(u, t) for u, t in zip(need, tags, strict=True) if not self._has(u, t)]
+        total, done = sum(len(u) for u, _ in todo), [0]
+        if total:
+            report(f"frozen {self.what}", 0, total)
+        for unit, tag in todo:
+            key = f"{self.key}-u{tag:016x}"
+            compute = lambda u=unit: self._compute(u, done, total)  # noqa: E731
+            self.store.put(unit, self.cache.unit(key, compute, self.owner.device), tag)
+        if done[0] < total:  # some units came from disk
+            report(f"frozen {self.what}", total, total)
+        for unit in need:
+            self.ready[unit] = True
+
+    def _has(self, unit: Tensor, tag: int) -> bool:
+        return self.store.values is not None and bool((self.store.tag[unit] == tag).all())
+
+    @torch.no_grad()
+    def _compute(self, unit: Tensor, done: list[int], total: int) -> Tensor:
+        """fn over the images of unit (n,), `batch_size` at a time, in fp32 whatever the
+        run's precision (the kept values serve every run): (n, d)."""
+        out = []
+        for part in unit.split(self.batch_size):
+            with torch.autocast(unit.device.type, enabled=False):
+                out.append(self.fn(self.backbone.preprocess(self.images[part])).float())
+            done[0] += len(part)
+            self.computed += len(part)
+            report(f"frozen {self.what}", done[0], total)
+        return torch.cat(out)
 
 
 class Inputs:
@@ -90,25 +196,26 @@ class Inputs:
         query: tuple[str, Callable[[Tensor], Tensor]] | None = None,
     ) -> None:
         self.backbone, self.task, self.frozen_input = backbone, task, frozen_input
-        self.cached: dict[str, Tensor] = {}
-        self.queries: dict[str, Tensor] = {}
+        self.cached: dict[str, FrozenSplit] = {}
+        self.queries: dict[str, FrozenSplit] = {}
         if cache is None or (query is None and frozen_input != "cls"):
             return  # nothing frozen to keep
-        data, device = task.data, task.priors.device
+        data = task.data
         base = f"{backbone_fingerprint(backbone)}-{data.fingerprint()}"
+        split_owners = {
+            "train": owners(len(data.train_labels), task.train_idx),
+            "test": torch.zeros(len(data.test_labels), dtype=torch.long, device=task.priors.device),
+        }
+        images = {"train": data.train_images, "test": data.test_images}
 
-        def frozen(kind: str, fn: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
-            """fn's features of both splits, computed once (keyed `kind`)."""
+        def frozen(kind: str, fn: Callable[[Tensor], Tensor]) -> dict[str, FrozenSplit]:
             return {
-                split: cache.get(
-                    f"{base}-{kind}-{split}",
-                    lambda im=images, s=split: _batched(
-                        fn, backbone, im, batch_size, f"frozen {kind} features ({s} split)"
-                    ),
-                    device,
+                split: FrozenSplit(
+                    f"{kind} ({split})", fn, backbone, images[split], split_owners[split],
+                    cache=cache, key=f"{base}-{kind}-{split}", batch_size=batch_size,
                 )
-                for split, images in (("train", data.train_images), ("test", data.test_images))
-            }
+                for split in ("train", "test")
+            }  # fmt: skip
 
         if query is not None:
             self.queries = frozen(f"query-{query[0]}", query[1])
@@ -121,8 +228,8 @@ class Inputs:
     ) -> Inputs:
         """The inputs `method` asks for (its `frozen_input`, its `frozen_query`).
 
-        With a cache, frozen features and queries are computed once (in batches of
-        `batch_size`); without one, every batch computes them anew.
+        With a cache, frozen features and queries are computed once per sample, when first
+        needed (in batches of `batch_size`); without one, every batch computes them anew.
         """
         name = method.frozen_query()
         return cls(
@@ -133,6 +240,9 @@ class Inputs:
             batch_size=batch_size,
             query=(name, method.query) if name else None,
         )
+
+    def frozen_splits(self) -> list[FrozenSplit]:
+        return [*self.queries.values(), *self.cached.values()]
 
     def query(self, split: str, idx: Tensor) -> Tensor | None:
         """Cached frozen queries of these samples, or None when not cached."""

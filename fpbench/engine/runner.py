@@ -186,7 +186,10 @@ def run_cell(
     Raises:
         FpbenchError: missing data or weights, or an op with no deterministic kernel.
     """
-    with deterministic(cfg.runtime.deterministic):
+    observer = observer or Observer()
+    on_stage = getattr(observer, "stage", Observer().stage)  # duck-typed observers may lack it
+    stage = lambda what, done, total: on_stage(cfg, what, done, total)  # noqa: E731
+    with deterministic(cfg.runtime.deterministic), stages.reporting(stage):
         return _run_cell(cfg, store, checkpoint_dir, observer, cache, claim_timeout)
 
 
@@ -194,7 +197,7 @@ def _run_cell(
     cfg: RunConfig,
     store: Store,
     checkpoint_dir: Path,
-    observer: Observer | None,
+    observer: Observer,
     cache: FeatureCache | None,
     claim_timeout: float,
 ) -> CellResult:
@@ -205,14 +208,11 @@ def _run_cell(
         return CellResult(cfg, "skipped", "claimed by another driver")
     device = resolve_device(cfg.runtime.device)
     torch.manual_seed(derive_seed(cfg.seed, "torch"))
-    observer = observer or Observer()
-    try:
-        on_stage = getattr(observer, "stage", Observer().stage)  # duck-typed observers may lack it
-        with stages.reporting(lambda what, done, total: on_stage(cfg, what, done, total)):
-            stages.report("preparing data", 0, 1)
-            task = build_task(cfg, device)
-            stages.report("preparing data", 1, 1)
-            groups = build_groups(cfg, task, device, cache)
+    try:  # reports reach the observer's `stage` (run_cell); so do the frozen passes' later
+        stages.report("preparing data", 0, 1)
+        task = build_task(cfg, device)
+        stages.report("preparing data", 1, 1)
+        groups = build_groups(cfg, task, device, cache)
     except Exception as e:
         if not isinstance(e, FpbenchError):  # a crash (a bug, out of memory) is recorded
             record = record or _create_record(cfg, store, device)

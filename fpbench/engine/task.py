@@ -60,7 +60,18 @@ def load_dataset(comp: Component) -> ImageDataset:
 def build_task(cfg: RunConfig, device: torch.device) -> Task:
     """Load (or reuse) the dataset, partition it, and move images and indices to `device`."""
     data = load_dataset(cfg.dataset)
-    clients = make_clients(cfg.partition.name, cfg.partition.args, data, seed=cfg.seed)
+    return task_of(data, cfg.partition, cfg.seed, device, cfg.train.aggregation_weights)
+
+
+def task_of(
+    data: ImageDataset,
+    partition: Component,
+    seed: int,
+    device: torch.device,
+    aggregation_weights: str = "train_size",
+) -> Task:
+    """Partition `data` with `partition` and move images and indices to `device`."""
+    clients = make_clients(partition.name, partition.args, data, seed=seed)
     on_device = dataclasses.replace(
         data,
         train_images=data.train_images.to(device),
@@ -78,7 +89,7 @@ def build_task(cfg: RunConfig, device: torch.device) -> Task:
         ),
         train_sizes=torch.tensor([len(c.train_idx) for c in clients], dtype=torch.float32),
         heldout=torch.tensor([c.heldout for c in clients]),
-        aggregation_sizes=aggregation_sizes(cfg.train.aggregation_weights, data, clients),
+        aggregation_sizes=aggregation_sizes(aggregation_weights, data, clients),
     )
 
 

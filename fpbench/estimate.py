@@ -1,0 +1,326 @@
+"""`fpbench estimate`: what a suite will cost on this device, before anyone books it.
+
+A suite's cells fall into a few shapes: everything that sets a cell's cost (backbone, method and
+its settings, the dataset's image size and train / test sizes, clients, participation, batch,
+local schedule, rounds, evaluations), not what sets its numbers (seeds, label skew, learning
+rates). For each distinct shape, `measure` runs a round or two on fake data of the real shape
+(random uint8 images of the dataset's size and count, from the dataset registry's metadata,
+`fpbench.data.info.DatasetInfo`) with random weights of the real backbone (the architecture
+built without loading weights: nothing downloads), split into the parts a run pays for:
+
+* the frozen passes (features and queries of the trained clients' samples, once per sample,
+  and of the test split at the first evaluation; see `fpbench.engine.inputs`),
+* local training and aggregation of one round,
+* one evaluation.
+
+`project` turns them into a cell's time: setup + rounds x train round + evaluations x evaluation
++ the frozen passes over the samples the run is expected to touch (the clients sampled at least
+once: N (1 - (1 - m/N)^R) of N clients, m per round, R rounds). Assumptions, printed with every
+estimate: clients hold equal shares of the train split (label skew moves samples between
+clients, not the round's expected total); personal methods evaluate every client as measured;
+a model-heterogeneity cell is timed with its default backbone for every client; the device is
+as busy as during the measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+
+from fpbench.data.base import ImageDataset
+from fpbench.registry import DATASETS, METHODS
+from fpbench.specs import Component, RunConfig, Suite
+
+ASSUMPTIONS = (
+    "fake data of the real shape (dataset sizes from fpbench's dataset metadata; * = the "
+    "standard release's, approximate) and random weights of the real backbone",
+    "clients hold equal shares of the train split (label skew moves samples between clients, "
+    "not a round's expected total)",
+    "frozen passes cover the clients expected to be sampled at least once, and the test split",
+    "model heterogeneity: every client timed with the suite's default backbone",
+    "the device stays as busy as during the measurement (on a shared machine: as loaded)",
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Everything that sets a cell's cost."""
+
+    backbone: str
+    method: str
+    method_args: str  # JSON of the method's settings
+    dataset: str
+    image_size: int
+    num_classes: int
+    train_size: int
+    test_size: int
+    sizes_exact: bool
+    num_clients: int
+    heldout_frac: float
+    shots: int | None
+    per_round: int
+    batch_size: int
+    local_epochs: int
+    max_local_steps: int | None
+    eval_batch_size: int
+    rounds: int
+    evals: int
+
+    @property
+    def trainable(self) -> int:
+        """Clients that train (held-out ones are only evaluated)."""
+        held = min(self.num_clients - 1, math.floor(self.heldout_frac * self.num_clients + 0.5))
+        return self.num_clients - held
+
+    @property
+    def expected_sampled(self) -> float:
+        """Clients expected to be sampled at least once over the rounds."""
+        n, m = self.trainable, self.per_round
+        return n * (1 - (1 - m / n) ** self.rounds)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Seconds measured on fake data of a shape."""
+
+    setup_s: float  # building the method and its server state (e.g. a prototype warm start)
+    train_round_s: float  # local training + aggregation of one round (frozen work excluded)
+    eval_s: float  # one evaluation (the test split's frozen pass excluded)
+    frozen_per_sample_s: float  # one train sample's frozen features (0: none)
+    test_frozen_s: float  # the test split's frozen pass
+    device: str
+
+
+@dataclass(frozen=True)
+class Estimate:
+    shape: Shape
+    label: str  # the method label of the shape's first cell
+    cells: int
+    measured: Measurement | None
+    cell_s: float | None
+    error: str | None = None
+
+    @property
+    def total_s(self) -> float | None:
+        return None if self.cell_s is None else self.cell_s * self.cells
+
+
+def dataset_shape(dataset: Component) -> tuple[int, int, int, int, bool]:
+    """(image size, classes, train size, test size, exact) of a dataset from its metadata."""
+    cls = DATASETS.get(dataset.name)
+    info = cls.info(cls.Config(**dataset.args))
+    if None in (info.train_size, info.test_size, info.image_size):
+        raise ValueError(f"dataset {dataset.name!r} declares no sizes in its info()")
+    return info.image_size, info.num_classes, info.train_size, info.test_size, info.sizes_exact
+
+
+def shape_of(cfg: RunConfig) -> Shape:
+    """The cost shape of a cell."""
+    from fpbench.engine.runner import should_eval
+
+    size, classes, train, test, exact = dataset_shape(cfg.dataset)
+    part, t = cfg.partition.args, cfg.train
+    clients = cfg.model_het.num_clients if cfg.model_het else part.get("num_clients", 10)
+    heldout = part.get("heldout_frac", 0.0)
+    shape = Shape(
+        backbone=cfg.backbone.name,
+        method=cfg.method.name,
+        method_args=json.dumps(cfg.method.args, sort_keys=True),
+        dataset=cfg.dataset.name,
+        image_size=size,
+        num_classes=classes,
+        train_size=train,
+        test_size=test,
+        sizes_exact=exact,
+        num_clients=clients,
+        heldout_frac=heldout,
+        shots=part.get("shots"),
+        per_round=1,
+        batch_size=t.batch_size,
+        local_epochs=t.local_epochs,
+        max_local_steps=t.max_local_steps,
+        eval_batch_size=t.eval_batch_size,
+        rounds=t.rounds,
+        evals=sum(should_eval(r, t) for r in range(t.rounds)),
+    )
+    return replace(shape, per_round=max(1, math.floor(t.participation * shape.trainable + 1e-9)))
+
+
+def plan(suite: Suite) -> list[tuple[Shape, RunConfig, int]]:
+    """The suite's distinct shapes, each with its first cell and its number of cells."""
+    found: dict[Shape, tuple[RunConfig, int]] = {}
+    for cfg in suite.cells:
+        shape = shape_of(cfg)
+        first, n = found.get(shape, (cfg, 0))
+        found[shape] = (first, n + 1)
+    return [(s, cfg, n) for s, (cfg, n) in found.items()]
+
+
+def fake_dataset(shape: Shape, device: torch.device, seed: int = 0) -> ImageDataset:
+    """Random uint8 images and balanced labels of the shape's sizes, made on `device`."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    side, c = shape.image_size, shape.num_classes
+
+    def images(n: int) -> torch.Tensor:
+        return torch.randint(0, 256, (n, 3, side, side), generator=gen, device=device).to(
+            torch.uint8
+        )
+
+    return ImageDataset(
+        name=f"fake-{shape.dataset}",
+        train_images=images(shape.train_size),
+        train_labels=torch.arange(shape.train_size, device=device) % c,
+        test_images=images(shape.test_size),
+        test_labels=torch.arange(shape.test_size, device=device) % c,
+        class_names=[f"class {k}" for k in range(c)],
+        coarse_of_class=torch.arange(c) * min(c, 20) // c,
+    )
+
+
+def _offline_args(cfg: RunConfig) -> RunConfig:
+    """The cell with every method setting that would load weights turned off (e.g. FGPT's
+    pretrained timm select encoder), so nothing downloads."""
+    fields = METHODS.get(cfg.method.name).Config.model_fields
+    args = dict(cfg.method.args)
+    for key in ("select_pretrained",):
+        if key in fields:
+            args[key] = False
+    return cfg.model_copy(update={"method": cfg.method.model_copy(update={"args": args})})
+
+
+def measure(
+    shape: Shape,
+    cfg: RunConfig,
+    device: torch.device,
+    precision: str,
+    rounds: int = 2,
+) -> Measurement:
+    """Time the parts of `rounds` rounds of the cell on fake data (see the module docstring)."""
+    from fpbench.engine.evaluate import evaluate
+    from fpbench.engine.executor import train_clients
+    from fpbench.engine.inputs import FeatureCache, Inputs
+    from fpbench.engine.runner import build_method, sampling_schedule
+    from fpbench.engine.task import task_of
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: the hub is never needed
+    part = {"num_clients": shape.num_clients, "heldout_frac": shape.heldout_frac}
+    if shape.shots is not None:
+        part["shots"] = shape.shots
+    iid = Component(name="iid", label="iid", args=part)
+    task = task_of(fake_dataset(shape, device), iid, 0, device)
+    cfg = _offline_args(cfg)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    start = time.perf_counter()
+    method = build_method(cfg, task, device, pretrained=False)
+    server = method.init_server(torch.Generator().manual_seed(0))
+    sync()
+    setup = time.perf_counter() - start
+    inputs = Inputs.of(method, task, FeatureCache(), shape.eval_batch_size)
+    splits = {s.what: s for s in inputs.frozen_splits()}
+    share = shape.per_round / shape.trainable
+    schedule = sampling_schedule(0, rounds, task.trainable_clients(), share)
+    frozen_s, frozen_n, train_s = 0.0, 0, []
+    for r, ids in enumerate(schedule):
+        idx = torch.cat([task.train_idx[c] for c in ids])
+        start = time.perf_counter()
+        before = sum(s.computed for s in splits.values())
+        for what, split in splits.items():
+            if what.endswith("(train)"):
+                split[idx]
+        sync()
+        frozen_s += time.perf_counter() - start
+        frozen_n += sum(s.computed for s in splits.values()) - before
+        start = time.perf_counter()
+        local = train_clients(
+            method, server, task, ids, cfg.train, round_idx=r, seed=0, inputs=inputs,
+            precision=precision,
+        )  # fmt: skip
+        weights = task.train_sizes[local.client_ids].to(device)
+        server = method.aggregate(
+            server, local.params, local.client_ids.to(device), weights, local.stats
+        )
+        sync()
+        train_s.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    for what, split in splits.items():
+        if what.endswith("(test)"):
+            split[:]
+    sync()
+    test_frozen = time.perf_counter() - start
+    start = time.perf_counter()
+    evaluate(method, server, task, shape.eval_batch_size, inputs, precision)
+    sync()
+    return Measurement(
+        setup_s=setup,
+        train_round_s=sum(train_s) / len(train_s),
+        eval_s=time.perf_counter() - start,
+        frozen_per_sample_s=frozen_s / frozen_n if frozen_n else 0.0,
+        test_frozen_s=test_frozen,
+        device=str(device),
+    )
+
+
+def project(shape: Shape, m: Measurement) -> float:
+    """A cell's projected seconds from its shape and a measurement."""
+    per_client = shape.train_size / shape.num_clients
+    if shape.shots is not None:
+        per_client = min(per_client, shape.shots * shape.num_classes)
+    frozen = m.frozen_per_sample_s * shape.expected_sampled * per_client
+    return (
+        m.setup_s
+        + shape.rounds * m.train_round_s
+        + shape.evals * m.eval_s
+        + frozen
+        + m.test_frozen_s
+    )
+
+
+def estimate(
+    suite: Suite,
+    device: torch.device | None,
+    precision: str = "auto",
+    rounds: int = 2,
+    max_shapes: int | None = None,
+    progress: Any = None,
+) -> list[Estimate]:
+    """Each shape's estimate; `device` None plans only (no measurement, nothing built).
+
+    `max_shapes` measures only the first that many shapes (the others are listed unmeasured);
+    `progress(i, n, shape)` is called before each measurement.
+    """
+    from fpbench.engine.runner import resolve_precision
+
+    shapes = plan(suite)
+    out = []
+    for i, (shape, cfg, n) in enumerate(shapes):
+        if device is None or (max_shapes is not None and i >= max_shapes):
+            out.append(Estimate(shape, cfg.method.label, n, None, None))
+            continue
+        if progress is not None:
+            progress(i, len(shapes), shape)
+        try:
+            m = measure(shape, cfg, device, resolve_precision(precision, device), rounds)
+        except Exception as e:  # one shape that cannot run here does not stop the others
+            out.append(Estimate(shape, cfg.method.label, n, None, None, f"{type(e).__name__}: {e}"))
+            continue
+        out.append(Estimate(shape, cfg.method.label, n, m, project(shape, m)))
+    return out
+
+
+def as_dict(e: Estimate) -> dict[str, Any]:
+    """An estimate as plain JSON-able data."""
+    return {
+        "shape": asdict(e.shape),
+        "label": e.label,
+        "cells": e.cells,
+        "measured": asdict(e.measured) if e.measured else None,
+        "cell_s": e.cell_s,
+        "total_s": e.total_s,
+        "error": e.error,
+    }

@@ -1,0 +1,107 @@
+"""`fpbench estimate`: cost shapes of a suite, their projection, and the command."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from fpbench.cli import app
+from fpbench.estimate import Measurement, estimate, plan, project, shape_of
+from fpbench.specs import load_suite
+from tests.conftest import TINY_SUITE_TOML
+
+SUITES = sorted(p.stem for p in (Path(__file__).parents[1] / "benchmarks").glob("*.toml"))
+
+
+def test_the_smoke_suite_has_one_shape_per_method_with_the_datasets_real_sizes() -> None:
+    suite = load_suite("smoke")
+    shapes = plan(suite)
+    assert len(shapes) == 3 and sum(n for _, _, n in shapes) == len(suite.cells) == 6
+    shape = shapes[0][0]
+    data = suite.cells[0].dataset.args
+    assert shape.train_size == data["num_classes"] * data["train_per_class"]
+    assert shape.test_size == data["num_classes"] * data["test_per_class"]
+    assert (shape.num_clients, shape.per_round) == (10, 4)  # participation 0.4 of 10
+
+
+def test_paper_datasets_take_their_sizes_from_the_registry() -> None:
+    cells = load_suite("sgpt-table1").cells
+    shape = shape_of(next(c for c in cells if c.dataset.name == "cifar100"))
+    assert (shape.image_size, shape.train_size, shape.test_size) == (32, 50_000, 10_000)
+    assert shape.sizes_exact and shape.backbone == "vit-b16-in21k"
+
+
+@pytest.mark.parametrize("name", SUITES)
+def test_every_shipped_suite_plans_without_data_or_weights(name, monkeypatch) -> None:
+    monkeypatch.setenv("FPBENCH_DATA", "/nonexistent")
+    found = estimate(load_suite(name), device=None)
+    assert sum(e.cells for e in found) == len(load_suite(name).cells)
+    assert all(e.measured is None and e.shape.train_size > 0 for e in found)
+
+
+def test_projection_adds_up_by_hand() -> None:
+    shape = replace(
+        shape_of(load_suite("smoke").cells[0]),
+        num_clients=10, heldout_frac=0.0, per_round=4, train_size=1200, rounds=2, evals=1,
+    )  # fmt: skip
+    # 10 clients, 4 a round: 10 * (1 - 0.6^2) = 6.4 clients sampled, 1,200 / 10 = 120 samples each
+    assert shape.expected_sampled == pytest.approx(6.4)
+    m = Measurement(
+        setup_s=1.0,
+        train_round_s=2.0,
+        eval_s=3.0,
+        frozen_per_sample_s=0.01,
+        test_frozen_s=4.0,
+        device="cpu",
+    )
+    assert project(shape, m) == pytest.approx(1 + 2 * 2 + 1 * 3 + 0.01 * 6.4 * 120 + 4)
+
+
+@pytest.fixture
+def tiny_suite(tmp_path) -> Path:
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY_SUITE_TOML)
+    return path
+
+
+def test_measurement_times_the_frozen_pass_only_where_a_method_has_one(tiny_suite) -> None:
+    found = estimate(load_suite(str(tiny_suite)), torch.device("cpu"), rounds=1)
+    by_method = {e.shape.method: e for e in found}
+    assert set(by_method) == {"head-tune", "fedvpt"}
+    assert by_method["head-tune"].measured.frozen_per_sample_s > 0  # cached cls features
+    assert by_method["fedvpt"].measured.frozen_per_sample_s == 0  # nothing frozen
+    assert by_method["fedvpt"].measured.test_frozen_s < 0.5
+    for e in found:
+        assert e.cell_s == pytest.approx(project(e.shape, e.measured))
+        assert e.total_s == pytest.approx(e.cell_s * e.cells)
+
+
+def test_estimate_command_measures_capped_shapes(tiny_suite, tmp_path) -> None:
+    out = tmp_path / "est.json"
+    args = ["estimate", "--suite", str(tiny_suite), "--device", "cpu", "--rounds", "1"]
+    result = CliRunner().invoke(app, [*args, "--max-shapes", "1", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "device-hours on cpu (the 1 of 2 cells measured)" in result.output
+    assert "assumptions:" in result.output
+    rows = json.loads(out.read_text())
+    assert [r["measured"] is not None for r in rows] == [True, False]
+
+
+def test_dry_estimate_of_a_paper_suite_and_bad_input(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "dry.json"
+    args = ["estimate", "--suite", "sgpt-table1", "--dry", "--json", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "shapes, plan only)" in result.output
+    rows = json.loads(out.read_text())
+    assert sum(r["cells"] for r in rows) == len(load_suite("sgpt-table1").cells)
+    cifar = next(r["shape"] for r in rows if r["shape"]["dataset"] == "cifar100")
+    assert (cifar["train_size"], cifar["test_size"], cifar["image_size"]) == (50_000, 10_000, 32)
+    bad = CliRunner().invoke(app, ["estimate", "--suite", "smoke", "--precision", "fp8"])
+    assert bad.exit_code == 2 and "--precision" in bad.output
