@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from fpbench import stages
 from fpbench.cli import app
+from fpbench.engine import dispatch
 from fpbench.run_log import LineObserver, clock, headline
 from fpbench.run_summary import next_commands
 from tests.conftest import TINY_SUITE_TOML
@@ -127,6 +128,7 @@ def _tiny(tmp_path):
 def test_piped_run_prints_rounds_summary_and_next_commands(tmp_path, monkeypatch):
     """CliRunner's stdout is no terminal: plain lines, then the table and the next commands."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(dispatch, "_worker", {})  # no frozen features kept from earlier tests
     _tiny(tmp_path)
     result = CliRunner().invoke(app, ["run", "--suite", "tiny", "--db", "r.db"])
     assert result.exit_code == 0, result.output
