@@ -122,7 +122,9 @@ class RuntimeConfig(_Strict):
         "auto", description="auto: bf16 autocast on CUDA, fp32 on CPU"
     )
     compile: bool = Field(False, description="torch.compile the backbone's blocks")
-    cache_features: bool = Field(True, description="compute frozen features once (head-tune)")
+    cache_features: bool = Field(
+        True, description="compute frozen features and queries once per sample, when first needed"
+    )
     feature_cache_dir: str | None = Field(None, description="also keep them on disk here")
     deterministic: bool = Field(
         True,

@@ -23,8 +23,8 @@ reproduced. The default therefore reads the counts of the round start (`select_c
 the reference executor (under lockstep it equals "snapshot").
 
 Select's query does not depend on anything trained: it is declared as the method's
-`frozen_query`, so the engine computes it once per dataset and hands each batch's rows in
-`ctx.query` (without a cache, it is recomputed under no_grad).
+`frozen_query`, so the engine computes it once per sample, when first needed, and hands a
+batch's rows in `ctx.query` (without a cache, it is recomputed under no_grad).
 
 Metrics (`round_metrics`, switch `cluster_metric`, off by default: they cost two frozen passes,
 so only the suites that report them turn them on): appendix D.2's congruence score of Fig. 6a.
