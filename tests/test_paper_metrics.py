@@ -86,6 +86,8 @@ def _fitting_args(method: str, args: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in args.items() if k not in drop}
     if out.get("num_groups", 0) > 16:  # orthogonal keys need G <= the tiny width (32)
         out["num_groups"] = 16
+    if method == "gpt-fl":  # no generated images here: the server pretraining is left out
+        out = {k: v for k, v in out.items() if k != "synthetic_dir"} | {"server_epochs": 0}
     return out
 
 
