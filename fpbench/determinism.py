@@ -8,11 +8,6 @@ the backward of per-sample gathers (`params[name][client_index]`, the seam every
 depends on thread scheduling; with the mode they accumulate in a fixed order. On CUDA it also
 fixes `index_add_` / `scatter_add_`, cuBLAS's workspace split and cuDNN's algorithm choice.
 
-CPU matrix kernels split their work by the number of threads, so the last bits of a product
-depend on it: in deterministic mode a cell computes with the driver's thread count
-(`THREADS_ENV`, set by `fpbench run` before any executor starts; the process's own count where
-it is unset), also in `--jobs` workers and Ray tasks that would otherwise use fewer.
-
 The rest of the engine needs nothing: every seed is derived from the config (no clock, no
 global RNG left unseeded), dicts iterate in insertion order, sets are only tested for
 membership, and no DataLoader workers are used.
@@ -29,23 +24,13 @@ import torch
 
 from fpbench.errors import FpbenchError
 
-THREADS_ENV = "FPBENCH_CELL_THREADS"  # the driver's intra-op thread count, for every executor
 CUBLAS_WORKSPACE = ":4096:8"  # what cuBLAS needs to pick one reduction order (CUDA >= 10.2)
 _NO_KERNEL = re.compile(r"^(\S+) does not have a deterministic implementation")
 
 
-def pin_driver_threads() -> None:
-    """Record this (driver) process's thread count for the cells it launches, unless set."""
-    os.environ.setdefault(THREADS_ENV, str(torch.get_num_threads()))
-
-
 @contextmanager
 def deterministic(on: bool) -> Iterator[None]:
-    """PyTorch's deterministic algorithms on (or off) for the block, with the driver's thread
-    count (`THREADS_ENV`); the old state comes back."""
-    threads = torch.get_num_threads()
-    if on and os.environ.get(THREADS_ENV, "").isdigit():
-        torch.set_num_threads(max(1, int(os.environ[THREADS_ENV])))
+    """PyTorch's deterministic algorithms on (or off) for the block; the old state comes back."""
     before = (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
@@ -70,7 +55,6 @@ def deterministic(on: bool) -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2:]
-        torch.set_num_threads(threads)
 
 
 def nondeterministic_op(e: BaseException) -> str | None:

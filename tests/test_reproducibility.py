@@ -23,12 +23,7 @@ import torch
 from typer.testing import CliRunner
 
 from fpbench.cli import app
-from fpbench.determinism import (
-    THREADS_ENV,
-    deterministic,
-    nondeterministic_op,
-    pin_driver_threads,
-)
+from fpbench.determinism import deterministic, nondeterministic_op
 from fpbench.errors import FpbenchError
 from tests.conftest import tiny_config
 
@@ -235,18 +230,3 @@ def test_no_deterministic_is_stored_with_the_run(workdir, monkeypatch):
         stored = con.execute(query)
         assert stored.fetchall() == [(0,)]  # SQLite's JSON false
     assert not torch.are_deterministic_algorithms_enabled()  # nothing leaks out of the run
-
-
-def test_the_mode_computes_with_the_drivers_thread_count(monkeypatch):
-    """A --jobs worker or Ray task pinned to fewer threads computes a cell with the driver's
-    count: CPU matrix kernels split their work by threads, so the last bits depend on it."""
-    own = torch.get_num_threads()
-    monkeypatch.setenv(THREADS_ENV, "3")
-    with deterministic(True):
-        assert torch.get_num_threads() == 3
-    assert torch.get_num_threads() == own
-    with deterministic(False):
-        assert torch.get_num_threads() == own  # the mode off leaves the executor's choice
-    monkeypatch.delenv(THREADS_ENV)
-    pin_driver_threads()
-    assert os.environ[THREADS_ENV] == str(own)

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from fpbench.determinism import pin_driver_threads
 from fpbench.engine.inputs import FeatureCache
 from fpbench.engine.runner import CellResult, Observer, error_text, run_cell, run_suite
 from fpbench.errors import FpbenchError
@@ -76,7 +75,6 @@ def run_cells(
     """
     observer = observer or Observer()
     validate(dispatch)
-    pin_driver_threads()  # deterministic cells compute with this count in every executor
     if dispatch.executor == "local" and dispatch.jobs == 1:
         return _serial(cells, url, Path(checkpoint_dir), dispatch, observer)
     if dispatch.executor == "local":
