@@ -8,6 +8,11 @@ the backward of per-sample gathers (`params[name][client_index]`, the seam every
 depends on thread scheduling; with the mode they accumulate in a fixed order. On CUDA it also
 fixes `index_add_` / `scatter_add_`, cuBLAS's workspace split and cuDNN's algorithm choice.
 
+CPU matrix kernels split their work by the number of threads, so the last bits of a product
+depend on it: a cell computes with `runtime.threads`, which `fpbench run` sets in deterministic
+mode to its own count for every executor on this machine (`--jobs` workers and Ray tasks would
+otherwise use fewer); see `fpbench.engine.dispatch.pin_threads`.
+
 The rest of the engine needs nothing: every seed is derived from the config (no clock, no
 global RNG left unseeded), dicts iterate in insertion order, sets are only tested for
 membership, and no DataLoader workers are used.
@@ -29,8 +34,12 @@ _NO_KERNEL = re.compile(r"^(\S+) does not have a deterministic implementation")
 
 
 @contextmanager
-def deterministic(on: bool) -> Iterator[None]:
-    """PyTorch's deterministic algorithms on (or off) for the block; the old state comes back."""
+def deterministic(on: bool, threads: int | None = None) -> Iterator[None]:
+    """PyTorch's deterministic algorithms on (or off) for the block, computing with `threads`
+    CPU threads where given; the old state comes back."""
+    own_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
     before = (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
@@ -55,6 +64,7 @@ def deterministic(on: bool) -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2:]
+        torch.set_num_threads(own_threads)
 
 
 def nondeterministic_op(e: BaseException) -> str | None:

@@ -132,6 +132,13 @@ class RuntimeConfig(_Strict):
         "executors on one machine; false is faster and may differ in the last bits, which "
         "training amplifies (see fpbench.determinism)",
     )
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="CPU threads a cell computes with; unset: in deterministic mode the count of "
+        "the `fpbench run` process for every executor on this machine (CPU matrix kernels split "
+        "their work by threads, which changes the last bits), else the executor's share",
+    )
 
 
 class Component(_Strict):

@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 
 from fpbench.cli import app
 from fpbench.determinism import deterministic, nondeterministic_op
+from fpbench.engine.dispatch import Dispatch, pin_threads, run_cells
 from fpbench.errors import FpbenchError
 from tests.conftest import tiny_config
 
@@ -218,6 +219,50 @@ def test_the_mode_is_a_runtime_field_on_by_default_outside_the_run_key():
     )
     assert cfg.runtime.deterministic is True
     assert off.run_key == cfg.run_key
+
+
+def test_the_mode_computes_with_the_cells_thread_count():
+    own = torch.get_num_threads()
+    with deterministic(True, threads=3):
+        assert torch.get_num_threads() == 3
+    assert torch.get_num_threads() == own
+    with deterministic(True):
+        assert torch.get_num_threads() == own  # unset: the process's own count
+
+
+def test_local_executors_pin_deterministic_cells_to_the_drivers_thread_count(monkeypatch):
+    """--jobs workers and local Ray tasks compute with the driver's count, not their share:
+    CPU matrix kernels split their work by threads, so the last bits depend on it."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
+    cfg = tiny_config()
+    runtime = lambda **kw: cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update=kw)})  # noqa: E731
+    off, own = runtime(deterministic=False), runtime(threads=2)
+    for dispatch in (Dispatch(jobs=2), Dispatch("submitit-local"), Dispatch("ray")):
+        pinned = pin_threads([cfg, off, own], dispatch)
+        assert [c.runtime.threads for c in pinned] == [7, None, 2]
+        assert pinned[0].run_key == cfg.run_key
+    for elsewhere in (Dispatch("slurm"), Dispatch("ray", address="ray://head:10001")):
+        assert pin_threads([cfg], elsewhere)[0].runtime.threads is None  # the job's own count
+
+
+def test_workers_started_for_the_executors_sleep_while_they_wait(monkeypatch, tmp_path):
+    """OpenMP reads its wait policy when a worker loads it: set before the workers start."""
+    seen = []
+
+    def pool(*_):
+        seen.append(os.environ.get("OMP_WAIT_POLICY"))
+        raise KeyboardInterrupt  # the environment comes back however the run ends
+
+    monkeypatch.setattr("fpbench.engine.dispatch._pool", pool)
+    url, ck = f"sqlite:///{tmp_path / 'w.db'}", tmp_path / "ck"
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        run_cells([tiny_config()], url, checkpoint_dir=ck, dispatch=Dispatch(jobs=2))
+    assert seen == ["PASSIVE"] and "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # yours is kept
+    with pytest.raises(KeyboardInterrupt):
+        run_cells([tiny_config()], url, checkpoint_dir=ck, dispatch=Dispatch(jobs=2))
+    assert seen == ["PASSIVE", "ACTIVE"] and os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
 def test_no_deterministic_is_stored_with_the_run(workdir, monkeypatch):

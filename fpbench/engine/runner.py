@@ -189,7 +189,7 @@ def run_cell(
     observer = observer or Observer()
     on_stage = getattr(observer, "stage", Observer().stage)  # duck-typed observers may lack it
     stage = lambda what, done, total: on_stage(cfg, what, done, total)  # noqa: E731
-    with deterministic(cfg.runtime.deterministic), stages.reporting(stage):
+    with deterministic(cfg.runtime.deterministic, cfg.runtime.threads), stages.reporting(stage):
         return _run_cell(cfg, store, checkpoint_dir, observer, cache, claim_timeout)
 
 
