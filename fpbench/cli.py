@@ -348,31 +348,43 @@ class Listable(str, Enum):
 @app.command("list")
 @user_errors
 def list_(what: Annotated[Listable, typer.Argument(help="what to list")]) -> None:
-    """List the registered suites, methods, datasets, partitions or backbones."""
-    import fpbench.methods  # noqa: F401  (registration)
+    """List the registered suites, methods, datasets, partitions or backbones.
+
+    Components of other installed packages (entry points `fpbench.methods`, ...) are listed
+    with the package they come from."""
     from fpbench.registry import BACKBONES, DATASETS, METHODS, PARTITIONS
     from fpbench.specs import list_suites
 
-    if what is Listable.suites:
-        rows = [(name, "") for name in list_suites()]
-    else:
-        registry = {
-            "methods": METHODS,
-            "datasets": DATASETS,
-            "partitions": PARTITIONS,
-            "backbones": BACKBONES,
-        }[what.value]
-        rows = [(name, _summary_line(registry.get(name))) for name in registry.names()]
-    if what.value == "backbones":  # fpbench.backbones.custom
-        rows += [
-            ("timm:<model>", "any timm ViT, e.g. timm:deit_small_patch16_224.fb_in1k"),
-            ("open_clip:<arch>@<tag>", "any CLIP, e.g. open_clip:ViT-B-32@laion2b_s34b_b79k"),
-        ]
     table = Table(title=what.value)
     table.add_column("name")
+    if what is Listable.suites:
+        for name in list_suites():
+            table.add_row(name)
+        console.print(table)
+        return
+    registry = {
+        "methods": METHODS,
+        "datasets": DATASETS,
+        "partitions": PARTITIONS,
+        "backbones": BACKBONES,
+    }[what.value]
+    rows = [
+        (name, _summary_line(registry.get(name)), registry.source(name))
+        for name in registry.names()
+    ]
+    if what is Listable.backbones:  # fpbench.backbones.custom
+        rows += [
+            ("timm:<model>", "any timm ViT, e.g. timm:deit_small_patch16_224.fb_in1k", "timm"),
+            (
+                "open_clip:<arch>@<tag>",
+                "any CLIP, e.g. open_clip:ViT-B-32@laion2b_s34b_b79k",
+                "open_clip",
+            ),
+        ]
     table.add_column("description")
-    for name, desc in rows:
-        table.add_row(name, desc)
+    table.add_column("source")
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
 
 
