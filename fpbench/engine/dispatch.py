@@ -26,8 +26,7 @@ from fpbench.engine.inputs import FeatureCache
 from fpbench.engine.runner import CellResult, Observer, error_text, run_cell, run_suite
 from fpbench.errors import FpbenchError
 from fpbench.specs import RunConfig
-from fpbench.store import Store
-from fpbench.store.claims import CLAIM_TIMEOUT_S
+from fpbench.store import CLAIM_TIMEOUT_S, Store
 
 EXECUTORS = ("local", "submitit-local", "slurm", "ray")
 ENGINES = {  # executor -> (module it needs, fpbench's extra that installs it)

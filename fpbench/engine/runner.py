@@ -46,8 +46,7 @@ from fpbench.errors import FpbenchError
 from fpbench.methods.base import Method, ServerState, TaskInfo
 from fpbench.registry import METHODS
 from fpbench.specs import BackboneRef, RunConfig, TrainConfig
-from fpbench.store import Store
-from fpbench.store.claims import CLAIM_TIMEOUT_S, ClaimLost, claim_is_live, new_owner
+from fpbench.store import CLAIM_TIMEOUT_S, ClaimLost, Store, claim_is_live, new_owner
 
 
 class Observer:
@@ -178,7 +177,7 @@ def run_cell(
 ) -> CellResult:
     """Run or resume one cell. Missing data or weights raise before anything is written.
 
-    The cell is claimed atomically first (see `fpbench.store.claims`): a cell another live
+    The cell is claimed atomically first (see `fpbench.store`): a cell another live
     driver is running is skipped, and a claim silent for `claim_timeout` seconds is taken over.
     It computes in deterministic mode unless `runtime.deterministic` is off (see
     `fpbench.determinism`); every executor comes through here.
