@@ -139,6 +139,11 @@ class RuntimeConfig(_Strict):
         "the `fpbench run` process for every executor on this machine (CPU matrix kernels split "
         "their work by threads, which changes the last bits), else the executor's share",
     )
+    cpu_linear: Literal["onednn", "blas"] = Field(
+        "onednn",
+        description="the frozen backbone's fp32 linear layers on the CPU: oneDNN (about 2x "
+        "PyTorch's default MKL on AMD CPUs) or blas (PyTorch's default); equal up to rounding",
+    )
 
 
 class Component(_Strict):

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from open_clip.transformer import text_global_pool
 from torch import Tensor, nn
 
+from fpbench.backbones.frozen_linear import freeze_linears
 from fpbench.backbones.smoke import default_cache_dir
 from fpbench.backbones.vit import _first_line, _hub_reachable
 from fpbench.errors import FpbenchError
@@ -78,7 +79,7 @@ class PromptedCLIP(nn.Module):
         super().__init__()
         if not hasattr(model, "token_embedding") or not hasattr(model, "visual"):
             raise ValueError("PromptedCLIP needs an open_clip CLIP with its own text tower")
-        self.model = model.requires_grad_(False)
+        self.model = freeze_linears(model.requires_grad_(False))
         self.name = name
         self.tokenizer = tokenizer or open_clip.get_tokenizer("ViT-B-16")
         self.ctx_dim: int = model.token_embedding.weight.shape[1]

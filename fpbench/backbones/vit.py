@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
+from fpbench.backbones.frozen_linear import freeze_linears
 from fpbench.errors import FpbenchError
 
 PromptStyle = Literal["accumulate", "deep", "shallow"]
@@ -103,7 +104,7 @@ class PromptedViT(nn.Module):
             raise ValueError("PromptedViT needs a timm VisionTransformer with a class token")
         if getattr(model, "dynamic_img_size", False):
             raise ValueError("PromptedViT needs a fixed input size (dynamic_img_size=False)")
-        self.vit = model.requires_grad_(False)
+        self.vit = freeze_linears(model.requires_grad_(False))
         self.name = name
         self.embed_dim: int = model.embed_dim
         self.depth: int = len(model.blocks)

@@ -16,6 +16,7 @@ import torch
 import fpbench
 from fpbench import stages
 from fpbench.backbones import create_backbone
+from fpbench.backbones.frozen_linear import cpu_linear
 from fpbench.determinism import deterministic
 from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.evaluate import evaluate
@@ -188,7 +189,11 @@ def run_cell(
     observer = observer or Observer()
     on_stage = getattr(observer, "stage", Observer().stage)  # duck-typed observers may lack it
     stage = lambda what, done, total: on_stage(cfg, what, done, total)  # noqa: E731
-    with deterministic(cfg.runtime.deterministic, cfg.runtime.threads), stages.reporting(stage):
+    with (
+        deterministic(cfg.runtime.deterministic, cfg.runtime.threads),
+        cpu_linear(cfg.runtime.cpu_linear),
+        stages.reporting(stage),
+    ):
         return _run_cell(cfg, store, checkpoint_dir, observer, cache, claim_timeout)
 
 
