@@ -13,6 +13,11 @@ depend on it: a cell computes with `runtime.threads`, which `fpbench run` sets i
 mode to its own count for every executor on this machine (`--jobs` workers and Ray tasks would
 otherwise use fewer); see `fpbench.engine.dispatch.pin_threads`.
 
+PyTorch's deterministic mode also fills every new tensor with NaN, a guard against kernels that
+read memory they did not write; fpbench's kernels write what they allocate (the reproducibility
+tests compare runs bit for bit), and the fill took 18% of a ViT-B/16 round on the CPU, so the
+mode leaves it off.
+
 The rest of the engine needs nothing: every seed is derived from the config (no clock, no
 global RNG left unseeded), dicts iterate in insertion order, sets are only tested for
 membership, and no DataLoader workers are used.
@@ -50,6 +55,7 @@ def deterministic(on: bool, threads: int | None = None) -> Iterator[None]:
         # read by cuBLAS when it creates its handle, i.e. before CUDA's first matmul
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     torch.use_deterministic_algorithms(on, warn_only=False)
+    fill = _fill_uninitialized(False)  # on: PyTorch would fill every new tensor with NaN
     torch.backends.cudnn.deterministic = on
     torch.backends.cudnn.benchmark = False if on else before[3]
     try:
@@ -63,8 +69,18 @@ def deterministic(on: bool, threads: int | None = None) -> Iterator[None]:
         raise
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        _fill_uninitialized(fill)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2:]
         torch.set_num_threads(own_threads)
+
+
+def _fill_uninitialized(on: bool | None) -> bool | None:
+    """Set whether deterministic mode fills new tensors with NaN (torch >= 2.1); the old value."""
+    flags = getattr(torch.utils, "deterministic", None)
+    before = getattr(flags, "fill_uninitialized_memory", None)
+    if before is not None and on is not None:
+        flags.fill_uninitialized_memory = on
+    return before
 
 
 def nondeterministic_op(e: BaseException) -> str | None:

@@ -187,10 +187,13 @@ def _state() -> tuple:
 
 def test_the_mode_is_on_inside_and_the_old_state_comes_back():
     before = _state()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
     with deterministic(True):
         assert _state() == (True, False, True, False)
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert torch.utils.deterministic.fill_uninitialized_memory is False  # no NaN fill
     assert _state() == before
+    assert torch.utils.deterministic.fill_uninitialized_memory is fill
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         with deterministic(False):
