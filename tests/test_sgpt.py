@@ -162,7 +162,14 @@ def test_sequential_counts_change_the_reference_executor_only(tiny):
         for executor in ("reference", "lockstep")
     }
     assert torch.equal(stats["reference"][0], stats["lockstep"][0])  # nothing earlier yet
-    assert not torch.equal(stats["reference"][1], stats["lockstep"][1])  # saw client 0's picks
+    # client 1 reads the round-start counts plus client 0's picks: the same as training it alone
+    # from a server whose buffer already holds them
+    server.buffers["select_counts"] = server.buffers["select_counts"] + stats["reference"][0]
+    alone = train_clients(
+        method, server, task, ids[1:], cfg.train, round_idx=0, seed=0, executor="lockstep"
+    ).stats["select_counts"][0]
+    torch.testing.assert_close(stats["reference"][1], alone, rtol=0, atol=0)
+    assert not torch.equal(stats["reference"][1], stats["lockstep"][1])  # so it saw them
 
 
 # -- server ------------------------------------------------------------------------------------
