@@ -1,13 +1,14 @@
 """The frozen backbones' linear layers through oneDNN on the CPU (`runtime.cpu_linear`).
 
 PyTorch computes an fp32 `nn.Linear` on the CPU with MKL, which takes a slower code path on
-CPUs that are not Intel's: on this project's AMD EPYC (Zen 5, AVX-512), a ViT-B/16 MLP-sized
-product ran at about 190 GFLOP/s with MKL and 350-460 with oneDNN (`torch.ops.mkldnn`), and a
-ViT-B/16 forward of 16 images took 1.4 s instead of 2.9 s. A frozen backbone's linear layers
-(weights that never train) therefore compute their forward and their input gradient with
-oneDNN on the CPU; the products equal MKL's up to float rounding, and are as reproducible (one
-result for one thread count). Everywhere else (CUDA, autocast, a weight that trains, a build
-without oneDNN, `cpu_linear = "blas"`) the layer is a plain `nn.Linear`.
+CPUs that are not Intel's: on a 2-core AMD EPYC Zen 5 (full-width AVX-512), a ViT-B/16
+MLP-sized product ran at about 190 GFLOP/s with MKL and 350-460 with oneDNN (`torch.ops.mkldnn`),
+and a ViT-B/16 forward of 16 images took 1.4 s instead of 2.9 s; on a Zen 4 (AVX-512 in two
+halves) oneDNN gains only about 10% (155-190 against 175-210 GFLOP/s). A frozen backbone's
+linear layers (weights that never train) therefore compute their forward and their input
+gradient with oneDNN on the CPU; the products equal MKL's up to float rounding, and are as
+reproducible (one result for one thread count). Everywhere else (CUDA, autocast, a weight that
+trains, a build without oneDNN, `cpu_linear = "blas"`) the layer is a plain `nn.Linear`.
 """
 
 from __future__ import annotations
