@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fpbench.methods.fgpt import select_groups
+from fpbench.methods.keys import key_cosines, nearest_group, select_groups
 from fpbench.methods.numerics import fp32
 from fpbench.methods.pep_fedpt import ccmp_weights
-from fpbench.methods.sgpt import frequency_scores, key_cosines, nearest_group
+from fpbench.methods.sgpt import frequency_scores
 
 
 def _bf16():

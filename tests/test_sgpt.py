@@ -13,14 +13,13 @@ from fpbench.engine.evaluate import evaluate
 from fpbench.engine.executor import train_clients
 from fpbench.errors import FpbenchError
 from fpbench.methods.base import Context
+from fpbench.methods.keys import group_counts, key_cosines
 from fpbench.methods.sgpt import (
     SGPT_PRESETS,
     SGPTConfig,
     batch_majority,
     frequency_scores,
-    group_counts,
     interpolate,
-    key_cosines,
     key_loss,
     key_weights,
     orthogonal_keys,
@@ -43,14 +42,6 @@ def test_select_query_is_relu_then_l2_normalised():
     torch.testing.assert_close(select_query(cls), torch.tensor([[0.6, 0.0, 0.8, 0.0]]))
     leaky = torch.tensor([[3.0, -0.01, 4.0, 0.0]]) / math.sqrt(25.0001)
     torch.testing.assert_close(select_query(cls, "leaky-relu"), leaky)
-
-
-def test_key_cosines_use_each_samples_row_and_normalised_keys():
-    keys = torch.tensor([[[2.0, 0.0], [0.0, 3.0]], [[1.0, 1.0], [1.0, -1.0]]])  # (K=2, G=2, d=2)
-    query = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
-    cos = key_cosines(query, keys, torch.tensor([0, 1]))
-    r = 1 / math.sqrt(2)
-    torch.testing.assert_close(cos, torch.tensor([[1.0, 0.0], [r, -r]]))
 
 
 def test_frequency_weighting_favours_rarely_selected_groups():

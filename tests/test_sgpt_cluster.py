@@ -7,8 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from fpbench.methods.sgpt import (
-    SGPTConfig,
+from fpbench.methods.clustering import (
     _centres,
     cluster_accuracy,
     congruence,
@@ -16,6 +15,7 @@ from fpbench.methods.sgpt import (
     kmeans,
     overlap,
 )
+from fpbench.methods.sgpt import SGPTConfig
 from fpbench.registry import METHODS
 from fpbench.specs import load_suite
 

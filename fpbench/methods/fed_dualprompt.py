@@ -50,9 +50,8 @@ from fpbench.methods.fgpt import (
     SIMILARITIES,
     finite_similarities,
     prompt_similarities,
-    selection_counts,
 )
-from fpbench.methods.sgpt import key_cosines
+from fpbench.methods.keys import group_counts, key_cosines
 from fpbench.registry import METHODS
 
 
@@ -137,7 +136,7 @@ class FedDualPrompt(Method):
         index, match = select_prompts(params["e_keys"], query, client_index)
         if ctx.training:  # N_m^i of each row, for the similarity metrics
             rows, pool = params["e_keys"].shape[:2]
-            counts = selection_counts(client_index, index, rows, pool)  # (K, M)
+            counts = group_counts(index, client_index, rows, pool)  # (K, M)
             ctx.stats["prompt_counts"] = ctx.stats.get("prompt_counts", 0) + counts
         g = params["g_prompts"][client_index]  # (B, Lg, p, d)
         e = params["e_prompts"][client_index, index]  # (B, Le, p, d)

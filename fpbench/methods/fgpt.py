@@ -44,7 +44,7 @@ from fpbench.methods.base import (
     init_prompts,
     per_client_linear,
 )
-from fpbench.methods.numerics import fp32
+from fpbench.methods.keys import group_counts, select_groups
 from fpbench.registry import METHODS
 
 PAPER_DEPTH = 12
@@ -128,22 +128,6 @@ def make_keys(gen: torch.Generator, num: int, dim: int, kind: str) -> Tensor:
         )
     q, _ = torch.linalg.qr(torch.randn(dim, num, generator=gen))  # (dim, G), orthonormal cols
     return q.T.contiguous()
-
-
-@fp32
-def select_groups(query: Tensor, keys: Tensor, k: int = 1) -> Tensor:
-    """Indices (B, k) of the k keys with the highest cosine similarity to each query (B, dq)."""
-    sims = F.normalize(query, dim=-1) @ F.normalize(keys, dim=-1).T  # (B, G)
-    return sims.topk(k, dim=-1).indices
-
-
-def selection_counts(client_index: Tensor, groups: Tensor, rows: int, num_groups: int) -> Tensor:
-    """Per-row selection counts (K, G) from each sample's row and its group (B,)."""
-    counts = torch.zeros(rows * num_groups, device=groups.device)
-    counts.index_add_(
-        0, client_index * num_groups + groups, torch.ones_like(groups, dtype=counts.dtype)
-    )
-    return counts.view(rows, num_groups)
 
 
 def aggregate_groups(stacked: Tensor, counts: Tensor, previous: Tensor) -> Tensor:
@@ -325,7 +309,7 @@ class FGPT(Method):
         top = select_groups(self.select_query(x, shared, ctx), ctx.buffers["keys"], k)  # (B, k)
         if ctx.training:
             rows = params["shared_prompts"].shape[0]
-            counts = selection_counts(client_index, top[:, 0], rows, self.cfg.num_groups)
+            counts = group_counts(top[:, 0], client_index, rows, self.cfg.num_groups)
             ctx.stats["group_counts"] = ctx.stats.get("group_counts", 0) + counts  # (K, G)
         return self._grouped_logits(params, x, shared, client_index, top)
 

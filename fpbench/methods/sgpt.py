@@ -52,7 +52,6 @@ from typing import Any, ClassVar, Literal
 import torch
 import torch.nn.functional as F
 from pydantic import Field
-from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
 from fpbench.backbones import PromptedViT, ViTFeatures
@@ -68,6 +67,8 @@ from fpbench.methods.base import (
     init_prompts,
     per_client_linear,
 )
+from fpbench.methods.clustering import cluster_accuracy, congruence, kmeans, overlap
+from fpbench.methods.keys import group_counts, key_cosines, nearest_group
 from fpbench.methods.numerics import fp32
 from fpbench.registry import METHODS
 
@@ -216,24 +217,11 @@ def select_query(cls: Tensor, activation: str = "relu") -> Tensor:
 
 
 @fp32
-def key_cosines(query: Tensor, keys: Tensor, client_index: Tensor) -> Tensor:
-    """cos(query_b, key g of sample b's row) (B, G) for query (B, d) and keys (K, G, d)."""
-    unit = F.normalize(keys, dim=-1)[client_index]  # (B, G, d)
-    return (unit * query.unsqueeze(1)).sum(-1)
-
-
-@fp32
 def frequency_scores(cos: Tensor, counts: Tensor, eps: float) -> Tensor:
     """Training-time distances (B, G): (1 - cos) * (q_g + eps), q = counts / sum; 1 - cos at 0."""
     total = counts.sum()
     q = counts.to(cos.dtype) / total.clamp(min=1)  # (G,)
     return (1 - cos) * torch.where(total > 0, q + eps, torch.ones_like(q))
-
-
-def group_counts(groups: Tensor, client_index: Tensor, k: int, g: int) -> Tensor:
-    """How often each row picked each group (K, G), as int64."""
-    counts = torch.zeros(k, g, dtype=torch.long, device=groups.device)
-    return counts.index_put_((client_index, groups), torch.ones_like(groups), accumulate=True)
 
 
 def batch_majority(groups: Tensor, client_index: Tensor, k: int, g: int) -> Tensor:
@@ -269,103 +257,6 @@ def orthogonal_keys(gen: torch.Generator, g: int, d: int) -> Tensor:
             v = v - (v @ u) / (u @ u) * u
         rows.append(v if i == 0 else v / v.norm())
     return torch.stack(rows).float()
-
-
-# -- appendix D.2: congruence of Select's groups with centralised k-means --------------------
-def kmeans(
-    x: Tensor, k: int, seed: int = 0, iters: int = 100, restarts: int = 4
-) -> tuple[Tensor, Tensor]:
-    """Seeded k-means++ then Lloyd; the lowest-inertia restart: (labels (n,), centres (k, d)).
-
-    Deterministic for a seed; an empty cluster keeps its previous centre.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    x = x.float()
-    best: tuple[float, Tensor, Tensor] | None = None
-    for _ in range(restarts):
-        centres = _kmeanspp(x, k, gen)  # (k, d)
-        labels = torch.cdist(x, centres).argmin(1)  # (n,)
-        for _ in range(iters):
-            centres = _centres(x, labels, centres)
-            new = torch.cdist(x, centres).argmin(1)
-            if torch.equal(new, labels):
-                break
-            labels = new
-        inertia = float(((x - centres[labels]) ** 2).sum())
-        if best is None or inertia < best[0]:
-            best = (inertia, labels, centres)
-    assert best is not None
-    return best[1], best[2]
-
-
-def _kmeanspp(x: Tensor, k: int, gen: torch.Generator) -> Tensor:
-    """k-means++ seeding (k, d): each next centre drawn with probability ~ squared distance."""
-    n = len(x)
-    first = int(torch.randint(n, (1,), generator=gen))
-    centres = [x[first]]
-    d2 = ((x - x[first]) ** 2).sum(1)  # (n,)
-    for _ in range(1, k):
-        probs = d2.cpu().double()
-        pick = int(torch.multinomial(probs, 1, generator=gen)) if probs.sum() > 0 else 0
-        centres.append(x[pick])
-        d2 = torch.minimum(d2, ((x - x[pick]) ** 2).sum(1))
-    return torch.stack(centres)
-
-
-def _centres(x: Tensor, labels: Tensor, old: Tensor) -> Tensor:
-    """Cluster means (k, d); an empty cluster keeps its old centre."""
-    k = len(old)
-    sums = torch.zeros_like(old).index_add_(0, labels, x)  # (k, d)
-    counts = torch.bincount(labels, minlength=k).unsqueeze(1)  # (k, 1)
-    return torch.where(counts > 0, sums / counts.clamp(min=1), old)
-
-
-def contingency(rows: Tensor, cols: Tensor, n_rows: int, n_cols: int) -> Tensor:
-    """Normalised contingency matrix (n_rows, n_cols): fraction of samples with each label pair."""
-    table = torch.zeros(n_rows * n_cols, dtype=torch.float64, device=rows.device)
-    table.index_add_(
-        0, rows * n_cols + cols, torch.ones(len(rows), dtype=torch.float64, device=rows.device)
-    )
-    return (table / max(len(rows), 1)).view(n_rows, n_cols)
-
-
-def overlap(rows: Tensor, cols: Tensor, n_rows: int, n_cols: int) -> float:
-    """The sum of each row's maximum of the normalised contingency matrix of (rows, cols)."""
-    return float(contingency(rows, cols, n_rows, n_cols).max(1).values.sum())
-
-
-def congruence(
-    kmeans_labels: Tensor, groups: Tensor, classes: Tensor, k: int, g: int, c: int
-) -> tuple[float, float]:
-    """(Acc_overlap, Acc_overlap / Q_kmeans) of SGPT appendix D.2.
-
-    Acc_overlap: row maxima of the normalised contingency matrix with k-means clusters as rows
-    and Select's groups as columns (the order the paper names them), summed. Q_kmeans: the same
-    with classes as rows and k-means clusters as columns (the share of each class in its most
-    common cluster). Note the literal definition: if every sample takes one group,
-    Acc_overlap = 1.
-    """
-    acc = overlap(kmeans_labels, groups, k, g)
-    return acc, acc / overlap(classes, kmeans_labels, c, k)
-
-
-def cluster_accuracy(groups: Tensor, coarse: Tensor, g: int, c: int) -> float:
-    """SGPT Table 4's clustering accuracy of groups (n,) against coarse classes (n,).
-
-    The share of samples whose group is matched to their coarse class under the one-to-one
-    matching of the g groups to the c classes that maximises it (Hungarian algorithm); with
-    g != c the unmatched groups count as wrong.
-    """
-    table = contingency(groups, coarse, g, c).cpu().numpy()  # (g, c)
-    rows, cols = linear_sum_assignment(table, maximize=True)
-    return float(table[rows, cols].sum())
-
-
-@fp32
-def nearest_group(queries: Tensor, keys: Tensor) -> Tensor:
-    """Test-time selection (n,): each query (n, dq) takes its nearest key of keys (G, dq)."""
-    unit = F.normalize(keys.detach().float().to(queries.device), dim=-1)  # (G, dq)
-    return (queries @ unit.T).argmax(1)
 
 
 def resolve_layers(cfg: SGPTConfig, depth: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
