@@ -21,10 +21,10 @@ from collections.abc import Callable
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from fpbench.engine.build import build_method, resolve_device, resolve_precision
 from fpbench.engine.evaluate import evaluate
 from fpbench.engine.executor import autocast, train_clients
 from fpbench.engine.inputs import FeatureCache, Inputs
-from fpbench.engine.runner import build_method, resolve_device, resolve_precision
 from fpbench.engine.task import build_task
 from fpbench.specs import expand_suite
 

@@ -86,7 +86,7 @@ class _ProgressObserver:
     """Rich progress: one bar over the suite's cells, one over the current cell's rounds, one
     over each frozen pass while it runs.
 
-    Implements `fpbench.engine.runner.Observer` (not subclassed, to keep `--help` free of torch).
+    Implements `fpbench.engine.rounds.Observer` (not subclassed, to keep `--help` free of torch).
     """
 
     def __init__(self, progress: Progress, total_cells: int) -> None:

@@ -122,7 +122,7 @@ def dataset_shape(dataset: Component) -> tuple[int, int, int, int, bool]:
 
 def shape_of(cfg: RunConfig) -> Shape:
     """The cost shape of a cell."""
-    from fpbench.engine.runner import should_eval
+    from fpbench.engine.rounds import should_eval
 
     size, classes, train, test, exact = dataset_shape(cfg.dataset)
     part, t = cfg.partition.args, cfg.train
@@ -202,10 +202,11 @@ def measure(
     rounds: int = 2,
 ) -> Measurement:
     """Time the parts of `rounds` rounds of the cell on fake data (see the module docstring)."""
+    from fpbench.engine.build import build_method
     from fpbench.engine.evaluate import evaluate
     from fpbench.engine.executor import train_clients
     from fpbench.engine.inputs import FeatureCache, Inputs
-    from fpbench.engine.runner import build_method, sampling_schedule
+    from fpbench.engine.rounds import sampling_schedule
     from fpbench.engine.task import task_of
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: the hub is never needed
@@ -294,7 +295,7 @@ def estimate(
     `max_shapes` measures only the first that many shapes (the others are listed unmeasured);
     `progress(i, n, shape)` is called before each measurement.
     """
-    from fpbench.engine.runner import resolve_precision
+    from fpbench.engine.build import resolve_precision
 
     shapes = plan(suite)
     out = []

@@ -42,7 +42,7 @@ def register(app: typer.Typer) -> None:
         """What a suite will cost on this device: each distinct cell shape runs a round or two
         on fake data of the real shape with random weights of the real backbone (nothing
         downloads), projected to the suite's device-hours."""
-        from fpbench.engine.runner import resolve_device
+        from fpbench.engine.build import resolve_device
         from fpbench.estimate import ASSUMPTIONS, as_dict, estimate
         from fpbench.specs import load_suite
 

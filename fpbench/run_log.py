@@ -4,7 +4,7 @@ One line per event, flushed at once, readable in a SLURM/Ray/submitit log or a `
 a cell's start and end (status, wall time, final headline metrics), every evaluated round
 (round i/N, global / local-mean / worst accuracy, training loss, elapsed, ETA) and the long
 work outside the rounds (data preparation, frozen passes) with its progress, at most one line
-per `every_s` seconds per stage. Implements `fpbench.engine.runner.Observer` (duck-typed, so
+per `every_s` seconds per stage. Implements `fpbench.engine.rounds.Observer` (duck-typed, so
 the CLI's `--help` stays free of torch).
 """
 

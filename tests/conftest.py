@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fpbench.engine.runner import build_method
+from fpbench.engine.build import build_method
 from fpbench.engine.task import build_task
 from fpbench.registry import METHODS
 from fpbench.specs import RunConfig, expand_suite

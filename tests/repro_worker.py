@@ -19,7 +19,8 @@ from pathlib import Path
 import tomllib
 
 from fpbench.engine import executor
-from fpbench.engine.runner import Observer, run_cell
+from fpbench.engine.rounds import Observer
+from fpbench.engine.runner import run_cell
 from fpbench.specs import expand_suite
 from fpbench.store import Store
 

@@ -15,7 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 from fpbench.cli import app
-from fpbench.engine import runner
+from fpbench.engine import build, rounds, runner
 from fpbench.engine.checkpoint import checkpoint_path
 from fpbench.specs import MAX_CELLS, load_suite
 from fpbench.store import Store
@@ -261,7 +261,7 @@ def test_an_older_schema_is_upgraded_in_place_keeping_its_runs(workdir):
 
 def _poison(monkeypatch) -> None:
     """fedvpt's loss turns NaN in round 1; `local` crashes while it is built (as OOM would)."""
-    train, build = runner.train_clients, runner.build_method
+    train, build_method_ = rounds.train_clients, build.build_method
 
     def train_clients(method, server, task, client_ids, cfg, *, round_idx, **kw):
         out = train(method, server, task, client_ids, cfg, round_idx=round_idx, **kw)
@@ -272,10 +272,10 @@ def _poison(monkeypatch) -> None:
     def build_method(cfg, task, device, pretrained=True):
         if cfg.method.name == "local":
             raise RuntimeError("CUDA out of memory (simulated)")
-        return build(cfg, task, device, pretrained)
+        return build_method_(cfg, task, device, pretrained)
 
-    monkeypatch.setattr(runner, "train_clients", train_clients)
-    monkeypatch.setattr(runner, "build_method", build_method)
+    monkeypatch.setattr(rounds, "train_clients", train_clients)
+    monkeypatch.setattr(build, "build_method", build_method)
 
 
 @pytest.fixture(scope="module")

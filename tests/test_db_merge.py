@@ -10,7 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from fpbench.cli import app
-from fpbench.engine.runner import Observer, run_cell
+from fpbench.engine.rounds import Observer
+from fpbench.engine.runner import run_cell
 from fpbench.store import Store
 from tests.conftest import tiny_config
 

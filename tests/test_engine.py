@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from fpbench.engine.evaluate import evaluate
-from fpbench.engine.runner import run_cell, sampling_schedule, should_eval
+from fpbench.engine.rounds import sampling_schedule, should_eval
+from fpbench.engine.runner import run_cell
 from fpbench.methods.base import Context
 from fpbench.store import Store
 from tests.conftest import tiny_config

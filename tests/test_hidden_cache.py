@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from fpbench.backbones import create_backbone
+from fpbench.engine.build import build_method
 from fpbench.engine.executor import resume_layer, train_clients
 from fpbench.engine.inputs import FeatureCache, HiddenCache, Inputs
-from fpbench.engine.runner import build_method
 from fpbench.engine.task import build_task
 from fpbench.registry import METHODS
 from fpbench.specs import Augment

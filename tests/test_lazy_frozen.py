@@ -12,7 +12,8 @@ from fpbench import stages
 from fpbench.engine.evaluate import evaluate
 from fpbench.engine.executor import train_clients
 from fpbench.engine.inputs import FeatureCache, FrozenSplit, Inputs, owners
-from fpbench.engine.runner import run_cell, sampling_schedule
+from fpbench.engine.rounds import sampling_schedule
+from fpbench.engine.runner import run_cell
 from fpbench.store import Store
 from tests.conftest import tiny_config
 

@@ -9,10 +9,11 @@ import torch
 
 from fpbench.backbones.clip import CLIP_MEAN, CLIP_STD
 from fpbench.engine import checkpoint as ckpt_io
+from fpbench.engine.build import build_groups
 from fpbench.engine.executor import client_batches, derive_seed, train_clients
 from fpbench.engine.groups import client_profiles, merge_counts, pack, share, unpack
 from fpbench.engine.metrics import EvalCounts
-from fpbench.engine.runner import build_groups, run_cell
+from fpbench.engine.runner import run_cell
 from fpbench.engine.task import build_task
 from fpbench.errors import FpbenchError
 from fpbench.methods.base import ServerState

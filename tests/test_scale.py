@@ -24,7 +24,8 @@ from typer.testing import CliRunner
 from fpbench.cli import app
 from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.dispatch import Dispatch, run_cells
-from fpbench.engine.runner import Observer, run_cell, run_suite
+from fpbench.engine.rounds import Observer
+from fpbench.engine.runner import run_cell, run_suite
 from fpbench.specs import expand_suite
 from fpbench.store import Store
 from fpbench.store.claims import ClaimLost, new_owner, owner_is_gone

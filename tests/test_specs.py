@@ -109,7 +109,7 @@ def test_suite_name_is_not_shadowed_by_a_folder_of_that_name(tmp_path, monkeypat
 def test_backbone_normalisation_override_changes_run_key_and_preprocessing():
     import torch
 
-    from fpbench.engine.runner import build_method
+    from fpbench.engine.build import build_method
     from fpbench.engine.task import build_task
 
     plain = suite().cells[0]

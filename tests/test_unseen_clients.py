@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 import torch
 
+from fpbench.engine.build import build_groups
 from fpbench.engine.evaluate import evaluate
 from fpbench.engine.metrics import EvalCounts, aggregates, client_rows, domain_accuracies
-from fpbench.engine.runner import build_groups, mark_untrained, run_cell
+from fpbench.engine.rounds import mark_untrained
+from fpbench.engine.runner import run_cell
 from fpbench.methods.base import Context
 from fpbench.store import Store
 from tests.conftest import tiny_config

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from fpbench.engine.inputs import FeatureCache
-from fpbench.engine.runner import CellResult, Observer, error_text, run_cell, run_suite
+from fpbench.engine.rounds import Observer
+from fpbench.engine.runner import CellResult, error_text, run_cell, run_suite
 from fpbench.errors import FpbenchError
 from fpbench.specs import RunConfig
 from fpbench.store import CLAIM_TIMEOUT_S, Store

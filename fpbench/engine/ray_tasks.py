@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from fpbench.engine.dispatch import Dispatch, finish, run_one
-from fpbench.engine.runner import CellResult, Observer
+from fpbench.engine.rounds import Observer
+from fpbench.engine.runner import CellResult
 from fpbench.specs import RunConfig
 
 POLL_S = 1.0

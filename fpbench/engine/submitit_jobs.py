@@ -15,7 +15,8 @@ from typing import Any
 import submitit  # optional extra; `dispatch.validate` checks it is installed
 
 from fpbench.engine.dispatch import Dispatch, Outcome, finish, run_one
-from fpbench.engine.runner import CellResult, Observer
+from fpbench.engine.rounds import Observer
+from fpbench.engine.runner import CellResult
 from fpbench.specs import RunConfig
 
 POLL_S = 0.5

@@ -81,7 +81,7 @@ class FedMix(ShallowPromptModel):
         if task.train_images is None or task.train_idx is None or task.heldout is None:
             raise FpbenchError(
                 "fedmix needs the clients' train images in TaskInfo (train_images, train_idx, "
-                "heldout); build it with fpbench.engine.runner.build_method"
+                "heldout); build it with fpbench.engine.build.build_method"
             )
         sharing = [c for c in range(task.num_clients) if not task.heldout[c]]
         sharing = [c for c in sharing if len(task.train_idx[c])]

@@ -1,0 +1,105 @@
+"""Building a cell: its device and numerics, its method(s) and their inputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fpbench.backbones import create_backbone
+from fpbench.engine.groups import Cohort, Group
+from fpbench.engine.inputs import FeatureCache, Inputs
+from fpbench.engine.task import Task
+from fpbench.errors import FpbenchError
+from fpbench.methods.base import Method, TaskInfo
+from fpbench.registry import METHODS
+from fpbench.specs import BackboneRef, RunConfig
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise FpbenchError(f"device {name!r} requested but CUDA is not available; use --device cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise FpbenchError(f"invalid device {name!r}; use auto, cpu, cuda or cuda:N") from None
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return precision
+
+
+def build_method(
+    cfg: RunConfig, task: Task, device: torch.device, pretrained: bool = True
+) -> Method:
+    backbone = create_backbone(
+        cfg.backbone.name, weights=cfg.backbone.weights, pretrained=pretrained
+    ).to(device)
+    if cfg.backbone.mean is not None:  # the suite's input normalisation (e.g. the reference code's)
+        backbone.mean, backbone.std = cfg.backbone.mean, cfg.backbone.std
+    if cfg.runtime.compile and hasattr(backbone, "vit"):
+        for block in backbone.vit.blocks:
+            block.compile(dynamic=True)
+    method_cls = METHODS.get(cfg.method.name)
+    info = TaskInfo(
+        num_classes=task.data.num_classes,
+        num_clients=task.num_clients,
+        class_priors=task.priors,
+        train_sizes=task.train_sizes,
+        class_names=tuple(task.data.class_names),
+        dataset=cfg.dataset.name,
+        train_images=task.data.train_images,
+        train_idx=tuple(task.train_idx),
+        heldout=task.heldout,
+        train_labels=task.data.train_labels,
+        test_images=task.data.test_images,
+        test_labels=task.data.test_labels,
+        coarse_of_class=task.data.coarse_of_class,
+    )
+    return method_cls(method_cls.Config(**cfg.method.args), backbone, info)
+
+
+def build_groups(
+    cfg: RunConfig, task: Task, device: torch.device, cache: FeatureCache | None = None
+) -> list[Group]:
+    """One group of every client, or with `model_het` one group per distinct backbone."""
+    if cfg.model_het is None:
+        method = build_method(cfg, task, device)
+        everyone = Cohort(None, tuple(range(task.num_clients)), cfg.train)
+        return [Group("", method, _inputs(cfg, method, task, cache), (everyone,))]
+    het = cfg.model_het
+    if het.num_clients != task.num_clients:
+        raise FpbenchError(
+            f"model_het.profiles have {het.num_clients} clients in all but the partition made "
+            f"{task.num_clients}; make them equal"
+        )
+    cohorts: dict[BackboneRef, list[Cohort]] = {}
+    start = 0
+    for p in het.profiles:
+        clients = tuple(range(start, start + p.clients))
+        cohorts.setdefault(p.backbone or cfg.backbone, []).append(
+            Cohort(p.name, clients, cfg.profile_train(p))
+        )
+        start += p.clients
+    groups = []
+    for i, (ref, members) in enumerate(cohorts.items()):
+        sub = cfg.model_copy(update={"backbone": ref})
+        method = build_method(sub, task, device)
+        key = f"{i}-{ref.name}"
+        groups.append(Group(key, method, _inputs(sub, method, task, cache), tuple(members)))
+    return groups
+
+
+def _inputs(cfg: RunConfig, method: Method, task: Task, cache: FeatureCache | None) -> Inputs:
+    folder = cfg.runtime.feature_cache_dir
+    if not cfg.runtime.cache_features:
+        cache = None
+    elif folder:
+        cache = FeatureCache(Path(folder))
+    else:
+        cache = cache or FeatureCache()
+    return Inputs.of(method, task, cache, cfg.train.eval_batch_size)

@@ -1,0 +1,286 @@
+"""The round loop of one cell: sampling, local training, aggregation, evaluation, and a
+checkpoint and stored rows after every round."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from fpbench.engine import checkpoint as ckpt_io
+from fpbench.engine.build import resolve_precision
+from fpbench.engine.evaluate import evaluate
+from fpbench.engine.executor import LocalResult, concat_results, derive_seed, train_clients
+from fpbench.engine.groups import (
+    Group,
+    client_profiles,
+    merge_counts,
+    pack,
+    participants,
+    share,
+    start_shared,
+    unpack,
+)
+from fpbench.engine.metrics import (
+    EvalCounts,
+    MetricRow,
+    aggregates,
+    client_rows,
+    domain_accuracies,
+    params_trainable,
+    summary,
+)
+from fpbench.engine.task import Task
+from fpbench.methods.base import ServerState
+from fpbench.specs import RunConfig, TrainConfig
+from fpbench.store import Store
+
+if TYPE_CHECKING:
+    from fpbench.engine.runner import CellResult
+
+
+class Observer:
+    """Progress callbacks, no-ops here; the CLI's subclass shows rich progress bars."""
+
+    def cell_start(self, cfg: RunConfig, start_round: int) -> None:
+        """A cell starts training at `start_round` (> 0 when resumed)."""
+
+    def round_end(self, cfg: RunConfig, round_idx: int, metrics: dict[str, float]) -> None:
+        """A round is stored; `metrics` are its aggregates and `loss_train` if it was evaluated."""
+
+    def stage(self, cfg: RunConfig | None, what: str, done: int, total: int) -> None:
+        """Long work outside the rounds (data preparation, a frozen pass): `done` of `total`
+        steps, 0 when it starts and `total` when it ends; `cfg` None for suite-wide work."""
+
+    def cell_end(self, result: CellResult) -> None:
+        """A cell finished, was skipped or failed."""
+
+
+class NonFiniteLoss(RuntimeError):
+    """Local training produced a NaN or infinite loss: the cell fails (its error is stored)."""
+
+
+def sampling_schedule(
+    seed: int, rounds: int, clients: list[int], participation: float
+) -> list[list[int]]:
+    """The clients of every round, pre-drawn from the seed so every method sees the same ones."""
+    rng = np.random.default_rng(derive_seed(seed, "client-sampling"))
+    m = max(1, math.floor(participation * len(clients) + 1e-9))
+    return [[int(c) for c in rng.choice(clients, m, replace=False)] for _ in range(rounds)]
+
+
+def should_eval(r: int, train: TrainConfig) -> bool:
+    return (
+        (r + 1) % train.eval_every == 0
+        or r >= train.rounds - train.eval_last
+        or r == train.rounds - 1
+    )
+
+
+def run_rounds(
+    cfg: RunConfig,
+    groups: list[Group],
+    task: Task,
+    store: Store,
+    run_id: int,
+    checkpoint_dir: Path,
+    observer: Observer,
+    owner: str | None = None,
+) -> float:
+    """The round loop, from the last checkpoint on; returns the run's total training time."""
+    device = task.priors.device
+    path = ckpt_io.checkpoint_path(checkpoint_dir, cfg.run_key)
+    ckpt = ckpt_io.load(path, cfg.run_key, device)
+    if ckpt is None:
+        servers = {
+            g.key: _to(
+                g.method.init_server(
+                    torch.Generator().manual_seed(derive_seed(cfg.seed, "init-params"))
+                ),
+                device,
+            )
+            for g in groups
+        }
+        if _sharing(cfg):
+            servers = start_shared(servers)
+        ckpt = ckpt_io.Checkpoint(cfg.run_key, -1, pack(servers), [], 0.0)
+    store.truncate_after(run_id, ckpt.round)
+    observer.cell_start(cfg, ckpt.round + 1)
+    schedule = sampling_schedule(
+        cfg.seed, cfg.train.rounds, task.trainable_clients(), cfg.train.participation
+    )
+    for r in range(ckpt.round + 1, cfg.train.rounds):
+        start = time.perf_counter()
+        seen = sorted({c for ids in schedule[: r + 1] for c in ids})
+        server, rows, scalars = _round(
+            groups, ckpt.server, task, cfg, r, schedule[r], ckpt.history, seen
+        )
+        wall = time.perf_counter() - start
+        store.write_round(run_id, r, wall_s=wall, metrics=rows, owner=owner, **scalars)
+        ckpt = ckpt_io.Checkpoint(cfg.run_key, r, server, ckpt.history, ckpt.elapsed_s + wall)
+        ckpt_io.save(path, ckpt)
+        evaluated = should_eval(r, cfg.train)
+        metrics = {**ckpt.history[-1], "loss_train": scalars["loss_train"]} if evaluated else {}
+        observer.round_end(cfg, r, metrics)
+    return ckpt.elapsed_s
+
+
+def _sharing(cfg: RunConfig) -> bool:
+    return cfg.model_het is not None and cfg.model_het.share == "shared"
+
+
+def _round(
+    groups: list[Group],
+    server: ServerState,
+    task: Task,
+    cfg: RunConfig,
+    r: int,
+    client_ids: list[int],
+    history: list[dict[str, float]],
+    seen: list[int] | None = None,
+):
+    """One round: local training, aggregation, evaluation; returns the rows to store.
+
+    `seen`: the clients sampled in this or any earlier round (default: this round's).
+    """
+    device = task.priors.device
+    precision = resolve_precision(cfg.runtime.precision, device)
+    servers = unpack(server, [g.key for g in groups])
+    losses, weight, up, down = [], {}, 0, 0
+    for g in groups:
+        local = _train_group(g, servers[g.key], task, cfg, r, client_ids, precision)
+        if local is None:
+            weight[g.key] = 0.0
+            continue
+        weights = task.aggregation_weights[local.client_ids].to(device)
+        d, u = g.method.communication(servers[g.key])
+        down, up = down + _nbytes(d) * len(weights), up + _nbytes(u) * len(weights)
+        servers[g.key] = g.method.aggregate(
+            servers[g.key], local.params, local.client_ids.to(device), weights, local.stats
+        )
+        losses.append(local.loss)
+        weight[g.key] = float(weights.sum())
+    if _sharing(cfg):
+        servers = share(servers, weight)
+    loss_all = torch.cat(losses)
+    loss = float(loss_all.mean())
+    if not torch.isfinite(loss_all).all():
+        raise NonFiniteLoss(
+            f"training loss is {loss} (not finite) after local training in round {r}; "
+            "lower train.lr or set train.grad_clip"
+        )
+    rows = [(None, "loss_train", loss, len(client_ids))]
+    for g in groups:
+        suffix = f"@{g.key}" if len(groups) > 1 else ""
+        metrics = g.method.round_metrics(servers[g.key])
+        rows += [(None, f"{k}{suffix}", v, None) for k, v in metrics.items()]
+    if r == 0:  # a property of the method, stored once (the largest over backbones)
+        count = max(params_trainable(s.params, s.personal) for s in servers.values())
+        rows.append((None, "params_trainable", count, None))
+    if should_eval(r, cfg.train):
+        seen = client_ids if seen is None else seen
+        rows += _evaluate(groups, servers, task, cfg, precision, history, r, seen)
+    return pack(servers), rows, {"loss_train": loss, "bytes_up": up, "bytes_down": down}
+
+
+def _train_group(
+    group: Group,
+    server: ServerState,
+    task: Task,
+    cfg: RunConfig,
+    r: int,
+    client_ids: list[int],
+    precision: str,
+) -> LocalResult | None:
+    """Local training of this round's clients of one group, cohort by cohort (None: none)."""
+    results = [
+        train_clients(
+            group.method,
+            server,
+            task,
+            ids,
+            cohort.train,
+            round_idx=r,
+            seed=cfg.seed,
+            executor=cfg.runtime.executor,
+            inputs=group.inputs,
+            precision=precision,
+        )
+        for cohort in group.cohorts
+        if (ids := participants(cohort, client_ids))
+    ]
+    return concat_results(results) if results else None
+
+
+def _evaluate(
+    groups: list[Group],
+    servers: dict[str, ServerState],
+    task: Task,
+    cfg: RunConfig,
+    precision: str,
+    history: list[dict[str, float]],
+    r: int,
+    seen: list[int],
+) -> list[MetricRow]:
+    """Evaluate every group on its clients; the per-client and aggregate rows of the round."""
+    single = len(groups) == 1
+    counts = merge_counts(
+        [
+            (
+                evaluate(
+                    g.method,
+                    servers[g.key],
+                    task,
+                    cfg.train.eval_batch_size,
+                    g.inputs,
+                    precision,
+                    label_space=cfg.train.local_label_space,
+                    clients=None if single else g.clients,
+                ),
+                g.clients,
+            )
+            for g in groups
+        ]
+    )
+    counts = mark_untrained(counts, groups, seen, cfg.train.unseen_clients)
+    domains = [c.domain for c in task.clients]
+    agg = aggregates(counts) | domain_accuracies(counts, domains, task.data.domain_names)
+    if cfg.model_het is not None:
+        names = [p.name for p in cfg.model_het.profiles]
+        profiles = client_profiles(cfg.model_het)
+        agg |= domain_accuracies(counts, profiles, names, prefix="acc_profile_")
+    history.append(agg)
+    rows = client_rows(counts) + [(None, k, v, None) for k, v in agg.items()]
+    if r == cfg.train.rounds - 1:
+        rows += [(None, k, v, None) for k, v in summary(history, cfg.train.summary_window).items()]
+    return rows
+
+
+def mark_untrained(
+    counts: EvalCounts, groups: list[Group], seen: list[int], rule: str
+) -> EvalCounts:
+    """Under `train.unseen_clients = "exclude"`, mark the personal methods' participating
+    clients that no round has sampled yet (see `fpbench.engine.metrics`)."""
+    personal = [g for g in groups if g.method.inference == "personal"]
+    if rule != "exclude" or not personal:
+        return counts
+    mine = np.zeros(len(counts.total_local), dtype=bool)
+    for g in personal:
+        mine[np.asarray(g.clients, dtype=np.int64)] = True
+    trained = np.zeros_like(mine)
+    trained[np.asarray(seen, dtype=np.int64)] = True
+    return dataclasses.replace(counts, untrained=mine & ~trained & ~counts.heldout)
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _to(server: ServerState, device: torch.device) -> ServerState:
+    move = lambda d: {k: v.to(device) for k, v in d.items()}  # noqa: E731
+    return ServerState(move(server.params), move(server.personal), move(server.buffers))
