@@ -26,7 +26,7 @@ from fpbench.engine.evaluate import evaluate
 from fpbench.engine.executor import autocast, train_clients
 from fpbench.engine.inputs import FeatureCache, Inputs
 from fpbench.engine.task import build_task
-from fpbench.specs import expand_suite
+from fpbench.suites import expand_suite
 
 # Dense bf16 tensor-core peaks (FLOP/s), from the vendors' data sheets.
 BF16_PEAK = {

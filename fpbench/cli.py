@@ -186,8 +186,8 @@ def run(
     from fpbench.data.prepared import require_present
     from fpbench.engine.dispatch import CELL_KEY, Dispatch, run_cells, validate
     from fpbench.methods.gpt_fl import require_generated
-    from fpbench.specs import load_suite
     from fpbench.store import Store
+    from fpbench.suites import load_suite
 
     loaded = load_suite(suite)
     cells = _select_cells(loaded, method, seed)
@@ -353,7 +353,7 @@ def list_(what: Annotated[Listable, typer.Argument(help="what to list")]) -> Non
     Components of other installed packages (entry points `fpbench.methods`, ...) are listed
     with the package they come from."""
     from fpbench.registry import BACKBONES, DATASETS, METHODS, PARTITIONS
-    from fpbench.specs import list_suites
+    from fpbench.suites import list_suites
 
     table = Table(title=what.value)
     table.add_column("name")

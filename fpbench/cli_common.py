@@ -56,7 +56,7 @@ def open_store(db: str, *, must_exist: bool = False):
 
 def suite_name(suite: str) -> str:
     """The name runs were stored under: a suite file's `name` or its stem."""
-    from fpbench.specs import find_suite
+    from fpbench.suites import find_suite
 
     try:
         import tomllib

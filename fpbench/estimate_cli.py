@@ -44,7 +44,7 @@ def register(app: typer.Typer) -> None:
         downloads), projected to the suite's device-hours."""
         from fpbench.engine.build import resolve_device
         from fpbench.estimate import ASSUMPTIONS, as_dict, estimate
-        from fpbench.specs import load_suite
+        from fpbench.suites import load_suite
 
         if precision not in ("auto", "fp32", "bf16"):
             raise FpbenchError(f"--precision must be auto, fp32 or bf16, got {precision!r}")

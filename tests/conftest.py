@@ -8,7 +8,8 @@ import torch
 from fpbench.engine.build import build_method
 from fpbench.engine.task import build_task
 from fpbench.registry import METHODS
-from fpbench.specs import RunConfig, expand_suite
+from fpbench.specs import RunConfig
+from fpbench.suites import expand_suite
 
 TINY = {
     "seeds": [0],

@@ -21,8 +21,8 @@ import tomllib
 from fpbench.engine import executor
 from fpbench.engine.rounds import Observer
 from fpbench.engine.runner import run_cell
-from fpbench.specs import expand_suite
 from fpbench.store import Store
+from fpbench.suites import expand_suite
 
 
 class _KillAfter(Observer):

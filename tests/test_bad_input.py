@@ -17,9 +17,9 @@ from typer.testing import CliRunner
 from fpbench.cli import app
 from fpbench.engine import build, rounds, runner
 from fpbench.engine.checkpoint import checkpoint_path
-from fpbench.specs import MAX_CELLS, load_suite
 from fpbench.store import Store
 from fpbench.store.schema import SCHEMA_VERSION, stored_version
+from fpbench.suites import MAX_CELLS, load_suite
 from tests.conftest import TINY_SUITE_TOML
 
 SUITE = TINY_SUITE_TOML.replace("seeds = [0]", "seeds = [0, 1]") + '[[methods]]\nname = "local"\n'

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fpbench.cli import app
-from fpbench.specs import SUITE_DIR
+from fpbench.suites import SUITE_DIR
 from tests.conftest import TINY_SUITE_TOML
 
 SUITE = TINY_SUITE_TOML

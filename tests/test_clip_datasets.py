@@ -319,8 +319,8 @@ def test_clip_run_on_coop_files_with_client_label_space(tmp_path, monkeypatch) -
     own label space every local prediction is right; with all classes the cells still run."""
     from fpbench.engine import task
     from fpbench.engine.runner import run_suite
-    from fpbench.specs import expand_suite
     from fpbench.store import Store
+    from fpbench.suites import expand_suite
 
     write_coop(tmp_path / "data", coop.Caltech101, classes=4)
     monkeypatch.setenv("FPBENCH_DATA", str(tmp_path / "data"))
@@ -370,7 +370,7 @@ def test_clip_suites_hold_every_cell_their_paper_tables_ask_for() -> None:
     """Each table of benchmarks/papers that names a clip-* suite finds its cells in it."""
     import tomllib
 
-    from fpbench.specs import load_suite
+    from fpbench.suites import load_suite
 
     cells = {name: load_suite(str(BENCH / f"{name}.toml")).cells for name in CLIP_SUITES}
     have = {
@@ -395,7 +395,7 @@ def test_clip_suites_hold_every_cell_their_paper_tables_ask_for() -> None:
 
 
 def test_clip_suites_protocol_numbers() -> None:
-    from fpbench.specs import load_suite
+    from fpbench.suites import load_suite
 
     few = load_suite(str(BENCH / "clip-fewshot.toml")).cells
     assert {(c.partition.args["num_clients"], c.partition.args["shots"]) for c in few} == {(10, 4)}

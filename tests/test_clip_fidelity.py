@@ -264,7 +264,7 @@ SDFED_SUITES = ("clip-single-domain", "clip-multi-domain", "clip-model-het", "cl
 
 
 def test_clip_paper_suites_train_as_the_reference_code_does():
-    from fpbench.specs import load_suite
+    from fpbench.suites import load_suite
 
     for name in (*SDFED_SUITES, "sdfed-sweeps", "clip-fewshot", "clip-fewshot-sweeps"):
         cells = load_suite(name).cells

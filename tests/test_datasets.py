@@ -626,7 +626,7 @@ def _available(raw: dict) -> tuple[dict, set[str]]:
 def test_every_suite_expands(path) -> None:
     import tomllib
 
-    from fpbench.specs import expand_suite, load_suite
+    from fpbench.suites import expand_suite, load_suite
 
     raw = tomllib.loads(path.read_text())
     assert raw.get("description"), f"{path.name}: say which paper table the suite feeds"
@@ -642,7 +642,7 @@ def test_every_suite_expands(path) -> None:
 
 
 def test_grids_union_and_own_axes() -> None:
-    from fpbench.specs import expand_suite
+    from fpbench.suites import expand_suite
 
     base = {
         "defaults": {"backbone": {"name": "vit-test"}, "partition": {"num_clients": 4}},
@@ -673,7 +673,7 @@ def test_real_suites_protocols() -> None:
     """Spot checks of the papers' numbers in the named suites (cells that expand today)."""
     import tomllib
 
-    from fpbench.specs import expand_suite
+    from fpbench.suites import expand_suite
 
     raw = tomllib.loads((SUITE_DIR / "label-het.toml").read_text())
     cells = expand_suite(_available(raw)[0], name="label-het").cells
@@ -695,8 +695,8 @@ def test_real_suites_protocols() -> None:
 def test_suite_cell_runs_on_real_cifar10(tmp_path, monkeypatch) -> None:
     from fpbench.engine import task
     from fpbench.engine.runner import run_suite
-    from fpbench.specs import expand_suite
     from fpbench.store import Store
+    from fpbench.suites import expand_suite
 
     raw = {
         "defaults": {

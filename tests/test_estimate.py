@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from fpbench.cli import app
 from fpbench.estimate import Measurement, estimate, plan, project, shape_of
-from fpbench.specs import load_suite
+from fpbench.suites import load_suite
 from tests.conftest import TINY_SUITE_TOML
 
 SUITES = sorted(p.stem for p in (Path(__file__).parents[1] / "benchmarks").glob("*.toml"))

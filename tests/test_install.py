@@ -15,7 +15,7 @@ import tomllib
 import fpbench
 from fpbench import shipped
 from fpbench.report.paper import PAPERS_DIR, list_papers
-from fpbench.specs import SUITE_DIR, find_suite, list_suites
+from fpbench.suites import SUITE_DIR, find_suite, list_suites
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -16,8 +16,8 @@ from fpbench.engine.metrics import (
 )
 from fpbench.engine.runner import run_cell
 from fpbench.methods.fedvpt import FedVPT
-from fpbench.specs import expand_suite
 from fpbench.store import Store
+from fpbench.suites import expand_suite
 
 
 def counts() -> EvalCounts:

@@ -17,8 +17,8 @@ from fpbench.engine.runner import run_cell
 from fpbench.engine.task import build_task
 from fpbench.errors import FpbenchError
 from fpbench.methods.base import ServerState
-from fpbench.specs import expand_suite
 from fpbench.store import Store
+from fpbench.suites import expand_suite
 
 CPU = torch.device("cpu")
 SDFED = {"name": "sdfed", "global_len": 4, "local_len": 4}

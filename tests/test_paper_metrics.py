@@ -23,8 +23,8 @@ import pytest
 from fpbench.errors import FpbenchError
 from fpbench.registry import METHODS
 from fpbench.report.paper import DERIVED
-from fpbench.specs import expand_suite
 from fpbench.store import Store
+from fpbench.suites import expand_suite
 from tests.test_paper_suites import WANTED, _matches, _suite
 
 Key = tuple[str, str]  # (method name, resolved args as JSON)

@@ -25,7 +25,7 @@ from fpbench.report.protocol import (
     parse_protocol,
     same,
 )
-from fpbench.specs import expand_suite
+from fpbench.suites import expand_suite
 from tests.conftest import TINY_SUITE_TOML
 
 WITH_PROTOCOL = [

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from fpbench.report.paper import SELECT, _contains, list_papers, load_paper
-from fpbench.specs import RunConfig, Suite, load_suite
+from fpbench.specs import RunConfig, Suite
+from fpbench.suites import load_suite
 
 # Suites a paper table references on purpose although fpbench has no suite file for them.
 ALLOWED_MISSING: set[str] = set()

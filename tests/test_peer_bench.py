@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fpbench.backbones import create_backbone
-from fpbench.specs import load_suite
+from fpbench.suites import load_suite
 
 ROOT = Path(__file__).parents[1]
 SCRIPTS = ROOT.parent / "shared" / "peer-sgpt"

@@ -21,7 +21,7 @@ from fpbench.report.partition_plot import (
     select_cell,
     suite_partition,
 )
-from fpbench.specs import load_suite
+from fpbench.suites import load_suite
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SUITE = """

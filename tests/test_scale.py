@@ -26,10 +26,10 @@ from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.dispatch import Dispatch, run_cells
 from fpbench.engine.rounds import Observer
 from fpbench.engine.runner import run_cell, run_suite
-from fpbench.specs import expand_suite
 from fpbench.store import Store
 from fpbench.store.claims import ClaimLost, new_owner, owner_is_gone
 from fpbench.store.models import Run
+from fpbench.suites import expand_suite
 from tests.conftest import TINY_SUITE_TOML, tiny_config
 
 SUITE = TINY_SUITE_TOML

@@ -27,7 +27,7 @@ from fpbench.methods.sgpt import (
     select_query,
 )
 from fpbench.registry import METHODS
-from fpbench.specs import load_suite
+from fpbench.suites import load_suite
 
 
 def _sgpt(tiny, **args):

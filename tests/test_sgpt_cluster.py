@@ -17,7 +17,7 @@ from fpbench.methods.clustering import (
 )
 from fpbench.methods.sgpt import SGPTConfig
 from fpbench.registry import METHODS
-from fpbench.specs import load_suite
+from fpbench.suites import load_suite
 
 KM = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
 

@@ -13,7 +13,7 @@ from fpbench.data.fedbn import SGPT_UNIT_MEAN, SGPT_UNIT_STD
 from fpbench.engine.task import aggregation_sizes, build_task
 from fpbench.errors import FpbenchError
 from fpbench.partition import Client
-from fpbench.specs import load_suite
+from fpbench.suites import load_suite
 from tests.conftest import tiny_config
 
 SGPT_SUITES = ("sgpt-table1", "sgpt-table2", "sgpt-ablations", "feature-het")

@@ -1,7 +1,7 @@
 import pytest
 
 from fpbench.errors import FpbenchError
-from fpbench.specs import expand_suite, load_suite
+from fpbench.suites import expand_suite, load_suite
 
 
 def suite(**over):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fpbench.report.paper import load_paper
 from fpbench.report.protocol import feeding_cells
-from fpbench.specs import load_suite
+from fpbench.suites import load_suite
 
 
 def _column_cells(paper: str, number: int, column: str):

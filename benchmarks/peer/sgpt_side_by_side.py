@@ -87,7 +87,7 @@ import json, sys, time
 import torch
 from pathlib import Path
 from fpbench.engine.runner import run_cell
-from fpbench.specs import load_suite
+from fpbench.suites import load_suite
 from fpbench.store import Store
 suite, db, out = sys.argv[1:4]
 cfg = load_suite(suite).cells[0]

@@ -62,7 +62,7 @@ def register_report_commands(app: typer.Typer, plot_app: typer.Typer) -> None:
         """Per-client class histogram of a suite's partition (SGPT Fig. 7), before any run."""
         from fpbench.data.prepared import data_root, require_present
         from fpbench.report.partition_plot import partition_figure, select_cell, suite_partition
-        from fpbench.specs import load_suite
+        from fpbench.suites import load_suite
 
         cell = select_cell(load_suite(suite).cells, dataset, partition, seed)
         require_present([cell.dataset.name], data_root())

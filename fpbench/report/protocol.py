@@ -4,7 +4,7 @@ A paper data file (`benchmarks/papers/<paper>.toml`, see `fpbench.report.paper`)
 its `[[tables]]`, `[[protocol]]` blocks: rules on the resolved configs of the suite cells that
 feed some of its tables (format: notes/protocol-format.md, summarised in the README). The cells
 feeding a table are those its cells select (suite, method, dataset, partition labels and
-`config`, as `fpbench table --paper` selects runs), taken from `fpbench.specs.load_suite`.
+`config`, as `fpbench table --paper` selects runs), taken from `fpbench.suites.load_suite`.
 
 A rule pins one dotted path of `RunConfig.model_dump(mode="json")` (or the virtual path `seeds`:
 the sorted seeds of each cell over its seeds) to the paper's `value`, or, where the rule declares
@@ -179,9 +179,9 @@ def feeding_cells(paper: Paper, suites: Mapping[str, Any] | None = None) -> list
     """Every suite cell that feeds a table of `paper`, each once, with the tables it feeds.
 
     `suites` maps a suite name to its `Suite` (tests pass in-memory suites); by default each is
-    read with `fpbench.specs.load_suite`.
+    read with `fpbench.suites.load_suite`.
     """
-    from fpbench.specs import load_suite
+    from fpbench.suites import load_suite
 
     loaded: dict[str, Any] = dict(suites or {})
     found: dict[str, tuple[Any, set[int]]] = {}
