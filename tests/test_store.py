@@ -97,31 +97,6 @@ def test_run_key_is_unique(store: Store) -> None:
     assert len(store.runs()) == 1
 
 
-def test_status_transitions(store: Store) -> None:
-    run = make_run(store)
-    store.set_status(run.id, "running")
-    got = store.get_run(str(run.id))
-    assert got.status == "running" and got.finished_at is None
-    store.set_status(run.id, "failed", error="CUDA out of memory", wall_s=3.5)
-    got = store.get_run(str(run.id))
-    assert (got.status, got.error, got.wall_s) == ("failed", "CUDA out of memory", 3.5)
-    assert got.finished_at is not None and got.finished_at >= got.created_at
-    store.set_status(run.id, "running")  # resume: the old error and end time go away
-    got = store.get_run(str(run.id))
-    assert (got.error, got.finished_at, got.wall_s) == (None, None, 3.5)
-    store.set_status(run.id, "done", wall_s=9.0)
-    got = store.get_run(str(run.id))
-    assert got.status == "done" and got.wall_s == 9.0 and got.finished_at is not None
-
-
-def test_set_status_rejects_bad_status_and_unknown_run(store: Store) -> None:
-    run = make_run(store)
-    with pytest.raises(FpbenchError, match="'finished' is not one of pending, running"):
-        store.set_status(run.id, "finished")
-    with pytest.raises(FpbenchError, match="no run with id 999"):
-        store.set_status(999, "done")
-
-
 def test_write_round_is_idempotent(store: Store, db_path: Path) -> None:
     run = make_run(store)
     write(store, run.id, 1, acc=0.5)

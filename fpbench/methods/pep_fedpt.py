@@ -31,7 +31,7 @@ Readings of the paper (defaults; switches where it matters):
   clients are S_0 instead and that round mixes by the class prior alone.
 * rho is not stated in the paper: default 0.5, SGPT's server momentum (the paper follows SGPT's
   optimiser). The paper's optimiser (SGD lr 0.1, exponential decay, momentum 0.9, clip 10) is
-  a train setting: see `PAPER_TRAIN`.
+  a train setting, held by the PEP-FedPT protocol (benchmarks/papers/pep-fedpt.toml).
 * DP sensitivity S_{c,k} = 2 max_i ||cls_i - mu_c||_1 / N_{c,k} uses the global prototype mu_c
   the client received; Laplace(0, S/epsilon) per coordinate, every upload, every CCMP block.
 """
@@ -64,9 +64,6 @@ from fpbench.registry import METHODS
 
 PAPER_DEPTH = 12
 PAPER_CCMP_BLOCKS = (5, 6, 7)
-# The paper's local optimiser (appendix A.3.2); the decay rate of its exponential lr schedule is
-# not stated.
-PAPER_TRAIN: dict[str, object] = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "grad_clip": 10.0}
 
 
 # Ablation presets: method args over the defaults (paper table in the name). Block indices are

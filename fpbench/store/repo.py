@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from fpbench.errors import FpbenchError
 from fpbench.store.claims import ClaimMixin, touch_or_raise
-from fpbench.store.models import FINAL_STATUSES, STATUSES, Base, Metric, Round, Run
+from fpbench.store.models import Base, Metric, Round, Run
 from fpbench.store.schema import check_version, upgrade
 
 MIN_KEY_PREFIX = 4
@@ -263,24 +263,6 @@ class Store(ClaimMixin):
                 f"run_key {run_key!r} already exists; use find_run to resume it"
             ) from exc
         return _record(run)
-
-    def set_status(
-        self, run_id: int, status: str, *, error: str | None = None, wall_s: float | None = None
-    ) -> None:
-        """Move a run to `status`; 'done'/'failed' stamp finished_at, others clear it.
-
-        `error` is always written (None clears an old error); `wall_s` only when given.
-        """
-        if status not in STATUSES:
-            raise FpbenchError(f"status {status!r} is not one of {', '.join(STATUSES)}")
-        with self._session.begin() as s:
-            run = self._get(s, run_id)
-            run.status = status
-            run.error = error
-            final = status in FINAL_STATUSES
-            run.finished_at = dt.datetime.now(dt.timezone.utc) if final else None
-            if wall_s is not None:
-                run.wall_s = float(wall_s)
 
     @staticmethod
     def _get(s: Session, run_id: int) -> Run:
