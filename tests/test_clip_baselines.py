@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from PIL import Image
 from typer.testing import CliRunner
 
+from fpbench.cli.data import data_app
 from fpbench.data.gpt_fl_generate import class_folder, generate_images, load_generated
-from fpbench.data_cli import data_app
 from fpbench.engine.executor import round_lr, train_clients
 from fpbench.errors import FpbenchError
 from fpbench.methods.base import Context

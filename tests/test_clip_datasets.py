@@ -133,7 +133,7 @@ def test_coop_missing_image_and_bad_labels_raise(tmp_path) -> None:
 
 
 def test_data_status_lists_the_clip_datasets(tmp_path) -> None:
-    from fpbench.data_cli import dataset_rows
+    from fpbench.cli.data import dataset_rows
 
     write_coop(tmp_path, coop.Flowers102, classes=1)
     rows = {name: (state, todo) for name, state, _, todo in dataset_rows(tmp_path)}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
+from fpbench.cli.data import data_app, dataset_rows
 from fpbench.data.prepared import PREPARED_DIR
-from fpbench.data_cli import data_app, dataset_rows
 from tests.test_datasets import write_cifar10, write_cifar100
 
 runner = CliRunner()

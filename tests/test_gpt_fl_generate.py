@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from PIL import Image
 from typer.testing import CliRunner
 
+from fpbench.cli.data import data_app
 from fpbench.data.gpt_fl_generate import generate_images, load_generated
-from fpbench.data_cli import data_app
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")

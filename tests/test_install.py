@@ -92,4 +92,4 @@ def test_wheel_holds_suites_and_papers(tmp_path):
     suites = {f"fpbench/benchmarks/{p.name}" for p in (ROOT / "benchmarks").glob("*.toml")}
     papers = {f"fpbench/benchmarks/papers/{p.name}" for p in PAPERS_DIR.glob("*.toml")}
     assert suites and papers and suites | papers <= names
-    assert "fpbench/cli.py" in names and "fpbench/engine/runner.py" in names
+    assert "fpbench/cli/__init__.py" in names and "fpbench/engine/runner.py" in names

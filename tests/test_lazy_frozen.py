@@ -136,7 +136,7 @@ def test_fpbench_run_shows_a_bar_per_frozen_pass_while_it_runs() -> None:
     from rich.console import Console
     from rich.progress import Progress
 
-    from fpbench.cli import _ProgressObserver
+    from fpbench.cli.run import _ProgressObserver
 
     cfg = tiny_config("sgpt")
     with Progress(console=Console(file=io.StringIO())) as progress:

@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 
 from fpbench import stages
 from fpbench.cli import app
+from fpbench.cli.run_log import LineObserver, clock, headline
+from fpbench.cli.summary import next_commands
 from fpbench.engine import dispatch
-from fpbench.run_log import LineObserver, clock, headline
-from fpbench.run_summary import next_commands
 from tests.conftest import TINY_SUITE_TOML
 
 STAMP = r"\d\d:\d\d:\d\d "
@@ -171,7 +171,7 @@ def test_run_piped_to_a_file_in_a_subprocess(tmp_path):
 def test_terminal_bars_for_frozen_passes_come_and_go():
     from rich.progress import Progress
 
-    from fpbench.cli import _ProgressObserver
+    from fpbench.cli.run import _ProgressObserver
 
     with Progress(disable=True) as progress:
         bars = _ProgressObserver(progress, total_cells=1)

@@ -31,7 +31,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # imported on first use, so `fpbench --help` (which imports fpbench.store.cli_db) stays fast
+    # imported on first use, so `fpbench --help` (which imports fpbench.cli.db) stays fast
     if name in _FROM:  # the keys of _FROM are __all__
         import importlib
 

@@ -33,6 +33,7 @@ def user_errors(fn: F) -> F:
 
 
 DEFAULT_DB = "results/fpbench.db"
+DEFAULT_METRICS = ["acc_global", "acc_local_mean", "acc_local_worst"]  # the summary table's
 DbOpt = Annotated[str, typer.Option("--db", help="results database: a path or SQLAlchemy URL")]
 SuiteOpt = Annotated[str, typer.Option("--suite", "-s", help="suite name or path to a .toml")]
 

@@ -1,7 +1,4 @@
-"""`fpbench data ...`: where the real datasets are, and preparing them (a Typer sub-app).
-
-Wired into the main app with ``app.add_typer(data_app, name="data")``.
-"""
+"""`fpbench data ...`: where the real datasets are, and preparing them."""
 
 from __future__ import annotations
 
@@ -14,13 +11,10 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fpbench.cli_common import console, err, user_errors
+from fpbench.cli.apps import data_app
+from fpbench.cli.common import console, err, user_errors
 from fpbench.errors import FpbenchError
 
-data_app = typer.Typer(
-    help="Real datasets: where they are (status) and preparing them once (prepare).",
-    no_args_is_help=True,
-)
 RootOpt = Annotated[
     Path | None,
     typer.Option("--root", help="data root (default: $FPBENCH_DATA, else ./data)"),

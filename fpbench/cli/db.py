@@ -6,10 +6,9 @@ from typing import Annotated
 
 import typer
 
-from fpbench.cli_common import console, user_errors
+from fpbench.cli.apps import db_app
+from fpbench.cli.common import console, user_errors
 from fpbench.errors import FpbenchError
-
-db_app = typer.Typer(help="Maintain results databases (merge, check).", no_args_is_help=True)
 
 
 def _existing(db: str) -> str:

@@ -1,8 +1,7 @@
 """Command functions behind `fpbench table --paper` and `fpbench plot heldout|sweep|heatmap|comm`.
 
-fpbench/cli.py stays thin: its `table` command hands `--paper` here, and
-`register_plot_commands` adds the plot commands to its `plot` group. The shared CLI helpers come
-from `fpbench.cli_common`; nothing heavy is imported before a command runs.
+`fpbench table` (fpbench.cli.results) hands `--paper` here; nothing heavy is imported before a
+command runs.
 """
 
 from __future__ import annotations
@@ -12,7 +11,8 @@ from typing import Annotated, Any
 
 import typer
 
-from fpbench.cli_common import (
+from fpbench.cli.apps import plot_app
+from fpbench.cli.common import (
     DEFAULT_DB,
     DbOpt,
     SuiteOpt,
@@ -115,80 +115,76 @@ def _load(db: str, suite: str):
     return name, results
 
 
-def register_plot_commands(plot_app: typer.Typer) -> None:
-    """Add `heldout`, `sweep`, `heatmap` and `comm` to the CLI's `plot` group."""
+@plot_app.command("heldout")
+@user_errors
+def plot_heldout(
+    suite: SuiteOpt,
+    out: OutOpt,
+    x: MetricOpt = "acc_local_mean",
+    y: MetricOpt = "acc_heldout_mean",
+    db: DbOpt = DEFAULT_DB,
+) -> None:
+    """Participating-client vs held-out-client accuracy, one marker per method."""
+    from fpbench.report.plots import heldout
 
-    @plot_app.command("heldout")
-    @user_errors
-    def plot_heldout(
-        suite: SuiteOpt,
-        out: OutOpt,
-        x: MetricOpt = "acc_local_mean",
-        y: MetricOpt = "acc_heldout_mean",
-        db: DbOpt = DEFAULT_DB,
-    ) -> None:
-        """Participating-client vs held-out-client accuracy, one marker per method."""
-        from fpbench.report.plots import heldout
+    name, res = _load(db, suite)
+    save_figure(heldout(res.metrics, x=x, y=y, suite=name), out, pdf_beside=True)
 
-        name, res = _load(db, suite)
-        save_figure(heldout(res.metrics, x=x, y=y, suite=name), out, pdf_beside=True)
 
-    @plot_app.command("sweep")
-    @user_errors
-    def plot_sweep(
-        suite: SuiteOpt,
-        out: OutOpt,
-        param: Annotated[str, typer.Option(help="config key swept, e.g. train.local_epochs")],
-        metric: MetricOpt = "acc_global",
-        db: DbOpt = DEFAULT_DB,
-    ) -> None:
-        """A metric against a swept hyperparameter read from each run's config."""
-        from fpbench.report.plots import sweep
+@plot_app.command("sweep")
+@user_errors
+def plot_sweep(
+    suite: SuiteOpt,
+    out: OutOpt,
+    param: Annotated[str, typer.Option(help="config key swept, e.g. train.local_epochs")],
+    metric: MetricOpt = "acc_global",
+    db: DbOpt = DEFAULT_DB,
+) -> None:
+    """A metric against a swept hyperparameter read from each run's config."""
+    from fpbench.report.plots import sweep
 
-        name, res = _load(db, suite)
-        save_figure(
-            sweep(res.metrics, res.configs, param, metric, suite=name), out, pdf_beside=True
-        )
+    name, res = _load(db, suite)
+    save_figure(sweep(res.metrics, res.configs, param, metric, suite=name), out, pdf_beside=True)
 
-    @plot_app.command("heatmap")
-    @user_errors
-    def plot_heatmap(
-        suite: SuiteOpt,
-        out: OutOpt,
-        x: Annotated[str, typer.Option(help="config key on the x axis")],
-        y: Annotated[str, typer.Option(help="config key on the y axis")],
-        metric: MetricOpt = "acc_global",
-        db: DbOpt = DEFAULT_DB,
-    ) -> None:
-        """A metric over a 2-D grid of hyperparameters (SDFed Fig. 5)."""
-        from fpbench.report.plots import heatmap
 
-        name, res = _load(db, suite)
-        save_figure(
-            heatmap(res.metrics, res.configs, x, y, metric, suite=name), out, pdf_beside=True
-        )
+@plot_app.command("heatmap")
+@user_errors
+def plot_heatmap(
+    suite: SuiteOpt,
+    out: OutOpt,
+    x: Annotated[str, typer.Option(help="config key on the x axis")],
+    y: Annotated[str, typer.Option(help="config key on the y axis")],
+    metric: MetricOpt = "acc_global",
+    db: DbOpt = DEFAULT_DB,
+) -> None:
+    """A metric over a 2-D grid of hyperparameters (SDFed Fig. 5)."""
+    from fpbench.report.plots import heatmap
 
-    @plot_app.command("comm")
-    @user_errors
-    def plot_comm(
-        suite: SuiteOpt,
-        out: OutOpt,
-        metric: MetricOpt = "acc_global",
-        target: Annotated[
-            float | None, typer.Option(help="target accuracy (percent or fraction)")
-        ] = None,
-        db: DbOpt = DEFAULT_DB,
-    ) -> None:
-        """Accuracy vs cumulative bytes; with --target, rounds/time/bytes to reach it."""
-        from fpbench.report.plots import comm, to_target
+    name, res = _load(db, suite)
+    save_figure(heatmap(res.metrics, res.configs, x, y, metric, suite=name), out, pdf_beside=True)
 
-        name, res = _load(db, suite)
-        goal = None if target is None else (target / 100 if target > 1 else target)
-        save_figure(
-            comm(res.metrics, res.rounds, metric, target=goal, suite=name), out, pdf_beside=True
-        )
-        if goal is not None:
-            console.print(_target_table(to_target(res.metrics, res.rounds, metric, goal), goal))
+
+@plot_app.command("comm")
+@user_errors
+def plot_comm(
+    suite: SuiteOpt,
+    out: OutOpt,
+    metric: MetricOpt = "acc_global",
+    target: Annotated[
+        float | None, typer.Option(help="target accuracy (percent or fraction)")
+    ] = None,
+    db: DbOpt = DEFAULT_DB,
+) -> None:
+    """Accuracy vs cumulative bytes; with --target, rounds/time/bytes to reach it."""
+    from fpbench.report.plots import comm, to_target
+
+    name, res = _load(db, suite)
+    goal = None if target is None else (target / 100 if target > 1 else target)
+    save_figure(
+        comm(res.metrics, res.rounds, metric, target=goal, suite=name), out, pdf_beside=True
+    )
+    if goal is not None:
+        console.print(_target_table(to_target(res.metrics, res.rounds, metric, goal), goal))
 
 
 def _target_table(frame: Any, goal: float) -> Any:

@@ -1,11 +1,9 @@
-"""The `fpbench` command line: thin commands that parse, call one library function and print."""
+"""`fpbench run`: a suite's cells through the chosen executor, with progress and a summary."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,55 +12,20 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-import fpbench
-from fpbench.cli_common import (
+from fpbench.cli.apps import app
+from fpbench.cli.common import (
     DEFAULT_DB,
+    DEFAULT_METRICS,
     DbOpt,
     SuiteOpt,
     console,
     err,
     open_store,
-    save_figure,
     sqlite_missing,
-    suite_name,
     user_errors,
-    write_or_print,
 )
-from fpbench.data_cli import data_app
+from fpbench.cli.run_log import LineObserver
 from fpbench.errors import FpbenchError
-from fpbench.run_log import LineObserver
-from fpbench.store.cli_db import db_app
-
-app = typer.Typer(
-    help="Benchmark suite for federated prompt tuning.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-plot_app = typer.Typer(help="Draw plots from the results database.", no_args_is_help=True)
-app.add_typer(plot_app, name="plot")
-app.add_typer(db_app, name="db")
-app.add_typer(data_app, name="data")
-
-DEFAULT_METRICS = ["acc_global", "acc_local_mean", "acc_local_worst"]
-
-
-def _version(value: bool) -> None:
-    if value:
-        console.print(f"fpbench {fpbench.__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _root(
-    version: Annotated[
-        bool,
-        typer.Option(
-            "--version", callback=_version, is_eager=True, help="print the version and exit"
-        ),
-    ] = False,
-) -> None:
-    """Benchmark suite for federated prompt tuning of frozen pretrained models."""
 
 
 def _select_cells(suite, methods: list[str] | None, seeds: list[int] | None):
@@ -297,7 +260,7 @@ def _report_results(suite: str, results, suite_arg: str, db: str) -> None:
 
 def _print_summary(suite: str, db: str) -> None:
     """The suite's table (as `fpbench table --suite`) and the commands to go on with."""
-    from fpbench.run_summary import next_commands, summary_text
+    from fpbench.cli.summary import next_commands, summary_text
 
     if "{run_key}" in db:  # one file per cell: the tables need them merged first
         console.print(f"next: fpbench db merge results/merged.db {db.replace('{run_key}', '*')}")
@@ -335,237 +298,3 @@ def _print_cells(suite: str, cells, db: str) -> None:
     console.print(table)
     if "missing" in data.values():
         console.print(f"data missing under {root}: see `fpbench data status`")
-
-
-class Listable(str, Enum):
-    suites = "suites"
-    methods = "methods"
-    datasets = "datasets"
-    partitions = "partitions"
-    backbones = "backbones"
-
-
-@app.command("list")
-@user_errors
-def list_(what: Annotated[Listable, typer.Argument(help="what to list")]) -> None:
-    """List the registered suites, methods, datasets, partitions or backbones.
-
-    Components of other installed packages (entry points `fpbench.methods`, ...) are listed
-    with the package they come from."""
-    from fpbench.registry import BACKBONES, DATASETS, METHODS, PARTITIONS
-    from fpbench.suites import list_suites
-
-    table = Table(title=what.value)
-    table.add_column("name")
-    if what is Listable.suites:
-        for name in list_suites():
-            table.add_row(name)
-        console.print(table)
-        return
-    registry = {
-        "methods": METHODS,
-        "datasets": DATASETS,
-        "partitions": PARTITIONS,
-        "backbones": BACKBONES,
-    }[what.value]
-    rows = [
-        (name, _summary_line(registry.get(name)), registry.source(name))
-        for name in registry.names()
-    ]
-    if what is Listable.backbones:  # fpbench.backbones.custom
-        rows += [
-            ("timm:<model>", "any timm ViT, e.g. timm:deit_small_patch16_224.fb_in1k", "timm"),
-            (
-                "open_clip:<arch>@<tag>",
-                "any CLIP, e.g. open_clip:ViT-B-32@laion2b_s34b_b79k",
-                "open_clip",
-            ),
-        ]
-    table.add_column("description")
-    table.add_column("source")
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
-
-
-def _summary_line(obj: Any) -> str:
-    """A component's one-line description: its own, its docstring's, or its module's."""
-    module = sys.modules.get(getattr(obj, "__module__", ""), None)
-    for text in (getattr(obj, "description", None), obj.__doc__, getattr(module, "__doc__", None)):
-        if isinstance(text, str) and text.strip():
-            return text.strip().splitlines()[0]
-    return ""
-
-
-@app.command()
-@user_errors
-def show(
-    run_ref: Annotated[str, typer.Argument(metavar="RUN", help="run id or run_key prefix")],
-    db: DbOpt = DEFAULT_DB,
-) -> None:
-    """Show one run: its identity, status, config and final metrics."""
-    store = open_store(db, must_exist=True)
-    record = store.get_run(run_ref)
-    console.print(
-        f"[bold]run {record.id}[/] {record.run_key}  status={record.status}  "
-        f"suite={record.suite} method={record.method} dataset={record.dataset} "
-        f"partition={record.partition} seed={record.seed}"
-    )
-    console.print(
-        f"device={record.device} torch={record.torch_version} "
-        f"fpbench={record.fpbench_version} wall_s={record.wall_s or 0:.1f}"
-    )
-    if record.error:
-        err.print(f"[red]error:[/] {escape(record.error)}", highlight=False)
-    if record.traceback:
-        err.print(record.traceback.rstrip(), markup=False, highlight=False)
-    console.print_json(json.dumps(record.config))
-    metrics = store.metrics(run_ids=[record.id])
-    if not metrics.empty:
-        last = metrics[metrics["round"] == metrics["round"].max()]
-        table = Table(title=f"aggregates at round {int(last['round'].iloc[0])}")
-        table.add_column("metric")
-        table.add_column("value", justify="right")
-        for name, value in sorted(zip(last["name"], last["value"], strict=True)):
-            table.add_row(name, f"{value:.4f}")
-        console.print(table)
-
-
-class TableFormat(str, Enum):
-    md = "md"
-    csv = "csv"
-    latex = "latex"
-    term = "term"  # --paper only
-
-
-@app.command()
-@user_errors
-def table(
-    suite: Annotated[str | None, typer.Option("--suite", "-s", help="suite name or .toml")] = None,
-    metric: Annotated[list[str] | None, typer.Option(help="metric(s) (repeatable)")] = None,
-    fmt: Annotated[TableFormat, typer.Option("--format", help="output format")] = TableFormat.md,
-    out: Annotated[Path | None, typer.Option(help="write to this file instead of stdout")] = None,
-    db: DbOpt = DEFAULT_DB,
-    paper: Annotated[
-        str | None, typer.Option(help="a paper's tables: sgpt, fgpt, pep-fedpt, sdfed, tpfl")
-    ] = None,
-    table_no: Annotated[
-        int | None, typer.Option("--table", help="only this table of --paper")
-    ] = None,
-    deviations: Annotated[
-        bool,
-        typer.Option(
-            "--deviations", help="with --paper: list where fpbench's protocol departs from it"
-        ),
-    ] = False,
-) -> None:
-    """Mean +- std over seeds of each method's final metrics (mean of the last 10 evals).
-
-    With --paper: the paper's tables in its layout, fpbench's values beside the paper's.
-    With --paper --deviations: every declared deviation from the paper's protocol (table(s),
-    cells, config path, the paper's value and source, what fpbench runs, and why).
-    """
-    from fpbench.report.tables import render, summary_table
-
-    if deviations:
-        if not paper:
-            raise FpbenchError("--deviations needs --paper NAME")
-        from fpbench.report.cli_paper import show_deviations
-
-        show_deviations(paper, fmt.value, out)
-        return
-    if paper:
-        from fpbench.report.cli_paper import show_paper_tables
-
-        show_paper_tables(db, paper, table_no, fmt.value, out)
-        return
-    if suite is None:
-        raise FpbenchError("give --suite NAME (a suite's summary) or --paper NAME (its tables)")
-    _, frame = _suite_metrics(db, suite)
-    write_or_print(render(summary_table(frame, metric or DEFAULT_METRICS), fmt.value), out)
-
-
-def _suite_metrics(db: str, suite: str) -> tuple[str, Any]:
-    """The suite's stored name and its metric rows (`Store.metrics`) from `db`."""
-    with open_store(db, must_exist=True) as store:
-        name = suite_name(suite)
-        return name, store.metrics(suite=name)
-
-
-@plot_app.command("tradeoff")
-@user_errors
-def plot_tradeoff(
-    suite: SuiteOpt,
-    out: Annotated[Path, typer.Option(help="output image (png, pdf, svg)")],
-    db: DbOpt = DEFAULT_DB,
-) -> None:
-    """Global accuracy (x) vs worst local accuracy (y), one marker per method (SGPT Fig. 1)."""
-    from fpbench.report.plots import tradeoff
-
-    name, frame = _suite_metrics(db, suite)
-    save_figure(tradeoff(frame, suite=name), out)
-
-
-@plot_app.command("curves")
-@user_errors
-def plot_curves(
-    suite: SuiteOpt,
-    out: Annotated[Path, typer.Option(help="output image (png, pdf, svg)")],
-    metric: Annotated[str, typer.Option(help="metric to plot against rounds")] = "acc_global",
-    db: DbOpt = DEFAULT_DB,
-) -> None:
-    """A metric against communication rounds, one line per method."""
-    from fpbench.report.plots import curves
-
-    name, frame = _suite_metrics(db, suite)
-    save_figure(curves(frame, metric, suite=name), out)
-
-
-@app.command("bench")
-@user_errors
-def bench_cmd(
-    backbone: Annotated[str, typer.Option(help="backbone to measure")] = "vit-smoke",
-    clients: Annotated[int, typer.Option(min=1, help="clients trained per round")] = 5,
-    batch: Annotated[int, typer.Option(min=1, help="minibatch size per client")] = 32,
-    steps: Annotated[int, typer.Option(min=1, help="minibatches per client per round")] = 4,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
-    precision: Annotated[str, typer.Option(help="auto, fp32 or bf16")] = "auto",
-    repeats: Annotated[int, typer.Option(min=1, help="timed repeats (median)")] = 3,
-    json_out: Annotated[
-        Path | None, typer.Option("--json", help="also write the figures here")
-    ] = None,
-) -> None:
-    """Throughput of the executors, the feature and hidden-state caches and evaluation (random
-    weights)."""
-    from fpbench.bench import bench
-    from fpbench.registry import BACKBONES
-
-    BACKBONES.get(backbone)
-    if precision not in ("auto", "fp32", "bf16"):
-        raise FpbenchError(f"--precision must be auto, fp32 or bf16, got {precision!r}")
-    figures = bench(backbone, clients, batch, steps, device, precision, repeats)
-    table = Table(title=f"fpbench bench: {backbone}, {clients} clients x {batch} x {steps} steps")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    for key, value in figures.items():
-        table.add_row(key, f"{value:,.3f}" if isinstance(value, float) else str(value))
-    console.print(table)
-    if json_out:
-        write_or_print(json.dumps(figures, indent=2), json_out)
-
-
-def _register_commands() -> None:
-    from fpbench.estimate_cli import register as register_estimate
-    from fpbench.report.cli_paper import register_plot_commands
-    from fpbench.report.cli_report import register_report_commands
-
-    register_plot_commands(plot_app)
-    register_report_commands(app, plot_app)
-    register_estimate(app)
-
-
-_register_commands()
-
-
-def main() -> None:
-    app()

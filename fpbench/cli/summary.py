@@ -19,7 +19,7 @@ def next_commands(suite: str, db: str) -> list[str]:
 
 def summary_text(db: str, suite: str, metrics: Sequence[str]) -> str | None:
     """The suite's summary table as `fpbench table --suite` prints it (None: nothing stored)."""
-    from fpbench.cli_common import open_store, suite_name
+    from fpbench.cli.common import open_store, suite_name
     from fpbench.report.tables import render, summary_table
 
     with open_store(db, must_exist=True) as store:

@@ -1,0 +1,11 @@
+"""The `fpbench` command line: thin commands that parse, call one library function and print.
+
+`fpbench.cli.apps` holds the Typer apps; each command module decorates its commands onto them,
+and importing the modules here (in `--help` order) registers the commands. Nothing heavy is
+imported before a command runs, so `fpbench --help` stays free of torch.
+"""
+
+from fpbench.cli import run, results, paper, report, bench, estimate, db, data  # noqa: F401, I001
+from fpbench.cli.apps import app, main
+
+__all__ = ["app", "main"]

@@ -1,0 +1,50 @@
+"""The Typer apps of the `fpbench` command line: the root, and its `plot`, `db` and `data`
+groups. Every command module decorates its commands onto one of these."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+import fpbench
+from fpbench.cli.common import console
+
+app = typer.Typer(
+    help="Benchmark suite for federated prompt tuning.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+plot_app = typer.Typer(help="Draw plots from the results database.", no_args_is_help=True)
+
+db_app = typer.Typer(help="Maintain results databases (merge, check).", no_args_is_help=True)
+data_app = typer.Typer(
+    help="Real datasets: where they are (status) and preparing them once (prepare).",
+    no_args_is_help=True,
+)
+app.add_typer(plot_app, name="plot")
+app.add_typer(db_app, name="db")
+app.add_typer(data_app, name="data")
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"fpbench {fpbench.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="print the version and exit"
+        ),
+    ] = False,
+) -> None:
+    """Benchmark suite for federated prompt tuning of frozen pretrained models."""
+
+
+def main() -> None:
+    app()

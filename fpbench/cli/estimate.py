@@ -1,0 +1,107 @@
+"""`fpbench estimate`: the thin command over `fpbench.estimate`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from fpbench.cli.apps import app
+from fpbench.cli.common import SuiteOpt, console, err, user_errors, write_or_print
+from fpbench.errors import FpbenchError
+
+
+def _h(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds / 3600:,.3f}"
+
+
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:,.2f}"
+
+
+@app.command("estimate")
+@user_errors
+def estimate_cmd(
+    suite: SuiteOpt = "smoke",
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
+    precision: Annotated[str, typer.Option(help="auto, fp32 or bf16")] = "auto",
+    rounds: Annotated[int, typer.Option(min=1, help="rounds measured per shape")] = 2,
+    max_shapes: Annotated[
+        int | None, typer.Option(min=0, help="measure only the first N shapes")
+    ] = None,
+    dry: Annotated[
+        bool, typer.Option("--dry", help="list the shapes only: nothing is built or run")
+    ] = False,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="also write the estimates here")
+    ] = None,
+) -> None:
+    """What a suite will cost on this device: each distinct cell shape runs a round or two
+    on fake data of the real shape with random weights of the real backbone (nothing
+    downloads), projected to the suite's device-hours."""
+    from fpbench.engine.build import resolve_device
+    from fpbench.estimate import ASSUMPTIONS, as_dict, estimate
+    from fpbench.suites import load_suite
+
+    if precision not in ("auto", "fp32", "bf16"):
+        raise FpbenchError(f"--precision must be auto, fp32 or bf16, got {precision!r}")
+    loaded = load_suite(suite)
+    dev = None if dry else resolve_device(device)
+    with err.status("") as status:
+
+        def show(i: int, n: int, shape) -> None:
+            status.update(f"measuring shape {i + 1}/{n}: {shape.method} on {shape.backbone}")
+
+        found = estimate(loaded, dev, precision, rounds, max_shapes, show)
+    console.print(_table(loaded.name, found, "plan only" if dev is None else str(dev)))
+    measured = [e for e in found if e.total_s is not None]
+    cells = sum(e.cells for e in found)
+    if measured:
+        total = sum(e.total_s for e in measured)
+        some = sum(e.cells for e in measured)
+        scope = "" if some == cells else f" (the {some} of {cells} cells measured)"
+        console.print(f"suite {loaded.name}: {total / 3600:,.3f} device-hours on {dev}{scope}")
+    for e in found:
+        if e.error:
+            err.print(f"shape {e.shape.method} / {e.shape.backbone} not measured: {e.error}")
+    console.print("assumptions:\n" + "\n".join(f"  - {a}" for a in ASSUMPTIONS))
+    if json_out:
+        write_or_print(json.dumps([as_dict(e) for e in found], indent=2), json_out)
+
+
+def _table(suite: str, found: list, where: str) -> Table:
+    table = Table(title=f"fpbench estimate: {suite} ({len(found)} shapes, {where})")
+    table.add_column("shape")
+    for name in ("cells", "s/round", "s/eval", "frozen s", "h/cell", "h total"):
+        table.add_column(name, justify="right")
+    for e in found:
+        s, m = e.shape, e.measured
+        frozen = None
+        if m is not None:
+            frozen = m.frozen_per_sample_s * s.expected_sampled * (s.train_size / s.num_clients)
+            frozen += m.test_frozen_s
+        table.add_row(
+            describe(e),
+            str(e.cells),
+            _s(m.train_round_s if m else None),
+            _s(m.eval_s if m else None),
+            _s(frozen),
+            _h(e.cell_s),
+            _h(e.total_s),
+        )
+    return table
+
+
+def describe(e) -> str:
+    """One shape in a line: method, backbone, data, federation, local schedule, rounds."""
+    s = e.shape
+    exact = "" if s.sizes_exact else "*"
+    steps = f" <={s.max_local_steps} steps" if s.max_local_steps else ""
+    return (
+        f"{e.label} | {s.backbone} | {s.dataset} {s.image_size}px "
+        f"{s.train_size:,}/{s.test_size:,}{exact} | {s.per_round}/{s.num_clients} clients | "
+        f"b{s.batch_size} x {s.local_epochs} ep{steps} | {s.rounds} rounds, {s.evals} evals"
+    )

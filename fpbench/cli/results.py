@@ -1,0 +1,214 @@
+"""`fpbench list`, `show`, `table` and `plot tradeoff|curves`: what is registered and what was
+stored."""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from fpbench.cli.apps import app, plot_app
+from fpbench.cli.common import (
+    DEFAULT_DB,
+    DEFAULT_METRICS,
+    DbOpt,
+    SuiteOpt,
+    console,
+    err,
+    open_store,
+    save_figure,
+    suite_name,
+    user_errors,
+    write_or_print,
+)
+from fpbench.errors import FpbenchError
+
+
+class Listable(str, Enum):
+    suites = "suites"
+    methods = "methods"
+    datasets = "datasets"
+    partitions = "partitions"
+    backbones = "backbones"
+
+
+@app.command("list")
+@user_errors
+def list_(what: Annotated[Listable, typer.Argument(help="what to list")]) -> None:
+    """List the registered suites, methods, datasets, partitions or backbones.
+
+    Components of other installed packages (entry points `fpbench.methods`, ...) are listed
+    with the package they come from."""
+    from fpbench.registry import BACKBONES, DATASETS, METHODS, PARTITIONS
+    from fpbench.suites import list_suites
+
+    table = Table(title=what.value)
+    table.add_column("name")
+    if what is Listable.suites:
+        for name in list_suites():
+            table.add_row(name)
+        console.print(table)
+        return
+    registry = {
+        "methods": METHODS,
+        "datasets": DATASETS,
+        "partitions": PARTITIONS,
+        "backbones": BACKBONES,
+    }[what.value]
+    rows = [
+        (name, _summary_line(registry.get(name)), registry.source(name))
+        for name in registry.names()
+    ]
+    if what is Listable.backbones:  # fpbench.backbones.custom
+        rows += [
+            ("timm:<model>", "any timm ViT, e.g. timm:deit_small_patch16_224.fb_in1k", "timm"),
+            (
+                "open_clip:<arch>@<tag>",
+                "any CLIP, e.g. open_clip:ViT-B-32@laion2b_s34b_b79k",
+                "open_clip",
+            ),
+        ]
+    table.add_column("description")
+    table.add_column("source")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
+def _summary_line(obj: Any) -> str:
+    """A component's one-line description: its own, its docstring's, or its module's."""
+    module = sys.modules.get(getattr(obj, "__module__", ""), None)
+    for text in (getattr(obj, "description", None), obj.__doc__, getattr(module, "__doc__", None)):
+        if isinstance(text, str) and text.strip():
+            return text.strip().splitlines()[0]
+    return ""
+
+
+@app.command()
+@user_errors
+def show(
+    run_ref: Annotated[str, typer.Argument(metavar="RUN", help="run id or run_key prefix")],
+    db: DbOpt = DEFAULT_DB,
+) -> None:
+    """Show one run: its identity, status, config and final metrics."""
+    store = open_store(db, must_exist=True)
+    record = store.get_run(run_ref)
+    console.print(
+        f"[bold]run {record.id}[/] {record.run_key}  status={record.status}  "
+        f"suite={record.suite} method={record.method} dataset={record.dataset} "
+        f"partition={record.partition} seed={record.seed}"
+    )
+    console.print(
+        f"device={record.device} torch={record.torch_version} "
+        f"fpbench={record.fpbench_version} wall_s={record.wall_s or 0:.1f}"
+    )
+    if record.error:
+        err.print(f"[red]error:[/] {escape(record.error)}", highlight=False)
+    if record.traceback:
+        err.print(record.traceback.rstrip(), markup=False, highlight=False)
+    console.print_json(json.dumps(record.config))
+    metrics = store.metrics(run_ids=[record.id])
+    if not metrics.empty:
+        last = metrics[metrics["round"] == metrics["round"].max()]
+        table = Table(title=f"aggregates at round {int(last['round'].iloc[0])}")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for name, value in sorted(zip(last["name"], last["value"], strict=True)):
+            table.add_row(name, f"{value:.4f}")
+        console.print(table)
+
+
+class TableFormat(str, Enum):
+    md = "md"
+    csv = "csv"
+    latex = "latex"
+    term = "term"  # --paper only
+
+
+@app.command()
+@user_errors
+def table(
+    suite: Annotated[str | None, typer.Option("--suite", "-s", help="suite name or .toml")] = None,
+    metric: Annotated[list[str] | None, typer.Option(help="metric(s) (repeatable)")] = None,
+    fmt: Annotated[TableFormat, typer.Option("--format", help="output format")] = TableFormat.md,
+    out: Annotated[Path | None, typer.Option(help="write to this file instead of stdout")] = None,
+    db: DbOpt = DEFAULT_DB,
+    paper: Annotated[
+        str | None, typer.Option(help="a paper's tables: sgpt, fgpt, pep-fedpt, sdfed, tpfl")
+    ] = None,
+    table_no: Annotated[
+        int | None, typer.Option("--table", help="only this table of --paper")
+    ] = None,
+    deviations: Annotated[
+        bool,
+        typer.Option(
+            "--deviations", help="with --paper: list where fpbench's protocol departs from it"
+        ),
+    ] = False,
+) -> None:
+    """Mean +- std over seeds of each method's final metrics (mean of the last 10 evals).
+
+    With --paper: the paper's tables in its layout, fpbench's values beside the paper's.
+    With --paper --deviations: every declared deviation from the paper's protocol (table(s),
+    cells, config path, the paper's value and source, what fpbench runs, and why).
+    """
+    from fpbench.report.tables import render, summary_table
+
+    if deviations:
+        if not paper:
+            raise FpbenchError("--deviations needs --paper NAME")
+        from fpbench.cli.paper import show_deviations
+
+        show_deviations(paper, fmt.value, out)
+        return
+    if paper:
+        from fpbench.cli.paper import show_paper_tables
+
+        show_paper_tables(db, paper, table_no, fmt.value, out)
+        return
+    if suite is None:
+        raise FpbenchError("give --suite NAME (a suite's summary) or --paper NAME (its tables)")
+    _, frame = _suite_metrics(db, suite)
+    write_or_print(render(summary_table(frame, metric or DEFAULT_METRICS), fmt.value), out)
+
+
+def _suite_metrics(db: str, suite: str) -> tuple[str, Any]:
+    """The suite's stored name and its metric rows (`Store.metrics`) from `db`."""
+    with open_store(db, must_exist=True) as store:
+        name = suite_name(suite)
+        return name, store.metrics(suite=name)
+
+
+@plot_app.command("tradeoff")
+@user_errors
+def plot_tradeoff(
+    suite: SuiteOpt,
+    out: Annotated[Path, typer.Option(help="output image (png, pdf, svg)")],
+    db: DbOpt = DEFAULT_DB,
+) -> None:
+    """Global accuracy (x) vs worst local accuracy (y), one marker per method (SGPT Fig. 1)."""
+    from fpbench.report.plots import tradeoff
+
+    name, frame = _suite_metrics(db, suite)
+    save_figure(tradeoff(frame, suite=name), out)
+
+
+@plot_app.command("curves")
+@user_errors
+def plot_curves(
+    suite: SuiteOpt,
+    out: Annotated[Path, typer.Option(help="output image (png, pdf, svg)")],
+    metric: Annotated[str, typer.Option(help="metric to plot against rounds")] = "acc_global",
+    db: DbOpt = DEFAULT_DB,
+) -> None:
+    """A metric against communication rounds, one line per method."""
+    from fpbench.report.plots import curves
+
+    name, frame = _suite_metrics(db, suite)
+    save_figure(curves(frame, metric, suite=name), out)
