@@ -7,6 +7,9 @@ import dataclasses
 import pytest
 import torch
 
+from fpbench.engine.inputs import Inputs
+from fpbench.engine.runner import run_cell
+from fpbench.methods.base import TaskInfo, TestSplit
 from fpbench.methods.clustering import (
     _centres,
     cluster_accuracy,
@@ -17,7 +20,9 @@ from fpbench.methods.clustering import (
 )
 from fpbench.methods.sgpt import SGPTConfig
 from fpbench.registry import METHODS
+from fpbench.store import Store
 from fpbench.suites import load_suite
+from tests.conftest import tiny_config
 
 KM = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
 
@@ -131,30 +136,52 @@ def test_cluster_accuracy_matches_one_to_one_not_by_majority():
     assert cluster_accuracy(collapsed, torch.arange(4).repeat(2), 4, 4) == pytest.approx(1 / 4)
 
 
+def _test_split(method, task) -> TestSplit:
+    """The engine's view of the tiny task's test split for `method` (no feature cache)."""
+    return TestSplit(task.data.test_labels, Inputs.of(method, task).test_queries)
+
+
 def test_acc_cluster_of_a_collapsed_select_is_the_largest_coarse_share(tiny):
+    _, task, _ = tiny("sgpt")
     method = _sgpt(tiny, num_groups=3)
-    task = method.task
-    queries, coarse = method.coarse
-    assert len(queries) == len(coarse) == len(task.test_labels)
-    assert torch.equal(coarse, task.coarse_of_class[task.test_labels])
+    test = _test_split(method, task)
+    queries = test.queries()
+    assert len(queries) == len(task.data.test_labels)
     server = method.init_server(torch.Generator().manual_seed(0))
     mean = queries.mean(0)  # ReLU'd queries: every test sample picks the middle key
     server.params["keys"] = torch.stack([-mean, mean, -mean])
     # synthetic: 6 classes in coarse groups [0, 0, 1, 2, 2, 3], equally many test samples each
-    assert task.coarse_of_class.tolist() == [0, 0, 1, 2, 2, 3]
-    assert method.round_metrics(server)["acc_cluster"] == pytest.approx(2 / 6)
+    assert method.task.coarse_of_class.tolist() == [0, 0, 1, 2, 2, 3]
+    assert method.round_metrics(server, test)["acc_cluster"] == pytest.approx(2 / 6)
+    assert "acc_cluster" not in method.round_metrics(server)  # no test split, no score
+
+
+def test_the_method_never_holds_the_test_split_and_a_run_records_acc_cluster(tmp_path):
+    assert not {"test_images", "test_labels"} & {f.name for f in dataclasses.fields(TaskInfo)}
+    cfg = tiny_config("sgpt", rounds=2)
+    cfg = cfg.model_copy(
+        update={"method": cfg.method.model_copy(update={"args": {**cfg.method.args,
+                "num_groups": 3, "cluster_metric": True}})}
+    )  # fmt: skip
+    with Store(f"sqlite:///{tmp_path / 'r.db'}") as store:
+        assert run_cell(cfg, store, checkpoint_dir=tmp_path / "ck").status == "done"
+        metrics = store.metrics()
+    rounds = metrics[metrics["name"] == "acc_cluster"]["round"].tolist()
+    assert rounds == [0, 1]  # every round, through the engine
 
 
 def test_no_coarse_labels_no_acc_cluster(tiny):
-    _, _, base = tiny("sgpt")
+    _, task, base = tiny("sgpt")
     flat = dataclasses.replace(base.task, coarse_of_class=None)
     method = METHODS.get("sgpt")(SGPTConfig(num_groups=3, cluster_metric=True), base.backbone, flat)
     server = method.init_server(torch.Generator().manual_seed(0))
-    out = method.round_metrics(server)
-    assert method.coarse is None and "acc_cluster" not in out
+    out = method.round_metrics(server, _test_split(method, task))
+    assert "acc_cluster" not in out
     assert "congruence_kmeans" in out  # the other metrics are still there
-    assert _sgpt(tiny, preset="shared-only").coarse is None  # no group prompts
-    assert _sgpt(tiny, cluster_metric=False).coarse is None
+    never = TestSplit(task.data.test_labels, lambda: pytest.fail("test queries computed"))
+    for off in (_sgpt(tiny, preset="shared-only"), _sgpt(tiny, cluster_metric=False)):
+        gen = torch.Generator().manual_seed(0)
+        assert "acc_cluster" not in off.round_metrics(off.init_server(gen), never)
 
 
 # -- the diagnostics run only where a suite reports them ------------------------------------
@@ -169,9 +196,8 @@ def test_diagnostics_are_off_by_default_and_cost_no_frozen_pass(tiny, monkeypatc
     method = sgpt(SGPTConfig(), base.backbone, base.task)
     assert not SGPTConfig().cluster_metric and calls == []  # built without a frozen pass
     assert method.round_metrics(method.init_server(torch.Generator().manual_seed(0))) == {}
-    sgpt(SGPTConfig(cluster_metric=True), base.backbone, base.task)
-    n_test = len(task.data.test_labels)
-    assert sum(calls) == n_test + sum(len(task.train_idx[c]) for c in task.trainable_clients())
+    sgpt(SGPTConfig(cluster_metric=True), base.backbone, base.task)  # k-means reference only
+    assert sum(calls) == sum(len(task.train_idx[c]) for c in task.trainable_clients())
 
 
 @pytest.mark.parametrize(

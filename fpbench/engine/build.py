@@ -56,8 +56,6 @@ def build_method(
         train_idx=tuple(task.train_idx),
         heldout=task.heldout,
         train_labels=task.data.train_labels,
-        test_images=task.data.test_images,
-        test_labels=task.data.test_labels,
         coarse_of_class=task.data.coarse_of_class,
     )
     return method_cls(method_cls.Config(**cfg.method.args), backbone, info)

@@ -196,6 +196,8 @@ class Inputs:
         query: tuple[str, Callable[[Tensor], Tensor]] | None = None,
     ) -> None:
         self.backbone, self.task, self.frozen_input = backbone, task, frozen_input
+        self.query_fn = None if query is None else query[1]
+        self.batch_size = batch_size
         self.cached: dict[str, FrozenSplit] = {}
         self.queries: dict[str, FrozenSplit] = {}
         if cache is None or (query is None and frozen_input != "cls"):
@@ -248,6 +250,24 @@ class Inputs:
         """Cached frozen queries of these samples, or None when not cached."""
         cached = self.queries.get(split)
         return None if cached is None else cached[idx]
+
+    def test_queries(self) -> Tensor:
+        """Frozen queries (M, dq) of the whole test split: from the cache (computed there once,
+        as for evaluation), or without one computed `batch_size` at a time."""
+        data = self.task.data
+        idx = torch.arange(len(data.test_labels), device=data.test_labels.device)
+        cached = self.query("test", idx)
+        if cached is not None:
+            return cached
+        if self.query_fn is None:
+            raise RuntimeError("the method declares no frozen_query; its test split has none")
+        b = self.batch_size
+        with torch.no_grad():
+            parts = [
+                self.query_fn(self.backbone.preprocess(data.test_images[idx[i : i + b]])).float()
+                for i in range(0, len(idx), b)
+            ]
+        return torch.cat(parts)
 
     def train(self, idx: Tensor, augmentation: tuple[Augment, Tensor] | None = None) -> Tensor:
         """`x` of train samples idx (B,); `augmentation` (config, draws (B, 2)) gives each

@@ -36,7 +36,7 @@ from fpbench.engine.metrics import (
     summary,
 )
 from fpbench.engine.task import Task
-from fpbench.methods.base import ServerState
+from fpbench.methods.base import ServerState, TestSplit
 from fpbench.specs import RunConfig, TrainConfig
 from fpbench.store import Store
 
@@ -177,7 +177,8 @@ def _round(
     rows = [(None, "loss_train", loss, len(client_ids))]
     for g in groups:
         suffix = f"@{g.key}" if len(groups) > 1 else ""
-        metrics = g.method.round_metrics(servers[g.key])
+        test = TestSplit(task.data.test_labels, g.inputs.test_queries)
+        metrics = g.method.round_metrics(servers[g.key], test)
         rows += [(None, f"{k}{suffix}", v, None) for k, v in metrics.items()]
     if r == 0:  # a property of the method, stored once (the largest over backbones)
         count = max(params_trainable(s.params, s.personal) for s in servers.values())

@@ -9,6 +9,7 @@ evaluation and storage; a method owns its parameters and its math.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -66,9 +67,18 @@ class TaskInfo:
     train_idx: tuple[Tensor, ...] | None = None  # per client: its indices into train_images
     heldout: Tensor | None = None  # (N,) bool: held-out clients never train nor share
     train_labels: Tensor | None = None  # (n,) labels of train_images (PEP-FedPT's warm start)
-    test_images: Tensor | None = None  # (M, 3, H, W) uint8 test split (SGPT's acc_cluster)
-    test_labels: Tensor | None = None  # (M,) fine labels of test_images
+    # No test split: a metric that needs it reads the engine's `TestSplit` in `round_metrics`.
     coarse_of_class: Tensor | None = None  # (C,) coarse class of each class; None: no hierarchy
+
+
+@dataclass(frozen=True)
+class TestSplit:
+    """What `round_metrics` may read of the test split, from the engine: its labels and, on
+    request, its frozen queries (see `Method.frozen_query`); never the images."""
+
+    __test__ = False  # not a pytest test class
+    labels: Tensor  # (M,)
+    queries: Callable[[], Tensor]  # () -> (M, dq), computed (or read from the cache) when called
 
 
 @dataclass(frozen=True)
@@ -265,8 +275,9 @@ class Method:
         """The frozen query (B, dq) of preprocessed images (see `frozen_query`)."""
         raise NotImplementedError
 
-    def round_metrics(self, server: ServerState) -> dict[str, float]:
-        """Method-specific scalars stored every round after aggregation (default: none)."""
+    def round_metrics(self, server: ServerState, test: TestSplit | None = None) -> dict[str, float]:
+        """Method-specific scalars stored every round after aggregation (default: none); `test`
+        is the engine's view of the test split, for diagnostics that score on it."""
         return {}
 
     # -- optional local adaptation before evaluation (personal methods) ----------------------

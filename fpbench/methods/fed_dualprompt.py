@@ -42,6 +42,7 @@ from fpbench.methods.base import (
     MethodConfig,
     ServerState,
     TaskInfo,
+    TestSplit,
     init_linear,
     init_prompts,
     per_client_linear,
@@ -178,6 +179,6 @@ class FedDualPrompt(Method):
         buffers = dict(new.buffers) | {k: v.to(e.device) for k, v in sims.items()}
         return ServerState(new.params, new.personal, buffers)
 
-    def round_metrics(self, server: ServerState) -> dict[str, float]:
+    def round_metrics(self, server: ServerState, test: TestSplit | None = None) -> dict[str, float]:
         """FGPT Table 11's prompt similarities of the last aggregation (where defined)."""
         return finite_similarities(server.buffers)

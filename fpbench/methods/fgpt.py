@@ -40,6 +40,7 @@ from fpbench.methods.base import (
     PresetConfig,
     ServerState,
     TaskInfo,
+    TestSplit,
     init_linear,
     init_prompts,
     per_client_linear,
@@ -359,7 +360,7 @@ class FGPT(Method):
         buffers.update({k: v.to(device) for k, v in sims.items()})
         return ServerState(params, server.personal, buffers)
 
-    def round_metrics(self, server: ServerState) -> dict[str, float]:
+    def round_metrics(self, server: ServerState, test: TestSplit | None = None) -> dict[str, float]:
         """Table 11's prompt similarities of the last aggregation (where defined)."""
         return finite_similarities(server.buffers)
 

@@ -40,8 +40,9 @@ Table 4's acc_cluster is Select's clustering accuracy on the test set (Sec. 4.3,
 Clustering Performance"): each test sample takes its nearest current key, and the groups are
 scored against the samples' coarse labels under the best one-to-one matching of groups to coarse
 classes (Hungarian; an unmatched group counts as wrong, so a collapse onto one group scores the
-largest coarse class's share, 1/20 on CIFAR-100, the paper's 5.00 for FedAvg keys). The test
-queries are computed once; datasets without coarse labels record no acc_cluster.
+largest coarse class's share, 1/20 on CIFAR-100, the paper's 5.00 for FedAvg keys). The method
+never holds the test split: the engine hands `round_metrics` its labels and frozen queries
+(computed once, as for evaluation); datasets without coarse labels record no acc_cluster.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from fpbench.methods.base import (
     PresetConfig,
     ServerState,
     TaskInfo,
+    TestSplit,
     init_linear,
     init_prompts,
     per_client_linear,
@@ -202,7 +204,8 @@ class SGPTConfig(PresetConfig):
         "record appendix D.2's congruence with centralised k-means every round "
         "(metrics congruence_kmeans, cluster_overlap, cluster_purity; one frozen pass over "
         "cluster_samples train images at start) and Table 4's acc_cluster against the coarse "
-        "labels (one frozen pass over the test set at start; skipped without coarse labels)",
+        "labels (from the test split's frozen queries, which evaluation computes anyway; "
+        "skipped without coarse labels)",
     )
     cluster_samples: int = Field(
         2000, ge=1, description="train samples (seeded draw) the congruence score is computed on"
@@ -304,10 +307,8 @@ class SGPT(Method):
         if self.group_layers and cfg.num_groups > d:
             raise FpbenchError(f"sgpt num_groups {cfg.num_groups} > embed dim {d}: keys orthogonal")
         self.cluster: tuple[Tensor, Tensor, Tensor] | None = None  # queries, k-means, classes
-        self.coarse: tuple[Tensor, Tensor] | None = None  # test queries, their coarse classes
         if cfg.cluster_metric and self.group_layers:
             self.cluster = self._cluster_reference(task)
-            self.coarse = self._coarse_reference(task)
 
     def _cluster_reference(self, task: TaskInfo) -> tuple[Tensor, Tensor, Tensor] | None:
         """Frozen queries (n, dq) of a seeded draw of the training clients' images, their
@@ -329,17 +330,6 @@ class SGPT(Method):
         queries = self.frozen_queries(task.train_images, pick)  # (n, dq)
         labels, _ = kmeans(queries, self.cfg.num_groups, seed=0)
         return queries, labels, task.train_labels[pick].to(queries.device)
-
-    def _coarse_reference(self, task: TaskInfo) -> tuple[Tensor, Tensor] | None:
-        """Frozen queries (M, dq) of the whole test set and the coarse classes (M,) of its
-        labels; None where the dataset has no coarse labels or the caller gives no test set."""
-        labels, coarse_of_class = task.test_labels, task.coarse_of_class
-        if coarse_of_class is None or task.test_images is None or labels is None or not len(labels):
-            return None
-        idx = torch.arange(len(labels), device=task.test_images.device)
-        queries = self.frozen_queries(task.test_images, idx)  # (M, dq)
-        coarse = coarse_of_class.to(labels.device)[labels]  # (M,)
-        return queries, coarse.to(queries.device)
 
     def frozen_queries(self, images: Tensor, idx: Tensor, batch: int = 256) -> Tensor:
         """Select's queries (n, dq) of the uint8 images[idx], `batch` at a time, in float32."""
@@ -485,10 +475,11 @@ class SGPT(Method):
             return base + ctx.earlier["select_counts"]
         return base
 
-    def round_metrics(self, server: ServerState) -> dict[str, float]:
+    def round_metrics(self, server: ServerState, test: TestSplit | None = None) -> dict[str, float]:
         """Appendix D.2's congruence of the current keys' groups (nearest key, as at test time)
         with centralised k-means on the same frozen queries (see `congruence`), and Table 4's
-        clustering accuracy on the test set against its coarse labels (`cluster_accuracy`)."""
+        clustering accuracy on the test set against its coarse labels (`cluster_accuracy`),
+        from the engine's `test` split (its frozen queries and labels)."""
         out: dict[str, float] = {}
         g = self.cfg.num_groups
         if self.cluster is not None:
@@ -497,9 +488,12 @@ class SGPT(Method):
             acc, score = congruence(km, groups, classes, g, g, self.task.num_classes)
             purity = overlap(groups, km, g, g)  # the other order: 1 / G-ish when Select collapses
             out |= {"cluster_overlap": acc, "congruence_kmeans": score, "cluster_purity": purity}
-        if self.coarse is not None:
-            queries, coarse = self.coarse
+        coarse_of_class = self.task.coarse_of_class
+        scored = self.cfg.cluster_metric and self.group_layers and coarse_of_class is not None
+        if scored and test is not None and len(test.labels):
+            queries = test.queries()  # (M, dq)
             groups = nearest_group(queries, server.params["keys"])  # (M,)
+            coarse = coarse_of_class.to(test.labels.device)[test.labels].to(groups.device)
             out["acc_cluster"] = cluster_accuracy(groups, coarse, g, self.num_coarse)
         return out
 
