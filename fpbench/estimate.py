@@ -208,6 +208,7 @@ def measure(
     from fpbench.engine.inputs import FeatureCache, Inputs
     from fpbench.engine.rounds import sampling_schedule
     from fpbench.engine.task import task_of
+    from fpbench.methods.base import Updates
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: the hub is never needed
     part = {"num_clients": shape.num_clients, "heldout_frac": shape.heldout_frac}
@@ -244,7 +245,7 @@ def measure(
         )  # fmt: skip
         weights = task.train_sizes[local.client_ids].to(device)
         server = method.aggregate(
-            server, local.params, local.client_ids.to(device), weights, local.stats
+            server, Updates(local.params, local.client_ids.to(device), weights, local.stats)
         )
         sync()
         train_s.append(time.perf_counter() - start)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fpbench.engine.executor import train_clients
-from fpbench.methods.base import Context
+from fpbench.methods.base import Context, Updates
 
 
 def test_fedvpt_d_inserts_one_prompt_set_per_layer(tiny):
@@ -67,7 +67,7 @@ def test_fedrep_averages_prompts_and_keeps_heads_personal(tiny):
     ids = task.trainable_clients()[:2]
     local = train_clients(method, server, task, ids, cfg.train, round_idx=0, seed=0)
     weights = task.train_sizes[local.client_ids]
-    new = method.aggregate(server, local.params, local.client_ids, weights, local.stats)
+    new = method.aggregate(server, Updates(local.params, local.client_ids, weights, local.stats))
     w = weights / weights.sum()
     torch.testing.assert_close(
         new.params["prompts"], torch.tensordot(w, local.params["prompts"], 1)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from fpbench.engine.executor import train_clients
 from fpbench.errors import FpbenchError
-from fpbench.methods.base import Context
+from fpbench.methods.base import Context, Updates
 from fpbench.methods.fed_dualprompt import DualPromptConfig, default_layers, select_prompts
 from fpbench.methods.fedmix import fedmix_loss
 from fpbench.methods.fedmoon import model_contrastive_loss
@@ -67,7 +67,7 @@ def test_fedpr_local_prompt_change_is_orthogonal_to_the_global_prompts(tiny):
     along = torch.einsum("klpd,lqd->klpq", change, server.params["prompts"])
     torch.testing.assert_close(along, torch.zeros_like(along), atol=1e-6, rtol=0)
     weights = task.train_sizes[local.client_ids]
-    new = method.aggregate(server, local.params, local.client_ids, weights, local.stats)
+    new = method.aggregate(server, Updates(local.params, local.client_ids, weights, local.stats))
     w = weights / weights.sum()
     expected = server.params["prompts"] + torch.einsum("k,klpd->lpd", w, change)
     torch.testing.assert_close(new.params["prompts"], expected)
@@ -127,7 +127,7 @@ def test_fedmix_shares_each_trainable_clients_mean_once(tiny):
     assert down["mean_images"].shape[0] == len(sharing) and up["mean_images"].shape[0] == 1
     ids = torch.tensor(sharing[:2])
     trained = method.client_params(server, ids)
-    new = method.aggregate(server, trained, ids, torch.ones(2), {})
+    new = method.aggregate(server, Updates(trained, ids, torch.ones(2), {}))
     down, up = method.communication(new)
     assert set(down) == set(up) == set(new.params)  # later rounds: prompts and head only
 
@@ -158,7 +158,9 @@ def test_fedmoon_round_one_term_is_constant_and_prev_prompts_stay_local(tiny):
     # prev = global = initial prompts: the contrastive term is log 2 for every sample
     torch.testing.assert_close(method.loss(params, x, y, rows, ctx), ce + math.log(2.0))
     local = _round(method, task, cfg, server)
-    new = method.aggregate(server, local.params, local.client_ids, torch.ones(len(ids)), {})
+    new = method.aggregate(
+        server, Updates(local.params, local.client_ids, torch.ones(len(ids)), {})
+    )
     prev = new.personal["prev_prompts"]
     torch.testing.assert_close(prev[local.client_ids], local.params["prompts"])
     for c in set(range(task.num_clients)) - set(ids.tolist()):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from fpbench.engine.evaluate import evaluate
 from fpbench.engine.executor import train_clients
-from fpbench.methods.base import Context
+from fpbench.methods.base import Context, Updates
 from fpbench.methods.fedem import responsibilities
 from fpbench.methods.per_fedavg import inner_half
 
@@ -37,7 +37,7 @@ def test_pfedpg_generator_descends_half_squared_distance_to_trained_prompts(tiny
     assert not torch.allclose(start["prompts"][0], start["prompts"][1])  # descriptor-specific
     gen = torch.Generator().manual_seed(1)
     trained = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in start.items()}
-    new = method.aggregate(server, trained, ids, torch.tensor([3.0, 1.0]), {})
+    new = method.aggregate(server, Updates(trained, ids, torch.tensor([3.0, 1.0]), {}))
 
     # the formula: phi' = phi - lr * grad_phi 1/2 mean_k ||P_k(phi) - P~_k||^2
     leaves = {k: v.clone().requires_grad_() for k, v in server.params.items()}
@@ -59,7 +59,7 @@ def test_pfedpg_keeps_heads_and_adapted_prompts_local(tiny):
     ids = torch.tensor([1, 3])
     start = method.client_params(server, ids)
     trained = {k: v + 1.0 for k, v in start.items()}
-    new = method.aggregate(server, trained, ids, torch.tensor([1.0, 1.0]), {})
+    new = method.aggregate(server, Updates(trained, ids, torch.tensor([1.0, 1.0]), {}))
     ev = method.eval_params(new, ids)
     for k in ("prompts", "head_w", "head_b"):
         torch.testing.assert_close(ev[k], trained[k])  # adapted prompts, own head
@@ -102,7 +102,7 @@ def test_pfedhn_server_step_is_torch_sgd_on_the_delta_gradient(tiny, reduce, div
     for _ in range(2):  # two rounds: the momentum buffer carries over in the server buffers
         start = method.client_params(server, ids)
         trained = {k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in start.items()}
-        server = method.aggregate(server, trained, ids, torch.ones(2), {})
+        server = method.aggregate(server, Updates(trained, ids, torch.ones(2), {}))
         opt.zero_grad()
         out = method.generate(leaves, ids)
         sum(0.5 * (out[k] - trained[k]).pow(2).sum() for k in out).div(divide).backward()
@@ -138,7 +138,7 @@ def test_fedem_weighted_loss_m_step_and_mixture_prediction(tiny):
     torch.testing.assert_close(ctx.stats["q_sum"], q.sum(0, keepdim=True))
     # M-step: pi = mean responsibility of the round's samples
     stats = {"q_sum": torch.tensor([[2.0, 1.0, 1.0]])}
-    new = method.aggregate(server, params, ids, torch.tensor([4.0]), stats)
+    new = method.aggregate(server, Updates(params, ids, torch.tensor([4.0]), stats))
     torch.testing.assert_close(new.personal["pi"][1], torch.tensor([0.5, 0.25, 0.25]))
     assert torch.equal(new.personal["pi"][0], server.personal["pi"][0])
     # prediction: log sum_m pi_m softmax(f_m(x)); a one-hot pi picks one learner
@@ -232,7 +232,7 @@ def test_p_pt_never_aggregates_prompts(tiny):
     ids = task.trainable_clients()[:2]
     local = train_clients(method, server, task, ids, cfg.train, round_idx=0, seed=0)
     weights = task.train_sizes[local.client_ids]
-    new = method.aggregate(server, local.params, local.client_ids, weights, local.stats)
+    new = method.aggregate(server, Updates(local.params, local.client_ids, weights, local.stats))
     for row, c in enumerate(ids):
         assert torch.equal(new.personal["prompts"][c], local.params["prompts"][row])
     others = [c for c in range(task.num_clients) if c not in ids]

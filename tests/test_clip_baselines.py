@@ -15,7 +15,7 @@ from fpbench.cli.data import data_app
 from fpbench.data.gpt_fl_generate import class_folder, generate_images, load_generated
 from fpbench.engine.executor import round_lr, train_clients
 from fpbench.errors import FpbenchError
-from fpbench.methods.base import Context
+from fpbench.methods.base import Context, Updates
 from fpbench.methods.powder import generation_weights
 from fpbench.methods.uopp import class_sums, dual_head
 from fpbench.specs import TrainConfig
@@ -88,13 +88,13 @@ def test_uopp_prototypes_are_count_weighted_and_added_once(tiny):
     trained = {"ctx": torch.stack([torch.full_like(server.params["ctx"], v) for v in (1.0, 4.0)])}
     stats = {"proto_sum": sums, "proto_count": counts}
     ids = torch.tensor([0, 2])
-    new = method.aggregate(server, trained, ids, torch.tensor([30.0, 10.0]), stats)
+    new = method.aggregate(server, Updates(trained, ids, torch.tensor([30.0, 10.0]), stats))
     torch.testing.assert_close(new.params["ctx"], torch.full_like(server.params["ctx"], 1.75))
     proto = new.buffers["prototypes"]
     torch.testing.assert_close(proto[0, :2], F.normalize(torch.tensor([3.0, 1.0]) / 4, dim=0))
     torch.testing.assert_close(proto[2, 2], torch.tensor(1.0))
     assert proto[1].abs().sum() == 0 and new.buffers["proto_seen"].tolist() == [1, 0, 1, 0]
-    again = method.aggregate(new, trained, ids, torch.tensor([30.0, 10.0]), stats)
+    again = method.aggregate(new, Updates(trained, ids, torch.tensor([30.0, 10.0]), stats))
     assert torch.equal(again.buffers["proto_count"], new.buffers["proto_count"])  # not re-added
     down, up = method.communication(again)
     assert set(down) == {"ctx", "prototypes"} and set(up) == {"ctx", "proto_sum", "proto_count"}
@@ -141,7 +141,9 @@ def test_powder_generation_aggregation_and_eval(tiny):
         first["start_ctx"], first["ctx"]
     )
     trained = {"ctx": torch.stack([torch.full_like(g, 1.0), torch.full_like(g, 4.0)])}
-    new = method.aggregate(server, trained, torch.tensor([0, 2]), torch.tensor([30.0, 10.0]), {})
+    new = method.aggregate(
+        server, Updates(trained, torch.tensor([0, 2]), torch.tensor([30.0, 10.0]), {})
+    )
     torch.testing.assert_close(new.params["ctx"], torch.full_like(g, 1.75))  # step 2: FedAvg
     assert torch.equal(new.buffers["pool"][2], trained["ctx"][1])  # step 1: the task's prompt
     assert new.buffers["pool_seen"].tolist() == [1, 0, 1, 0]

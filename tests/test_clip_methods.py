@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from fpbench.engine.executor import train_clients
 from fpbench.errors import FpbenchError
 from fpbench.methods.atpfl import info_nce
-from fpbench.methods.base import Context
+from fpbench.methods.base import Context, Updates
 from fpbench.methods.coop import CoOpModel
 from fpbench.methods.fedotp import transport_plan
 from fpbench.methods.sdfed import projector, separation_loss, stretch_loss
@@ -36,10 +36,10 @@ def test_prompts_are_averaged_by_sample_size(tiny, name):
     server = _server(method)
     expected = {"promptfl": {"ctx"}, "tpfl": {"ctx", "visual_prompt"}}[name]
     assert set(server.params) == expected
+    trained = _constant(server.params, [1.0, 4.0])
     new = method.aggregate(
-        server, _constant(server.params, [1.0, 4.0]), torch.tensor([0, 2]),
-        torch.tensor([30.0, 10.0]), {},
-    )  # fmt: skip
+        server, Updates(trained, torch.tensor([0, 2]), torch.tensor([30.0, 10.0]))
+    )
     for v in new.params.values():  # (30 * 1 + 10 * 4) / 40
         torch.testing.assert_close(v, torch.full_like(v, 1.75))
 
@@ -56,7 +56,7 @@ def test_atpfl_aggregate_stores_previous_prompts_and_globals(tiny):
     server = _server(method)
     trained = _constant(server.params, [1.0, 4.0])
     ids = torch.tensor([0, 2])
-    new = method.aggregate(server, trained, ids, torch.tensor([30.0, 10.0]), {})
+    new = method.aggregate(server, Updates(trained, ids, torch.tensor([30.0, 10.0]), {}))
     assert new.personal["has_prev"].tolist() == [1.0, 0.0, 1.0, 0.0]
     assert torch.equal(new.personal["prev_ctx"][2], trained["ctx"][1])
     assert torch.equal(new.personal["prev_visual"][1], server.personal["prev_visual"][1])
@@ -77,7 +77,9 @@ def test_sdfed_shares_only_the_global_prompt(tiny):
     trained = method.client_params(server, torch.tensor([1, 3]))
     trained["local_prompt"] = trained["local_prompt"] + 1.0
     trained["global_prompt"] = _constant(server.params, [2.0, 5.0])["global_prompt"]
-    new = method.aggregate(server, trained, torch.tensor([1, 3]), torch.tensor([1.0, 3.0]), {})
+    new = method.aggregate(
+        server, Updates(trained, torch.tensor([1, 3]), torch.tensor([1.0, 3.0]), {})
+    )
     torch.testing.assert_close(new.params["global_prompt"], torch.full((8, 32), 4.25))
     assert torch.equal(new.personal["local_prompt"][3], trained["local_prompt"][1])
     assert torch.equal(new.personal["local_prompt"][0], server.personal["local_prompt"][0])
@@ -237,7 +239,7 @@ def test_atpfl_second_round_executors_agree(tiny):
     trained = method.client_params(server, ids)
     trained = {k: v + 0.05 * torch.randn_like(v) if k in ("ctx", "visual_prompt") else v
                for k, v in trained.items()}  # fmt: skip
-    server = method.aggregate(server, trained, ids, task.train_sizes[ids], {})
+    server = method.aggregate(server, Updates(trained, ids, task.train_sizes[ids], {}))
     server.params = {k: v + 0.05 * torch.randn_like(v) for k, v in server.params.items()}
     local = _both_executors(method, task, cfg, server)
     assert torch.isfinite(local.loss).all()
@@ -333,7 +335,7 @@ def test_fedotp_local_prompt_never_leaves_the_client(tiny):
     trained = method.client_params(server, ids)
     trained["global_ctx"] = _constant(server.params, [1.0, 4.0])["global_ctx"]
     trained["local_ctx"] = trained["local_ctx"] + torch.tensor([10.0, 20.0]).view(2, 1, 1)
-    new = method.aggregate(server, trained, ids, torch.tensor([30.0, 10.0]), {})
+    new = method.aggregate(server, Updates(trained, ids, torch.tensor([30.0, 10.0]), {}))
     torch.testing.assert_close(
         new.params["global_ctx"], torch.full_like(server.params["global_ctx"], 1.75)
     )

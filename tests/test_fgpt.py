@@ -8,7 +8,7 @@ import torch
 from fpbench.engine.executor import train_clients
 from fpbench.engine.inputs import FeatureCache, Inputs
 from fpbench.errors import FpbenchError
-from fpbench.methods.base import Context
+from fpbench.methods.base import Context, Updates
 from fpbench.methods.fgpt import (
     PRESETS,
     FGPTConfig,
@@ -120,7 +120,7 @@ def test_round_counts_selections_and_aggregates_by_frequency(tiny):
     counts = local.stats["group_counts"]  # (K, G)
     sizes = task.train_sizes[local.client_ids]
     assert counts.sum(1).tolist() == (sizes * cfg.train.local_epochs).tolist()
-    new = method.aggregate(server, local.params, local.client_ids, sizes, local.stats)
+    new = method.aggregate(server, Updates(local.params, local.client_ids, sizes, local.stats))
     w = sizes / sizes.sum()
     torch.testing.assert_close(new.params["head_w"], torch.tensordot(w, local.params["head_w"], 1))
     torch.testing.assert_close(
@@ -239,7 +239,7 @@ def test_pt_fedavg_is_fedavg_at_the_shared_and_group_positions(tiny):
         method, server, task, task.trainable_clients(), cfg.train, round_idx=0, seed=0
     )
     sizes = task.train_sizes[local.client_ids]
-    new = method.aggregate(server, local.params, local.client_ids, sizes, local.stats)
+    new = method.aggregate(server, Updates(local.params, local.client_ids, sizes, local.stats))
     w = sizes / sizes.sum()
     for k in ("group_prompts", "shared_prompts", "head_w"):
         torch.testing.assert_close(new.params[k], torch.tensordot(w, local.params[k], 1))

@@ -11,6 +11,7 @@ from fpbench.methods.base import (
     Context,
     Method,
     ServerState,
+    Updates,
     per_client_linear,
     weighted_mean,
 )
@@ -81,7 +82,7 @@ def test_a_round_trains_is_deterministic_and_keeps_the_backbone(tiny, name):
     for k in local.params:
         assert torch.equal(again.params[k], local.params[k])
     weights = task.train_sizes[local.client_ids]
-    new = method.aggregate(server, local.params, local.client_ids, weights, local.stats)
+    new = method.aggregate(server, Updates(local.params, local.client_ids, weights, local.stats))
     for part in ("params", "personal", "buffers"):
         old, cur = getattr(server, part), getattr(new, part)
         assert {k: v.shape for k, v in old.items()} == {k: v.shape for k, v in cur.items()}
@@ -106,7 +107,9 @@ def test_fedavg_is_sample_weighted_mean(tiny):
         k: torch.stack([torch.full_like(v, 1.0), torch.full_like(v, 4.0)])
         for k, v in server.params.items()
     }
-    new = method.aggregate(server, trained, torch.tensor([0, 2]), torch.tensor([30.0, 10.0]), {})
+    new = method.aggregate(
+        server, Updates(trained, torch.tensor([0, 2]), torch.tensor([30.0, 10.0]), {})
+    )
     for v in new.params.values():  # (30 * 1 + 10 * 4) / 40 = 1.75
         torch.testing.assert_close(v, torch.full_like(v, 1.75))
 
@@ -116,7 +119,7 @@ def test_local_writes_back_personal_rows_only(tiny):
     server = _server(method)
     assert server.params == {}
     rows = {k: torch.stack([torch.full_like(v[0], 7.0)]) for k, v in server.personal.items()}
-    new = method.aggregate(server, rows, torch.tensor([1]), torch.tensor([5.0]), {})
+    new = method.aggregate(server, Updates(rows, torch.tensor([1]), torch.tensor([5.0]), {}))
     for k, v in new.personal.items():
         assert torch.equal(v[1], torch.full_like(v[1], 7.0))
         assert torch.equal(v[0], server.personal[k][0])

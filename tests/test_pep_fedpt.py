@@ -12,7 +12,7 @@ from timm.models.vision_transformer import VisionTransformer
 from fpbench.backbones import VIT_TEST_ARCH, PromptedViT
 from fpbench.engine.executor import train_clients
 from fpbench.errors import FpbenchError
-from fpbench.methods.base import Context
+from fpbench.methods.base import Context, Updates
 from fpbench.methods.pep_fedpt import (
     PRESETS,
     PEPConfig,
@@ -272,7 +272,7 @@ def test_without_client_data_the_first_round_warm_starts_from_frozen_features(ti
     torch.testing.assert_close(local.stats["proto_sum"], sums, atol=1e-4, rtol=1e-5)
     assert torch.equal(local.stats["proto_count"], counts)
     sizes = task.train_sizes[local.client_ids]
-    warm = method.aggregate(server, local.params, local.client_ids, sizes, local.stats)
+    warm = method.aggregate(server, Updates(local.params, local.client_ids, sizes, local.stats))
     assert warm.buffers["rounds_done"] == 1 and warm.buffers["prototypes"].abs().sum() > 0
 
 
@@ -289,8 +289,8 @@ def test_prompted_prototypes_and_dp_agree_across_executors(tiny):
     sums, _ = _frozen_class_means(method, task, ref.client_ids.tolist())
     assert not torch.allclose(ref.stats["proto_sum"], sums, atol=1e-3)  # prompted, not frozen
     sizes = task.train_sizes[ref.client_ids]
-    a = method.aggregate(server, ref.params, ref.client_ids, sizes, ref.stats)
-    b = method.aggregate(server, lock.params, lock.client_ids, sizes, lock.stats)
+    a = method.aggregate(server, Updates(ref.params, ref.client_ids, sizes, ref.stats))
+    b = method.aggregate(server, Updates(lock.params, lock.client_ids, sizes, lock.stats))
     torch.testing.assert_close(
         a.buffers["prototypes"], b.buffers["prototypes"], atol=1e-4, rtol=1e-4
     )
@@ -327,7 +327,7 @@ def test_everything_trained_is_fedavged(tiny, kind):
     }
     stats = {"proto_sum": torch.zeros(2, 2, 6, 32), "proto_count": torch.zeros(2, 6)}
     sizes = torch.tensor([30.0, 10.0])
-    new = method.aggregate(server, trained, torch.tensor([0, 2]), sizes, stats)
+    new = method.aggregate(server, Updates(trained, torch.tensor([0, 2]), sizes, stats))
     value = 2.5 if kind == "uniform" else 1.75  # (1 + 4) / 2; (30 * 1 + 10 * 4) / 40
     for v in new.params.values():
         torch.testing.assert_close(v, torch.full_like(v, value))

@@ -12,7 +12,7 @@ from fpbench.backbones import ViTFeatures
 from fpbench.engine.evaluate import evaluate
 from fpbench.engine.executor import train_clients
 from fpbench.errors import FpbenchError
-from fpbench.methods.base import Context
+from fpbench.methods.base import Context, Updates
 from fpbench.methods.keys import group_counts, key_cosines
 from fpbench.methods.sgpt import (
     SGPT_PRESETS,
@@ -182,7 +182,7 @@ def _toy_round(method, server, counts):
     trained = {k: torch.stack([torch.full_like(v, 1.0), torch.full_like(v, 3.0)])
                for k, v in server.params.items()}  # fmt: skip
     ids, weights = torch.tensor([0, 2]), torch.tensor([30.0, 10.0])
-    return method.aggregate(server, trained, ids, weights, {"select_counts": counts})
+    return method.aggregate(server, Updates(trained, ids, weights, {"select_counts": counts}))
 
 
 def test_aggregate_fedavg_momentum_and_selection_weighted_keys(tiny):
@@ -334,7 +334,9 @@ def test_switches_train_evaluate_and_keep_executors_equal(tiny):
     for k in ref.params:
         torch.testing.assert_close(lock.params[k], ref.params[k], atol=2e-5, rtol=1e-4)
     assert torch.equal(ref.stats["select_counts"], lock.stats["select_counts"])
-    new = method.aggregate(server, lock.params, lock.client_ids, task.train_sizes[ids], lock.stats)
+    new = method.aggregate(
+        server, Updates(lock.params, lock.client_ids, task.train_sizes[ids], lock.stats)
+    )
     assert new.buffers["select_counts"].sum() == lock.stats["select_counts"].sum() > 0
     counts = evaluate(method, new, task, 64)
     x = method.backbone.preprocess(task.data.test_images)

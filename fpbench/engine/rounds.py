@@ -36,7 +36,7 @@ from fpbench.engine.metrics import (
     summary,
 )
 from fpbench.engine.task import Task
-from fpbench.methods.base import ServerState, TestSplit
+from fpbench.methods.base import ServerState, TestSplit, Updates
 from fpbench.specs import RunConfig, TrainConfig
 from fpbench.store import Store
 
@@ -161,7 +161,7 @@ def _round(
         d, u = g.method.communication(servers[g.key])
         down, up = down + _nbytes(d) * len(weights), up + _nbytes(u) * len(weights)
         servers[g.key] = g.method.aggregate(
-            servers[g.key], local.params, local.client_ids.to(device), weights, local.stats
+            servers[g.key], Updates(local.params, local.client_ids.to(device), weights, local.stats)
         )
         losses.append(local.loss)
         weight[g.key] = float(weights.sum())

@@ -23,12 +23,14 @@ model-contrastive loss this one mirrors.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
-from fpbench.methods.base import Context, Phase, ServerState
+from fpbench.methods.base import Context, Phase, ServerState, Updates
 from fpbench.methods.tpfl import TPFLConfig, TwinPromptModel
 from fpbench.registry import METHODS
 
@@ -101,16 +103,10 @@ class ATPFL(TwinPromptModel):
         con_t = info_nce(text, text_g.expand_as(text), text_p, t).mean(-1)  # (K,)
         return con_t[client_index] + info_nce(feats, feats_g, feats_p, t)
 
-    def aggregate(
-        self,
-        server: ServerState,
-        trained: dict[str, Tensor],
-        client_ids: Tensor,
-        weights: Tensor,
-        stats: dict[str, Tensor],
-    ) -> ServerState:
+    def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
         """FedAvg of both prompts; each participant's trained prompts become its previous ones."""
+        trained, client_ids = updates.params, updates.client_ids
         done = {PREVIOUS[k]: trained[k] for k in PROMPTS}
         done["has_prev"] = torch.ones(len(client_ids), device=client_ids.device)
-        state = super().aggregate(server, {**trained, **done}, client_ids, weights, stats)
+        state = super().aggregate(server, replace(updates, params={**trained, **done}))
         return ServerState(state.params, state.personal, self._globals(state.params))

@@ -82,6 +82,16 @@ class TestSplit:
 
 
 @dataclass(frozen=True)
+class Updates:
+    """One round's results of the K clients that trained, each stacked along dim 0."""
+
+    params: dict[str, Tensor]  # their trained parameters (K, ...)
+    client_ids: Tensor  # (K,)
+    weights: Tensor  # (K,) aggregation weights (train sizes, see train.aggregation_weights)
+    stats: dict[str, Tensor] = field(default_factory=dict)  # what their forwards counted
+
+
+@dataclass(frozen=True)
 class Phase:
     """One block of local training: which parameters train, for how many epochs.
 
@@ -233,18 +243,10 @@ class Method:
         raise NotImplementedError(f"{self.name} sets a phase's resume_layer but has no prefix")
 
     # -- server -----------------------------------------------------------------------------
-    def aggregate(
-        self,
-        server: ServerState,
-        trained: dict[str, Tensor],
-        client_ids: Tensor,
-        weights: Tensor,
-        stats: dict[str, Tensor],
-    ) -> ServerState:
-        """New server state from the K clients' trained parameters; default FedAvg.
-
-        `weights` (K,) are the clients' train sizes; personal tensors are written back.
-        """
+    def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
+        """New server state from the round's `updates`; default FedAvg by their weights, with
+        personal tensors written back to the clients' rows."""
+        trained, client_ids, weights = updates.params, updates.client_ids, updates.weights
         w = (weights / weights.sum()).to(next(iter(trained.values())).dtype)
         params = {name: weighted_mean(trained[name], w) for name in server.params}
         personal = {

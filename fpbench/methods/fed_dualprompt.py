@@ -43,6 +43,7 @@ from fpbench.methods.base import (
     ServerState,
     TaskInfo,
     TestSplit,
+    Updates,
     init_linear,
     init_prompts,
     per_client_linear,
@@ -164,15 +165,9 @@ class FedDualPrompt(Method):
         server.buffers.update({n: torch.tensor(float("nan")) for n in SIMILARITIES})
         return server
 
-    def aggregate(
-        self,
-        server: ServerState,
-        trained: dict[str, Tensor],
-        client_ids: Tensor,
-        weights: Tensor,
-        stats: dict[str, Tensor],
-    ) -> ServerState:
-        new = super().aggregate(server, trained, client_ids, weights, stats)  # FedAvg
+    def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
+        trained, stats = updates.params, updates.stats
+        new = super().aggregate(server, updates)  # FedAvg
         e = trained["e_prompts"]  # (K, M, Le, p, d)
         counts = stats.get("prompt_counts", torch.zeros(e.shape[:2], device=e.device))
         sims = prompt_similarities(trained["g_prompts"], e, counts, new.params["e_prompts"])

@@ -30,6 +30,7 @@ from fpbench.methods.base import (
     Method,
     Phase,
     ServerState,
+    Updates,
     init_linear,
     init_prompts,
     per_client_linear,
@@ -106,15 +107,9 @@ class FedEM(Method):
             ctx.stats["q_sum"] = ctx.stats.get("q_sum", 0) + q_sum  # (K, M)
         return (q * losses).sum(-1)  # (B,)
 
-    def aggregate(
-        self,
-        server: ServerState,
-        trained: dict[str, Tensor],
-        client_ids: Tensor,
-        weights: Tensor,
-        stats: dict[str, Tensor],
-    ) -> ServerState:
-        new = super().aggregate(server, trained, client_ids, weights, stats)
+    def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
+        client_ids, stats = updates.client_ids, updates.stats
+        new = super().aggregate(server, updates)
         if "q_sum" in stats:
             q = stats["q_sum"].to(new.personal["pi"].dtype)  # (K, M)
             pi = q / q.sum(-1, keepdim=True).clamp_min(1e-12)  # M-step

@@ -40,7 +40,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fpbench.errors import FpbenchError
-from fpbench.methods.base import Context, ServerState
+from fpbench.methods.base import Context, ServerState, Updates
 from fpbench.methods.fedvpt import ShallowPromptModel, VPTConfig
 from fpbench.registry import METHODS
 
@@ -110,15 +110,8 @@ class FedMix(ShallowPromptModel):
                 logits, x_in, y, ctx.buffers["mix_image"], ctx.buffers["mix_label"], lam
             )
 
-    def aggregate(
-        self,
-        server: ServerState,
-        trained: dict[str, Tensor],
-        client_ids: Tensor,
-        weights: Tensor,
-        stats: dict[str, Tensor],
-    ) -> ServerState:
-        new = super().aggregate(server, trained, client_ids, weights, stats)
+    def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
+        new = super().aggregate(server, updates)
         sent = torch.ones_like(server.buffers["means_sent"])
         return ServerState(new.params, new.personal, {**new.buffers, "means_sent": sent})
 

@@ -23,12 +23,14 @@ Defaults: mu = 1 (MOON's setting for CIFAR-100 and Tiny-ImageNet; 5 for CIFAR-10
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
-from fpbench.methods.base import Context, Phase, ServerState, per_client_linear
+from fpbench.methods.base import Context, Phase, ServerState, Updates, per_client_linear
 from fpbench.methods.fedvpt import ShallowPromptModel, VPTConfig
 from fpbench.registry import METHODS
 
@@ -82,14 +84,8 @@ class FedMoon(ShallowPromptModel):
         con = model_contrastive_loss(z, z_glob, z_prev, self.cfg.temperature)
         return ce + self.cfg.mu * con
 
-    def aggregate(
-        self,
-        server: ServerState,
-        trained: dict[str, Tensor],
-        client_ids: Tensor,
-        weights: Tensor,
-        stats: dict[str, Tensor],
-    ) -> ServerState:
+    def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
+        trained = updates.params
         # this round's local prompts become each client's previous prompts
         local = {**trained, "prev_prompts": trained["prompts"]}
-        return super().aggregate(server, local, client_ids, weights, stats)
+        return super().aggregate(server, replace(updates, params=local))

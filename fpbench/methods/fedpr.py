@@ -36,11 +36,13 @@ Adam with lr 0.01.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from pydantic import Field
 from torch import Tensor
 
-from fpbench.methods.base import Context, Phase, ServerState
+from fpbench.methods.base import Context, Phase, ServerState, Updates
 from fpbench.methods.fedvpt_d import DeepConfig, FedVPTDeep
 from fpbench.registry import METHODS
 
@@ -109,19 +111,13 @@ class FedPR(FedVPTDeep):
         prompts = params["prompts"] + step  # (K, L, p, d)
         return super().forward({**params, "prompts": prompts}, x, client_index, ctx)
 
-    def aggregate(
-        self,
-        server: ServerState,
-        trained: dict[str, Tensor],
-        client_ids: Tensor,
-        weights: Tensor,
-        stats: dict[str, Tensor],
-    ) -> ServerState:
+    def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
+        trained = updates.params
         local_prompts = trained["prompts"] + project(
             trained["prompt_update"], server.buffers["projector"]
         )  # (K, L, p, d): what each client sends
         new = super().aggregate(
-            server, {**trained, "prompts": local_prompts}, client_ids, weights, stats
+            server, replace(updates, params={**trained, "prompts": local_prompts})
         )
         proj = null_space_projector(new.params["prompts"], self.cfg.keep_ratio, self.cfg.normalize)
         return ServerState(new.params, new.personal, {**new.buffers, "projector": proj})

@@ -41,6 +41,7 @@ from fpbench.methods.base import (
     ServerState,
     TaskInfo,
     TestSplit,
+    Updates,
     init_linear,
     init_prompts,
     per_client_linear,
@@ -337,15 +338,9 @@ class FGPT(Method):
         return logits.view(b, k, -1).mean(1)
 
     # -- server -----------------------------------------------------------------------------
-    def aggregate(
-        self,
-        server: ServerState,
-        trained: dict[str, Tensor],
-        client_ids: Tensor,
-        weights: Tensor,
-        stats: dict[str, Tensor],
-    ) -> ServerState:
-        params = super().aggregate(server, trained, client_ids, weights, stats).params  # FedAvg
+    def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
+        trained, stats = updates.params, updates.stats
+        params = super().aggregate(server, updates).params  # FedAvg
         buffers = dict(server.buffers)
         device = trained["head_w"].device
         sims = {"sim_shared_prompt": mean_pairwise_cosine(trained["shared_prompts"])}

@@ -39,6 +39,7 @@ Readings of the paper (defaults; switches where it matters):
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import ClassVar, Literal
 
 import torch
@@ -55,6 +56,7 @@ from fpbench.methods.base import (
     PresetConfig,
     ServerState,
     TaskInfo,
+    Updates,
     init_linear,
     init_prompts,
     per_client_linear,
@@ -411,17 +413,11 @@ class PEPFedPT(Method):
             ctx.stats["proto_dev"] = dev if old is None else torch.maximum(old, dev)
 
     # -- server -----------------------------------------------------------------------------
-    def aggregate(
-        self,
-        server: ServerState,
-        trained: dict[str, Tensor],
-        client_ids: Tensor,
-        weights: Tensor,
-        stats: dict[str, Tensor],
-    ) -> ServerState:
+    def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
+        client_ids, stats = updates.client_ids, updates.stats
         if self.cfg.aggregation == "uniform":
-            weights = torch.ones_like(weights)
-        params = super().aggregate(server, trained, client_ids, weights, stats).params  # FedAvg
+            updates = replace(updates, weights=torch.ones_like(updates.weights))
+        params = super().aggregate(server, updates).params  # FedAvg
         buffers = server.buffers
         if self.layers:
             counts = stats["proto_count"]  # (K, C)

@@ -37,6 +37,7 @@ from fpbench.methods.base import (
     Method,
     MethodConfig,
     ServerState,
+    Updates,
     init_linear,
     per_client_linear,
 )
@@ -95,14 +96,8 @@ class HypernetworkMethod(Method):
         feats = self.backbone.forward_features(x, {0: prompts}, style="shallow").cls  # (B, d)
         return per_client_linear(feats, params["head_w"], params["head_b"], client_index)
 
-    def aggregate(
-        self,
-        server: ServerState,
-        trained: dict[str, Tensor],
-        client_ids: Tensor,
-        weights: Tensor,
-        stats: dict[str, Tensor],
-    ) -> ServerState:
+    def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
+        trained, client_ids = updates.params, updates.client_ids
         grads = self.generator_grads(server.params, trained, client_ids)
         phi, buffers = self.server_step(server.params, grads, server.buffers)
         personal = {

@@ -34,7 +34,7 @@ from pydantic import Field
 from torch import Tensor
 
 from fpbench.errors import FpbenchError
-from fpbench.methods.base import ServerState, init_linear, init_prompts
+from fpbench.methods.base import ServerState, Updates, init_linear, init_prompts
 from fpbench.methods.pfedhn import HypernetConfig, HypernetworkMethod
 from fpbench.registry import METHODS
 
@@ -107,15 +107,9 @@ class PFedPG(HypernetworkMethod):
         heads = {n: server.personal[n][client_ids].clone() for n in ("head_w", "head_b")}
         return {"prompts": prompts, **heads}
 
-    def aggregate(
-        self,
-        server: ServerState,
-        trained: dict[str, Tensor],
-        client_ids: Tensor,
-        weights: Tensor,
-        stats: dict[str, Tensor],
-    ) -> ServerState:
-        new = super().aggregate(server, trained, client_ids, weights, stats)
+    def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
+        trained, client_ids = updates.params, updates.client_ids
+        new = super().aggregate(server, updates)
         local = server.personal["local_prompts"]
         new.personal["local_prompts"] = local.index_copy(0, client_ids, trained["prompts"].detach())
         return new

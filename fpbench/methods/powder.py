@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
-from fpbench.methods.base import Context, Phase, ServerState
+from fpbench.methods.base import Context, Phase, ServerState, Updates
 from fpbench.methods.coop import CoOpConfig, CoOpModel
 from fpbench.registry import METHODS
 
@@ -115,16 +115,10 @@ class Powder(CoOpModel):
                       reduction="none").sum(-1)  # fmt: skip
         return ce + self.cfg.distill * kl
 
-    def aggregate(
-        self,
-        server: ServerState,
-        trained: dict[str, Tensor],
-        client_ids: Tensor,
-        weights: Tensor,
-        stats: dict[str, Tensor],
-    ) -> ServerState:
+    def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
         """Step 1: participants' prompts into their pool rows; step 2: FedAvg into G."""
-        params = super().aggregate(server, trained, client_ids, weights, stats).params
+        trained, client_ids = updates.params, updates.client_ids
+        params = super().aggregate(server, updates).params
         pool = server.buffers["pool"].index_copy(0, client_ids, trained["ctx"].detach())
         seen = server.buffers["pool_seen"].index_fill(0, client_ids, 1.0)
         return ServerState(params, {}, {"pool": pool, "pool_seen": seen})

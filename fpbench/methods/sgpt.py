@@ -65,6 +65,7 @@ from fpbench.methods.base import (
     ServerState,
     TaskInfo,
     TestSplit,
+    Updates,
     init_linear,
     init_prompts,
     per_client_linear,
@@ -504,15 +505,9 @@ class SGPT(Method):
         return 0 if coarse is None else int(coarse.max()) + 1
 
     # -- server -----------------------------------------------------------------------------
-    def aggregate(
-        self,
-        server: ServerState,
-        trained: dict[str, Tensor],
-        client_ids: Tensor,
-        weights: Tensor,
-        stats: dict[str, Tensor],
-    ) -> ServerState:
-        new = super().aggregate(server, trained, client_ids, weights, stats)  # FedAvg
+    def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
+        trained, weights, stats = updates.params, updates.weights, updates.stats
+        new = super().aggregate(server, updates)  # FedAvg
         params, buffers = new.params, dict(server.buffers)
         if self.group_layers:
             w = (weights / weights.sum()).to(trained["head_w"].dtype)  # (K,)

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fpbench.methods.base import Context, ServerState
+from fpbench.methods.base import Context, ServerState, Updates
 from fpbench.methods.coop import CoOpModel
 from fpbench.registry import METHODS
 
@@ -117,16 +117,10 @@ class UOPP(CoOpModel):
         logits = self.logits(feats, self.text_features(params["ctx"]), client_index)
         return F.cross_entropy(logits, y, reduction="none")
 
-    def aggregate(
-        self,
-        server: ServerState,
-        trained: dict[str, Tensor],
-        client_ids: Tensor,
-        weights: Tensor,
-        stats: dict[str, Tensor],
-    ) -> ServerState:
+    def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
         """FedAvg of the prompt; first-time participants' class sums join the prototypes."""
-        state = super().aggregate(server, trained, client_ids, weights, stats)
+        trained, client_ids, stats = updates.params, updates.client_ids, updates.stats
+        state = super().aggregate(server, updates)
         buf = dict(server.buffers)
         new = (1 - buf["proto_seen"][client_ids]).to(trained["ctx"].dtype)  # (K,)
         if "proto_sum" in stats:
