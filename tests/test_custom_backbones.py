@@ -15,6 +15,7 @@ from fpbench.backbones.custom import open_clip_backbone
 from fpbench.cli import app
 from fpbench.errors import FpbenchError
 from fpbench.registry import BACKBONES
+from fpbench.store import Store
 from tests.conftest import TINY_SUITE_TOML
 
 DEIT = "deit_tiny_distilled_patch16_224"  # 2 prefix tokens (class + distillation)
@@ -139,3 +140,22 @@ def test_suite_runs_with_an_open_clip_model_fpbench_does_not_list(
     result = CliRunner().invoke(app, ["run", "--suite", str(suite), "--db", "r.db"])
     assert result.exit_code == 0, result.output
     assert "coop-local / synthetic / pathological / seed 0  done" in result.output
+
+
+def test_suite_runs_with_a_timm_model_fpbench_does_not_list(tmp_path, monkeypatch, deit_file):
+    path, _ = deit_file
+    monkeypatch.chdir(tmp_path)
+    suite = tmp_path / "s.toml"
+    text = TINY_SUITE_TOML.replace(
+        'backbone = { name = "vit-test" }',
+        f'backbone = {{ name = "timm:{DEIT}", weights = "{path}" }}',
+    )
+    suite.write_text(text.replace('[[methods]]\nname = "head-tune"\n', ""))
+    result = CliRunner().invoke(app, ["run", "--suite", str(suite), "--db", "r.db"])
+    assert result.exit_code == 0, result.output
+    assert "fedvpt / synthetic / pathological / seed 0  done" in result.output
+    with Store("sqlite:///r.db") as store:
+        runs = store.runs()
+        config = store.get_run(str(runs["id"].iloc[0])).config
+    assert runs["status"].tolist() == ["done"] and runs["last_round"].tolist() == [1]
+    assert config["backbone"]["name"] == f"timm:{DEIT}"
