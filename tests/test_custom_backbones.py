@@ -126,18 +126,22 @@ def test_suite_with_an_unpromptable_backbone_exits_2_with_one_line(tmp_path, mon
     assert not (tmp_path / "results").exists()  # nothing written
 
 
+def _run_tiny_suite(folder, backbone: str, method: str):
+    """`fpbench run` on the tiny suite with this backbone line and only `method`."""
+    methods = '[[methods]]\nname = "head-tune"\n[[methods]]\nname = "fedvpt"\n'
+    text = TINY_SUITE_TOML.replace('backbone = { name = "vit-test" }', f"backbone = {backbone}")
+    suite = folder / "s.toml"
+    suite.write_text(text.replace(methods, f'[[methods]]\nname = "{method}"\n'))
+    return CliRunner().invoke(app, ["run", "--suite", str(suite), "--db", "r.db"])
+
+
 def test_suite_runs_with_an_open_clip_model_fpbench_does_not_list(
     tmp_path, monkeypatch, clip2_file
 ):
     path, _ = clip2_file
     monkeypatch.chdir(tmp_path)
-    suite = tmp_path / "s.toml"
-    text = TINY_SUITE_TOML.replace(
-        'backbone = { name = "vit-test" }',
-        f'backbone = {{ name = "open_clip:{CLIP2}", weights = "{path}" }}',
-    ).replace('name = "head-tune"', 'name = "coop-local"')
-    suite.write_text(text.replace('[[methods]]\nname = "fedvpt"\n', ""))
-    result = CliRunner().invoke(app, ["run", "--suite", str(suite), "--db", "r.db"])
+    backbone = f'{{ name = "open_clip:{CLIP2}", weights = "{path}" }}'
+    result = _run_tiny_suite(tmp_path, backbone, "coop-local")
     assert result.exit_code == 0, result.output
     assert "coop-local / synthetic / pathological / seed 0  done" in result.output
 
@@ -145,13 +149,7 @@ def test_suite_runs_with_an_open_clip_model_fpbench_does_not_list(
 def test_suite_runs_with_a_timm_model_fpbench_does_not_list(tmp_path, monkeypatch, deit_file):
     path, _ = deit_file
     monkeypatch.chdir(tmp_path)
-    suite = tmp_path / "s.toml"
-    text = TINY_SUITE_TOML.replace(
-        'backbone = { name = "vit-test" }',
-        f'backbone = {{ name = "timm:{DEIT}", weights = "{path}" }}',
-    )
-    suite.write_text(text.replace('[[methods]]\nname = "head-tune"\n', ""))
-    result = CliRunner().invoke(app, ["run", "--suite", str(suite), "--db", "r.db"])
+    result = _run_tiny_suite(tmp_path, f'{{ name = "timm:{DEIT}", weights = "{path}" }}', "fedvpt")
     assert result.exit_code == 0, result.output
     assert "fedvpt / synthetic / pathological / seed 0  done" in result.output
     with Store("sqlite:///r.db") as store:

@@ -33,7 +33,7 @@ from torch import Tensor
 from fpbench.backbones import PromptedViT
 from fpbench.engine.augment import augment
 from fpbench.engine.task import Task
-from fpbench.methods.base import Method
+from fpbench.methods.base import Method, batched_queries
 from fpbench.specs import Augment
 from fpbench.stages import report
 
@@ -198,6 +198,7 @@ class Inputs:
         self.backbone, self.task, self.frozen_input = backbone, task, frozen_input
         self.query_fn = None if query is None else query[1]
         self.batch_size = batch_size
+        self._test_queries: Tensor | None = None  # without a cache: computed once, kept
         self.cached: dict[str, FrozenSplit] = {}
         self.queries: dict[str, FrozenSplit] = {}
         if cache is None or (query is None and frozen_input != "cls"):
@@ -253,7 +254,7 @@ class Inputs:
 
     def test_queries(self) -> Tensor:
         """Frozen queries (M, dq) of the whole test split: from the cache (computed there once,
-        as for evaluation), or without one computed `batch_size` at a time."""
+        as for evaluation), or without one computed once here, `batch_size` at a time."""
         data = self.task.data
         idx = torch.arange(len(data.test_labels), device=data.test_labels.device)
         cached = self.query("test", idx)
@@ -261,13 +262,11 @@ class Inputs:
             return cached
         if self.query_fn is None:
             raise RuntimeError("the method declares no frozen_query; its test split has none")
-        b = self.batch_size
-        with torch.no_grad():
-            parts = [
-                self.query_fn(self.backbone.preprocess(data.test_images[idx[i : i + b]])).float()
-                for i in range(0, len(idx), b)
-            ]
-        return torch.cat(parts)
+        if self._test_queries is None:
+            self._test_queries = batched_queries(
+                self.query_fn, self.backbone, data.test_images, idx, self.batch_size
+            )
+        return self._test_queries
 
     def train(self, idx: Tensor, augmentation: tuple[Augment, Tensor] | None = None) -> Tensor:
         """`x` of train samples idx (B,); `augmentation` (config, draws (B, 2)) gives each

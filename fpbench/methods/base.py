@@ -304,6 +304,22 @@ def weighted_mean(stacked: Tensor, w: Tensor) -> Tensor:
 
 
 # -- small building blocks shared by methods --------------------------------------------------
+def batched_queries(
+    query: Callable[[Tensor], Tensor],
+    backbone: PromptedViT,
+    images: Tensor,
+    idx: Tensor,
+    batch: int = 256,
+) -> Tensor:
+    """A frozen query (n, dq) of the uint8 images[idx], `batch` at a time, in float32."""
+    with torch.no_grad():
+        parts = [
+            query(backbone.preprocess(images[idx[i : i + batch]])).float()
+            for i in range(0, len(idx), batch)
+        ]
+    return torch.cat(parts)
+
+
 def init_linear(gen: torch.Generator, out_dim: int, in_dim: int) -> tuple[Tensor, Tensor]:
     """PyTorch's default nn.Linear init: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias."""
     bound = 1.0 / math.sqrt(in_dim)

@@ -66,6 +66,7 @@ from fpbench.methods.base import (
     TaskInfo,
     TestSplit,
     Updates,
+    batched_queries,
     init_linear,
     init_prompts,
     per_client_linear,
@@ -328,18 +329,9 @@ class SGPT(Method):
         gen = torch.Generator().manual_seed(0)
         pick = pool[torch.randperm(len(pool), generator=gen)[: self.cfg.cluster_samples]]
         pick = pick.to(task.train_images.device)
-        queries = self.frozen_queries(task.train_images, pick)  # (n, dq)
+        queries = batched_queries(self.query, self.backbone, task.train_images, pick)  # (n, dq)
         labels, _ = kmeans(queries, self.cfg.num_groups, seed=0)
         return queries, labels, task.train_labels[pick].to(queries.device)
-
-    def frozen_queries(self, images: Tensor, idx: Tensor, batch: int = 256) -> Tensor:
-        """Select's queries (n, dq) of the uint8 images[idx], `batch` at a time, in float32."""
-        return torch.cat(
-            [
-                self.query(self.backbone.preprocess(images[idx[i : i + batch]])).float()
-                for i in range(0, len(idx), batch)
-            ]
-        )
 
     # -- parameters -------------------------------------------------------------------------
     def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
