@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from fpbench.engine.executor import train_clients
 from fpbench.errors import FpbenchError
-from fpbench.methods.base import Context, Updates
+from fpbench.methods.base import Context, Updates, as_logits
 from fpbench.methods.fed_dualprompt import DualPromptConfig, default_layers, select_prompts
 from fpbench.methods.fedmix import fedmix_loss
 from fpbench.methods.fedmoon import model_contrastive_loss
@@ -154,7 +154,7 @@ def test_fedmoon_round_one_term_is_constant_and_prev_prompts_stay_local(tiny):
     rows = torch.arange(len(ids)).repeat_interleave(3)
     x, y = method.backbone.preprocess(task.data.train_images[idx]), task.data.train_labels[idx]
     ctx = Context(training=True)
-    ce = F.cross_entropy(method.forward(params, x, rows, ctx), y, reduction="none")
+    ce = F.cross_entropy(as_logits(method.forward(params, x, rows, ctx)), y, reduction="none")
     # prev = global = initial prompts: the contrastive term is log 2 for every sample
     torch.testing.assert_close(method.loss(params, x, y, rows, ctx), ce + math.log(2.0))
     local = _round(method, task, cfg, server)
@@ -208,11 +208,11 @@ def test_each_sample_uses_the_e_prompt_of_its_key(tiny):
     query = method.backbone.forward_features(x).cls
     params["e_keys"] = torch.zeros_like(params["e_keys"])
     params["e_keys"][0, 3] = query.mean(0)  # every sample picks E-prompt 3
-    base = method.forward(params, x, rows, Context(training=False))
+    base = method.forward(params, x, rows, Context(training=False)).logits
     other = dict(params, e_prompts=params["e_prompts"].clone())
     bump = torch.randn(params["e_prompts"].shape[2:], generator=torch.Generator().manual_seed(1))
     other["e_prompts"][0, 5] += bump  # not a constant shift: LayerNorm would remove that
-    torch.testing.assert_close(method.forward(other, x, rows, Context(training=False)), base)
+    torch.testing.assert_close(method.forward(other, x, rows, Context(training=False)).logits, base)
     chosen = dict(params, e_prompts=params["e_prompts"].clone())
     chosen["e_prompts"][0, 3] += bump
     g, e = chosen["g_prompts"][0], chosen["e_prompts"][0, 3]  # the selected E-prompt, by hand
@@ -220,7 +220,8 @@ def test_each_sample_uses_the_e_prompt_of_its_key(tiny):
     prompts |= {b: e[i].expand(4, -1, -1) for i, b in enumerate(method.e_layers)}
     cls = method.backbone.forward_features(x, prompts, style="deep").cls
     expected = cls @ params["head_w"][0].T + params["head_b"][0]
-    torch.testing.assert_close(method.forward(chosen, x, rows, Context(training=False)), expected)
+    out = method.forward(chosen, x, rows, Context(training=False))
+    torch.testing.assert_close(out.logits, expected)
 
 
 def test_dualprompt_config_errors_name_the_fix(tiny):

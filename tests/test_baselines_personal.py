@@ -60,7 +60,7 @@ def test_pfedpg_keeps_heads_and_adapted_prompts_local(tiny):
     start = method.client_params(server, ids)
     trained = {k: v + 1.0 for k, v in start.items()}
     new = method.aggregate(server, Updates(trained, ids, torch.tensor([1.0, 1.0]), {}))
-    ev = method.eval_params(new, ids)
+    ev = method.client_params(new, ids, training=False)
     for k in ("prompts", "head_w", "head_b"):
         torch.testing.assert_close(ev[k], trained[k])  # adapted prompts, own head
     assert torch.equal(new.personal["head_w"][0], server.personal["head_w"][0])
@@ -143,7 +143,7 @@ def test_fedem_weighted_loss_m_step_and_mixture_prediction(tiny):
     assert torch.equal(new.personal["pi"][0], server.personal["pi"][0])
     # prediction: log sum_m pi_m softmax(f_m(x)); a one-hot pi picks one learner
     new.personal["pi"][1] = torch.tensor([0.0, 1.0, 0.0])
-    ev = method.eval_params(new, ids)
+    ev = method.client_params(new, ids, training=False)
     logits = method.forward(ev, x, rows, Context(training=False))
     torch.testing.assert_close(logits, per_learner[:, 1].log_softmax(-1), atol=1e-5, rtol=1e-5)
     down, up = method.communication(new)
@@ -214,7 +214,7 @@ def test_per_fedavg_takes_one_local_step_before_evaluation(tiny):
     # the step itself: theta - alpha * grad of each row's mean loss
     x = method.backbone.preprocess(task.data.train_images[:3])
     y = task.data.train_labels[:3]
-    start = method.eval_params(server, torch.tensor([0]))
+    start = method.client_params(server, torch.tensor([0]), training=False)
     stepped = plain_adapt(start, x, y, torch.zeros(3, dtype=torch.long), Context(training=False))
     theta = {k: v.clone().requires_grad_() for k, v in start.items()}
     F.cross_entropy(

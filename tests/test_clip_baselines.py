@@ -106,7 +106,7 @@ def test_uopp_eval_uses_the_prototype_head_where_confident(tiny):
     feats = torch.randn(5, method.backbone.embed_dim, generator=torch.Generator().manual_seed(1))
     protos = F.normalize(feats[:3], dim=-1)  # samples 0..2 are their own class prototype
     server.buffers["prototypes"] = torch.cat([protos, torch.zeros(task.data.num_classes - 3, 32)])
-    params = method.eval_params(server, torch.tensor([0]))
+    params = method.client_params(server, torch.tensor([0]), training=False)
     rows = torch.zeros(5, dtype=torch.long)
     train_logits = method.forward(params, feats, rows, Context(training=True))
     logits = method.forward(params, feats, rows, Context(training=False, buffers=server.buffers))
@@ -158,7 +158,7 @@ def test_powder_generation_aggregation_and_eval(tiny):
     # client 0 excludes its own row: G and task 2 only
     start0 = method.client_params(new, torch.tensor([0]))["ctx"][0]
     assert start0.min() >= 1.75 - 1e-6 and start0.max() <= 4.0 + 1e-6
-    evals = method.eval_params(new, torch.tensor([0, 1]))["ctx"]
+    evals = method.client_params(new, torch.tensor([0, 1]), training=False)["ctx"]
     assert torch.equal(evals[0], trained["ctx"][0]) and torch.allclose(evals[1], start)
     down, up = method.communication(new)
     assert set(down) == set(up) == {"ctx"} and down["ctx"].shape == g.shape
@@ -169,12 +169,12 @@ def test_powder_distillation_vanishes_at_the_start_prompt(tiny):
     params = method.client_params(_server(method), torch.tensor([0]))
     feats, y = torch.randn(4, 32), torch.tensor([0, 1, 2, 3])
     rows = torch.zeros(4, dtype=torch.long)
-    ce = F.cross_entropy(method.forward(params, feats, rows, Context(training=True)), y,
-                         reduction="none")  # fmt: skip
+    logits = method.forward(params, feats, rows, Context(training=False))  # the bare logits
+    ce = F.cross_entropy(logits, y, reduction="none")
     torch.testing.assert_close(method.loss(params, feats, y, rows, Context(training=True)), ce)
     params["ctx"] = params["ctx"] + 0.1 * torch.randn_like(params["ctx"])
-    moved = method.forward(params, feats, rows, Context(training=True))
-    teacher = method.forward({"ctx": params["start_ctx"]}, feats, rows, Context(training=True))
+    moved = method.forward(params, feats, rows, Context(training=False))
+    teacher = method.forward({"ctx": params["start_ctx"]}, feats, rows, Context(training=False))
     kl = (teacher.softmax(-1) * (teacher.log_softmax(-1) - moved.log_softmax(-1))).sum(-1)
     out = method.loss(params, feats, y, rows, Context(training=True))
     torch.testing.assert_close(out, F.cross_entropy(moved, y, reduction="none") + kl)

@@ -256,7 +256,7 @@ class _TableMethod:
     def __init__(self, inference: str) -> None:
         self.inference = inference
 
-    def eval_params(self, server, ids):
+    def client_params(self, server, ids, training=True):
         return {"b": torch.zeros(len(ids), 3)}
 
     def adapt_samples(self) -> int:

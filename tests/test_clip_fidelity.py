@@ -216,7 +216,7 @@ def test_f1_macro_global_is_recorded_per_round_for_global_and_personal_methods(t
     _, task, method = tiny("promptfl")
     server = _server(method)
     ev = evaluate(method, server, task, 64)
-    params = method.eval_params(server, torch.zeros(1, dtype=torch.long))
+    params = method.client_params(server, torch.zeros(1, dtype=torch.long), training=False)
     x = task.data.test_images
     feats = method.backbone.encode_image(method.backbone.preprocess(x))
     rows = torch.zeros(len(x), dtype=torch.long)

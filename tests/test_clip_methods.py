@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from fpbench.engine.executor import train_clients
 from fpbench.errors import FpbenchError
 from fpbench.methods.atpfl import info_nce
-from fpbench.methods.base import Context, Updates
+from fpbench.methods.base import Context, Updates, as_logits
 from fpbench.methods.coop import CoOpModel
 from fpbench.methods.fedotp import transport_plan
 from fpbench.methods.sdfed import projector, separation_loss, stretch_loss
@@ -105,7 +105,7 @@ def test_atpfl_loss_adds_contrast_only_with_a_previous_prompt(tiny):
     y = task.data.train_labels[:4]
     rows = torch.tensor([0, 0, 1, 1])
     ctx = Context(training=True, buffers=server.buffers)
-    ce = F.cross_entropy(method.forward(params, x, rows, ctx), y, reduction="none")
+    ce = F.cross_entropy(as_logits(method.forward(params, x, rows, ctx)), y, reduction="none")
     torch.testing.assert_close(method.loss(params, x, y, rows, ctx), ce)  # round 0: no negative
     # previous prompt != global prompt: the global one must be the positive, the previous one
     # the negative (the terms written out by hand, so swapping the roles fails)
@@ -116,7 +116,7 @@ def test_atpfl_loss_adds_contrast_only_with_a_previous_prompt(tiny):
     params["ctx"] = params["ctx"] + 0.2 * torch.randn(params["ctx"].shape, generator=gen)
     params["visual_prompt"] = 0.3 * torch.randn(params["visual_prompt"].shape, generator=gen)
     out = method.loss(params, x, y, rows, ctx)
-    ce = F.cross_entropy(method.forward(params, x, rows, ctx), y, reduction="none")
+    ce = F.cross_entropy(as_logits(method.forward(params, x, rows, ctx)), y, reduction="none")
     t = method.cfg.temperature
 
     def l_con(z, glob, prev):  # -log e^(cos(z, g)/T) / (e^(cos(z, g)/T) + e^(cos(z, p)/T))

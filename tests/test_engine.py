@@ -36,7 +36,7 @@ def test_global_evaluation_indexes_one_prediction_pass(tiny):
     # the same counts from a per-client pass of the same global model
     for c, idx in enumerate(task.test_idx):
         x = method.backbone.preprocess(task.data.test_images[idx])
-        params = method.eval_params(server, torch.tensor([0]))
+        params = method.client_params(server, torch.tensor([0]), training=False)
         pred = method.forward(
             params, x, torch.zeros(len(idx), dtype=torch.long), Context(training=False)
         ).argmax(-1)

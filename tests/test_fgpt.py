@@ -179,9 +179,9 @@ def test_shared_prompted_query_selects_on_the_prompted_cls(tiny):
     prompted = method.backbone.forward_features(x, {0: shared}).cls
     ctx = Context(training=True, query=torch.zeros(8, 32))  # a cached query is not used
     torch.testing.assert_close(method.select_query(x, shared, ctx), prompted)
-    assert method.frozen_query() is None
+    assert method.frozen() is None
     frozen = _method(tiny, num_groups=4)[2]
-    assert frozen.frozen_query() == "final-cls"
+    assert frozen.frozen().name == "final-cls" and not frozen.frozen().as_input
     torch.testing.assert_close(frozen.query(x), method.backbone.forward_features(x).cls)
     assert not torch.allclose(frozen.query(x), prompted)
     assert torch.equal(frozen.select_query(x, shared, ctx), ctx.query)  # the engine's cache

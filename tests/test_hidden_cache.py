@@ -75,7 +75,7 @@ def test_resuming_from_cached_states_changes_nothing(tiny, name: str, executor: 
     cfg, task, method = tiny(name, local_epochs=2, weight_decay=1e-3, grad_clip=1.0)
     inputs = Inputs.of(method, task, FeatureCache(), batch_size=16)
     names = tuple(method.init_params(torch.Generator().manual_seed(0)))
-    assert any(resume_layer(method, inputs, p, cfg.train) for p in method.phases(2, names))
+    assert any(resume_layer(inputs, p, cfg.train) for p in method.phases(2, names))
     server = method.init_server(torch.Generator().manual_seed(0))
     ids = task.trainable_clients()
     runs = [
@@ -122,7 +122,7 @@ def test_no_resume_under_augmentation_or_without_a_cached_query(tiny) -> None:
     group = next(p for p in method.phases(1, names) if p.name == "group")
     assert group.resume_layer == min(method.group_layers) > 0
     cached = Inputs.of(method, task, FeatureCache(), batch_size=16)
-    assert resume_layer(method, cached, group, cfg.train) == group.resume_layer
-    assert resume_layer(method, Inputs.of(method, task), group, cfg.train) == 0  # no query
+    assert resume_layer(cached, group, cfg.train) == group.resume_layer
+    assert resume_layer(Inputs.of(method, task), group, cfg.train) == 0  # no query
     augmenting = cfg.train.model_copy(update={"augment": Augment(hflip=True)})
-    assert resume_layer(method, cached, group, augmenting) == 0
+    assert resume_layer(cached, group, augmenting) == 0

@@ -50,7 +50,7 @@ def test_owner_is_the_lowest_client_holding_a_sample() -> None:
 def test_training_computes_only_the_trained_clients_samples_once(tiny, forwards, name) -> None:
     cfg, task, method = tiny(name)
     inputs = Inputs.of(method, task, FeatureCache(), batch_size=16)
-    what = "query-" + method.frozen_query() if name == "sgpt" else "cls"
+    what = "query-" + method.frozen().name if name == "sgpt" else "cls"
     a, b, never = task.trainable_clients()
     _train_round(method, task, cfg, inputs, [a, b])
     expected = set(task.train_idx[a].tolist()) | set(task.train_idx[b].tolist())

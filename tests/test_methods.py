@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -10,15 +12,17 @@ from fpbench.engine.inputs import FeatureCache, Inputs
 from fpbench.methods.base import (
     Context,
     Method,
+    Output,
     ServerState,
     Updates,
+    as_logits,
     per_client_linear,
     weighted_mean,
 )
 from fpbench.registry import METHODS
 
 ALL = METHODS.names()
-WITH_QUERY = [n for n in ALL if METHODS.get(n).frozen_query is not Method.frozen_query]
+WITH_FROZEN = [n for n in ALL if METHODS.get(n).frozen is not Method.frozen]
 
 
 def _server(method):
@@ -46,13 +50,16 @@ def test_reference_and_lockstep_executors_agree(tiny, name):
     assert ref.stats.keys() == lock.stats.keys()
 
 
-@pytest.mark.parametrize("name", WITH_QUERY)
-def test_cached_frozen_query_changes_nothing(tiny, name):
+@pytest.mark.parametrize("name", WITH_FROZEN)
+def test_cached_frozen_work_changes_nothing(tiny, name):
     cfg, task, method = tiny(name)
+    frozen = method.frozen()
+    if frozen is None:
+        pytest.skip(f"{name} declares no frozen work (its subclass's override)")
     server = _server(method)
     ids = task.trainable_clients()
     cached = Inputs.of(method, task, FeatureCache(), batch_size=16)
-    assert set(cached.queries) == {"train", "test"}
+    assert set(cached.cached if frozen.as_input else cached.queries) == {"train", "test"}
     runs = [
         train_clients(
             method, server, task, ids, cfg.train, round_idx=0, seed=0, inputs=inputs
@@ -144,10 +151,10 @@ def test_weighted_mean():
 def test_head_tune_is_a_linear_head_on_cached_frozen_cls(tiny):
     _, task, method = tiny("head-tune")
     server = _server(method)
-    assert set(server.params) == {"head_w", "head_b"} and method.frozen_input == "cls"
+    assert set(server.params) == {"head_w", "head_b"} and method.frozen().as_input
     idx = torch.arange(3)
-    cached = Inputs(method.backbone, task, "cls", cache=FeatureCache(), batch_size=2).train(idx)
-    on_the_fly = Inputs(method.backbone, task, "cls", cache=None, batch_size=2).train(idx)
+    cached = Inputs.of(method, task, FeatureCache(), batch_size=2).train(idx)
+    on_the_fly = Inputs.of(method, task, batch_size=2).train(idx)
     cls = method.backbone.forward_features(
         method.backbone.preprocess(task.data.train_images[idx])
     ).cls
@@ -178,3 +185,23 @@ def test_server_state_round_trips():
     s = ServerState({"a": torch.ones(2)}, {"b": torch.zeros(3, 2)}, {"c": torch.arange(3)})
     t = ServerState.from_state_dict(s.state_dict())
     assert torch.equal(t.params["a"], s.params["a"]) and torch.equal(t.buffers["c"], s.buffers["c"])
+
+
+class _TwoLogits(Method):
+    name = "two-logits"
+
+    def forward(self, params, x, client_index, ctx):
+        logits = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+        return Output(logits, torch.tensor([0.5, 1.5])) if ctx.training else logits
+
+
+def test_default_loss_is_cross_entropy_plus_the_forwards_aux_loss():
+    method = _TwoLogits.__new__(_TwoLogits)  # its forward needs no backbone
+    y, rows = torch.tensor([0, 0]), torch.zeros(2, dtype=torch.long)
+    ce = torch.tensor([math.log(1 + math.exp(-2.0)), math.log(1 + math.exp(1.0))])
+    train = method.loss({}, torch.empty(2), y, rows, Context(training=True))
+    torch.testing.assert_close(train, ce + torch.tensor([0.5, 1.5]))
+    test = method.loss({}, torch.empty(2), y, rows, Context(training=False))
+    torch.testing.assert_close(test, ce)
+    logits = method.forward({}, None, rows, Context(training=True))
+    assert torch.equal(as_logits(logits), logits.logits)

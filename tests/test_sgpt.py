@@ -103,10 +103,11 @@ def test_loss_adds_the_key_loss_and_only_keys_get_its_gradient(tiny):
         params = {k: v.requires_grad_() for k, v in method.client_params(server, rows[:1]).items()}
         ctx = Context(training=True, phase="group", buffers=server.buffers)
         loss = method.loss(params, x, y, rows, ctx)
-        logits = method.forward(params, x, rows, ctx)
-        ce = torch.nn.functional.cross_entropy(logits, y, reduction="none")
+        out = method.forward(params, x, rows, ctx)
+        ce = torch.nn.functional.cross_entropy(out.logits, y, reduction="none")
         cos = key_cosines(method.query(x), params["keys"], rows)
         torch.testing.assert_close(loss - ce, -weight * cos.max(1).values)
+        torch.testing.assert_close(out.aux_loss, -weight * cos.max(1).values)
         loss.mean().backward()
         grads[weight] = {k: v.grad.clone() for k, v in params.items()}
     for name in ("group_prompts", "head_w", "head_b", "shared_prompts"):
@@ -251,7 +252,9 @@ def test_table3_share_row_is_fedvpt_d(tiny):
     pa = vptd.client_params(vptd.init_server(torch.Generator().manual_seed(3)), rows[:1])
     pb = share.client_params(share.init_server(torch.Generator().manual_seed(3)), rows[:1])
     for ctx in (Context(training=False), Context(training=True, phase="shared")):
-        torch.testing.assert_close(share.forward(pb, x, rows, ctx), vptd.forward(pa, x, rows, ctx))
+        torch.testing.assert_close(
+            share.forward(pb, x, rows, ctx).logits, vptd.forward(pa, x, rows, ctx)
+        )
 
 
 def test_communication_declares_counts(tiny):
@@ -343,7 +346,7 @@ def test_switches_train_evaluate_and_keep_executors_equal(tiny):
     rows = torch.zeros(len(x), dtype=torch.long)
     with torch.no_grad():  # the global model, nearest-key selection, on the whole test set
         params = method.client_params(new, rows[:1])
-        logits = method.forward(params, x, rows, Context(training=False))
+        logits = method.forward(params, x, rows, Context(training=False)).logits
     right = (logits.argmax(1) == task.data.test_labels).float().mean().item()
     assert counts.global_acc[0] == pytest.approx(right)
 
@@ -417,7 +420,7 @@ def test_vit_b16_head_reads_cls_and_the_group_tokens(arch, size):
         lambda _m, _a, out: final.__setitem__("tokens", out.detach())))  # fmt: skip
     with torch.no_grad():
         groups, _ = method.select_groups(params["keys"], x, rows, Context(training=False))
-        pooled = method.forward(params, x, rows, Context(training=False))
+        pooled = method.forward(params, x, rows, Context(training=False)).logits
     for h in hooks:
         h.remove()
     chosen = params["group_prompts"][0, groups]  # (B, 3, 1, d)

@@ -22,7 +22,7 @@ from fpbench.engine.executor import autocast, client_batches, derive_seed
 from fpbench.engine.inputs import Inputs
 from fpbench.engine.metrics import EvalCounts, macro_f1
 from fpbench.engine.task import Task
-from fpbench.methods.base import Context, Method, ServerState
+from fpbench.methods.base import Context, Method, ServerState, as_logits
 
 
 @torch.no_grad()
@@ -39,7 +39,7 @@ def logits_of(
     for start in range(0, len(idx), batch_size):
         x = inputs.test(idx[start : start + batch_size])
         ctx.query = inputs.query("test", idx[start : start + batch_size])
-        yield method.forward(params, x, rows[start : start + batch_size], ctx)  # (B, C)
+        yield as_logits(method.forward(params, x, rows[start : start + batch_size], ctx))
 
 
 def predict(
@@ -110,7 +110,7 @@ def _evaluate_global(
     label_space: str = "all",
 ) -> EvalCounts:
     data = task.data
-    params = method.eval_params(server, torch.zeros(1, dtype=torch.long))
+    params = method.client_params(server, torch.zeros(1, dtype=torch.long), training=False)
     ctx = Context(training=False, buffers=server.buffers)
     everything = torch.arange(len(data.test_labels), device=data.test_labels.device)
     rows = torch.zeros_like(everything)
@@ -176,7 +176,7 @@ def _evaluate_per_client(
     chunk = max(1, batch_size // 32)
     for start in range(0, len(clients), chunk):
         ids = torch.tensor(clients[start : start + chunk])
-        params = method.eval_params(server, ids)
+        params = method.client_params(server, ids, training=False)
         ctx = Context(
             training=False, priors=task.priors[ids.to(task.priors.device)], buffers=server.buffers
         )

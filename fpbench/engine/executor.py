@@ -155,7 +155,7 @@ def train_group(
     lr = round_lr(cfg, round_idx)
     for phase_idx, phase in enumerate(method.phases(cfg.local_epochs, tuple(params))):
         ctx.phase = phase.name
-        ctx.resume_layer = resume_layer(method, inputs, phase, cfg) if reuse_frozen else 0
+        ctx.resume_layer = resume_layer(inputs, phase, cfg) if reuse_frozen else 0
         hidden = None
         if ctx.resume_layer:
             rows = [task.train_idx[c].to(device) for c in client_ids]
@@ -224,16 +224,16 @@ def phase_optimizer(
     return OptimizerGroup(opts)
 
 
-def resume_layer(method: Method, inputs: Inputs, phase: Phase, cfg: TrainConfig) -> int:
+def resume_layer(inputs: Inputs, phase: Phase, cfg: TrainConfig) -> int:
     """The block a phase can resume from with cached states, or 0 where it cannot.
 
     Not under augmentation (every epoch sees new views), not for methods that take frozen
     features instead of images, and not where the method's query would have to be computed
     from the images (it is not cached).
     """
-    if not phase.resume_layer or cfg.augment.active or inputs.frozen_input is not None:
+    if not phase.resume_layer or cfg.augment.active or inputs.takes_features:
         return 0
-    if method.frozen_query() and not inputs.queries:
+    if inputs.frozen is not None and not inputs.queries:
         return 0
     return phase.resume_layer
 
@@ -270,7 +270,8 @@ def _step(
         cfg, seeds = views
         x = inputs.train(idx, augmentation=(cfg, uniforms(seeds[rows], idx, 2)))  # seeds (K,)
     ctx.query = inputs.query("train", idx)
-    per_sample = method.loss(leaves, x, task.data.train_labels[idx], rows, ctx)  # (B,)
+    ctx.labels = task.data.train_labels[idx]
+    per_sample = method.loss(leaves, x, ctx.labels, rows, ctx)  # (B,)
     counts = torch.zeros(k, device=idx.device).index_add_(0, rows, torch.ones_like(per_sample))
     sums = torch.zeros(k, device=idx.device, dtype=per_sample.dtype).index_add(0, rows, per_sample)
     return sums / counts.clamp(min=1)

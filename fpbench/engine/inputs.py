@@ -1,11 +1,11 @@
 """What a method's forward receives as `x`, and the cache that computes frozen work lazily, once.
 
 Most methods take preprocessed images: uint8 images stay on the device and are resized and
-normalised there per batch. A method that declares `frozen_input = "cls"` (e.g. head-tune) takes
-the frozen backbone's final cls features instead, and one that declares `frozen_query` gets its
-frozen per-sample query (e.g. SGPT's Select) in `ctx.query`. Neither depends on anything
-trained, so with a `FeatureCache` they are computed once per sample and kept, in memory and
-optionally on disk, and training a head on them skips the backbone entirely.
+normalised there per batch. A method's `frozen` work (`fpbench.methods.base.Frozen`) is either
+its input instead of the images (`as_input`, e.g. head-tune's final cls features) or a
+per-sample query handed over in `ctx.query` (e.g. SGPT's Select). It depends on nothing
+trained, so with a `FeatureCache` it is computed once per sample and kept, in memory and
+optionally on disk, and training a head on cached features skips the backbone entirely.
 
 Lazily: a sample's frozen features are computed the first time a batch needs them, so a run pays
 only for the clients it trains and, once it first evaluates, the test split. The unit of work is
@@ -33,7 +33,7 @@ from torch import Tensor
 from fpbench.backbones import PromptedViT
 from fpbench.engine.augment import augment
 from fpbench.engine.task import Task
-from fpbench.methods.base import Method, batched_queries
+from fpbench.methods.base import Frozen, Method, batched_queries
 from fpbench.specs import Augment
 from fpbench.stages import report
 
@@ -183,66 +183,56 @@ class FrozenSplit:
 
 
 class Inputs:
-    """Builds `x` for a batch of train or test indices, as the method's `frozen_input` asks."""
+    """Builds `x` for a batch of train or test indices, and `ctx.query`, as `Method.frozen`
+    declares."""
 
     def __init__(
         self,
         backbone: PromptedViT,
         task: Task,
-        frozen_input: str | None,
+        frozen: Frozen | None,
         *,
         cache: FeatureCache | None,
         batch_size: int,
-        query: tuple[str, Callable[[Tensor], Tensor]] | None = None,
     ) -> None:
-        self.backbone, self.task, self.frozen_input = backbone, task, frozen_input
-        self.query_fn = None if query is None else query[1]
+        self.backbone, self.task, self.frozen = backbone, task, frozen
+        self.takes_features = frozen is not None and frozen.as_input  # x: features, not images
         self.batch_size = batch_size
         self._test_queries: Tensor | None = None  # without a cache: computed once, kept
-        self.cached: dict[str, FrozenSplit] = {}
-        self.queries: dict[str, FrozenSplit] = {}
-        if cache is None or (query is None and frozen_input != "cls"):
+        self.cached: dict[str, FrozenSplit] = {}  # the forward's x, when `takes_features`
+        self.queries: dict[str, FrozenSplit] = {}  # ctx.query otherwise
+        if cache is None or frozen is None:
             return  # nothing frozen to keep
         data = task.data
-        base = f"{backbone_fingerprint(backbone)}-{data.fingerprint()}"
+        kind = frozen.name if frozen.as_input else f"query-{frozen.name}"
+        base = f"{backbone_fingerprint(backbone)}-{data.fingerprint()}-{kind}"
         split_owners = {
             "train": owners(len(data.train_labels), task.train_idx),
             "test": torch.zeros(len(data.test_labels), dtype=torch.long, device=task.priors.device),
         }
         images = {"train": data.train_images, "test": data.test_images}
-
-        def frozen(kind: str, fn: Callable[[Tensor], Tensor]) -> dict[str, FrozenSplit]:
-            return {
-                split: FrozenSplit(
-                    f"{kind} ({split})", fn, backbone, images[split], split_owners[split],
-                    cache=cache, key=f"{base}-{kind}-{split}", batch_size=batch_size,
-                )
-                for split in ("train", "test")
-            }  # fmt: skip
-
-        if query is not None:
-            self.queries = frozen(f"query-{query[0]}", query[1])
-        if frozen_input == "cls":
-            self.cached = frozen("cls", lambda x: backbone.forward_features(x).cls)
+        splits = {
+            split: FrozenSplit(
+                f"{kind} ({split})", frozen.fn, backbone, images[split], split_owners[split],
+                cache=cache, key=f"{base}-{split}", batch_size=batch_size,
+            )
+            for split in ("train", "test")
+        }  # fmt: skip
+        if frozen.as_input:
+            self.cached = splits
+        else:
+            self.queries = splits
 
     @classmethod
     def of(
         cls, method: Method, task: Task, cache: FeatureCache | None = None, batch_size: int = 256
     ) -> Inputs:
-        """The inputs `method` asks for (its `frozen_input`, its `frozen_query`).
+        """The inputs `method` asks for (its `frozen` work).
 
         With a cache, frozen features and queries are computed once per sample, when first
         needed (in batches of `batch_size`); without one, every batch computes them anew.
         """
-        name = method.frozen_query()
-        return cls(
-            method.backbone,
-            task,
-            method.frozen_input,
-            cache=cache,
-            batch_size=batch_size,
-            query=(name, method.query) if name else None,
-        )
+        return cls(method.backbone, task, method.frozen(), cache=cache, batch_size=batch_size)
 
     def frozen_splits(self) -> list[FrozenSplit]:
         return [*self.queries.values(), *self.cached.values()]
@@ -260,11 +250,11 @@ class Inputs:
         cached = self.query("test", idx)
         if cached is not None:
             return cached
-        if self.query_fn is None:
-            raise RuntimeError("the method declares no frozen_query; its test split has none")
+        if self.frozen is None or self.frozen.as_input:
+            raise RuntimeError("the method declares no frozen query; its test split has none")
         if self._test_queries is None:
             self._test_queries = batched_queries(
-                self.query_fn, self.backbone, data.test_images, idx, self.batch_size
+                self.frozen.fn, self.backbone, data.test_images, idx, self.batch_size
             )
         return self._test_queries
 
@@ -276,10 +266,7 @@ class Inputs:
         cfg, draws = augmentation
         bb = self.backbone
         x = augment(bb.preprocess(self.task.data.train_images[idx]), cfg, draws, bb.mean, bb.std)
-        if self.frozen_input == "cls":
-            with torch.no_grad():
-                return bb.forward_features(x).cls
-        return x
+        return self._features(x)
 
     def test(self, idx: Tensor | slice) -> Tensor:
         return self._get("test", self.task.data.test_images, idx)
@@ -287,11 +274,15 @@ class Inputs:
     def _get(self, split: str, images: Tensor, idx: Tensor | slice) -> Tensor:
         if split in self.cached:
             return self.cached[split][idx]
-        x = self.backbone.preprocess(images[idx])
-        if self.frozen_input == "cls":
-            with torch.no_grad():
-                return self.backbone.forward_features(x).cls
-        return x
+        return self._features(self.backbone.preprocess(images[idx]))
+
+    def _features(self, x: Tensor) -> Tensor:
+        """The forward's `x` of preprocessed images: themselves, or the frozen features."""
+        if not self.takes_features:
+            return x
+        assert self.frozen is not None
+        with torch.no_grad():
+            return self.frozen.fn(x)
 
 
 class HiddenCache:

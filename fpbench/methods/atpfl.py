@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
-from fpbench.methods.base import Context, Phase, ServerState, Updates
+from fpbench.methods.base import Context, Output, Phase, ServerState, Updates
 from fpbench.methods.tpfl import TPFLConfig, TwinPromptModel
 from fpbench.registry import METHODS
 
@@ -71,17 +71,21 @@ class ATPFL(TwinPromptModel):
     def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
         return [Phase("local", PROMPTS, local_epochs)]
 
-    def loss(
-        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor:
+    def forward(
+        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
+    ) -> Tensor | Output:
+        """Logits (B, C); in training, the weighted contrastive loss of clients that have
+        trained before (B,)."""
         text = self.text_features(params["ctx"])  # (K, C, E)
         feats = self.image_features(x, params["visual_prompt"][client_index])  # (B, E)
-        ce = F.cross_entropy(self.logits(feats, text, client_index), y, reduction="none")
+        logits = self.logits(feats, text, client_index)
+        if not ctx.training or self.cfg.mu == 0:
+            return logits
         has_prev = params["has_prev"][client_index]  # (B,)
-        if self.cfg.mu == 0 or not bool(has_prev.any()):
-            return ce
+        if not bool(has_prev.any()):
+            return logits
         con = self._contrast(params, x, text, feats, client_index, ctx)  # (B,)
-        return ce + self.cfg.mu * has_prev * con
+        return Output(logits, self.cfg.mu * has_prev * con)
 
     def _contrast(
         self,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -72,9 +72,18 @@ class TaskInfo:
 
 
 @dataclass(frozen=True)
+class Frozen:
+    """Per-sample work on the images that depends on nothing trained (see `Method.frozen`)."""
+
+    name: str  # its cache key: change it whenever the value would (layer, encoder, activation)
+    fn: Callable[[Tensor], Tensor]  # preprocessed images (B, 3, H, W) -> (B, ...)
+    as_input: bool = False  # the forward takes it as `x` instead of the images; else ctx.query
+
+
+@dataclass(frozen=True)
 class TestSplit:
     """What `round_metrics` may read of the test split, from the engine: its labels and, on
-    request, its frozen queries (see `Method.frozen_query`); never the images."""
+    request, its frozen queries (see `Method.frozen`); never the images."""
 
     __test__ = False  # not a pytest test class
     labels: Tensor  # (M,)
@@ -89,6 +98,19 @@ class Updates:
     client_ids: Tensor  # (K,)
     weights: Tensor  # (K,) aggregation weights (train sizes, see train.aggregation_weights)
     stats: dict[str, Tensor] = field(default_factory=dict)  # what their forwards counted
+
+
+class Output(NamedTuple):
+    """A forward's logits with a per-sample auxiliary loss that training adds to their
+    cross-entropy (e.g. SGPT's key loss); a forward with nothing to add returns bare logits."""
+
+    logits: Tensor  # (B, C)
+    aux_loss: Tensor | None = None  # (B,); None: nothing to add
+
+
+def as_logits(out: Tensor | Output) -> Tensor:
+    """The logits of a forward's result, whichever form it takes."""
+    return out.logits if isinstance(out, Output) else out
 
 
 @dataclass(frozen=True)
@@ -146,13 +168,16 @@ class Context:
     `earlier` are those statistics summed over the clients trained before this call in the same
     round: always empty in lockstep, filled one client after another by the reference executor
     (for methods whose reference code lets a client see its predecessors, e.g. SGPT's counts).
-    `query` are the batch's cached frozen queries (B, dq) when the method declares
-    `frozen_query` and the engine caches them; None: the method computes them itself.
+    `query` are the batch's cached frozen queries (B, dq) when the method declares them in
+    `frozen` and the engine caches them; None: the method computes them itself.
     `resume_layer` > 0: `x` holds the hidden states entering that block (see `Phase`).
+    `labels` are the batch's labels (B,) in training, for forwards that record per-class
+    statistics; None at evaluation.
     """
 
     training: bool
     phase: str = "eval"
+    labels: Tensor | None = None  # (B,)
     priors: Tensor | None = None  # (K, C)
     buffers: dict[str, Tensor] = field(default_factory=dict)
     stats: dict[str, Tensor] = field(default_factory=dict)
@@ -168,12 +193,10 @@ class Method:
     Config: ClassVar[type[MethodConfig]] = MethodConfig
     inference: ClassVar[Inference] = "global"
     personal: ClassVar[frozenset[str]] = frozenset()  # parameter names kept per client
-    # a personal method that says what it deploys to a new client (`eval_params` of a client
-    # that never trained): held-out clients are then scored with it instead of not applicable
+    # a personal method that says what it deploys to a new client (its evaluation
+    # `client_params` of a client that never trained): held-out clients are then scored with it
+    # instead of not applicable
     scores_new_clients: ClassVar[bool] = False
-    # None: forward takes preprocessed images; "cls": the frozen backbone's final cls features
-    # (B, d), which the engine computes once and caches.
-    frozen_input: ClassVar[str | None] = None
 
     def __init__(self, cfg: MethodConfig, backbone: PromptedViT, task: TaskInfo) -> None:
         self.cfg = cfg
@@ -196,8 +219,11 @@ class Method:
         shared = {k: v for k, v in params.items() if k not in self.personal}
         return ServerState(shared, personal)
 
-    def client_params(self, server: ServerState, client_ids: Tensor) -> dict[str, Tensor]:
-        """What the K clients start local training from, stacked (K, ...)."""
+    def client_params(
+        self, server: ServerState, client_ids: Tensor, training: bool = True
+    ) -> dict[str, Tensor]:
+        """The K clients' parameters, stacked (K, ...): what local training starts from, or
+        (`training=False`) what they are evaluated with; default the same for both."""
         k = len(client_ids)
         out = {
             name: p.unsqueeze(0).expand(k, *p.shape).clone() for name, p in server.params.items()
@@ -216,15 +242,21 @@ class Method:
     # -- math -------------------------------------------------------------------------------
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor:
-        """Logits (B, C) for inputs x (see `frozen_input`); row of each sample: client_index."""
+    ) -> Tensor | Output:
+        """Logits (B, C) for inputs x (images, or see `frozen`); row of sample i: client_index[i].
+        In training it may return `Output(logits, aux_loss)` to add to the cross-entropy."""
         raise NotImplementedError
 
     def loss(
         self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
     ) -> Tensor:
-        """Per-sample training loss (B,); the engine averages it per client."""
-        return F.cross_entropy(self.forward(params, x, client_index, ctx), y, reduction="none")
+        """Per-sample training loss (B,), averaged per client by the engine: cross-entropy plus
+        the forward's `aux_loss`. Override only for another objective (e.g. a meta-step)."""
+        out = self.forward(params, x, client_index, ctx)
+        if not isinstance(out, Output):
+            return F.cross_entropy(out, y, reduction="none")
+        ce = F.cross_entropy(out.logits, y, reduction="none")
+        return ce if out.aux_loss is None else ce + out.aux_loss
 
     def features(
         self, x: Tensor, ctx: Context, prompts: dict[int, Tensor], style: str
@@ -259,23 +291,14 @@ class Method:
         """Tensors (down, up) exchanged per participating client (default: global params)."""
         return server.params, server.params
 
-    def eval_params(self, server: ServerState, client_ids: Tensor) -> dict[str, Tensor]:
-        """Parameters used at evaluation for these clients, stacked (K, ...)."""
-        return self.client_params(server, client_ids)
+    def frozen(self) -> Frozen | None:
+        """Per-sample work on the images that depends on nothing trained, or None.
 
-    def frozen_query(self) -> str | None:
-        """A name for the frozen per-sample query `self.query(x)` computes, or None (no query).
-
-        The query must not depend on anything trained (e.g. the unprompted backbone's cls at
-        some layer); the name must change whenever its value would (layer, activation). The
-        engine then computes it once per (backbone, dataset, split, name), keeps it, and hands
-        each batch's rows to the method in `ctx.query`.
+        E.g. the final cls features a head trains on (`as_input`: the forward's `x`), or a
+        prompt-selection query (handed over in `ctx.query`). The engine computes it once per
+        (backbone, dataset, split, name), when a batch first needs it, and keeps it.
         """
         return None
-
-    def query(self, x: Tensor) -> Tensor:
-        """The frozen query (B, dq) of preprocessed images (see `frozen_query`)."""
-        raise NotImplementedError
 
     def round_metrics(self, server: ServerState, test: TestSplit | None = None) -> dict[str, float]:
         """Method-specific scalars stored every round after aggregation (default: none); `test`

@@ -5,7 +5,7 @@ class prompts "SOT ctx_1..ctx_M name . EOT" share M learnable context vectors (o
 `csc`, each class has its own), the frozen text encoder turns them into class weights, and the
 logits are exp(logit_scale) * cos(image feature, text feature), trained with cross-entropy. The
 image encoder, the text encoder and the logit scale stay frozen, so image features are computed
-once and cached (`frozen_input = "cls"`). Defaults follow CoOp: M = 16 random N(0, 0.02^2)
+once and cached (`frozen`, as the forward's input). Defaults follow CoOp: M = 16 random N(0, 0.02^2)
 vectors, class token at the end, generic context.
 
 `coop-local` is the "Local training" baseline of TPFL (Zhao et al., UbiComp 2023 adjunct,
@@ -31,6 +31,7 @@ from fpbench.backbones.clip_prompts import PromptLayout, init_context, phrase_le
 from fpbench.errors import FpbenchError
 from fpbench.methods.base import (
     Context,
+    Frozen,
     Method,
     MethodConfig,
     ServerState,
@@ -54,7 +55,6 @@ class CoOpModel(Method):
 
     Config = CoOpConfig
     backbone_family: ClassVar[str] = "clip"
-    frozen_input = "cls"
 
     def __init__(self, cfg: MethodConfig, backbone: PromptedCLIP, task: TaskInfo) -> None:
         super().__init__(cfg, backbone, task)
@@ -67,6 +67,11 @@ class CoOpModel(Method):
             raise FpbenchError(f"method {self.name} needs the dataset's class names")
         self._layouts: dict[int, PromptLayout] = {}
         self._fixed_text: dict[str, tuple[Tensor, Tensor]] = {}
+
+    def frozen(self) -> Frozen | None:
+        """The input: CLIP's frozen image features (B, E); methods that prompt the image
+        encoder take the images instead (None)."""
+        return Frozen("cls", lambda x: self.backbone.forward_features(x).cls, as_input=True)
 
     @property
     def n_ctx(self) -> int:

@@ -38,8 +38,10 @@ from fpbench.backbones import PromptedViT
 from fpbench.errors import FpbenchError
 from fpbench.methods.base import (
     Context,
+    Frozen,
     Method,
     MethodConfig,
+    Output,
     ServerState,
     TaskInfo,
     TestSplit,
@@ -122,18 +124,19 @@ class FedDualPrompt(Method):
         w, b = init_linear(gen, self.task.num_classes, d)
         return {"g_prompts": g, "e_prompts": e, "e_keys": keys, "head_w": w, "head_b": b}
 
-    def frozen_query(self) -> str:
-        return "final-cls"
+    def frozen(self) -> Frozen:
+        return Frozen("final-cls", self.query)
 
     @torch.no_grad()
     def query(self, x: Tensor) -> Tensor:
         """The frozen, unprompted backbone's final cls (B, d): what keys are matched against."""
         return self.backbone.forward_features(x).cls
 
-    def logits_and_match(
+    def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
-    ) -> tuple[Tensor, Tensor]:
-        """Logits (B, C) and each sample's cosine with its selected key (B,)."""
+    ) -> Output:
+        """Logits (B, C); in training, the key loss: each sample's weighted 1 - cosine with
+        its selected key (B,)."""
         query = ctx.query if ctx.query is not None else self.query(x)  # (B, d)
         index, match = select_prompts(params["e_keys"], query, client_index)
         if ctx.training:  # N_m^i of each row, for the similarity metrics
@@ -146,19 +149,7 @@ class FedDualPrompt(Method):
         prompts.update({b: e[:, i] for i, b in enumerate(self.e_layers)})
         feats = self.backbone.forward_features(x, prompts, style="deep").cls  # (B, d)
         logits = per_client_linear(feats, params["head_w"], params["head_b"], client_index)
-        return logits, match
-
-    def forward(
-        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor:
-        return self.logits_and_match(params, x, client_index, ctx)[0]
-
-    def loss(
-        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor:
-        logits, match = self.logits_and_match(params, x, client_index, ctx)
-        ce = F.cross_entropy(logits, y, reduction="none")  # (B,)
-        return ce + self.cfg.key_weight * (1 - match)
+        return Output(logits, self.cfg.key_weight * (1 - match) if ctx.training else None)
 
     def init_server(self, gen: torch.Generator) -> ServerState:
         server = super().init_server(gen)

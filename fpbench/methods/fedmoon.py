@@ -30,7 +30,14 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
-from fpbench.methods.base import Context, Phase, ServerState, Updates, per_client_linear
+from fpbench.methods.base import (
+    Context,
+    Output,
+    Phase,
+    ServerState,
+    Updates,
+    per_client_linear,
+)
 from fpbench.methods.fedvpt import ShallowPromptModel, VPTConfig
 from fpbench.registry import METHODS
 
@@ -58,8 +65,10 @@ class FedMoon(ShallowPromptModel):
         params = super().init_params(gen)
         return {**params, "prev_prompts": params["prompts"].clone()}
 
-    def client_params(self, server: ServerState, client_ids: Tensor) -> dict[str, Tensor]:
-        out = super().client_params(server, client_ids)
+    def client_params(
+        self, server: ServerState, client_ids: Tensor, training: bool = True
+    ) -> dict[str, Tensor]:
+        out = super().client_params(server, client_ids, training)
         out["global_prompts"] = out["prompts"].clone()  # (K, p, d) the positive's prompts
         return out
 
@@ -70,19 +79,19 @@ class FedMoon(ShallowPromptModel):
         """Final cls features (B, d) of x under each sample's row of prompts (K, p, d)."""
         return self.backbone.forward_features(x, {0: prompts[client_index]}, style="shallow").cls
 
-    def loss(
-        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor:
+    def forward(
+        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
+    ) -> Tensor | Output:
+        """Logits (B, C); in training, MOON's weighted contrastive loss (B,)."""
         z = self.represent(params["prompts"], x, client_index)  # (B, d)
         logits = per_client_linear(z, params["head_w"], params["head_b"], client_index)
-        ce = F.cross_entropy(logits, y, reduction="none")  # (B,)
-        if not self.cfg.mu:
-            return ce
+        if not (ctx.training and self.cfg.mu):
+            return logits
         with torch.no_grad():
             z_glob = self.represent(params["global_prompts"], x, client_index)
             z_prev = self.represent(params["prev_prompts"], x, client_index)
         con = model_contrastive_loss(z, z_glob, z_prev, self.cfg.temperature)
-        return ce + self.cfg.mu * con
+        return Output(logits, self.cfg.mu * con)
 
     def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
         trained = updates.params

@@ -73,7 +73,9 @@ class FedOTP(CoOpModel):
     Config = FedOTPConfig
     inference = "personal"
     personal = frozenset({"local_ctx"})
-    frozen_input = None
+
+    def frozen(self) -> None:
+        return None  # the image encoder is prompted: the forward takes the images
 
     def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
         return {"global_ctx": self.init_context(gen), "local_ctx": self.init_context(gen)}

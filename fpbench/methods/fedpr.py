@@ -95,8 +95,10 @@ class FedPR(FedVPTDeep):
         eye = torch.eye(d).expand(depth, d, d).clone()  # round 1: no projection
         return ServerState(server.params, server.personal, {"projector": eye})
 
-    def client_params(self, server: ServerState, client_ids: Tensor) -> dict[str, Tensor]:
-        out = super().client_params(server, client_ids)
+    def client_params(
+        self, server: ServerState, client_ids: Tensor, training: bool = True
+    ) -> dict[str, Tensor]:
+        out = super().client_params(server, client_ids, training)
         out["prompt_update"] = torch.zeros_like(out["prompts"])  # (K, L, p, d)
         return out
 

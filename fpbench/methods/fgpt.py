@@ -36,6 +36,7 @@ from fpbench.backbones import PromptedViT
 from fpbench.errors import FpbenchError
 from fpbench.methods.base import (
     Context,
+    Frozen,
     Method,
     PresetConfig,
     ServerState,
@@ -279,12 +280,13 @@ class FGPT(Method):
         return server
 
     # -- math -------------------------------------------------------------------------------
-    def frozen_query(self) -> str | None:
+    def frozen(self) -> Frozen | None:
         """Select's query is frozen (cached by the engine) unless it uses the shared prompts."""
         if not self.cfg.num_groups or self.cfg.query == "shared-prompted":
             return None
         enc = self.cfg.select_encoder
-        return "final-cls" if enc == "backbone" else f"timm-{enc}-{self.cfg.select_pretrained}"
+        name = "final-cls" if enc == "backbone" else f"timm-{enc}-{self.cfg.select_pretrained}"
+        return Frozen(name, self.query)
 
     @torch.no_grad()
     def query(self, x: Tensor) -> Tensor:

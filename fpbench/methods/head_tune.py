@@ -3,7 +3,7 @@
 The simplest parameter-efficient baseline of SGPT (Deng et al., CVPR 2024, Table 1) and
 PEP-FedPT. Client: cross-entropy on a linear head over the frozen cls token. Server: FedAvg of
 the head weighted by client train sizes. No prompts, so the backbone's features are fixed: the
-method asks for them as its input (`frozen_input = "cls"`) and the engine computes them once.
+method declares them as its `frozen` input and the engine computes them once.
 """
 
 from __future__ import annotations
@@ -11,7 +11,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fpbench.methods.base import Context, Method, MethodConfig, init_linear, per_client_linear
+from fpbench.methods.base import (
+    Context,
+    Frozen,
+    Method,
+    MethodConfig,
+    init_linear,
+    per_client_linear,
+)
 from fpbench.registry import METHODS
 
 
@@ -19,7 +26,10 @@ from fpbench.registry import METHODS
 class HeadTune(Method):
     name = "head-tune"
     Config = MethodConfig
-    frozen_input = "cls"
+
+    def frozen(self) -> Frozen:
+        """The input: the frozen backbone's final cls features (B, d)."""
+        return Frozen("cls", lambda x: self.backbone.forward_features(x).cls, as_input=True)
 
     def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
         w, b = init_linear(gen, self.task.num_classes, self.backbone.embed_dim)

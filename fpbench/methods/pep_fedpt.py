@@ -335,22 +335,7 @@ class PEPFedPT(Method):
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
     ) -> Tensor:
-        return self._forward(params, x, client_index, ctx)
-
-    def loss(
-        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor:
-        logits = self._forward(params, x, client_index, ctx, labels=y)
-        return F.cross_entropy(logits, y, reduction="none")
-
-    def _forward(
-        self,
-        params: dict[str, Tensor],
-        x: Tensor,
-        client_index: Tensor,
-        ctx: Context,
-        labels: Tensor | None = None,
-    ) -> Tensor:
+        """Logits (B, C); in training, also adds the batch's class sums to the round's stats."""
         vit, first = self.backbone, self.backbone.num_prefix_tokens
         shared = params["shared_prompts"][client_index]  # (B, S, d)
         tokens = _insert(vit.embed(x), shared, first, replace=False)  # (B, T, d)
@@ -368,8 +353,8 @@ class PEPFedPT(Method):
             n += 0 if replace else 1
             start = block
         tokens, _, n = vit.run_blocks(tokens, start, vit.depth, None, "accumulate", n)
-        if labels is not None and ctx.training and self.layers:
-            self._record(params, x, seen, client_index, labels, ctx)
+        if ctx.labels is not None and ctx.training and self.layers:
+            self._record(params, x, seen, client_index, ctx.labels, ctx)
         cls = vit.finish(tokens, n).cls  # (B, d)
         return per_client_linear(cls, params["head_w"], params["head_b"], client_index)
 

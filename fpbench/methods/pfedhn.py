@@ -83,7 +83,9 @@ class HypernetworkMethod(Method):
         momentum = {f"momentum.{k}": torch.zeros_like(v) for k, v in phi.items()}
         return ServerState(phi, {}, momentum)
 
-    def client_params(self, server: ServerState, client_ids: Tensor) -> dict[str, Tensor]:
+    def client_params(
+        self, server: ServerState, client_ids: Tensor, training: bool = True
+    ) -> dict[str, Tensor]:
         with torch.no_grad():
             out = self.generate(server.params, client_ids)
         out.update({name: t[client_ids].clone() for name, t in server.personal.items()})

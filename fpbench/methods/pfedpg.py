@@ -101,7 +101,14 @@ class PFedPG(HypernetworkMethod):
         mixed = (att @ v).transpose(1, 2).reshape(k_, p, d)  # (K, p, d)
         return {"prompts": basis + mixed @ phi["w_o"].T + phi["b_o"]}
 
-    def client_params(self, server: ServerState, client_ids: Tensor) -> dict[str, Tensor]:
+    def client_params(
+        self, server: ServerState, client_ids: Tensor, training: bool = True
+    ) -> dict[str, Tensor]:
+        """Training starts from generated prompts; evaluation uses each client's own trained
+        prompts and heads."""
+        if not training:
+            names = {"prompts": "local_prompts", "head_w": "head_w", "head_b": "head_b"}
+            return {k: server.personal[v][client_ids].clone() for k, v in names.items()}
         with torch.no_grad():
             prompts = self.generate(server.params, client_ids)["prompts"]
         heads = {n: server.personal[n][client_ids].clone() for n in ("head_w", "head_b")}
@@ -113,7 +120,3 @@ class PFedPG(HypernetworkMethod):
         local = server.personal["local_prompts"]
         new.personal["local_prompts"] = local.index_copy(0, client_ids, trained["prompts"].detach())
         return new
-
-    def eval_params(self, server: ServerState, client_ids: Tensor) -> dict[str, Tensor]:
-        names = {"prompts": "local_prompts", "head_w": "head_w", "head_b": "head_b"}
-        return {k: server.personal[v][client_ids].clone() for k, v in names.items()}

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
-from fpbench.methods.base import Context, Phase, ServerState, Updates
+from fpbench.methods.base import Context, Output, Phase, ServerState, Updates
 from fpbench.methods.coop import CoOpConfig, CoOpModel
 from fpbench.registry import METHODS
 
@@ -93,27 +93,36 @@ class Powder(CoOpModel):
         )  # (1 + N, [C,] M, d)
         return torch.tensordot(w.to(ctx), prompts, dims=1)  # (K, [C,] M, d)
 
-    def client_params(self, server: ServerState, client_ids: Tensor) -> dict[str, Tensor]:
+    def client_params(
+        self, server: ServerState, client_ids: Tensor, training: bool = True
+    ) -> dict[str, Tensor]:
+        """Training starts from the generated prompt; evaluation uses a client's own task
+        prompt where it has trained, else the generated one."""
         start = self.generate(server, client_ids)
-        return {"ctx": start, "start_ctx": start.clone()}
+        if training:
+            return {"ctx": start, "start_ctx": start.clone()}
+        seen = server.buffers["pool_seen"][client_ids].bool()  # (K,)
+        own = server.buffers["pool"][client_ids].to(start)
+        seen = seen.to(start.device).view(-1, *[1] * (start.dim() - 1))
+        return {"ctx": torch.where(seen, own, start)}
 
     def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
         return [Phase("local", ("ctx",), local_epochs)]
 
-    def loss(
-        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor:
+    def forward(
+        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
+    ) -> Tensor | Output:
+        """Logits (B, C); in training, the weighted distillation from the start prompt (B,)."""
         feats = self.image_features(x)  # (B, E)
         logits = self.logits(feats, self.text_features(params["ctx"]), client_index)
-        ce = F.cross_entropy(logits, y, reduction="none")
-        if self.cfg.distill == 0:
-            return ce
+        if not ctx.training or self.cfg.distill == 0:
+            return logits
         with torch.no_grad():
             start = self.fixed_text_features("start", params["start_ctx"])  # (K, C, E)
             teacher = self.logits(feats, start, client_index)
         kl = F.kl_div(logits.log_softmax(-1), teacher.log_softmax(-1), log_target=True,
                       reduction="none").sum(-1)  # fmt: skip
-        return ce + self.cfg.distill * kl
+        return Output(logits, self.cfg.distill * kl)
 
     def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
         """Step 1: participants' prompts into their pool rows; step 2: FedAvg into G."""
@@ -122,15 +131,6 @@ class Powder(CoOpModel):
         pool = server.buffers["pool"].index_copy(0, client_ids, trained["ctx"].detach())
         seen = server.buffers["pool_seen"].index_fill(0, client_ids, 1.0)
         return ServerState(params, {}, {"pool": pool, "pool_seen": seen})
-
-    def eval_params(self, server: ServerState, client_ids: Tensor) -> dict[str, Tensor]:
-        """Own task prompt where the client has trained, else the generated one."""
-        start = self.generate(server, client_ids)
-        seen = server.buffers["pool_seen"][client_ids].bool()  # (K,)
-        own = server.buffers["pool"][client_ids].to(start)
-        seen = seen.to(start.device).view(-1, *[1] * (start.dim() - 1))
-        ctx = torch.where(seen, own, start)
-        return {"ctx": ctx}
 
     def communication(self, server: ServerState) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """One prompt each way: the generated start prompt down, the trained prompt up."""

@@ -23,7 +23,7 @@ reproduced. The default therefore reads the counts of the round start (`select_c
 the reference executor (under lockstep it equals "snapshot").
 
 Select's query does not depend on anything trained: it is declared as the method's
-`frozen_query`, so the engine computes it once per sample, when first needed, and hands a
+`frozen` work, so the engine computes it once per sample, when first needed, and hands a
 batch's rows in `ctx.query` (without a cache, it is recomputed under no_grad).
 
 Metrics (`round_metrics`, switch `cluster_metric`, off by default: they cost two frozen passes,
@@ -59,7 +59,9 @@ from fpbench.backbones import PromptedViT, ViTFeatures
 from fpbench.errors import FpbenchError
 from fpbench.methods.base import (
     Context,
+    Frozen,
     Method,
+    Output,
     Phase,
     PresetConfig,
     ServerState,
@@ -375,32 +377,20 @@ class SGPT(Method):
     # -- math -------------------------------------------------------------------------------
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor:
-        return self._forward(params, x, client_index, ctx)[0]
-
-    def loss(
-        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor:
-        logits, keys_loss = self._forward(params, x, client_index, ctx)
-        ce = F.cross_entropy(logits, y, reduction="none")  # (B,)
-        return ce if keys_loss is None else ce + self.cfg.key_loss_weight * keys_loss
-
-    def _forward(
-        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
-    ) -> tuple[Tensor, Tensor | None]:
-        """Logits (B, C) and, when keys train, the per-sample key loss (B,)."""
+    ) -> Output:
+        """Logits (B, C) and, when keys train, the weighted per-sample key loss (B,)."""
         prompts = self.shared_prompts(params, client_index)
         selecting = bool(self.group_layers) and (not ctx.training or ctx.phase != "shared")
-        keys_loss = None
+        aux = None
         if selecting:
             groups, cos = self.select_groups(params["keys"], x, client_index, ctx)  # (B,), (B, G)
             chosen = params["group_prompts"][client_index, groups]  # (B, Lg, p, d)
             prompts.update({layer: chosen[:, i] for i, layer in enumerate(self.group_layers)})
-            keys_loss = key_loss(cos, groups) if ctx.training else None
+            aux = self.cfg.key_loss_weight * key_loss(cos, groups) if ctx.training else None
         feats = self.features(x, ctx, prompts, self.cfg.prompt_style)
         pooled = self.pool(feats, selecting)  # (B, d)
         logits = per_client_linear(pooled, params["head_w"], params["head_b"], client_index)
-        return logits, keys_loss
+        return Output(logits, aux)
 
     def shared_prompts(self, params: dict[str, Tensor], client_index: Tensor) -> dict[int, Tensor]:
         """Each sample's row of shared prompts by layer: {layer: (B, p, d)}."""
@@ -428,8 +418,8 @@ class SGPT(Method):
         tokens = torch.cat([feats.cls.unsqueeze(1), feats.prompt_tokens[:, :n]], dim=1)
         return tokens.mean(1)
 
-    def frozen_query(self) -> str:
-        return f"sgpt-block{self.query_layer}-{self.cfg.query_activation}"
+    def frozen(self) -> Frozen:
+        return Frozen(f"sgpt-block{self.query_layer}-{self.cfg.query_activation}", self.query)
 
     @torch.no_grad()
     def query(self, x: Tensor) -> Tensor:

@@ -56,7 +56,9 @@ class TwinPromptModel(CoOpModel):
     """Text context plus a pixel prompt; images go through the (frozen) image encoder."""
 
     Config = TPFLConfig
-    frozen_input = None
+
+    def frozen(self) -> None:
+        return None  # the image encoder is prompted: the forward takes the images
 
     @property
     def prompter(self) -> PixelPrompter:
