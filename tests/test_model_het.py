@@ -1,4 +1,4 @@
-"""Model heterogeneity (SDFed appendix B): client profiles, per-backbone groups, step caps."""
+"""Model heterogeneity (SDFed appendix B): client profiles, per-backbone populations, step caps."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import torch
 
 from fpbench.backbones.clip import CLIP_MEAN, CLIP_STD
 from fpbench.engine import checkpoint as ckpt_io
-from fpbench.engine.build import build_groups
+from fpbench.engine.build import build_populations
 from fpbench.engine.executor import client_batches, derive_seed, train_clients
-from fpbench.engine.groups import client_profiles, merge_counts, pack, share, unpack
 from fpbench.engine.metrics import EvalCounts
+from fpbench.engine.populations import client_profiles, merge_counts, pack, share, unpack
 from fpbench.engine.runner import run_cell
 from fpbench.engine.task import build_task
 from fpbench.errors import FpbenchError
@@ -116,7 +116,7 @@ def test_step_cap_equals_stopping_after_that_many_batches(tiny):
     torch.testing.assert_close(c.loss, d.loss)
 
 
-# -- groups ----------------------------------------------------------------------------------
+# -- populations -------------------------------------------------------------------------------
 
 
 def test_share_is_fedavg_over_all_participants():
@@ -163,11 +163,11 @@ def test_merge_counts_takes_each_clients_counts_from_its_group():
 
 def test_groups_follow_backbones_and_cohorts_follow_profiles():
     cfg = _cell(model_het=_profiles({"name": "clip-test-rn"}, batch_size=8))
-    groups = build_groups(cfg, build_task(cfg, CPU), CPU)
-    assert [g.key for g in groups] == ["0-clip-test", "1-clip-test-rn"]
-    assert [g.clients for g in groups] == [[0, 1], [2, 3, 4]]
-    assert [c.train.batch_size for g in groups for c in g.cohorts] == [8, 4]
-    assert groups[0].method.backbone is not groups[1].method.backbone
+    pops = build_populations(cfg, build_task(cfg, CPU), CPU)
+    assert [p.key for p in pops] == ["0-clip-test", "1-clip-test-rn"]
+    assert [p.clients for p in pops] == [[0, 1], [2, 3, 4]]
+    assert [c.train.batch_size for p in pops for c in p.cohorts] == [8, 4]
+    assert pops[0].method.backbone is not pops[1].method.backbone
 
 
 def _metrics(store: Store) -> pd.DataFrame:

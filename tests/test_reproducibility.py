@@ -151,7 +151,7 @@ def test_kill_9_then_resume_equals_uninterrupted(workdir, reference, kill, store
 
 @pytest.mark.parametrize(
     "executor",
-    [["--jobs", "2"], ["--executor", "submitit-local", "--jobs", "2"]],
+    [["--jobs", "2"], ["--launcher", "submitit-local", "--jobs", "2"]],
     ids=["jobs-2", "submitit-local"],
 )
 def test_executors_store_what_the_serial_run_stores(workdir, reference, executor):
@@ -167,7 +167,7 @@ def test_executors_store_what_the_serial_run_stores(workdir, reference, executor
 @pytest.mark.slow
 def test_ray_stores_what_the_serial_run_stores(workdir, reference):
     pytest.importorskip("ray", reason="ray is not installed (CI installs it for -m slow)")
-    result = _cli(workdir, "--executor", "ray", "--jobs", "2", "--db", "ray.db")
+    result = _cli(workdir, "--launcher", "ray", "--jobs", "2", "--db", "ray.db")
     assert result.returncode == 0, result.stdout + result.stderr
     got, want = _rows(workdir / "ray.db"), _rows(reference)
     assert got == want, _differences(got, want)

@@ -341,7 +341,7 @@ def test_submitit_local_executor_matches_serial(tmp_path, serial):
     cells, rows = serial
     url = f"sqlite:///{tmp_path / 's.db'}"
     Store(url).close()
-    dispatch = Dispatch(executor="submitit-local", jobs=2, folder=tmp_path / "jobs")
+    dispatch = Dispatch(launcher="submitit-local", jobs=2, folder=tmp_path / "jobs")
     results = run_cells(cells, url, checkpoint_dir=tmp_path / "ck", dispatch=dispatch)
     assert [r.status for r in results] == ["done", "done"], results
     pd.testing.assert_frame_equal(_results(_sqlite(tmp_path / "s.db")), rows, check_exact=True)
@@ -353,7 +353,7 @@ def test_ray_executor_matches_serial(tmp_path, serial):
     cells, rows = serial
     url = f"sqlite:///{tmp_path / 'r.db'}"
     Store(url).close()
-    dispatch = Dispatch(executor="ray", jobs=2)
+    dispatch = Dispatch(launcher="ray", jobs=2)
     results = run_cells(cells, url, checkpoint_dir=tmp_path / "ck", dispatch=dispatch)
     assert [r.status for r in results] == ["done", "done"], results
     pd.testing.assert_frame_equal(_results(_sqlite(tmp_path / "r.db")), rows, check_exact=True)
@@ -361,13 +361,13 @@ def test_ray_executor_matches_serial(tmp_path, serial):
 
 def test_unknown_executor_and_missing_engine_are_user_errors(workdir, monkeypatch):
     runner = CliRunner()
-    bad = runner.invoke(app, ["run", "--suite", "tiny", "--executor", "dask"])
-    assert bad.exit_code == 2 and "--executor 'dask' is unknown" in bad.output
+    bad = runner.invoke(app, ["run", "--suite", "tiny", "--launcher", "dask"])
+    assert bad.exit_code == 2 and "--launcher 'dask' is unknown" in bad.output
     monkeypatch.setitem(sys.modules, "ray", None)  # as if the extra were not installed
-    missing = runner.invoke(app, ["run", "--suite", "tiny", "--executor", "ray"])
+    missing = runner.invoke(app, ["run", "--suite", "tiny", "--launcher", "ray"])
     assert missing.exit_code == 2 and "needs ray: pip install ray" in missing.output
     monkeypatch.setenv("PATH", str(workdir))  # no sbatch here
-    slurm = runner.invoke(app, ["run", "--suite", "tiny", "--executor", "slurm"])
+    slurm = runner.invoke(app, ["run", "--suite", "tiny", "--launcher", "slurm"])
     assert slurm.exit_code == 2 and ("sbatch on PATH" in slurm.output or "submitit" in slurm.output)
     assert not (workdir / "results").exists()  # nothing written
 

@@ -83,8 +83,8 @@ def _rows(db) -> list[tuple]:
     "executor",
     [
         ["--jobs", "2"],
-        ["--executor", "submitit-local", "--jobs", "2"],
-        ["--executor", "ray", "--jobs", "2"],
+        ["--launcher", "submitit-local", "--jobs", "2"],
+        ["--launcher", "ray", "--jobs", "2"],
     ],
 )
 def test_every_executor_runs_the_smoke_suite_like_a_serial_run(tmp_path_factory, executor):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from fpbench.engine.build import build_groups
+from fpbench.engine.build import build_populations
 from fpbench.engine.evaluate import evaluate
 from fpbench.engine.metrics import EvalCounts, aggregates, client_rows, domain_accuracies
 from fpbench.engine.rounds import mark_untrained
@@ -49,18 +49,18 @@ def test_excluded_clients_leave_every_local_metric_and_are_counted():
 def test_only_personal_methods_mark_their_never_sampled_clients(tiny):
     for name in ("pfedpg", "fedvpt"):
         cfg, task, _ = tiny(name)
-        groups = build_groups(cfg, task, torch.device("cpu"))
+        populations = build_populations(cfg, task, torch.device("cpu"))
         heldout = task.heldout.numpy()
         counts = _counts()
         counts = EvalCounts(**{**counts.__dict__, "heldout": heldout})
         seen = [c for c in range(task.num_clients) if not heldout[c]][::2]
-        marked = mark_untrained(counts, groups, seen, "exclude")
+        marked = mark_untrained(counts, populations, seen, "exclude")
         if name == "fedvpt":  # a global model: a never-sampled client is a new client
             assert marked.untrained is None
             continue
         want = np.array([not heldout[c] and c not in seen for c in range(task.num_clients)])
         assert marked.untrained.tolist() == want.tolist() and want.any()
-        assert mark_untrained(counts, groups, seen, "score").untrained is None
+        assert mark_untrained(counts, populations, seen, "score").untrained is None
 
 
 def test_a_run_records_the_excluded_count_and_no_rows_for_them(tmp_path):

@@ -1,4 +1,4 @@
-"""`fpbench run`: a suite's cells through the chosen executor, with progress and a summary."""
+"""`fpbench run`: a suite's cells through the chosen launcher, with progress and a summary."""
 
 from __future__ import annotations
 
@@ -92,11 +92,13 @@ def run(
     seed: Annotated[list[int] | None, typer.Option(help="only these seeds (repeatable)")] = None,
     db: DbOpt = DEFAULT_DB,
     device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N")] = None,
-    executor: Annotated[
+    launcher: Annotated[
         str,
         typer.Option(
-            help="where cells run: local, submitit-local, slurm or ray (lockstep/reference "
-            "still select --client-executor)"
+            "--launcher",
+            "--executor",
+            help="where cells run: local, submitit-local, slurm or ray (--executor: its old "
+            "name; lockstep/reference there still select --client-executor)",
         ),
     ] = "local",
     client_executor: Annotated[
@@ -114,7 +116,7 @@ def run(
         int, typer.Option(min=1, help="cells at once (worker processes; SLURM array parallelism)")
     ] = 1,
     address: Annotated[
-        str | None, typer.Option(help="Ray cluster address (--executor ray); default: local Ray")
+        str | None, typer.Option(help="Ray cluster address (--launcher ray); default: local Ray")
     ] = None,
     gpus_per_cell: Annotated[float, typer.Option(min=0, help="GPUs per cell (slurm, ray)")] = 0,
     cpus_per_cell: Annotated[int, typer.Option(min=1, help="CPUs per cell (slurm, ray)")] = 1,
@@ -156,8 +158,8 @@ def run(
     cells = _select_cells(loaded, method, seed)
     if data_root is not None:  # read by every worker through the environment
         os.environ["FPBENCH_DATA"] = str(data_root.expanduser().absolute())
-    if executor in ("lockstep", "reference"):  # the option's meaning before cell executors
-        executor, client_executor = "local", client_executor or executor
+    if launcher in ("lockstep", "reference"):  # --executor's meaning before cell launchers
+        launcher, client_executor = "local", client_executor or launcher
     given = {"device": device, "executor": client_executor, "deterministic": deterministic}
     runtime = {k: v for k, v in given.items() if v is not None}
     if client_executor and client_executor not in ("lockstep", "reference"):
@@ -172,7 +174,7 @@ def run(
     require_generated(cells)  # GPT-FL's generated images, likewise
     url = Store.url_from_path_or_url(db if "://" in db else Path(db).absolute())
     dispatch = Dispatch(
-        executor=executor,
+        launcher=launcher,
         jobs=jobs,
         folder=job_dir.absolute(),
         address=address,

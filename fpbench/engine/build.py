@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from fpbench.backbones import create_backbone
-from fpbench.engine.groups import Cohort, Group
 from fpbench.engine.inputs import FeatureCache, Inputs
+from fpbench.engine.populations import Cohort, Population
 from fpbench.engine.task import Task
 from fpbench.errors import FpbenchError
 from fpbench.methods.base import Method, TaskInfo
@@ -61,14 +61,14 @@ def build_method(
     return method_cls(method_cls.Config(**cfg.method.args), backbone, info)
 
 
-def build_groups(
+def build_populations(
     cfg: RunConfig, task: Task, device: torch.device, cache: FeatureCache | None = None
-) -> list[Group]:
-    """One group of every client, or with `model_het` one group per distinct backbone."""
+) -> list[Population]:
+    """One population of every client, or with `model_het` one population per distinct backbone."""
     if cfg.model_het is None:
         method = build_method(cfg, task, device)
         everyone = Cohort(None, tuple(range(task.num_clients)), cfg.train)
-        return [Group("", method, _inputs(cfg, method, task, cache), (everyone,))]
+        return [Population("", method, _inputs(cfg, method, task, cache), (everyone,))]
     het = cfg.model_het
     if het.num_clients != task.num_clients:
         raise FpbenchError(
@@ -83,13 +83,15 @@ def build_groups(
             Cohort(p.name, clients, cfg.profile_train(p))
         )
         start += p.clients
-    groups = []
+    populations = []
     for i, (ref, members) in enumerate(cohorts.items()):
         sub = cfg.model_copy(update={"backbone": ref})
         method = build_method(sub, task, device)
         key = f"{i}-{ref.name}"
-        groups.append(Group(key, method, _inputs(sub, method, task, cache), tuple(members)))
-    return groups
+        populations.append(
+            Population(key, method, _inputs(sub, method, task, cache), tuple(members))
+        )
+    return populations
 
 
 def _inputs(cfg: RunConfig, method: Method, task: Task, cache: FeatureCache | None) -> Inputs:

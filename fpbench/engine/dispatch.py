@@ -29,8 +29,8 @@ from fpbench.errors import FpbenchError
 from fpbench.specs import RunConfig
 from fpbench.store import CLAIM_TIMEOUT_S, Store
 
-EXECUTORS = ("local", "submitit-local", "slurm", "ray")
-ENGINES = {  # executor -> (module it needs, fpbench's extra that installs it)
+LAUNCHERS = ("local", "submitit-local", "slurm", "ray")
+ENGINES = {  # launcher -> (module it needs, fpbench's extra that installs it)
     "submitit-local": ("submitit", "slurm"),
     "slurm": ("submitit", "slurm"),
     "ray": ("ray", "ray"),
@@ -44,7 +44,7 @@ Outcome = tuple[str, str | None]  # (done | skipped | failed | error, message)
 class Dispatch:
     """How cells are dispatched; nothing here changes a cell's results."""
 
-    executor: str = "local"
+    launcher: str = "local"  # where cells run (`--launcher`); not how clients train
     jobs: int = 1  # cells at once (local processes, submitit-local jobs, SLURM array parallelism)
     folder: Path = Path("results/jobs")  # submitit's pickles and logs
     address: str | None = None  # Ray cluster address; None starts a local Ray instance
@@ -68,20 +68,20 @@ def run_cells(
     dispatch: Dispatch = Dispatch(),
     observer: Observer | None = None,
 ) -> list[CellResult]:
-    """Run or resume every cell with the chosen executor; results follow the order of `cells`.
+    """Run or resume every cell with the chosen launcher; results follow the order of `cells`.
 
     Raises:
-        FpbenchError: an unknown executor, a missing optional engine, or a user error raised
+        FpbenchError: an unknown launcher, a missing optional engine, or a user error raised
             by a cell (missing data, unknown weights), which stops the dispatch.
     """
     observer = observer or Observer()
     validate(dispatch)
     cells = pin_threads(cells, dispatch)
-    if dispatch.executor == "local" and dispatch.jobs == 1:
+    if dispatch.launcher == "local" and dispatch.jobs == 1:
         return _serial(cells, url, Path(checkpoint_dir), dispatch, observer)
-    if dispatch.executor == "local":
+    if dispatch.launcher == "local":
         run = _pool
-    elif dispatch.executor == "ray":
+    elif dispatch.launcher == "ray":
         from fpbench.engine.ray_tasks import run_ray as run
     else:
         from fpbench.engine.submitit_jobs import run_submitit as run
@@ -101,7 +101,7 @@ def pin_threads(cells: list[RunConfig], dispatch: Dispatch) -> list[RunConfig]:
     share of the cores would store other last bits than a serial run. SLURM jobs and a Ray
     cluster run on other machines, where the count is theirs.
     """
-    if dispatch.executor == "slurm" or (dispatch.executor == "ray" and dispatch.address):
+    if dispatch.launcher == "slurm" or (dispatch.launcher == "ray" and dispatch.address):
         return cells
     threads = torch.get_num_threads()
     return [
@@ -131,26 +131,26 @@ def _passive_omp_waits() -> Iterator[None]:
 
 
 def validate(dispatch: Dispatch) -> None:
-    """Check the executor and what it needs, before anything is written.
+    """Check the launcher and what it needs, before anything is written.
 
     Raises:
-        FpbenchError: an unknown executor, --jobs < 1, a missing optional engine, no sbatch.
+        FpbenchError: an unknown launcher, --jobs < 1, a missing optional engine, no sbatch.
     """
-    if dispatch.executor not in EXECUTORS:
+    if dispatch.launcher not in LAUNCHERS:
         raise FpbenchError(
-            f"--executor {dispatch.executor!r} is unknown; use one of {', '.join(EXECUTORS)}"
+            f"--launcher {dispatch.launcher!r} is unknown; use one of {', '.join(LAUNCHERS)}"
         )
     if dispatch.jobs < 1:
         raise FpbenchError(f"--jobs must be at least 1, got {dispatch.jobs}")
-    module, extra = ENGINES.get(dispatch.executor, (None, None))
+    module, extra = ENGINES.get(dispatch.launcher, (None, None))
     if module and not _importable(module):
         raise FpbenchError(
-            f"--executor {dispatch.executor} needs {module}: pip install {module} "
+            f"--launcher {dispatch.launcher} needs {module}: pip install {module} "
             f"(or fpbench's `{extra}` extra)"
         )
-    if dispatch.executor == "slurm" and shutil.which("sbatch") is None:
+    if dispatch.launcher == "slurm" and shutil.which("sbatch") is None:
         raise FpbenchError(
-            "--executor slurm needs SLURM's sbatch on PATH; use --executor submitit-local here"
+            "--launcher slurm needs SLURM's sbatch on PATH; use --launcher submitit-local here"
         )
 
 

@@ -1,11 +1,11 @@
 """Local training executors: reference (one client at a time) and lockstep (all together).
 
-Both run the same group-training function; they differ only in how clients are grouped. In a
-group, each local step draws one minibatch per client that still has one, concatenates them, runs
-one forward and one backward, and minimises the sum over clients of each client's mean loss, so
-every client's gradient is what it would be alone. Each client's batch order comes from its own
-generator, seeded by (seed, round, client, phase, epoch), so grouping never changes the data a
-client sees, and a resumed run replays exactly.
+Both run the same function, `train_together`; they differ only in how many clients it trains at
+once. Together, each local step draws one minibatch per client that still has one, concatenates
+them, runs one forward and one backward, and minimises the sum over clients of each client's
+mean loss, so every client's gradient is what it would be alone. Each client's batch order comes
+from its own generator, seeded by (seed, round, client, phase, epoch), so training together never
+changes the data a client sees, and a resumed run replays exactly.
 """
 
 from __future__ import annotations
@@ -77,18 +77,18 @@ def train_clients(
     """
     inputs = inputs or Inputs.of(method, task)
     if executor == "lockstep":
-        groups = [client_ids]
+        passes = [client_ids]
     elif executor == "reference":
-        groups = [[c] for c in client_ids]
+        passes = [[c] for c in client_ids]
     else:
         raise ValueError(f"unknown executor {executor!r}")
     results: list[LocalResult] = []
-    earlier: dict[str, Tensor] = {}  # the stats of the groups trained so far, summed
+    earlier: dict[str, Tensor] = {}  # the stats of the passes trained so far, summed
     with autocast(task.priors.device, precision):
-        for g in groups:
+        for ids in passes:
             results.append(
-                train_group(
-                    method, server, task, inputs, g, cfg,
+                train_together(
+                    method, server, task, inputs, ids, cfg,
                     round_idx=round_idx, seed=seed, earlier=earlier, reuse_frozen=reuse_frozen,
                 )
             )  # fmt: skip
@@ -97,7 +97,7 @@ def train_clients(
 
 
 def concat_results(results: list[LocalResult]) -> LocalResult:
-    """Several groups' results as one, in order."""
+    """Several passes' results as one, in order."""
     if len(results) == 1:
         return results[0]
     return LocalResult(
@@ -121,7 +121,7 @@ def round_lr(cfg: TrainConfig, round_idx: int) -> float:
     return cfg.lr * cfg.lr_decay**round_idx
 
 
-def train_group(
+def train_together(
     method: Method,
     server: ServerState,
     task: Task,
@@ -136,8 +136,8 @@ def train_group(
 ) -> LocalResult:
     """Train K clients together: one forward/backward per step over all their minibatches.
 
-    `earlier` holds the statistics of the clients trained before this group in the same round,
-    summed over them (empty in lockstep, where every client trains in one group).
+    `earlier` holds the statistics of the clients trained before these in the same round,
+    summed over them (empty in lockstep, where every client trains in one pass).
     """
     device = task.priors.device
     ids = torch.tensor(client_ids, dtype=torch.long)

@@ -1,4 +1,4 @@
-"""Cells as Ray tasks (`--executor ray`) on an existing cluster (`--address`) or a local one.
+"""Cells as Ray tasks (`--launcher ray`) on an existing cluster (`--address`) or a local one.
 
 Each cell is one task with `--gpus-per-cell` (fractions pack several runs on one GPU) and
 `--cpus-per-cell`; fpbench must be installed on the Ray workers. Without an address a local Ray

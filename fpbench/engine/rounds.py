@@ -16,16 +16,6 @@ from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.build import resolve_precision
 from fpbench.engine.evaluate import evaluate
 from fpbench.engine.executor import LocalResult, concat_results, derive_seed, train_clients
-from fpbench.engine.groups import (
-    Group,
-    client_profiles,
-    merge_counts,
-    pack,
-    participants,
-    share,
-    start_shared,
-    unpack,
-)
 from fpbench.engine.metrics import (
     EvalCounts,
     MetricRow,
@@ -34,6 +24,16 @@ from fpbench.engine.metrics import (
     domain_accuracies,
     params_trainable,
     summary,
+)
+from fpbench.engine.populations import (
+    Population,
+    client_profiles,
+    merge_counts,
+    pack,
+    participants,
+    share,
+    start_shared,
+    unpack,
 )
 from fpbench.engine.task import Task
 from fpbench.methods.base import ServerState, TestSplit, Updates
@@ -84,7 +84,7 @@ def should_eval(r: int, train: TrainConfig) -> bool:
 
 def run_rounds(
     cfg: RunConfig,
-    groups: list[Group],
+    populations: list[Population],
     task: Task,
     store: Store,
     run_id: int,
@@ -98,13 +98,13 @@ def run_rounds(
     ckpt = ckpt_io.load(path, cfg.run_key, device)
     if ckpt is None:
         servers = {
-            g.key: _to(
-                g.method.init_server(
+            pop.key: _to(
+                pop.method.init_server(
                     torch.Generator().manual_seed(derive_seed(cfg.seed, "init-params"))
                 ),
                 device,
             )
-            for g in groups
+            for pop in populations
         }
         if _sharing(cfg):
             servers = start_shared(servers)
@@ -118,7 +118,7 @@ def run_rounds(
         start = time.perf_counter()
         seen = sorted({c for ids in schedule[: r + 1] for c in ids})
         server, rows, scalars = _round(
-            groups, ckpt.server, task, cfg, r, schedule[r], ckpt.history, seen
+            populations, ckpt.server, task, cfg, r, schedule[r], ckpt.history, seen
         )
         wall = time.perf_counter() - start
         store.write_round(run_id, r, wall_s=wall, metrics=rows, owner=owner, **scalars)
@@ -135,7 +135,7 @@ def _sharing(cfg: RunConfig) -> bool:
 
 
 def _round(
-    groups: list[Group],
+    populations: list[Population],
     server: ServerState,
     task: Task,
     cfg: RunConfig,
@@ -150,21 +150,20 @@ def _round(
     """
     device = task.priors.device
     precision = resolve_precision(cfg.runtime.precision, device)
-    servers = unpack(server, [g.key for g in groups])
+    servers = unpack(server, [pop.key for pop in populations])
     losses, weight, up, down = [], {}, 0, 0
-    for g in groups:
-        local = _train_group(g, servers[g.key], task, cfg, r, client_ids, precision)
+    for pop in populations:
+        local = _train_population(pop, servers[pop.key], task, cfg, r, client_ids, precision)
         if local is None:
-            weight[g.key] = 0.0
+            weight[pop.key] = 0.0
             continue
         weights = task.aggregation_weights[local.client_ids].to(device)
-        d, u = g.method.communication(servers[g.key])
+        d, u = pop.method.communication(servers[pop.key])
         down, up = down + _nbytes(d) * len(weights), up + _nbytes(u) * len(weights)
-        servers[g.key] = g.method.aggregate(
-            servers[g.key], Updates(local.params, local.client_ids.to(device), weights, local.stats)
-        )
+        updates = Updates(local.params, local.client_ids.to(device), weights, local.stats)
+        servers[pop.key] = pop.method.aggregate(servers[pop.key], updates)
         losses.append(local.loss)
-        weight[g.key] = float(weights.sum())
+        weight[pop.key] = float(weights.sum())
     if _sharing(cfg):
         servers = share(servers, weight)
     loss_all = torch.cat(losses)
@@ -175,22 +174,22 @@ def _round(
             "lower train.lr or set train.grad_clip"
         )
     rows = [(None, "loss_train", loss, len(client_ids))]
-    for g in groups:
-        suffix = f"@{g.key}" if len(groups) > 1 else ""
-        test = TestSplit(task.data.test_labels, g.inputs.test_queries)
-        metrics = g.method.round_metrics(servers[g.key], test)
+    for pop in populations:
+        suffix = f"@{pop.key}" if len(populations) > 1 else ""
+        test = TestSplit(task.data.test_labels, pop.inputs.test_queries)
+        metrics = pop.method.round_metrics(servers[pop.key], test)
         rows += [(None, f"{k}{suffix}", v, None) for k, v in metrics.items()]
     if r == 0:  # a property of the method, stored once (the largest over backbones)
         count = max(params_trainable(s.params, s.personal) for s in servers.values())
         rows.append((None, "params_trainable", count, None))
     if should_eval(r, cfg.train):
         seen = client_ids if seen is None else seen
-        rows += _evaluate(groups, servers, task, cfg, precision, history, r, seen)
+        rows += _evaluate(populations, servers, task, cfg, precision, history, r, seen)
     return pack(servers), rows, {"loss_train": loss, "bytes_up": up, "bytes_down": down}
 
 
-def _train_group(
-    group: Group,
+def _train_population(
+    population: Population,
     server: ServerState,
     task: Task,
     cfg: RunConfig,
@@ -198,10 +197,10 @@ def _train_group(
     client_ids: list[int],
     precision: str,
 ) -> LocalResult | None:
-    """Local training of this round's clients of one group, cohort by cohort (None: none)."""
+    """Local training of this round's clients of one population, cohort by cohort (None: none)."""
     results = [
         train_clients(
-            group.method,
+            population.method,
             server,
             task,
             ids,
@@ -209,17 +208,17 @@ def _train_group(
             round_idx=r,
             seed=cfg.seed,
             executor=cfg.runtime.executor,
-            inputs=group.inputs,
+            inputs=population.inputs,
             precision=precision,
         )
-        for cohort in group.cohorts
+        for cohort in population.cohorts
         if (ids := participants(cohort, client_ids))
     ]
     return concat_results(results) if results else None
 
 
 def _evaluate(
-    groups: list[Group],
+    populations: list[Population],
     servers: dict[str, ServerState],
     task: Task,
     cfg: RunConfig,
@@ -228,27 +227,27 @@ def _evaluate(
     r: int,
     seen: list[int],
 ) -> list[MetricRow]:
-    """Evaluate every group on its clients; the per-client and aggregate rows of the round."""
-    single = len(groups) == 1
+    """Evaluate every population on its clients; the per-client and aggregate rows of the round."""
+    single = len(populations) == 1
     counts = merge_counts(
         [
             (
                 evaluate(
-                    g.method,
-                    servers[g.key],
+                    pop.method,
+                    servers[pop.key],
                     task,
                     cfg.train.eval_batch_size,
-                    g.inputs,
+                    pop.inputs,
                     precision,
                     label_space=cfg.train.local_label_space,
-                    clients=None if single else g.clients,
+                    clients=None if single else pop.clients,
                 ),
-                g.clients,
+                pop.clients,
             )
-            for g in groups
+            for pop in populations
         ]
     )
-    counts = mark_untrained(counts, groups, seen, cfg.train.unseen_clients)
+    counts = mark_untrained(counts, populations, seen, cfg.train.unseen_clients)
     domains = [c.domain for c in task.clients]
     agg = aggregates(counts) | domain_accuracies(counts, domains, task.data.domain_names)
     if cfg.model_het is not None:
@@ -263,16 +262,16 @@ def _evaluate(
 
 
 def mark_untrained(
-    counts: EvalCounts, groups: list[Group], seen: list[int], rule: str
+    counts: EvalCounts, populations: list[Population], seen: list[int], rule: str
 ) -> EvalCounts:
     """Under `train.unseen_clients = "exclude"`, mark the personal methods' participating
     clients that no round has sampled yet (see `fpbench.engine.metrics`)."""
-    personal = [g for g in groups if g.method.inference == "personal"]
+    personal = [pop for pop in populations if pop.method.inference == "personal"]
     if rule != "exclude" or not personal:
         return counts
     mine = np.zeros(len(counts.total_local), dtype=bool)
-    for g in personal:
-        mine[np.asarray(g.clients, dtype=np.int64)] = True
+    for pop in personal:
+        mine[np.asarray(pop.clients, dtype=np.int64)] = True
     trained = np.zeros_like(mine)
     trained[np.asarray(seen, dtype=np.int64)] = True
     return dataclasses.replace(counts, untrained=mine & ~trained & ~counts.heldout)

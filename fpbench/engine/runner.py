@@ -15,7 +15,7 @@ from fpbench import stages
 from fpbench.backbones.frozen_linear import cpu_linear
 from fpbench.determinism import deterministic
 from fpbench.engine import checkpoint as ckpt_io
-from fpbench.engine.build import build_groups, resolve_device, resolve_precision
+from fpbench.engine.build import build_populations, resolve_device, resolve_precision
 from fpbench.engine.executor import derive_seed
 from fpbench.engine.inputs import FeatureCache
 from fpbench.engine.rounds import Observer, run_rounds
@@ -106,7 +106,7 @@ def _run_cell(
         stages.report("preparing data", 0, 1)
         task = build_task(cfg, device)
         stages.report("preparing data", 1, 1)
-        groups = build_groups(cfg, task, device, cache)
+        populations = build_populations(cfg, task, device, cache)
     except Exception as e:
         if not isinstance(e, FpbenchError):  # a crash (a bug, out of memory) is recorded
             record = record or _create_record(cfg, store, device)
@@ -119,7 +119,7 @@ def _run_cell(
     try:
         with store.keep_alive(record.id, owner, claim_timeout / 4):
             elapsed = run_rounds(
-                cfg, groups, task, store, record.id, checkpoint_dir, observer, owner
+                cfg, populations, task, store, record.id, checkpoint_dir, observer, owner
             )
     except ClaimLost as e:
         return CellResult(cfg, "skipped", str(e))

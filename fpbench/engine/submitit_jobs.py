@@ -1,6 +1,6 @@
-"""Cells as SLURM jobs through submitit (`--executor slurm`), or as local submitit jobs.
+"""Cells as SLURM jobs through submitit (`--launcher slurm`), or as local submitit jobs.
 
-`--executor submitit-local` runs the same path on this machine (one subprocess per cell, at
+`--launcher submitit-local` runs the same path on this machine (one subprocess per cell, at
 most `--jobs` at once). On SLURM the cells form one job array whose parallelism is `--jobs`; a
 preempted or timed-out job is requeued (`Checkpointable`) and resumes from its last round.
 """
@@ -37,7 +37,7 @@ def run_submitit(
     """Submit the cells and wait for them, reporting each as it ends."""
     executor = _executor(dispatch)
     args = (url, str(ckpt), dispatch.claim_timeout)
-    if dispatch.executor == "slurm":
+    if dispatch.launcher == "slurm":
         with executor.batch():
             jobs = [executor.submit(CellJob(), cfg, *args) for cfg in cells]
         return _wait(list(zip(cells, jobs, strict=True)), observer)
@@ -45,7 +45,7 @@ def run_submitit(
 
 
 def _executor(dispatch: Dispatch) -> Any:
-    cluster = "local" if dispatch.executor == "submitit-local" else "slurm"
+    cluster = "local" if dispatch.launcher == "submitit-local" else "slurm"
     executor = submitit.AutoExecutor(folder=dispatch.folder / "%j", cluster=cluster)
     params: dict[str, Any] = {
         "name": "fpbench",

@@ -1,15 +1,15 @@
-"""Client groups: the clients that share a backbone, and so a method instance and a server state.
+"""Populations: the clients that share a backbone, and so a method instance and a server state.
 
-A homogeneous run is one group holding every client. A model-heterogeneous run
-(`RunConfig.model_het`, SDFed appendix B) has one group per distinct backbone. A group's
-clients train profile by profile, each profile with its own local budget (batch size, epochs,
-step cap) and all its participants in lockstep; the group's method aggregates its own
-participants. With `share = "shared"`, every shared parameter whose shape agrees across the
-groups is then replaced by the mean of the groups' aggregates weighted by their participants'
-total weight, which for size-weighted FedAvg is FedAvg over all participants. Parameters whose
-shapes differ (e.g. anything as wide as the image features) stay per backbone.
+A homogeneous run is one population holding every client. A model-heterogeneous run
+(`RunConfig.model_het`, SDFed appendix B) has one population per distinct backbone. Its clients
+train profile by profile (a `Cohort`: a profile's clients with their own local budget of batch
+size, epochs and step cap), all participants of a cohort in lockstep; the population's method
+aggregates its own participants. With `share = "shared"`, every shared parameter whose shape
+agrees across the populations is then replaced by the mean of their aggregates weighted by their
+participants' total weight, which for size-weighted FedAvg is FedAvg over all participants.
+Parameters whose shapes differ (e.g. anything as wide as the image features) stay per backbone.
 
-Evaluation runs per group on the group's clients; their counts are merged, a global model's
+Evaluation runs per population on its clients; their counts are merged, a global model's
 test-split accuracy becomes each of its clients' `acc_global`, and `acc_profile_<name>` is the
 mean local accuracy of a profile's participating clients.
 """
@@ -26,7 +26,7 @@ from fpbench.engine.metrics import EvalCounts
 from fpbench.methods.base import Method, ServerState
 from fpbench.specs import ModelHet, TrainConfig
 
-SEP = "/"  # group key / parameter name, in a packed server state
+SEP = "/"  # population key / parameter name, in a packed server state
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Cohort:
 
 
 @dataclass
-class Group:
+class Population:
     """Clients of one backbone: their method instance, inputs and cohorts."""
 
     key: str  # "" in a homogeneous run
@@ -53,7 +53,7 @@ class Group:
 
 
 def pack(servers: dict[str, ServerState]) -> ServerState:
-    """One server state holding every group's (names prefixed `key/`; as is for one group)."""
+    """One server state holding every population's (names prefixed `key/`; as is for one)."""
     if list(servers) == [""]:
         return servers[""]
 
@@ -83,7 +83,7 @@ def unpack(server: ServerState, keys: list[str]) -> dict[str, ServerState]:
 
 
 def shared_names(servers: dict[str, ServerState]) -> list[str]:
-    """Shared parameters every group has, with the same shape in all of them."""
+    """Shared parameters every population has, with the same shape in all of them."""
     states = list(servers.values())
     if len(states) < 2:
         return []
@@ -96,7 +96,7 @@ def shared_names(servers: dict[str, ServerState]) -> list[str]:
 
 
 def share(servers: dict[str, ServerState], weights: dict[str, float]) -> dict[str, ServerState]:
-    """Average the shared parameters across groups, weighted by `weights` (groups without
+    """Average the shared parameters across populations, weighted by `weights` (those without
     participants this round weigh 0); a round with no weight at all changes nothing."""
     total = sum(weights.values())
     names = shared_names(servers)
@@ -113,16 +113,16 @@ def share(servers: dict[str, ServerState], weights: dict[str, float]) -> dict[st
 
 
 def start_shared(servers: dict[str, ServerState]) -> dict[str, ServerState]:
-    """Give every group the first group's initial values of the parameters they share."""
+    """Give every population the first population's initial values of the parameters they share."""
     return share(servers, {k: float(i == 0) for i, k in enumerate(servers)})
 
 
 def merge_counts(parts: list[tuple[EvalCounts, list[int]]]) -> EvalCounts:
-    """One run's counts from each group's counts over its own clients.
+    """One run's counts from each population's counts over its own clients.
 
-    With a single group of every client, its counts are returned unchanged. Otherwise each
-    client's local counts come from its group, and `global_acc` becomes per client: a global
-    model's test-split accuracy is given to each of its group's clients.
+    With a single population of every client, its counts are returned unchanged. Otherwise each
+    client's local counts come from its population, and `global_acc` becomes per client: a global
+    model's test-split accuracy is given to each of its population's clients.
     """
     if len(parts) == 1:
         return parts[0][0]
@@ -149,7 +149,7 @@ def merge_counts(parts: list[tuple[EvalCounts, list[int]]]) -> EvalCounts:
 
 
 def _per_client(values: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    """A group's per-client values at idx; a global model's one value for each of them."""
+    """A population's per-client values at idx; a global model's one value for each of them."""
     return np.full(len(idx), values[0]) if len(values) == 1 else values[idx]
 
 
