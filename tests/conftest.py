@@ -56,6 +56,11 @@ name = "fedvpt"
 OFFLINE_ARGS = {"gpt-fl": {"server_epochs": 0}}
 
 
+def seeded_server(method):
+    """The method's initial server state with seed 0."""
+    return method.init_server(torch.Generator().manual_seed(0))
+
+
 def tiny_config(method: str = "fedvpt", **train) -> RunConfig:
     raw = {**TINY, "methods": [{"name": method, **OFFLINE_ARGS.get(method, {})}]}
     raw["defaults"] = {**TINY["defaults"], "train": {**TINY["defaults"]["train"], **train}}

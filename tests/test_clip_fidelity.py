@@ -9,15 +9,13 @@ import torch.nn.functional as F
 from fpbench.engine.executor import train_clients
 from fpbench.methods.base import Context
 
-
-def _server(method):
-    return method.init_server(torch.Generator().manual_seed(0))
+from .conftest import seeded_server
 
 
 # -- TPFL / ATPFL's visual prompt ---------------------------------------------------------------
 def test_tpfl_initial_visual_prompt_leaves_clip_zero_shot_logits_unchanged(tiny):
     _, task, method = tiny("tpfl")
-    server = _server(method)
+    server = seeded_server(method)
     params = method.client_params(server, torch.tensor([0]))
     x = method.backbone.preprocess(task.data.test_images[:6])
     rows = torch.zeros(6, dtype=torch.long)
@@ -30,7 +28,7 @@ def test_tpfl_initial_visual_prompt_leaves_clip_zero_shot_logits_unchanged(tiny)
 def test_tpfl_visual_prompt_moves_within_a_few_steps(tiny):
     # the suite's Adam at lr 1e-3 moved a pixel by at most 0.003 in these 2-3 steps
     cfg, task, method = tiny("tpfl", optimizer="adam", lr=0.001)
-    server = _server(method)
+    server = seeded_server(method)
     ids = task.trainable_clients()
     out = train_clients(method, server, task, ids, cfg.train, round_idx=0, seed=0)
     moved = (out.params["visual_prompt"] - server.params["visual_prompt"]).abs()
@@ -80,7 +78,7 @@ def test_uopp_prototype_statistics_skip_classes_without_a_prototype():
 # -- Powder's start prompt -----------------------------------------------------------------------
 def test_powder_gives_uncorrelated_clients_no_weight(tiny):
     _, task, method = tiny("powder")
-    server = _server(method)
+    server = seeded_server(method)
     server.buffers["pool_seen"] = torch.ones(task.num_clients)
     priors = torch.zeros(task.num_clients, task.data.num_classes)
     for c in range(task.num_clients):  # disjoint classes: every pair has correlation 0
@@ -214,7 +212,7 @@ def test_f1_macro_global_is_recorded_per_round_for_global_and_personal_methods(t
     )  # fmt: skip
     assert aggregates(counts)["f1_macro_global"] == pytest.approx(0.6)
     _, task, method = tiny("promptfl")
-    server = _server(method)
+    server = seeded_server(method)
     ev = evaluate(method, server, task, 64)
     params = method.client_params(server, torch.zeros(1, dtype=torch.long), training=False)
     x = task.data.test_images
@@ -224,7 +222,7 @@ def test_f1_macro_global_is_recorded_per_round_for_global_and_personal_methods(t
     expected = macro_f1(pred.numpy(), task.data.test_labels.numpy(), task.data.num_classes)
     assert ev.f1_global.tolist() == [pytest.approx(expected)]
     _, task, local = tiny("coop-local")
-    ev = evaluate(local, _server(local), task, 64)
+    ev = evaluate(local, seeded_server(local), task, 64)
     assert np.isfinite(ev.f1_global[~task.heldout.numpy()]).all()
 
 

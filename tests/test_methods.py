@@ -21,16 +21,14 @@ from fpbench.methods.base import (
 )
 from fpbench.registry import METHODS
 
+from .conftest import seeded_server
+
 ALL = METHODS.names()
 WITH_FROZEN = [n for n in ALL if METHODS.get(n).frozen is not Method.frozen]
 
 
-def _server(method):
-    return method.init_server(torch.Generator().manual_seed(0))
-
-
 def _round(method, task, cfg, executor, server=None):
-    server = server or _server(method)
+    server = server or seeded_server(method)
     ids = task.trainable_clients()
     local = train_clients(
         method, server, task, ids, cfg.train, round_idx=0, seed=cfg.seed, executor=executor
@@ -56,7 +54,7 @@ def test_cached_frozen_work_changes_nothing(tiny, name):
     frozen = method.frozen()
     if frozen is None:
         pytest.skip(f"{name} declares no frozen work (its subclass's override)")
-    server = _server(method)
+    server = seeded_server(method)
     ids = task.trainable_clients()
     cached = Inputs.of(method, task, FeatureCache(), batch_size=16)
     assert set(cached.cached if frozen.as_input else cached.queries) == {"train", "test"}
@@ -98,7 +96,7 @@ def test_a_round_trains_is_deterministic_and_keeps_the_backbone(tiny, name):
 @pytest.mark.parametrize("name", ALL)
 def test_only_declared_tensors_are_communicated(tiny, name):
     cfg, task, method = tiny(name)
-    server = _server(method)
+    server = seeded_server(method)
     down, up = method.communication(server)
     # server state, or a non-personal tensor a client trains (e.g. generated prompts, their deltas)
     trained = method.client_params(server, torch.tensor([0]))
@@ -109,7 +107,7 @@ def test_only_declared_tensors_are_communicated(tiny, name):
 
 def test_fedavg_is_sample_weighted_mean(tiny):
     _, _, method = tiny("fedvpt")
-    server = _server(method)
+    server = seeded_server(method)
     trained = {
         k: torch.stack([torch.full_like(v, 1.0), torch.full_like(v, 4.0)])
         for k, v in server.params.items()
@@ -123,7 +121,7 @@ def test_fedavg_is_sample_weighted_mean(tiny):
 
 def test_local_writes_back_personal_rows_only(tiny):
     _, task, method = tiny("local")
-    server = _server(method)
+    server = seeded_server(method)
     assert server.params == {}
     rows = {k: torch.stack([torch.full_like(v[0], 7.0)]) for k, v in server.personal.items()}
     new = method.aggregate(server, Updates(rows, torch.tensor([1]), torch.tensor([5.0]), {}))
@@ -150,7 +148,7 @@ def test_weighted_mean():
 
 def test_head_tune_is_a_linear_head_on_cached_frozen_cls(tiny):
     _, task, method = tiny("head-tune")
-    server = _server(method)
+    server = seeded_server(method)
     assert set(server.params) == {"head_w", "head_b"} and method.frozen().as_input
     idx = torch.arange(3)
     cached = Inputs.of(method, task, FeatureCache(), batch_size=2).train(idx)

@@ -21,16 +21,14 @@ from fpbench.methods.fgpt import (
 )
 from fpbench.registry import METHODS
 
+from ..conftest import seeded_server
+
 
 def _method(tiny, name="fgpt", **args):
     """(cfg, task, method) on the tiny federation with these method args."""
     cfg, task, method = tiny(name)
     cls = METHODS.get(name)
     return cfg, task, cls(cls.Config(**args), method.backbone, method.task)
-
-
-def _server(method):
-    return method.init_server(torch.Generator().manual_seed(0))
 
 
 def test_orthogonal_keys_are_orthonormal_and_random_keys_are_not():
@@ -85,7 +83,7 @@ def _manual_logits(method, params, x, group_idx, layer):
 @pytest.mark.parametrize("layer", [0, 1])
 def test_forward_inserts_the_selected_group_prompt_at_its_layer(tiny, layer):
     _, task, method = _method(tiny, group_layer=layer, num_groups=4)
-    server = _server(method)
+    server = seeded_server(method)
     params = method.client_params(server, torch.tensor([0]))
     x = method.backbone.preprocess(task.data.train_images[:6])
     keys = server.buffers["keys"]
@@ -100,7 +98,7 @@ def test_forward_inserts_the_selected_group_prompt_at_its_layer(tiny, layer):
 
 def test_fgpt_u_averages_the_top_k_groups_logits(tiny):
     _, task, method = _method(tiny, "fgpt-u", group_layer=1, num_groups=4, topk=2)
-    server = _server(method)
+    server = seeded_server(method)
     params = method.client_params(server, torch.tensor([0]))
     x = method.backbone.preprocess(task.data.train_images[:5])
     top = select_groups(method.backbone.forward_features(x).cls, server.buffers["keys"], 2)
@@ -114,7 +112,7 @@ def test_fgpt_u_averages_the_top_k_groups_logits(tiny):
 
 def test_round_counts_selections_and_aggregates_by_frequency(tiny):
     cfg, task, method = _method(tiny, num_groups=3)
-    server = _server(method)
+    server = seeded_server(method)
     ids = task.trainable_clients()
     local = train_clients(method, server, task, ids, cfg.train, round_idx=0, seed=0)
     counts = local.stats["group_counts"]  # (K, G)
@@ -161,7 +159,7 @@ def test_prompt_similarities_of_table_11():
 
 def test_shared_only_is_vpt_shallow(tiny):
     _, task, method = _method(tiny, num_groups=0)
-    server = _server(method)
+    server = seeded_server(method)
     assert "group_prompts" not in server.params and "keys" not in server.buffers
     params = method.client_params(server, torch.tensor([0]))
     x = method.backbone.preprocess(task.data.train_images[:3])
@@ -172,7 +170,7 @@ def test_shared_only_is_vpt_shallow(tiny):
 
 def test_shared_prompted_query_selects_on_the_prompted_cls(tiny):
     _, task, method = _method(tiny, query="shared-prompted", num_groups=4)
-    server = _server(method)
+    server = seeded_server(method)
     params = method.client_params(server, torch.tensor([0]))
     x = method.backbone.preprocess(task.data.train_images[:8])
     shared = params["shared_prompts"][0].expand(8, -1, -1)
@@ -189,7 +187,7 @@ def test_shared_prompted_query_selects_on_the_prompted_cls(tiny):
 
 def test_engine_cached_query_gives_the_same_training(tiny):
     cfg, task, method = _method(tiny, num_groups=4)
-    server = _server(method)
+    server = seeded_server(method)
     ids = task.trainable_clients()
     inputs = Inputs.of(method, task, FeatureCache(), batch_size=16)
     idx = torch.arange(5)
@@ -234,7 +232,7 @@ def test_pt_fedavg_is_fedavg_at_the_shared_and_group_positions(tiny):
     by selection counts is FedAvg by train size, and it still enters at FGPT's group layer."""
     cfg, task, method = _method(tiny, preset="table4-pt-fedavg")
     assert method.group_layer == default_layer(5, method.backbone.depth)
-    server = _server(method)
+    server = seeded_server(method)
     local = train_clients(
         method, server, task, task.trainable_clients(), cfg.train, round_idx=0, seed=0
     )
@@ -247,7 +245,7 @@ def test_pt_fedavg_is_fedavg_at_the_shared_and_group_positions(tiny):
 
 def test_lighter_select_encoder_from_timm(tiny):
     _, task, method = _method(tiny, select_encoder="resnet10t", select_pretrained=False)
-    server = _server(method)
+    server = seeded_server(method)
     assert server.buffers["keys"].shape == (20, 512)
     params = method.client_params(server, torch.tensor([0]))
     x = method.backbone.preprocess(task.data.train_images[:2])

@@ -27,15 +27,13 @@ from fpbench.methods.pep_fedpt import (
 )
 from fpbench.registry import METHODS
 
+from ..conftest import seeded_server
+
 
 def _method(tiny, **args):
     cfg, task, method = tiny("pep-fedpt")
     cls = METHODS.get("pep-fedpt")
     return cfg, task, cls(cls.Config(**args), method.backbone, method.task)
-
-
-def _server(method):
-    return method.init_server(torch.Generator().manual_seed(0))
 
 
 def test_ccmp_weights_by_hand():
@@ -195,7 +193,7 @@ def _manual(method, params, x, protos, prior, style):
 def test_forward_mixes_class_prompts_into_each_ccmp_block(tiny, style):
     _, task, method = _method(tiny, ccmp_style=style, tau=0.5)
     assert method.layers == (0, 1)
-    server = _server(method)
+    server = seeded_server(method)
     protos = torch.randn(
         server.buffers["prototypes"].shape, generator=torch.Generator().manual_seed(1)
     )
@@ -213,7 +211,7 @@ def test_forward_mixes_class_prompts_into_each_ccmp_block(tiny, style):
 
 def test_client_prior_conditions_the_prediction(tiny):
     _, task, method = _method(tiny)
-    server = _server(method)
+    server = seeded_server(method)
     params = method.client_params(server, torch.tensor([0, 1]))
     x = method.backbone.preprocess(task.data.train_images[:3]).repeat(2, 1, 1, 1)
     rows = torch.tensor([0, 0, 0, 1, 1, 1])
@@ -248,7 +246,7 @@ def _frozen_class_means(method, task, clients):
 
 def test_warm_start_is_the_frozen_class_mean_over_holders(tiny):
     _, task, method = _method(tiny)
-    server = _server(method)
+    server = seeded_server(method)
     ids = task.trainable_clients()  # S_0 = every training client by default
     sums, counts = _frozen_class_means(method, task, ids)
     holders = (counts > 0).sum(0)  # (C,)
@@ -264,7 +262,7 @@ def test_warm_start_is_the_frozen_class_mean_over_holders(tiny):
 def test_without_client_data_the_first_round_warm_starts_from_frozen_features(tiny):
     cfg, task, method = _method(tiny)
     method.task = dataclasses.replace(method.task, train_images=None)
-    server = _server(method)
+    server = seeded_server(method)
     assert server.buffers["rounds_done"] == 0 and server.buffers["prototypes"].abs().sum() == 0
     ids = task.trainable_clients()
     local = train_clients(method, server, task, ids, cfg.train, round_idx=0, seed=0)
@@ -278,7 +276,7 @@ def test_without_client_data_the_first_round_warm_starts_from_frozen_features(ti
 
 def test_prompted_prototypes_and_dp_agree_across_executors(tiny):
     cfg, task, method = _method(tiny, dp_epsilon=1.0, prototype_period=1)
-    server = _server(method)
+    server = seeded_server(method)
     ids = task.trainable_clients()
     ref = train_clients(
         method, server, task, ids, cfg.train, round_idx=0, seed=0, executor="reference"
@@ -299,7 +297,7 @@ def test_prompted_prototypes_and_dp_agree_across_executors(tiny):
 
 def test_dp_noise_follows_the_sensitivity(tiny):
     _, _, method = _method(tiny, dp_epsilon=0.5)
-    server = _server(method)
+    server = seeded_server(method)
     means = torch.zeros(2, 2, 6, 32)
     dev = torch.zeros(2, 2, 6)
     dev[0, 1, 3] = 4.0  # client row 0, block 1, class 3: max L1 deviation 4 over 2 samples
@@ -320,7 +318,7 @@ def test_dp_noise_follows_the_sensitivity(tiny):
 @pytest.mark.parametrize("kind", ["uniform", "samples"])
 def test_everything_trained_is_fedavged(tiny, kind):
     _, _, method = _method(tiny, aggregation=kind)
-    server = _server(method)
+    server = seeded_server(method)
     trained = {
         k: torch.stack([torch.full_like(v, 1.0), torch.full_like(v, 4.0)])
         for k, v in server.params.items()
@@ -336,7 +334,7 @@ def test_everything_trained_is_fedavged(tiny, kind):
 
 def test_communication_and_shared_only_ablation(tiny):
     _, task, method = _method(tiny)
-    server = _server(method)
+    server = seeded_server(method)
     down, up = method.communication(server)
     assert (
         set(down)
@@ -345,7 +343,7 @@ def test_communication_and_shared_only_ablation(tiny):
     )
     assert down["prototypes"].shape == (2, 6, 32)
     _, _, shared = _method(tiny, ccmp_layers=[])
-    s = _server(shared)
+    s = seeded_server(shared)
     assert set(s.params) == {"shared_prompts", "head_w", "head_b"} and not s.buffers
     params = shared.client_params(s, torch.tensor([0]))
     x = shared.backbone.preprocess(task.data.train_images[:2])
@@ -374,7 +372,7 @@ def _deep_method(tiny, **args):
 def test_ccmp_on_a_deep_backbone_mixes_per_sample_weights_at_blocks_5_6_7(tiny):
     cfg, task, method = _deep_method(tiny, tau=0.5)
     assert method.layers == (5, 6, 7)
-    server = _server(method)
+    server = seeded_server(method)
     protos = torch.randn(
         server.buffers["prototypes"].shape, generator=torch.Generator().manual_seed(1)
     )

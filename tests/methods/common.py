@@ -1,0 +1,27 @@
+"""Helpers shared by the per-method test files."""
+
+from __future__ import annotations
+
+import torch
+
+from fpbench.engine.executor import LocalResult, train_clients
+
+
+def stacked_constants(server_params: dict, values: list[float]) -> dict[str, torch.Tensor]:
+    """Each server parameter stacked once per value (K = len(values)), filled with it."""
+    return {
+        k: torch.stack([torch.full_like(v, x) for x in values]) for k, v in server_params.items()
+    }
+
+
+def both_executors_agree(method, task, cfg, server) -> LocalResult:
+    """Round 1 of local training under both client executors, checked equal; the lockstep one."""
+    ids = task.trainable_clients()
+    out = [
+        train_clients(method, server, task, ids, cfg.train, round_idx=1, seed=0, executor=e)
+        for e in ("reference", "lockstep")
+    ]
+    for k in out[0].params:
+        torch.testing.assert_close(out[1].params[k], out[0].params[k], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out[1].loss, out[0].loss, atol=1e-5, rtol=1e-5)
+    return out[1]
