@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import pytest
 
 from fpbench.errors import FpbenchError
@@ -47,3 +50,15 @@ def test_builtin_components_are_registered():
         PARTITIONS.names()
     )
     assert {"vit-test", "vit-smoke", "vit-b16-in21k"} <= set(BACKBONES.names())
+
+
+def test_loading_suites_imports_neither_timm_nor_open_clip():
+    """Registering the backbones and validating suites (ViT and CLIP ones) leaves the model
+    libraries unimported; building a backbone imports them."""
+    code = (
+        "import sys; from fpbench.suites import load_suite; "
+        "[load_suite(s) for s in ('sgpt-table1', 'smoke-clip')]; "
+        "print(sorted(m for m in ('timm', 'open_clip') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

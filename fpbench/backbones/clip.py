@@ -27,16 +27,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import open_clip
 import torch
 import torch.nn.functional as F
-from open_clip.transformer import text_global_pool
 from torch import Tensor, nn
 
 from fpbench.backbones.frozen_linear import freeze_linears
 from fpbench.backbones.smoke import default_cache_dir
 from fpbench.backbones.vit import _first_line, _hub_reachable
 from fpbench.errors import FpbenchError
+
+# open_clip is imported where it is used: it imports torchvision and transformers (about 2.5 s
+# on 2 cores), which registering these backbones and loading a suite do not need.
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -76,6 +77,8 @@ class PromptedCLIP(nn.Module):
     family = "clip"
 
     def __init__(self, model: nn.Module, name: str = "", tokenizer: Any = None) -> None:
+        import open_clip
+
         super().__init__()
         if not hasattr(model, "token_embedding") or not hasattr(model, "visual"):
             raise ValueError("PromptedCLIP needs an open_clip CLIP with its own text tower")
@@ -167,6 +170,8 @@ class PromptedCLIP(nn.Module):
         reach an EOT output, so the features agree with the full pass up to float rounding, at a
         fraction of the cost (prompts are ~10-30 of 77 tokens).
         """
+        from open_clip.transformer import text_global_pool
+
         model = self.model
         cast = model.transformer.get_cast_dtype()
         n = int(ids.argmax(-1).max()) + 1 if truncate else ids.shape[1]
@@ -255,6 +260,8 @@ class ClipSpec:
         pretrained: bool = True,
     ) -> PromptedCLIP:
         """Build the frozen `PromptedCLIP`; see `fpbench.backbones.create_backbone`."""
+        import open_clip
+
         _register_tiny_configs(cache_dir)
         if not pretrained:
             model = self._random()
@@ -273,12 +280,16 @@ class ClipSpec:
         return PromptedCLIP(model, name=self.name, tokenizer=tokenizer)
 
     def _random(self) -> nn.Module:
+        import open_clip
+
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             return open_clip.create_model(self.model_name, pretrained=None)
 
     def _seeded_file(self, cache_dir: Path | None) -> Path:
         """The tiny model's seeded random weights, saved once as a state_dict file."""
+        import open_clip
+
         cfg = json.dumps([TINY_CONFIGS.get(self.model_name), self.seed, open_clip.__version__])
         key = hashlib.sha256(cfg.encode()).hexdigest()[:12]
         path = (cache_dir or default_cache_dir()) / f"{self.name}-{key}.pth"
@@ -290,6 +301,8 @@ class ClipSpec:
         return path
 
     def _from_file(self, path: Path) -> nn.Module:
+        import open_clip
+
         if not path.is_file():
             raise FpbenchError(
                 f"backbone weights file {str(path)!r} for {self.name} does not exist; "
@@ -306,6 +319,8 @@ class ClipSpec:
             ) from err
 
     def _from_openai(self) -> nn.Module:
+        import open_clip
+
         cached = hf_cached_file(self.hf_repo)
         if cached is not None:
             return self._from_file(cached)
@@ -317,6 +332,8 @@ class ClipSpec:
             raise FpbenchError(self._download_hint(_first_line(err))) from err
 
     def _download_hint(self, why: str) -> str:
+        import open_clip
+
         cfg = open_clip.get_pretrained_cfg(self.model_name, self.tag) or {}
         url = f"https://huggingface.co/{self.hf_repo}/resolve/main/open_clip_model.safetensors"
         return (
@@ -341,6 +358,8 @@ def hf_cached_file(repo: str) -> Path | None:
 
 def _register_tiny_configs(cache_dir: Path | None) -> None:
     """Make the tiny configs known to open_clip by its public `add_model_config` (once)."""
+    import open_clip
+
     missing = [n for n in TINY_CONFIGS if n not in open_clip.list_models()]
     if not missing:
         return

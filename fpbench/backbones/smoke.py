@@ -43,7 +43,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import timm
 import torch
 import torch.nn.functional as F
 
@@ -173,6 +172,8 @@ def _save_atomic(state_dict: dict[str, torch.Tensor], path: Path) -> None:
 
 def pretrain(recipe: SmokeRecipe, progress: Progress | None = None) -> dict[str, torch.Tensor]:
     """Train the recipe's ViT + linear head; return the backbone state_dict (no head)."""
+    import timm
+
     images, labels = _pretraining_data(recipe)
     with torch.random.fork_rng(devices=[]), deterministic(True):  # the same file everywhere
         torch.manual_seed(recipe.torch_seed)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 from typing import ClassVar, Literal
 
-import timm
 import torch
 import torch.nn.functional as F
 from pydantic import Field
@@ -208,6 +207,8 @@ class _TimmQuery:
         vit_std: tuple[float, ...],
         device: torch.device,
     ) -> None:
+        import timm
+
         try:
             with torch.random.fork_rng(devices=[]):  # a seeded init when not pretrained
                 torch.manual_seed(0)
