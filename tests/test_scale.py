@@ -359,10 +359,12 @@ def test_ray_executor_matches_serial(tmp_path, serial):
     pd.testing.assert_frame_equal(_results(_sqlite(tmp_path / "r.db")), rows, check_exact=True)
 
 
-def test_unknown_executor_and_missing_engine_are_user_errors(workdir, monkeypatch):
+def test_unknown_launcher_and_missing_engine_are_user_errors(workdir, monkeypatch):
     runner = CliRunner()
     bad = runner.invoke(app, ["run", "--suite", "tiny", "--launcher", "dask"])
     assert bad.exit_code == 2 and "--launcher 'dask' is unknown" in bad.output
+    old = runner.invoke(app, ["run", "--suite", "tiny", "--executor", "dask"])  # its old name
+    assert old.exit_code == 2 and "--launcher 'dask' is unknown" in old.output
     monkeypatch.setitem(sys.modules, "ray", None)  # as if the extra were not installed
     missing = runner.invoke(app, ["run", "--suite", "tiny", "--launcher", "ray"])
     assert missing.exit_code == 2 and "needs ray: pip install ray" in missing.output
