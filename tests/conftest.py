@@ -61,6 +61,11 @@ def seeded_server(method):
     return method.init_server(torch.Generator().manual_seed(0))
 
 
+def with_config(method, **args):
+    """The same method class on the same backbone and task, with config `args`."""
+    return type(method)(method.Config(**args), method.backbone, method.task)
+
+
 def tiny_config(method: str = "fedvpt", **train) -> RunConfig:
     raw = {**TINY, "methods": [{"name": method, **OFFLINE_ARGS.get(method, {})}]}
     raw["defaults"] = {**TINY["defaults"], "train": {**TINY["defaults"]["train"], **train}}

@@ -21,14 +21,13 @@ from fpbench.methods.fgpt import (
 )
 from fpbench.registry import METHODS
 
-from ..conftest import seeded_server
+from ..conftest import seeded_server, with_config
 
 
 def _method(tiny, name="fgpt", **args):
     """(cfg, task, method) on the tiny federation with these method args."""
     cfg, task, method = tiny(name)
-    cls = METHODS.get(name)
-    return cfg, task, cls(cls.Config(**args), method.backbone, method.task)
+    return cfg, task, with_config(method, **args)
 
 
 def test_orthogonal_keys_are_orthonormal_and_random_keys_are_not():

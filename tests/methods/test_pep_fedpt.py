@@ -27,13 +27,23 @@ from fpbench.methods.pep_fedpt import (
 )
 from fpbench.registry import METHODS
 
-from ..conftest import seeded_server
+from ..conftest import seeded_server, with_config
+
+
+def _warm_client(method, task):
+    """Buffers after three rounds (seeded random prototypes), client 2's params, 4 images."""
+    server = seeded_server(method)
+    protos = torch.randn(
+        server.buffers["prototypes"].shape, generator=torch.Generator().manual_seed(1)
+    )
+    buffers = {**server.buffers, "prototypes": protos, "rounds_done": torch.tensor(3)}
+    params = method.client_params(server, torch.tensor([2]))
+    return buffers, params, method.backbone.preprocess(task.data.train_images[:4])
 
 
 def _method(tiny, **args):
     cfg, task, method = tiny("pep-fedpt")
-    cls = METHODS.get("pep-fedpt")
-    return cfg, task, cls(cls.Config(**args), method.backbone, method.task)
+    return cfg, task, with_config(method, **args)
 
 
 def test_ccmp_weights_by_hand():
@@ -193,13 +203,8 @@ def _manual(method, params, x, protos, prior, style):
 def test_forward_mixes_class_prompts_into_each_ccmp_block(tiny, style):
     _, task, method = _method(tiny, ccmp_style=style, tau=0.5)
     assert method.layers == (0, 1)
-    server = seeded_server(method)
-    protos = torch.randn(
-        server.buffers["prototypes"].shape, generator=torch.Generator().manual_seed(1)
-    )
-    buffers = {**server.buffers, "prototypes": protos, "rounds_done": torch.tensor(3)}
-    params = method.client_params(server, torch.tensor([2]))
-    x = method.backbone.preprocess(task.data.train_images[:4])
+    buffers, params, x = _warm_client(method, task)
+    protos = buffers["prototypes"]
     prior = task.priors[2:3]
     ctx = Context(training=False, priors=prior, buffers=buffers)
     logits = method.forward(params, x, torch.zeros(4, dtype=torch.long), ctx)
@@ -372,13 +377,8 @@ def _deep_method(tiny, **args):
 def test_ccmp_on_a_deep_backbone_mixes_per_sample_weights_at_blocks_5_6_7(tiny):
     cfg, task, method = _deep_method(tiny, tau=0.5)
     assert method.layers == (5, 6, 7)
-    server = seeded_server(method)
-    protos = torch.randn(
-        server.buffers["prototypes"].shape, generator=torch.Generator().manual_seed(1)
-    )
-    buffers = {**server.buffers, "prototypes": protos, "rounds_done": torch.tensor(3)}
-    params = method.client_params(server, torch.tensor([2]))
-    x = method.backbone.preprocess(task.data.train_images[:4])
+    buffers, params, x = _warm_client(method, task)
+    protos = buffers["prototypes"]
     prior = torch.full((1, task.data.num_classes), 1.0 / task.data.num_classes)
     vit = method.backbone
     tokens = torch.cat([vit.embed(x)[:, :1], params["shared_prompts"][0].expand(4, -1, -1)], 1)

@@ -9,14 +9,9 @@ from fpbench.engine.evaluate import evaluate
 from fpbench.methods.base import Context
 from fpbench.methods.per_fedavg import inner_half
 
-from ..conftest import seeded_server
+from ..conftest import seeded_server, with_config
 
 TRAIN = Context(training=True)
-
-
-def _with(method, **cfg):
-    """The same method class on the same backbone and task, with a different config."""
-    return type(method)(method.Config(**cfg), method.backbone, method.task)
 
 
 def test_per_fedavg_inner_half_is_the_first_half_of_each_clients_samples():
@@ -26,7 +21,7 @@ def test_per_fedavg_inner_half_is_the_first_half_of_each_clients_samples():
 
 def test_per_fedavg_meta_gradient_is_first_order_maml(tiny):
     _, task, method = tiny("per-fedavg")
-    method = _with(method, alpha=0.5)
+    method = with_config(method, alpha=0.5)
     server = seeded_server(method)
     params = {
         k: v.requires_grad_() for k, v in method.client_params(server, torch.tensor([0])).items()
@@ -58,7 +53,7 @@ def test_per_fedavg_meta_gradient_is_first_order_maml(tiny):
 
 def test_per_fedavg_takes_one_local_step_before_evaluation(tiny):
     cfg, task, method = tiny("per-fedavg")
-    method = _with(method, adapt_batch=5)
+    method = with_config(method, adapt_batch=5)
     server = seeded_server(method)
     seen = []
     plain_adapt = method.adapt

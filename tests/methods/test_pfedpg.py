@@ -6,17 +6,12 @@ import torch
 
 from fpbench.methods.base import Updates
 
-from ..conftest import seeded_server
-
-
-def _with(method, **cfg):
-    """The same method class on the same backbone and task, with a different config."""
-    return type(method)(method.Config(**cfg), method.backbone, method.task)
+from ..conftest import seeded_server, with_config
 
 
 def test_pfedpg_generator_descends_half_squared_distance_to_trained_prompts(tiny):
     _, task, method = tiny("pfedpg")
-    method = _with(method, server_lr=0.1)
+    method = with_config(method, server_lr=0.1)
     server = seeded_server(method)
     ids = torch.tensor([0, 2])
     start = method.client_params(server, ids)

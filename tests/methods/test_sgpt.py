@@ -29,11 +29,13 @@ from fpbench.methods.sgpt import (
 from fpbench.registry import METHODS
 from fpbench.suites import load_suite
 
+from ..conftest import with_config
+
 
 def _sgpt(tiny, **args):
     """An SGPT method on the tiny task (vit-test: 2 blocks, width 32), with config `args`."""
     _, task, base = tiny("sgpt")
-    return METHODS.get("sgpt")(SGPTConfig(**args), base.backbone, base.task), task
+    return with_config(base, **args), task
 
 
 # -- Select ------------------------------------------------------------------------------------

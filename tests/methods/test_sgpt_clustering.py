@@ -22,7 +22,8 @@ from fpbench.methods.sgpt import SGPTConfig
 from fpbench.registry import METHODS
 from fpbench.store import Store
 from fpbench.suites import load_suite
-from tests.conftest import tiny_config
+
+from ..conftest import tiny_config, with_config
 
 KM = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
 
@@ -86,7 +87,7 @@ def test_empty_cluster_keeps_its_centre():
 def _sgpt(tiny, **args):
     _, task, base = tiny("sgpt")
     args = {"cluster_metric": True, **args}  # the diagnostics under test (off by default)
-    return METHODS.get("sgpt")(SGPTConfig(**args), base.backbone, base.task)
+    return with_config(base, **args)
 
 
 def test_round_metric_of_a_collapsed_select_is_one_over_q(tiny):
