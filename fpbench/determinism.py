@@ -30,9 +30,8 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
-
 from fpbench.errors import FpbenchError
+from fpbench.lazy import torch
 
 CUBLAS_WORKSPACE = ":4096:8"  # what cuBLAS needs to pick one reduction order (CUDA >= 10.2)
 _NO_KERNEL = re.compile(r"^(\S+) does not have a deterministic implementation")

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fpbench.backbones import clip as clip_mod
-from fpbench.backbones import create_backbone
+from fpbench.backbones import catalog, create_backbone
 from fpbench.backbones.clip import CLIP_MEAN, CLIP_STD, PromptedCLIP
 from fpbench.backbones.clip_prompts import PixelPrompter, PromptLayout, init_context
 from fpbench.errors import FpbenchError
@@ -172,7 +171,7 @@ def test_rn_variant_encodes_images(cache):
 
 @pytest.mark.parametrize("name", ["clip-vit-b16", "clip-rn50"])
 def test_missing_pretrained_weights_say_what_to_download(monkeypatch, cache, name):
-    monkeypatch.setattr(clip_mod, "hf_cached_file", lambda repo: None)
+    monkeypatch.setattr(catalog, "hf_cached_file", lambda repo: None)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(FpbenchError) as err:
         create_backbone(name, cache_dir=cache)

@@ -52,13 +52,29 @@ def test_builtin_components_are_registered():
     assert {"vit-test", "vit-smoke", "vit-b16-in21k"} <= set(BACKBONES.names())
 
 
-def test_loading_suites_imports_neither_timm_nor_open_clip():
-    """Registering the backbones and validating suites (ViT and CLIP ones) leaves the model
-    libraries unimported; building a backbone imports them."""
-    code = (
-        "import sys; from fpbench.suites import load_suite; "
-        "[load_suite(s) for s in ('sgpt-table1', 'smoke-clip')]; "
-        "print(sorted(m for m in ('timm', 'open_clip') if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+def test_loading_every_suite_imports_no_torch():
+    """Registering every built-in component and loading every shipped suite (which validates each
+    component's Config) imports none of torch, torchvision, timm or open_clip; the first such
+    import fails with the fpbench module that made it."""
+    code = """
+import sys, traceback
+HEAVY = ("torch", "torchvision", "timm", "open_clip")
+class Guard:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in HEAVY:
+            chain = [f"{f.filename.split('/fpbench/')[-1]}:{f.lineno}"
+                     for f in traceback.extract_stack()
+                     if "/fpbench/" in f.filename and not f.filename.endswith("lazy.py")]
+            raise ImportError(f"{name} imported through " + " -> ".join(chain))
+sys.meta_path.insert(0, Guard())
+from fpbench.suites import list_suites, load_suite
+from fpbench.registry import METHODS
+names = list_suites()
+for name in names:
+    load_suite(name)
+print(len(names), len(METHODS.names()))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    suites, methods = map(int, out.stdout.split())
+    assert suites >= 20 and methods >= 27

@@ -19,16 +19,20 @@ VisionTransformer) or `open_clip:<arch>@<tag>` (`fpbench.backbones.custom`).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from fpbench.backbones.clip import CLIP_SPECS, PromptedCLIP
+from fpbench.backbones.catalog import CLIP_SPECS, VIT_SPECS, VIT_TEST_ARCH, BackboneSpec, ClipSpec
 from fpbench.backbones.custom import RESOLVERS
-from fpbench.backbones.smoke import SMOKE_ARCH, SMOKE_MEAN, SMOKE_STD, SMOKE_TIMM_NAME
-from fpbench.backbones.vit import BackboneSpec, PromptedViT, ViTFeatures, preprocess_images
 from fpbench.registry import BACKBONES
+
+if TYPE_CHECKING:
+    from fpbench.backbones.clip import PromptedCLIP
+    from fpbench.backbones.vit import PromptedViT
 
 __all__ = [
     "VIT_TEST_ARCH",
     "BackboneSpec",
+    "ClipSpec",
     "PromptedCLIP",
     "PromptedViT",
     "ViTFeatures",
@@ -36,58 +40,24 @@ __all__ = [
     "preprocess_images",
 ]
 
-VIT_TEST_ARCH = dict(
-    img_size=16, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0,
-    dynamic_img_size=False,
-)  # fmt: skip
+# The models import torch; they are imported when first named (PEP 562), not with the registry.
+_MODELS = {
+    "PromptedViT": "vit",
+    "ViTFeatures": "vit",
+    "preprocess_images": "vit",
+    "PromptedCLIP": "clip",
+}
 
-_SPECS = (
-    BackboneSpec(
-        name="vit-test",
-        timm_name="test_vit",
-        timm_kwargs=VIT_TEST_ARCH,
-        description="Test-sized ViT (16 px, 2 blocks, width 32), seeded random init",
-        pretrained="none",
-        mean=(0.5, 0.5, 0.5),
-        std=(0.5, 0.5, 0.5),
-    ),
-    BackboneSpec(
-        name="vit-smoke",
-        timm_name=SMOKE_TIMM_NAME,
-        timm_kwargs=SMOKE_ARCH,
-        description="Small ViT (32 px, 4 blocks, width 128) pretrained offline on synthetic data",
-        pretrained="smoke",
-        mean=SMOKE_MEAN,
-        std=SMOKE_STD,
-    ),
-    BackboneSpec(
-        name="vit-ti16-d4",
-        timm_name="vit_tiny_patch16_224",
-        timm_kwargs={"depth": 4},
-        description="ViT-Ti/16 cut to 4 blocks (224 px, width 192), seeded random init or a "
-        "weights file: the tiny side-by-side setting with the official SGPT code",
-        pretrained="none",
-    ),
-    BackboneSpec(
-        name="vit-b16-in21k",
-        timm_name="vit_base_patch16_224.orig_in21k",
-        description="ViT-B/16, original Google ImageNet-21k weights (SGPT/FGPT/PEP-FedPT)",
-        pretrained="hub",
-    ),
-    BackboneSpec(
-        name="vit-b16-augreg-in21k",
-        timm_name="vit_base_patch16_224.augreg_in21k",
-        description="ViT-B/16, AugReg ImageNet-21k weights",
-        pretrained="hub",
-    ),
-    BackboneSpec(
-        name="vit-s16-augreg-in21k",
-        timm_name="vit_small_patch16_224.augreg_in21k",
-        description="ViT-S/16, AugReg ImageNet-21k weights",
-        pretrained="hub",
-    ),
-)
-for _spec in (*_SPECS, *CLIP_SPECS):
+
+def __getattr__(name: str) -> Any:
+    if name in _MODELS:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_MODELS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+for _spec in (*VIT_SPECS, *CLIP_SPECS):
     BACKBONES.register()(_spec)
 for _prefix, _resolve in RESOLVERS.items():  # timm:NAME, open_clip:ARCH@TAG
     BACKBONES.add_resolver(_prefix, _resolve)

@@ -13,51 +13,22 @@ Pieces:
   features, which the engine caches for methods that train no visual prompt), `logit_scale`
   (frozen, exp of the model's learned log scale).
 * `fpbench.backbones.clip_prompts`: CoOp's prompt layout and Bahng et al.'s pixel prompts.
-* `ClipSpec`: registered backbones. OpenAI weights (the quickgelu variants) load by name when
-  online or from a local file; the tiny test configs are saved once as a seeded random checkpoint
-  and loaded through the same open_clip file path.
+* `fpbench.backbones.catalog.ClipSpec`: registered backbones and their weights.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fpbench.backbones.frozen_linear import freeze_linears
-from fpbench.backbones.smoke import default_cache_dir
-from fpbench.backbones.vit import _first_line, _hub_reachable
-from fpbench.errors import FpbenchError
-
-# open_clip is imported where it is used: it imports torchvision and transformers (about 2.5 s
-# on 2 cores), which registering these backbones and loading a suite do not need.
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-
-_TINY_TEXT = {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2}
-TINY_CONFIGS: dict[str, dict[str, Any]] = {
-    "fpbench-clip-test": {
-        "embed_dim": 32,
-        "quick_gelu": True,
-        "vision_cfg": {"image_size": 16, "layers": 2, "width": 32, "patch_size": 8,
-                       "head_width": 16},
-        "text_cfg": _TINY_TEXT,
-    },
-    "fpbench-clip-test-rn": {
-        "embed_dim": 32,
-        "quick_gelu": True,
-        "vision_cfg": {"image_size": 32, "layers": [1, 1, 1, 1], "width": 8, "patch_size": None},
-        "text_cfg": _TINY_TEXT,
-    },
-}  # fmt: skip
 
 
 @dataclass
@@ -221,181 +192,3 @@ def _joint_dim(model: nn.Module) -> int:
     if proj is None:
         return model.token_embedding.weight.shape[1]
     return proj.out_features if isinstance(proj, nn.Linear) else proj.shape[1]
-
-
-# ---------------------------------------------------------------------------------------------
-# Registry specs and weight loading
-
-
-@dataclass(frozen=True)
-class ClipSpec:
-    """A registered CLIP backbone.
-
-    Attributes:
-        name: Registry name (e.g. "clip-vit-b16").
-        model_name: open_clip architecture (OpenAI weights need the -quickgelu variants).
-        description: One line for `fpbench list backbones`.
-        pretrained: "openai" (open_clip's pretrained `tag`, or a local file), "seeded" (a tiny
-            config: a seeded random init saved once to the cache and loaded from that file) or
-            "file" (only a local weights file).
-        tag: open_clip's pretrained tag ("openai", "laion2b_s34b_b79k", ...).
-        hf_repo: Hugging Face repo of the open_clip weights, for the offline cache lookup.
-        own_tokenizer: the architecture's own tokenizer (else ViT-B-16's, as OpenAI's CLIPs).
-        seed: Seed of the random init.
-    """
-
-    name: str
-    model_name: str
-    description: str = ""
-    pretrained: Literal["openai", "seeded", "file"] = "seeded"
-    tag: str = "openai"
-    hf_repo: str = ""
-    own_tokenizer: bool = False
-    seed: int = 0
-
-    def create(
-        self,
-        weights: str | Path | None = None,
-        cache_dir: Path | None = None,
-        pretrained: bool = True,
-    ) -> PromptedCLIP:
-        """Build the frozen `PromptedCLIP`; see `fpbench.backbones.create_backbone`."""
-        import open_clip
-
-        _register_tiny_configs(cache_dir)
-        if not pretrained:
-            model = self._random()
-        elif weights is not None:
-            model = self._from_file(Path(weights).expanduser())
-        elif self.pretrained == "seeded":
-            model = self._from_file(self._seeded_file(cache_dir))
-        elif self.pretrained == "file":
-            raise FpbenchError(
-                f"{self.name} names no pretrained tag: give backbone.weights = PATH, or a tag "
-                f"(open_clip:{self.model_name}@TAG; `open_clip.list_pretrained()` lists them)"
-            )
-        else:
-            model = self._from_openai()
-        tokenizer = open_clip.get_tokenizer(self.model_name if self.own_tokenizer else "ViT-B-16")
-        return PromptedCLIP(model, name=self.name, tokenizer=tokenizer)
-
-    def _random(self) -> nn.Module:
-        import open_clip
-
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            return open_clip.create_model(self.model_name, pretrained=None)
-
-    def _seeded_file(self, cache_dir: Path | None) -> Path:
-        """The tiny model's seeded random weights, saved once as a state_dict file."""
-        import open_clip
-
-        cfg = json.dumps([TINY_CONFIGS.get(self.model_name), self.seed, open_clip.__version__])
-        key = hashlib.sha256(cfg.encode()).hexdigest()[:12]
-        path = (cache_dir or default_cache_dir()) / f"{self.name}-{key}.pth"
-        if not path.is_file():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            torch.save(self._random().state_dict(), tmp)
-            tmp.replace(path)
-        return path
-
-    def _from_file(self, path: Path) -> nn.Module:
-        import open_clip
-
-        if not path.is_file():
-            raise FpbenchError(
-                f"backbone weights file {str(path)!r} for {self.name} does not exist; "
-                "fix backbone.weights in the suite"
-            )
-        try:  # OpenAI's TorchScript archives (.pt) cannot load with weights_only=True
-            return open_clip.create_model(
-                self.model_name, pretrained=str(path), weights_only=path.suffix != ".pt"
-            )
-        except Exception as err:
-            raise FpbenchError(
-                f"weights file {str(path)!r} does not fit backbone {self.name} "
-                f"({self.model_name}): {_first_line(err)}"
-            ) from err
-
-    def _from_openai(self) -> nn.Module:
-        import open_clip
-
-        cached = hf_cached_file(self.hf_repo)
-        if cached is not None:
-            return self._from_file(cached)
-        if not _hub_reachable():
-            raise FpbenchError(self._download_hint("no network, or HF_HUB_OFFLINE is set"))
-        try:
-            return open_clip.create_model(self.model_name, pretrained=self.tag)
-        except Exception as err:
-            raise FpbenchError(self._download_hint(_first_line(err))) from err
-
-    def _download_hint(self, why: str) -> str:
-        import open_clip
-
-        cfg = open_clip.get_pretrained_cfg(self.model_name, self.tag) or {}
-        url = f"https://huggingface.co/{self.hf_repo}/resolve/main/open_clip_model.safetensors"
-        return (
-            f"the {self.tag} weights of {self.name} ({self.model_name}) are missing ({why}); "
-            f"download {url} (or {cfg.get('url', 'the OpenAI .pt archive')}) and set "
-            f'backbone = {{ name = "{self.name}", weights = "PATH" }} in the suite'
-        )
-
-
-def hf_cached_file(repo: str) -> Path | None:
-    """The open_clip weights of a Hugging Face repo if already in the local hub cache."""
-    if not repo:
-        return None
-    from huggingface_hub import try_to_load_from_cache
-
-    for name in ("open_clip_model.safetensors", "open_clip_pytorch_model.bin"):
-        found = try_to_load_from_cache(repo, name)
-        if isinstance(found, str):
-            return Path(found)
-    return None
-
-
-def _register_tiny_configs(cache_dir: Path | None) -> None:
-    """Make the tiny configs known to open_clip by its public `add_model_config` (once)."""
-    import open_clip
-
-    missing = [n for n in TINY_CONFIGS if n not in open_clip.list_models()]
-    if not missing:
-        return
-    folder = (cache_dir or default_cache_dir()) / "open_clip_configs"
-    folder.mkdir(parents=True, exist_ok=True)
-    for name in missing:
-        path = folder / f"{name}.json"
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(TINY_CONFIGS[name], indent=1))
-        tmp.replace(path)
-        open_clip.add_model_config(path)
-
-
-CLIP_SPECS = (
-    ClipSpec(
-        name="clip-test",
-        model_name="fpbench-clip-test",
-        description="Test-sized CLIP (ViT 16 px, width 32, 2+2 layers), seeded random weights",
-    ),
-    ClipSpec(
-        name="clip-test-rn",
-        model_name="fpbench-clip-test-rn",
-        description="Test-sized CLIP (ModifiedResNet 32 px, width 8), seeded random weights",
-    ),
-    ClipSpec(
-        name="clip-vit-b16",
-        model_name="ViT-B-16-quickgelu",
-        description="CLIP ViT-B/16, OpenAI weights (QuickGELU)",
-        pretrained="openai",
-        hf_repo="timm/vit_base_patch16_clip_224.openai",
-    ),
-    ClipSpec(
-        name="clip-rn50",
-        model_name="RN50-quickgelu",
-        description="CLIP RN50, OpenAI weights (QuickGELU)",
-        pretrained="openai",
-        hf_repo="timm/resnet50_clip.openai",
-    ),
-)

@@ -14,13 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
-from torch import Tensor
-
 from fpbench.errors import FpbenchError
+from fpbench.lazy import F, torch
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from fpbench.backbones.clip import PromptedCLIP
 
 
@@ -51,37 +50,37 @@ class PromptLayout:
     name_lens: list[int] = field(default_factory=list)
 
     @classmethod
-    @torch.no_grad()
     def build(
         cls, clip: PromptedCLIP, class_names: list[str], n_ctx: int, position: str = "end"
     ) -> PromptLayout:
         """Tokenise the class prompts; raise if a prompt would exceed the token budget."""
-        if position not in ("end", "middle", "front"):
-            raise FpbenchError(f"class_token_position {position!r}: use end, middle or front")
-        names = [clean_name(n) for n in class_names]
-        lens = [len(clip.tokenizer.encode(n)) for n in names]
-        budget = clip.context_length
-        longest = max(range(len(names)), key=lambda c: lens[c])
-        if 1 + n_ctx + lens[longest] + 2 > budget:
-            raise FpbenchError(
-                f"prompt of {n_ctx} context tokens + class {names[longest]!r} "
-                f"({lens[longest]} tokens) exceeds CLIP's {budget}-token budget; "
-                f"use at most {budget - 3 - lens[longest]} context tokens"
+        with torch.no_grad():
+            if position not in ("end", "middle", "front"):
+                raise FpbenchError(f"class_token_position {position!r}: use end, middle or front")
+            names = [clean_name(n) for n in class_names]
+            lens = [len(clip.tokenizer.encode(n)) for n in names]
+            budget = clip.context_length
+            longest = max(range(len(names)), key=lambda c: lens[c])
+            if 1 + n_ctx + lens[longest] + 2 > budget:
+                raise FpbenchError(
+                    f"prompt of {n_ctx} context tokens + class {names[longest]!r} "
+                    f"({lens[longest]} tokens) exceeds CLIP's {budget}-token budget; "
+                    f"use at most {budget - 3 - lens[longest]} context tokens"
+                )
+            ids = clip.tokenize([" ".join(["X"] * n_ctx + [n]) + "." for n in names])  # (C, L)
+            eot = ids.argmax(-1).tolist()
+            if eot != [1 + n_ctx + n + 1 for n in lens]:
+                raise FpbenchError("class names did not tokenise as expected; check the names")
+            emb = clip.token_embed(ids).float()  # (C, L, d)
+            return cls(
+                n_ctx=n_ctx,
+                position=position,
+                ids=ids,
+                prefix=emb[:, :1],
+                suffix=emb[:, 1 + n_ctx :],
+                order=_order(n_ctx, lens, ids.shape[1] - 1, position).to(ids.device),
+                name_lens=lens,
             )
-        ids = clip.tokenize([" ".join(["X"] * n_ctx + [n]) + "." for n in names])  # (C, L)
-        eot = ids.argmax(-1).tolist()
-        if eot != [1 + n_ctx + n + 1 for n in lens]:
-            raise FpbenchError("class names did not tokenise as expected; check the names")
-        emb = clip.token_embed(ids).float()  # (C, L, d)
-        return cls(
-            n_ctx=n_ctx,
-            position=position,
-            ids=ids,
-            prefix=emb[:, :1],
-            suffix=emb[:, 1 + n_ctx :],
-            order=_order(n_ctx, lens, ids.shape[1] - 1, position).to(ids.device),
-            name_lens=lens,
-        )
 
     @property
     def num_classes(self) -> int:

@@ -18,8 +18,7 @@ from __future__ import annotations
 import difflib
 import functools
 
-from fpbench.backbones.clip import ClipSpec
-from fpbench.backbones.vit import BackboneSpec
+from fpbench.backbones.catalog import BackboneSpec, ClipSpec
 from fpbench.errors import FpbenchError
 
 

@@ -43,12 +43,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-
-from fpbench.backbones.vit import preprocess_images
 from fpbench.determinism import deterministic
 from fpbench.errors import FpbenchError
+from fpbench.lazy import F, torch
 
 SMOKE_TIMM_NAME = "test_vit"
 SMOKE_ARCH: dict[str, Any] = dict(
@@ -185,6 +182,7 @@ def pretrain(recipe: SmokeRecipe, progress: Progress | None = None) -> dict[str,
 
 def _pretraining_data(recipe: SmokeRecipe) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalized float train images (N, 3, S, S) and labels (N,) of the pretraining classes."""
+    from fpbench.backbones.vit import preprocess_images
     from fpbench.data.synthetic import Synthetic
 
     size = int(recipe.arch.get("img_size", 32))

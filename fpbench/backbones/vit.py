@@ -12,32 +12,23 @@ Prompt styles, for `prompts[l]` of shape (B, p_l, d) given before block l (0-bas
   every layer's prompts must have the same length.
 * ``shallow`` (VPT-shallow): layer 0 only; same as ``accumulate`` there.
 
-`BackboneSpec` describes a registered backbone and builds it through timm's own weight-loading
-path (hub, a local file, fpbench's self-pretrained `vit-smoke` weights, or a seeded random init).
+`fpbench.backbones.catalog.BackboneSpec` builds it for a registered backbone.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import urllib.parse
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fpbench.backbones.frozen_linear import freeze_linears
-from fpbench.errors import FpbenchError
 
 if TYPE_CHECKING:
     from timm.models.vision_transformer import VisionTransformer
-
-# timm is imported where it is used: it imports torchvision (about 1.5 s on 2 cores), which
-# registering the backbones and loading a suite do not need.
 
 PromptStyle = Literal["accumulate", "deep", "shallow"]
 STYLES: tuple[str, ...] = ("accumulate", "deep", "shallow")
@@ -277,149 +268,3 @@ def _check_prompts(
             lengths.add(num_prompt_tokens)
         if len(lengths) > 1:
             raise ValueError(f"deep prompts need one length at every layer, got {sorted(lengths)}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Registry specs and weight loading
-
-
-@dataclass(frozen=True)
-class BackboneSpec:
-    """A registered ViT backbone: which timm model, which weights, which normalization.
-
-    Attributes:
-        name: Registry name (e.g. "vit-b16-in21k").
-        timm_name: timm model name, with pretrained tag where it matters.
-        timm_kwargs: Extra `timm.create_model` arguments (architecture overrides).
-        description: One line for `fpbench list backbones`.
-        pretrained: "hub" (timm / Hugging Face hub), "smoke" (fpbench's own offline
-            pretraining, see `fpbench.backbones.smoke`) or "none" (seeded random init).
-        mean: Normalization mean override (default: timm's pretrained_cfg).
-        std: Normalization std override (default: timm's pretrained_cfg).
-        seed: Seed of the random init (used before any weights are loaded).
-    """
-
-    name: str
-    timm_name: str
-    timm_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    description: str = ""
-    pretrained: Literal["hub", "smoke", "none"] = "none"
-    mean: tuple[float, float, float] | None = None
-    std: tuple[float, float, float] | None = None
-    seed: int = 0
-
-    def create(
-        self,
-        weights: str | Path | None = None,
-        cache_dir: Path | None = None,
-        pretrained: bool = True,
-    ) -> PromptedViT:
-        """Build the frozen `PromptedViT`; see `fpbench.backbones.create_backbone`."""
-        if not pretrained:
-            model = self._timm(pretrained=False)
-        elif weights is not None:
-            model = self._from_file(Path(weights).expanduser())
-        elif self.pretrained == "hub":
-            model = self._from_hub()
-        elif self.pretrained == "smoke":
-            from fpbench.backbones import smoke
-
-            model = self._from_file(smoke.ensure_pretrained(cache_dir))
-        else:
-            model = self._timm(pretrained=False)
-        return PromptedViT(model, name=self.name, mean=self.mean, std=self.std)
-
-    def _timm(self, **kwargs: Any) -> VisionTransformer:
-        """timm.create_model with a seeded init that leaves the global RNG untouched."""
-        import timm
-
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            return timm.create_model(self.timm_name, num_classes=0, **self.timm_kwargs, **kwargs)
-
-    def _from_file(self, path: Path) -> VisionTransformer:
-        """Load a local weights file through timm's `pretrained_cfg_overlay=dict(file=...)`."""
-        if not path.is_file():
-            raise FpbenchError(
-                f"backbone weights file {str(path)!r} for {self.name} does not exist; "
-                "fix backbone.weights in the suite"
-            )
-        overlay: dict[str, Any] = {"file": str(path), "custom_load": path.suffix == ".npz"}
-        if self.pretrained != "hub":
-            overlay["num_classes"] = 0  # fpbench's own files have no head: load strictly
-        try:
-            return self._timm(pretrained=True, pretrained_cfg_overlay=overlay)
-        except Exception as err:  # unreadable file, wrong format or wrong architecture
-            raise FpbenchError(
-                f"weights file {str(path)!r} does not fit backbone {self.name} "
-                f"({self.timm_name}): {_first_line(err)}"
-            ) from err
-
-    def _from_hub(self) -> VisionTransformer:
-        """Download (or reuse cached) hub weights; fail fast and clearly when offline."""
-        cached = _hub_cached_file(self.timm_name)
-        if cached is not None and _hub_offline():
-            return self._from_file(cached)  # no network call at all
-        if cached is None and not _hub_reachable():
-            raise FpbenchError(self._download_hint("no network, or HF_HUB_OFFLINE is set"))
-        try:
-            return self._timm(pretrained=True)
-        except Exception as err:  # any hub / network failure ends up here
-            raise FpbenchError(self._download_hint(_first_line(err))) from err
-
-    def _download_hint(self, why: str) -> str:
-        return (
-            f"the weights for {self.name} ({self.timm_name}) could not be downloaded ({why}); "
-            "run once with network access, or give a local file in the suite: "
-            f'backbone = {{ name = "{self.name}", weights = "PATH" }}'
-        )
-
-
-def _hub_offline() -> bool:
-    """HF_HUB_OFFLINE as set now (huggingface_hub reads it only at import time)."""
-    import huggingface_hub.constants as hf
-
-    flag = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
-    return hf.HF_HUB_OFFLINE or flag.strip().upper() in {"1", "ON", "YES", "TRUE"}
-
-
-def _hub_cached_file(timm_name: str) -> Path | None:
-    """The hub weights file of a timm model if it is already in the Hugging Face cache."""
-    import timm
-    from huggingface_hub import try_to_load_from_cache
-
-    cfg = timm.models.get_pretrained_cfg(timm_name)
-    repo = getattr(cfg, "hf_hub_id", None) if cfg is not None else None
-    if not repo:
-        return None
-    names = [getattr(cfg, "hf_hub_filename", None), "model.safetensors", "pytorch_model.bin"]
-    for name in filter(None, names):
-        found = try_to_load_from_cache(repo, name)
-        if isinstance(found, str):
-            return Path(found)
-    return None
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0][:300] if text else type(err).__name__
-
-
-def _hub_reachable(timeout_s: float = 3.0) -> bool:
-    """A quick TCP probe of the hub endpoint, so an offline machine fails in seconds.
-
-    Under an HTTP(S) proxy the probe is skipped (the proxy decides).
-    """
-    if _hub_offline():
-        return False
-    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return True
-    import huggingface_hub.constants as hf
-
-    url = urllib.parse.urlparse(hf.ENDPOINT)
-    port = url.port or (443 if url.scheme == "https" else 80)
-    try:
-        with socket.create_connection((url.hostname or "", port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False

@@ -149,7 +149,6 @@ def run(
     """
     from fpbench.data.prepared import data_root as data_root_of
     from fpbench.data.prepared import require_present
-    from fpbench.engine.dispatch import CELL_KEY, Dispatch, run_cells, validate
     from fpbench.methods.gpt_fl import require_generated
     from fpbench.store import Store
     from fpbench.suites import load_suite
@@ -170,6 +169,8 @@ def run(
     if dry_run:
         _print_cells(loaded.name, cells, db)
         return
+    from fpbench.engine.dispatch import CELL_KEY, Dispatch, run_cells, validate  # imports torch
+
     require_present([c.dataset.name for c in cells], data_root_of())  # before anything is written
     require_generated(cells)  # GPT-FL's generated images, likewise
     url = Store.url_from_path_or_url(db if "://" in db else Path(db).absolute())

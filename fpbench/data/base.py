@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from fpbench.lazy import torch
 
 
 @dataclass

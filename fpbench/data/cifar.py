@@ -16,7 +16,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from fpbench.data.base import ImageDataset
 from fpbench.data.info import DatasetInfo
@@ -29,6 +28,7 @@ from fpbench.data.prepared import (
     text,
 )
 from fpbench.errors import FpbenchError
+from fpbench.lazy import torch
 from fpbench.registry import DATASETS
 
 CIFAR10_DIR = "cifar-10-batches-py"

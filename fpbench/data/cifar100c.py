@@ -19,7 +19,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
 from pydantic import Field, field_validator
 
 from fpbench.data.base import ImageDataset
@@ -38,6 +37,7 @@ from fpbench.data.prepared import (
     text,
 )
 from fpbench.errors import FpbenchError
+from fpbench.lazy import torch
 from fpbench.registry import DATASETS
 
 FOLDER = "CIFAR-100-C"

@@ -27,13 +27,13 @@ import json
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
 from pydantic import Field
 
 from fpbench.data.base import ImageDataset
 from fpbench.data.info import DatasetInfo
 from fpbench.data.prepared import Progress, RealConfig, RealDataset, decode_images
 from fpbench.errors import FpbenchError
+from fpbench.lazy import torch
 from fpbench.registry import DATASETS
 
 COOP_DOCS = "github.com/KaiyangZhou/CoOp/blob/main/DATASETS.md"

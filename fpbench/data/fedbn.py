@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 import numpy as np
-import torch
 from pydantic import Field
 
 from fpbench.data.base import ImageDataset
@@ -46,6 +45,7 @@ from fpbench.data.prepared import (
     split_train_test,
 )
 from fpbench.errors import FpbenchError
+from fpbench.lazy import torch
 from fpbench.registry import DATASETS
 
 # The SGPT reference code feeds Office / DomainNet pixels in [0, 1] (no normalization): a

@@ -21,9 +21,9 @@ the split share is not given in the paper, `test_fraction` defaults to 20 %).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeAlias
 
 import numpy as np
-import torch
 from pydantic import Field
 
 from fpbench.data.base import ImageDataset
@@ -41,13 +41,14 @@ from fpbench.data.prepared import (
     split_train_test,
 )
 from fpbench.errors import FpbenchError
+from fpbench.lazy import torch
 from fpbench.registry import DATASETS
 
 SOURCES = ("svhn", "cifar10", "notmnist", "fashion-mnist", "mnist")
 NOTMNIST_DIR = "notMNIST_small"
 NOTMNIST_URL = "http://yaroslavvb.com/upload/notMNIST/notMNIST_small.tar.gz"
 LETTERS = "ABCDEFGHIJ"
-Split = tuple[torch.Tensor, torch.Tensor]  # (N, 3, 32, 32) uint8, (N,) int64
+Split: TypeAlias = "tuple[torch.Tensor, torch.Tensor]"  # (N, 3, 32, 32) uint8, (N,) int64
 
 
 def read_svhn(root: Path, split: str) -> Split:

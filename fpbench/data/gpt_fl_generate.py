@@ -13,13 +13,16 @@ uses language-model-written captions; `template` changes the wording).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from fpbench.data.prepared import hwc_to_chw, square_crop
 from fpbench.errors import FpbenchError
+from fpbench.lazy import torch
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 INSTALL_HINT = (

@@ -23,13 +23,13 @@ import csv
 from pathlib import Path
 
 import numpy as np
-import torch
 from pydantic import Field
 
 from fpbench.data.base import ImageDataset
 from fpbench.data.info import DatasetInfo
 from fpbench.data.prepared import Progress, RealConfig, RealDataset, decode_images
 from fpbench.errors import FpbenchError
+from fpbench.lazy import torch
 from fpbench.registry import DATASETS
 
 FOLDER = "inaturalist"

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
-import torch
 from pydantic import Field
 
 from fpbench.data.base import ImageDataset
@@ -33,6 +32,7 @@ from fpbench.data.prepared import (
     split_train_test,
 )
 from fpbench.errors import FpbenchError
+from fpbench.lazy import torch
 from fpbench.registry import DATASETS
 
 

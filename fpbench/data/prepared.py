@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
-import torch
 from pydantic import BaseModel, ConfigDict
 
 from fpbench.data.base import ImageDataset
 from fpbench.data.info import DatasetInfo
 from fpbench.errors import FpbenchError
+from fpbench.lazy import torch
 from fpbench.stages import report
 
 ENV_VAR = "FPBENCH_DATA"

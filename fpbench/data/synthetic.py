@@ -44,14 +44,14 @@ from __future__ import annotations
 
 import math
 import pathlib
-from typing import Literal
+from typing import Literal, TypeAlias
 
 import numpy as np
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fpbench.data.base import ImageDataset
 from fpbench.data.info import DatasetInfo
+from fpbench.lazy import torch
 from fpbench.registry import DATASETS
 
 PARTS = 5  # class-specific strokes per image
@@ -66,7 +66,7 @@ PAIR_SIGMA = (0.14, 0.06)
 PAIR_CUE = (0.14, 0.0, -0.14)  # background tint of a left cue (warm); a right cue is its negative
 _CHUNK_PIXELS = 2**20  # pixels per rendered chunk: bounds memory, few parallel regions
 
-Params = dict[str, torch.Tensor]
+Params: TypeAlias = "dict[str, torch.Tensor]"
 
 
 def _generator(seed: int, stream: int) -> torch.Generator:

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from fpbench.data.base import ImageDataset
 from fpbench.data.info import DatasetInfo
 from fpbench.data.prepared import (
@@ -29,6 +27,7 @@ from fpbench.data.prepared import (
     download_archive,
 )
 from fpbench.errors import FpbenchError
+from fpbench.lazy import torch
 from fpbench.registry import DATASETS
 
 FOLDER = "tiny-imagenet-200"

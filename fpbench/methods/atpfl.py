@@ -24,15 +24,17 @@ model-contrastive loss this one mirrors.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
 from pydantic import Field
-from torch import Tensor
 
+from fpbench.lazy import F, torch
 from fpbench.methods.base import Context, Output, Phase, ServerState, Updates
 from fpbench.methods.tpfl import TPFLConfig, TwinPromptModel
 from fpbench.registry import METHODS
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 PROMPTS = ("ctx", "visual_prompt")
 PREVIOUS = {"ctx": "prev_ctx", "visual_prompt": "prev_visual"}

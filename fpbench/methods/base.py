@@ -11,14 +11,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
-import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from torch import Tensor
 
-from fpbench.backbones import PromptedViT, ViTFeatures
+from fpbench.lazy import F, torch
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from fpbench.backbones import PromptedViT, ViTFeatures
 
 Inference = Literal["global", "client-conditioned", "personal"]
 

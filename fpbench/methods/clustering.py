@@ -3,9 +3,14 @@ centralised k-means (Fig. 6a), and Table 4's clustering accuracy against coarse 
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
 from scipy.optimize import linear_sum_assignment
-from torch import Tensor
+
+from fpbench.lazy import torch
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 def kmeans(

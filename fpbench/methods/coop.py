@@ -19,16 +19,13 @@ per-client text features (K, C, E).
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
-import torch
-import torch.nn.functional as F
 from pydantic import Field
-from torch import Tensor
 
-from fpbench.backbones.clip import PromptedCLIP
 from fpbench.backbones.clip_prompts import PromptLayout, init_context, phrase_length
 from fpbench.errors import FpbenchError
+from fpbench.lazy import F, torch
 from fpbench.methods.base import (
     Context,
     Frozen,
@@ -39,6 +36,11 @@ from fpbench.methods.base import (
     per_client_linear,
 )
 from fpbench.registry import METHODS
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from fpbench.backbones.clip import PromptedCLIP
 
 
 class CoOpConfig(MethodConfig):
@@ -57,6 +59,8 @@ class CoOpModel(Method):
     backbone_family: ClassVar[str] = "clip"
 
     def __init__(self, cfg: MethodConfig, backbone: PromptedCLIP, task: TaskInfo) -> None:
+        from fpbench.backbones.clip import PromptedCLIP
+
         super().__init__(cfg, backbone, task)
         if not isinstance(backbone, PromptedCLIP):
             raise FpbenchError(
@@ -105,7 +109,6 @@ class CoOpModel(Method):
         """Normalised class text features (K, C, E) of per-client context (K, [C,] M, d)."""
         return self.layout(ctx.shape[-2]).text_features(self.backbone, ctx)
 
-    @torch.no_grad()
     def fixed_text_features(self, key: str, ctx: Tensor, stacked: bool = True) -> Tensor:
         """`text_features` (K, C, E) of a context that stays fixed during local training.
 
@@ -113,11 +116,12 @@ class CoOpModel(Method):
         step of a round), so the text encoder runs on it once per round, not once per step.
         `stacked=False`: ctx is one context ([C,] M, d) and the result (1, C, E).
         """
-        held = self._fixed_text.get(key)
-        if held is None or held[0] is not ctx:
-            text = self.text_features(ctx if stacked else ctx.unsqueeze(0))
-            held = self._fixed_text[key] = (ctx, text)
-        return held[1]
+        with torch.no_grad():
+            held = self._fixed_text.get(key)
+            if held is None or held[0] is not ctx:
+                text = self.text_features(ctx if stacked else ctx.unsqueeze(0))
+                held = self._fixed_text[key] = (ctx, text)
+            return held[1]
 
     def image_features(self, x: Tensor) -> Tensor:
         """Normalised image features (B, E) of cached frozen features x (B, E)."""

@@ -29,13 +29,12 @@ Prompts start from VPT's uniform init and keys from U(-1, 1).
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-from pydantic import Field
-from torch import Tensor
+from typing import TYPE_CHECKING
 
-from fpbench.backbones import PromptedViT
+from pydantic import Field
+
 from fpbench.errors import FpbenchError
+from fpbench.lazy import F, torch
 from fpbench.methods.base import (
     Context,
     Frozen,
@@ -57,6 +56,11 @@ from fpbench.methods.fgpt import (
 )
 from fpbench.methods.keys import group_counts, key_cosines
 from fpbench.registry import METHODS
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from fpbench.backbones import PromptedViT
 
 
 class DualPromptConfig(MethodConfig):
@@ -127,10 +131,10 @@ class FedDualPrompt(Method):
     def frozen(self) -> Frozen:
         return Frozen("final-cls", self.query)
 
-    @torch.no_grad()
     def query(self, x: Tensor) -> Tensor:
         """The frozen, unprompted backbone's final cls (B, d): what keys are matched against."""
-        return self.backbone.forward_features(x).cls
+        with torch.no_grad():
+            return self.backbone.forward_features(x).cls
 
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context

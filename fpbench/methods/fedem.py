@@ -20,11 +20,11 @@ optimiser and schedule are the benchmark's `train` settings.
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-from pydantic import Field
-from torch import Tensor
+from typing import TYPE_CHECKING
 
+from pydantic import Field
+
+from fpbench.lazy import F, torch
 from fpbench.methods.base import (
     Context,
     Method,
@@ -37,6 +37,9 @@ from fpbench.methods.base import (
 )
 from fpbench.methods.fedvpt import VPTConfig
 from fpbench.registry import METHODS
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 LEARNERS = ("prompts", "head_w", "head_b")
 

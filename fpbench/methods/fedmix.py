@@ -33,16 +33,18 @@ Default: lam = 0.1, FedMix's CIFAR-100 setting (0.05 for CIFAR-10).
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
+
 from pydantic import Field
-from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fpbench.errors import FpbenchError
+from fpbench.lazy import F, torch
 from fpbench.methods.base import Context, ServerState, Updates
 from fpbench.methods.fedvpt import ShallowPromptModel, VPTConfig
 from fpbench.registry import METHODS
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 class FedMixConfig(VPTConfig):
@@ -102,6 +104,8 @@ class FedMix(ShallowPromptModel):
     def loss(
         self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
     ) -> Tensor:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
         lam = self.cfg.mix_ratio
         x_in = ((1 - lam) * x).detach().requires_grad_()  # (B, 3, S, S)
         with sdpa_kernel(SDPBackend.MATH):  # double backward needs the math attention kernel

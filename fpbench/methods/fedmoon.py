@@ -24,12 +24,11 @@ Defaults: mu = 1 (MOON's setting for CIFAR-100 and Tiny-ImageNet; 5 for CIFAR-10
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
 from pydantic import Field
-from torch import Tensor
 
+from fpbench.lazy import F, torch
 from fpbench.methods.base import (
     Context,
     Output,
@@ -40,6 +39,9 @@ from fpbench.methods.base import (
 )
 from fpbench.methods.fedvpt import ShallowPromptModel, VPTConfig
 from fpbench.registry import METHODS
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 class MoonConfig(VPTConfig):

@@ -22,16 +22,17 @@ underflow at eps = 0.01. `ot = "sinkhorn"` is the balanced variant (b = 1/N).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
-import torch.nn.functional as F
 from pydantic import Field
-from torch import Tensor
 
+from fpbench.lazy import F, torch
 from fpbench.methods.base import Context
 from fpbench.methods.coop import CoOpConfig, CoOpModel
 from fpbench.registry import METHODS
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 class FedOTPConfig(CoOpConfig):
@@ -42,29 +43,29 @@ class FedOTPConfig(CoOpConfig):
     max_iter: int = Field(100, ge=1)
 
 
-@torch.no_grad()
 def transport_plan(
     sim: Tensor, rho: float, eps: float, thresh: float, max_iter: int, balanced: bool = False
 ) -> Tensor:
     """Plans T (..., M, N) for similarities sim (..., M, N); see the module docstring."""
-    kern = torch.exp(-(1.0 - sim.double()) / eps)  # (..., M, N)
-    m, n = kern.shape[-2:]
-    a, b = 1.0 / m, (1.0 if balanced else rho) / n
-    u = kern.new_ones(kern.shape[:-1])  # (..., M)
-    v = kern.new_ones(*kern.shape[:-2], n)  # (..., N)
-    active = torch.ones(kern.shape[:-2], dtype=torch.bool, device=kern.device)
-    for _ in range(max_iter):
-        u_new = a / (kern @ v.unsqueeze(-1)).squeeze(-1)
-        if not balanced:
-            u_new = u_new.clamp(max=1.0)
-        v_new = b / (kern.transpose(-1, -2) @ u_new.unsqueeze(-1)).squeeze(-1)
-        err = (v_new - v).abs().mean(-1)
-        u = torch.where(active.unsqueeze(-1), u_new, u)
-        v = torch.where(active.unsqueeze(-1), v_new, v)
-        active = active & (err >= thresh)
-        if not bool(active.any()):
-            break
-    return (u.unsqueeze(-1) * kern * v.unsqueeze(-2)).to(sim.dtype)
+    with torch.no_grad():
+        kern = torch.exp(-(1.0 - sim.double()) / eps)  # (..., M, N)
+        m, n = kern.shape[-2:]
+        a, b = 1.0 / m, (1.0 if balanced else rho) / n
+        u = kern.new_ones(kern.shape[:-1])  # (..., M)
+        v = kern.new_ones(*kern.shape[:-2], n)  # (..., N)
+        active = torch.ones(kern.shape[:-2], dtype=torch.bool, device=kern.device)
+        for _ in range(max_iter):
+            u_new = a / (kern @ v.unsqueeze(-1)).squeeze(-1)
+            if not balanced:
+                u_new = u_new.clamp(max=1.0)
+            v_new = b / (kern.transpose(-1, -2) @ u_new.unsqueeze(-1)).squeeze(-1)
+            err = (v_new - v).abs().mean(-1)
+            u = torch.where(active.unsqueeze(-1), u_new, u)
+            v = torch.where(active.unsqueeze(-1), v_new, v)
+            active = active & (err >= thresh)
+            if not bool(active.any()):
+                break
+        return (u.unsqueeze(-1) * kern * v.unsqueeze(-2)).to(sim.dtype)
 
 
 @METHODS.register()

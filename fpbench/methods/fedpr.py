@@ -37,14 +37,17 @@ Adam with lr 0.01.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-import torch
 from pydantic import Field
-from torch import Tensor
 
+from fpbench.lazy import torch
 from fpbench.methods.base import Context, Phase, ServerState, Updates
 from fpbench.methods.fedvpt_d import DeepConfig, FedVPTDeep
 from fpbench.registry import METHODS
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 class FedPRConfig(DeepConfig):

@@ -9,10 +9,11 @@ weighted by client train sizes. Default prompt length 5, FGPT's VPT-shallow sett
 
 from __future__ import annotations
 
-import torch
-from pydantic import Field
-from torch import Tensor
+from typing import TYPE_CHECKING
 
+from pydantic import Field
+
+from fpbench.lazy import torch
 from fpbench.methods.base import (
     Context,
     Method,
@@ -22,6 +23,9 @@ from fpbench.methods.base import (
     per_client_linear,
 )
 from fpbench.registry import METHODS
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 class VPTConfig(MethodConfig):

@@ -10,10 +10,11 @@ prompt length.
 
 from __future__ import annotations
 
-import torch
-from pydantic import Field
-from torch import Tensor
+from typing import TYPE_CHECKING
 
+from pydantic import Field
+
+from fpbench.lazy import torch
 from fpbench.methods.base import (
     Context,
     Method,
@@ -23,6 +24,9 @@ from fpbench.methods.base import (
     per_client_linear,
 )
 from fpbench.registry import METHODS
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 class DeepConfig(MethodConfig):

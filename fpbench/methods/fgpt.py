@@ -24,15 +24,12 @@ with G = 0, Table 11's "PT-FedAvg-share") in `server.buffers`, stored each round
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
-import torch
-import torch.nn.functional as F
 from pydantic import Field
-from torch import Tensor
 
-from fpbench.backbones import PromptedViT
 from fpbench.errors import FpbenchError
+from fpbench.lazy import F, torch
 from fpbench.methods.base import (
     Context,
     Frozen,
@@ -48,6 +45,11 @@ from fpbench.methods.base import (
 )
 from fpbench.methods.keys import group_counts, select_groups
 from fpbench.registry import METHODS
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from fpbench.backbones import PromptedViT
 
 PAPER_DEPTH = 12
 PAPER_GROUP_BLOCK = 5  # the paper's L_6, 1-based
@@ -289,19 +291,19 @@ class FGPT(Method):
         name = "final-cls" if enc == "backbone" else f"timm-{enc}-{self.cfg.select_pretrained}"
         return Frozen(name, self.query)
 
-    @torch.no_grad()
     def query(self, x: Tensor) -> Tensor:
         """The frozen query (B, dq): the unprompted backbone's final cls, or the timm encoder's."""
-        if self.query_encoder is not None:
-            return self.query_encoder(x)
-        return self.backbone.forward_features(x).cls
+        with torch.no_grad():
+            if self.query_encoder is not None:
+                return self.query_encoder(x)
+            return self.backbone.forward_features(x).cls
 
-    @torch.no_grad()
     def select_query(self, x: Tensor, shared: Tensor, ctx: Context) -> Tensor:
         """Select's query (B, dq): cached by the engine, computed here, or shared-prompted."""
-        if self.cfg.query == "shared-prompted" and self.query_encoder is None:
-            return self.backbone.forward_features(x, {0: shared.detach()}, "accumulate").cls
-        return ctx.query if ctx.query is not None else self.query(x)
+        with torch.no_grad():
+            if self.cfg.query == "shared-prompted" and self.query_encoder is None:
+                return self.backbone.forward_features(x, {0: shared.detach()}, "accumulate").cls
+            return ctx.query if ctx.query is not None else self.query(x)
 
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context

@@ -23,17 +23,18 @@ the run.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.nn.functional as F
 from pydantic import Field
-from torch import Tensor
 
 from fpbench.data.gpt_fl_generate import load_generated
 from fpbench.errors import FpbenchError
+from fpbench.lazy import F, torch
 from fpbench.methods.coop import CoOpConfig, CoOpModel
 from fpbench.registry import METHODS
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 class GPTFLConfig(CoOpConfig):
@@ -90,15 +91,15 @@ class GPTFL(CoOpModel):
         images, labels = load_generated(root, names, size=self.backbone.img_size)
         return {"ctx": self.pretrain(ctx, self.generated_features(images), labels, gen)}
 
-    @torch.no_grad()
     def generated_features(self, images: Tensor, batch_size: int = 64) -> Tensor:
         """Frozen image features (n, E) of generated uint8 images (n, 3, H, W)."""
-        device = self.backbone.model.logit_scale.device
-        feats = [
-            self.backbone.encode_image(self.backbone.preprocess(chunk.to(device)))
-            for chunk in images.split(batch_size)
-        ]
-        return torch.cat(feats).float()
+        with torch.no_grad():
+            device = self.backbone.model.logit_scale.device
+            feats = [
+                self.backbone.encode_image(self.backbone.preprocess(chunk.to(device)))
+                for chunk in images.split(batch_size)
+            ]
+            return torch.cat(feats).float()
 
     def pretrain(self, ctx: Tensor, feats: Tensor, labels: Tensor, gen: torch.Generator) -> Tensor:
         """Server-side CoOp training of the context (M, d) on frozen features (n, E)."""

@@ -8,9 +8,9 @@ method declares them as its `frozen` input and the engine computes them once.
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
 
+from fpbench.lazy import torch
 from fpbench.methods.base import (
     Context,
     Frozen,
@@ -20,6 +20,9 @@ from fpbench.methods.base import (
     per_client_linear,
 )
 from fpbench.registry import METHODS
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 @METHODS.register()

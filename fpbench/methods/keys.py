@@ -7,11 +7,13 @@ what the server aggregates.
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-from torch import Tensor
+from typing import TYPE_CHECKING
 
+from fpbench.lazy import F, torch
 from fpbench.methods.numerics import fp32
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 @fp32

@@ -7,11 +7,14 @@ is evaluated with its own parameters (held-out clients, which never train, are n
 
 from __future__ import annotations
 
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from fpbench.methods.base import ServerState
 from fpbench.methods.fedvpt import ShallowPromptModel
 from fpbench.registry import METHODS
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 @METHODS.register()

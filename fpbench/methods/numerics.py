@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
-from torch import Tensor
+from fpbench.lazy import torch
+
+if TYPE_CHECKING:
+    pass
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _full(x: Any) -> Any:
-    return x.float() if isinstance(x, Tensor) and x.is_floating_point() else x
+    return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
 def fp32(fn: F) -> F:
@@ -28,7 +31,7 @@ def fp32(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         device = tensors[0].device.type if tensors else "cpu"
         with torch.autocast(device_type=device, enabled=False):
             return fn(*map(_full, args), **{k: _full(v) for k, v in kwargs.items()})

@@ -40,15 +40,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
-import torch
-import torch.nn.functional as F
 from pydantic import Field
-from torch import Tensor
 
-from fpbench.backbones import PromptedViT
 from fpbench.errors import FpbenchError
+from fpbench.lazy import F, torch
 from fpbench.methods.base import (
     Context,
     Method,
@@ -63,6 +60,11 @@ from fpbench.methods.base import (
 )
 from fpbench.methods.numerics import fp32
 from fpbench.registry import METHODS
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from fpbench.backbones import PromptedViT
 
 PAPER_DEPTH = 12
 PAPER_CCMP_BLOCKS = (5, 6, 7)
@@ -301,31 +303,33 @@ class PEPFedPT(Method):
             clients = [clients[i] for i in pick.tolist()]
         return clients
 
-    @torch.no_grad()
     def _warm_start(self, buffers: dict[str, Tensor], gen: torch.Generator) -> dict[str, Tensor]:
         """Eq. 19: the frozen model's class means on S_0, averaged over the class holders."""
-        clients = self._warm_start_clients(gen)
-        images, labels, train_idx = self._client_data()
-        idx = torch.cat([train_idx[c] for c in clients])  # (n,) all of S_0's samples
-        rows = torch.cat([torch.full((len(train_idx[c]),), k) for k, c in enumerate(clients)])
-        feats = torch.cat(
-            [
-                self._frozen_cls(self.backbone.preprocess(images[part])).float()
-                for part in idx.split(256)
-            ]
-        )  # (n, L, d)
-        rows, y = rows.to(feats.device), labels[idx].to(feats.device)
-        sums, count = class_sums(feats, rows, y, len(clients), self.task.num_classes)
-        sums, count = sums.cpu(), count.cpu()  # (K, L, C, d), (K, C)
-        means = sums / count.clamp(min=1)[:, None, :, None]  # (K, L, C, d)
-        if self.cfg.dp_epsilon is not None:
-            self.local_epochs = 1
-            protos = buffers["prototypes"].to(feats.device)
-            devs = max_deviation(feats, protos, rows, y, len(clients)).cpu()  # (K, L, C)
-            means = self._noisy(means, devs, count, torch.tensor(clients), buffers)
-        held = (count > 0).to(means.dtype)
-        cfg = self.cfg
-        return update_prototypes(buffers, means, held, cfg.prototype_period, cfg.prototype_momentum)
+        with torch.no_grad():
+            clients = self._warm_start_clients(gen)
+            images, labels, train_idx = self._client_data()
+            idx = torch.cat([train_idx[c] for c in clients])  # (n,) all of S_0's samples
+            rows = torch.cat([torch.full((len(train_idx[c]),), k) for k, c in enumerate(clients)])
+            feats = torch.cat(
+                [
+                    self._frozen_cls(self.backbone.preprocess(images[part])).float()
+                    for part in idx.split(256)
+                ]
+            )  # (n, L, d)
+            rows, y = rows.to(feats.device), labels[idx].to(feats.device)
+            sums, count = class_sums(feats, rows, y, len(clients), self.task.num_classes)
+            sums, count = sums.cpu(), count.cpu()  # (K, L, C, d), (K, C)
+            means = sums / count.clamp(min=1)[:, None, :, None]  # (K, L, C, d)
+            if self.cfg.dp_epsilon is not None:
+                self.local_epochs = 1
+                protos = buffers["prototypes"].to(feats.device)
+                devs = max_deviation(feats, protos, rows, y, len(clients)).cpu()  # (K, L, C)
+                means = self._noisy(means, devs, count, torch.tensor(clients), buffers)
+            held = (count > 0).to(means.dtype)
+            cfg = self.cfg
+            return update_prototypes(
+                buffers, means, held, cfg.prototype_period, cfg.prototype_momentum
+            )
 
     def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
         self.local_epochs = local_epochs
@@ -364,17 +368,17 @@ class PEPFedPT(Method):
             return torch.full((len(client_index), c), 1.0 / c, device=client_index.device)
         return ctx.priors[client_index]
 
-    @torch.no_grad()
     def _frozen_cls(self, x: Tensor) -> Tensor:
         """(B, L, d) the frozen, unprompted model's cls entering each CCMP block (warm start)."""
-        vit = self.backbone
-        tokens = vit.embed(x)
-        out, start = [], 0
-        for block in self.layers:
-            tokens, _, _ = vit.run_blocks(tokens, start, block)
-            out.append(tokens[:, 0])
-            start = block
-        return torch.stack(out, dim=1)
+        with torch.no_grad():
+            vit = self.backbone
+            tokens = vit.embed(x)
+            out, start = [], 0
+            for block in self.layers:
+                tokens, _, _ = vit.run_blocks(tokens, start, block)
+                out.append(tokens[:, 0])
+                start = block
+            return torch.stack(out, dim=1)
 
     def _record(
         self,

@@ -19,14 +19,17 @@ Defaults (fpbench's; the original MLP/CNN values do not transfer to prompts): al
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-from pydantic import Field
-from torch import Tensor
+from typing import TYPE_CHECKING
 
+from pydantic import Field
+
+from fpbench.lazy import F, torch
 from fpbench.methods.base import Context
 from fpbench.methods.fedvpt import ShallowPromptModel, VPTConfig
 from fpbench.registry import METHODS
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 class PerFedAvgConfig(VPTConfig):

@@ -25,13 +25,11 @@ VPT-shallow default (FGPT does not state it for this baseline).
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
-import torch
-import torch.nn.functional as F
 from pydantic import Field
-from torch import Tensor
 
+from fpbench.lazy import F, torch
 from fpbench.methods.base import (
     Context,
     Method,
@@ -42,6 +40,9 @@ from fpbench.methods.base import (
     per_client_linear,
 )
 from fpbench.registry import METHODS
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 class HypernetConfig(MethodConfig):

@@ -27,16 +27,18 @@ mean prompt delta, as a FedAvg step would), no momentum, no weight decay.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import Field
-from torch import Tensor
 
 from fpbench.errors import FpbenchError
+from fpbench.lazy import torch
 from fpbench.methods.base import ServerState, Updates, init_linear, init_prompts
 from fpbench.methods.pfedhn import HypernetConfig, HypernetworkMethod
 from fpbench.registry import METHODS
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 class PFedPGConfig(HypernetConfig):

@@ -35,14 +35,17 @@ are per task here, not per image) and the continual consolidation step. Powder's
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-from pydantic import Field
-from torch import Tensor
+from typing import TYPE_CHECKING
 
+from pydantic import Field
+
+from fpbench.lazy import F, torch
 from fpbench.methods.base import Context, Output, Phase, ServerState, Updates
 from fpbench.methods.coop import CoOpConfig, CoOpModel
 from fpbench.registry import METHODS
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 class PowderConfig(CoOpConfig):

@@ -33,16 +33,17 @@ gamma = 0.8, S_s = 8, S_l = 8, SGD lr 0.01, batch 16, 1 local epoch (set in the 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
-import torch.nn.functional as F
 from pydantic import Field
-from torch import Tensor
 
+from fpbench.lazy import F, torch
 from fpbench.methods.base import Context, MethodConfig, Phase, ServerState
 from fpbench.methods.coop import CoOpModel
 from fpbench.registry import METHODS
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 class SDFedConfig(MethodConfig):

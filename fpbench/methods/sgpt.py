@@ -48,15 +48,12 @@ never holds the test split: the engine hands `round_metrics` its labels and froz
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import torch
-import torch.nn.functional as F
 from pydantic import Field
-from torch import Tensor
 
-from fpbench.backbones import PromptedViT, ViTFeatures
 from fpbench.errors import FpbenchError
+from fpbench.lazy import F, torch
 from fpbench.methods.base import (
     Context,
     Frozen,
@@ -77,6 +74,11 @@ from fpbench.methods.clustering import cluster_accuracy, congruence, kmeans, ove
 from fpbench.methods.keys import group_counts, key_cosines, nearest_group
 from fpbench.methods.numerics import fp32
 from fpbench.registry import METHODS
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from fpbench.backbones import PromptedViT, ViTFeatures
 
 LEAKY_SLOPE = 0.01  # the reference's `--leaky` query activation
 HEAD = ("head_w", "head_b")
@@ -421,12 +423,12 @@ class SGPT(Method):
     def frozen(self) -> Frozen:
         return Frozen(f"sgpt-block{self.query_layer}-{self.cfg.query_activation}", self.query)
 
-    @torch.no_grad()
     def query(self, x: Tensor) -> Tensor:
         """Select's query (B, d) from the frozen, unprompted backbone."""
-        tokens, _, _ = self.backbone.run_blocks(self.backbone.embed(x), 0, self.query_layer + 1)
-        cls = self.backbone.vit.norm(tokens[:, 0])  # (B, d)
-        return select_query(cls, self.cfg.query_activation)
+        with torch.no_grad():
+            tokens, _, _ = self.backbone.run_blocks(self.backbone.embed(x), 0, self.query_layer + 1)
+            cls = self.backbone.vit.norm(tokens[:, 0])  # (B, d)
+            return select_query(cls, self.cfg.query_activation)
 
     def select_groups(
         self, keys: Tensor, x: Tensor, client_index: Tensor, ctx: Context

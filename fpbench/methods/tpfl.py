@@ -23,17 +23,18 @@ positions, so only the padding and fixed-patch patterns are executor-invariant.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
-import torch.nn.functional as F
 from pydantic import Field
-from torch import Tensor
 
 from fpbench.backbones.clip_prompts import PixelPrompter
+from fpbench.lazy import F, torch
 from fpbench.methods.base import Context, OptimizerSettings
 from fpbench.methods.coop import CoOpConfig, CoOpModel
 from fpbench.registry import METHODS
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 class TPFLConfig(CoOpConfig):

@@ -34,13 +34,15 @@ runs every baseline at 8, set in the suite).
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-from torch import Tensor
+from typing import TYPE_CHECKING
 
+from fpbench.lazy import F, torch
 from fpbench.methods.base import Context, ServerState, Updates
 from fpbench.methods.coop import CoOpModel
 from fpbench.registry import METHODS
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 def class_sums(

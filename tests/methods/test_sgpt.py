@@ -394,7 +394,7 @@ def test_vit_b16_head_reads_cls_and_the_group_tokens(arch, size):
     """On the ViT-B/16 architecture (random weights, timm blocks) with the reference layout
     (shared 0-3, group 4-6, accumulating), each group token enters its block right after cls and
     the head's input is the mean of the final cls and those three group-token outputs."""
-    from fpbench.backbones.vit import BackboneSpec
+    from fpbench.backbones import BackboneSpec
     from fpbench.methods.base import TaskInfo
 
     spec = BackboneSpec(name="b16", timm_name="vit_base_patch16_224", timm_kwargs=arch)
