@@ -54,11 +54,11 @@ def test_builtin_components_are_registered():
 
 def test_loading_every_suite_imports_no_torch():
     """Registering every built-in component and loading every shipped suite (which validates each
-    component's Config) imports none of torch, torchvision, timm or open_clip; the first such
+    component's Config) imports none of torch, torchvision, timm, open_clip or scipy; the first such
     import fails with the fpbench module that made it."""
     code = """
 import sys, traceback
-HEAVY = ("torch", "torchvision", "timm", "open_clip")
+HEAVY = ("torch", "torchvision", "timm", "open_clip", "scipy")
 class Guard:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in HEAVY:
