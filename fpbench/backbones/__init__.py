@@ -18,6 +18,7 @@ VisionTransformer) or `open_clip:<arch>@<tag>` (`fpbench.backbones.custom`).
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,8 +52,6 @@ _MODELS = {
 
 def __getattr__(name: str) -> Any:
     if name in _MODELS:
-        import importlib
-
         return getattr(importlib.import_module(f"{__name__}.{_MODELS[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
