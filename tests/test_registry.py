@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -5,6 +6,7 @@ import pytest
 
 from fpbench.errors import FpbenchError
 from fpbench.registry import BACKBONES, DATASETS, METHODS, PARTITIONS, Registry
+from fpbench.suites import list_suites
 
 
 def test_register_get_and_list():
@@ -54,27 +56,25 @@ def test_builtin_components_are_registered():
 
 def test_loading_every_suite_imports_no_torch():
     """Registering every built-in component and loading every shipped suite (which validates each
-    component's Config) imports none of torch, torchvision, timm, open_clip or scipy; the first such
-    import fails with the fpbench module that made it."""
+    component's Config) imports none of torch, torchvision, timm, open_clip or scipy; such an
+    import fails with the chain of fpbench modules that led to it."""
     code = """
-import sys, traceback
+import importlib.util, json, os, sys, traceback
 HEAVY = ("torch", "torchvision", "timm", "open_clip", "scipy")
+ROOT = os.path.dirname(importlib.util.find_spec("fpbench").origin) + os.sep
 class Guard:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in HEAVY:
-            chain = [f"{f.filename.split('/fpbench/')[-1]}:{f.lineno}"
-                     for f in traceback.extract_stack()
-                     if "/fpbench/" in f.filename and not f.filename.endswith("lazy.py")]
+            chain = [f"{f.filename[len(ROOT):]}:{f.lineno}" for f in traceback.extract_stack()
+                     if f.filename.startswith(ROOT) and not f.filename.endswith("lazy.py")]
             raise ImportError(f"{name} imported through " + " -> ".join(chain))
 sys.meta_path.insert(0, Guard())
 from fpbench.suites import list_suites, load_suite
 from fpbench.registry import METHODS
-names = list_suites()
-for name in names:
+for name in list_suites():
     load_suite(name)
-print(len(names), len(METHODS.names()))
+print(json.dumps([list_suites(), METHODS.names()]))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
-    suites, methods = map(int, out.stdout.split())
-    assert suites >= 20 and methods >= 27
+    assert json.loads(out.stdout) == [list_suites(), METHODS.names()]
