@@ -35,13 +35,15 @@ class LazyModule(types.ModuleType):
     """
 
     def __getattr__(self, attr: str) -> Any:  # only called for names not set on the stand-in
-        module = importlib.import_module(self.__name__)
-        for name, imported in list(sys.modules.items()):
-            if name == "fpbench" or name.startswith("fpbench."):
-                namespace = vars(imported)
-                for key, value in list(namespace.items()):
-                    if value is self:
-                        namespace[key] = module
+        module = self.__dict__.get("_module")
+        if module is None:  # the first read: import, then repoint fpbench's modules (once)
+            module = self.__dict__["_module"] = importlib.import_module(self.__name__)
+            for name, imported in list(sys.modules.items()):
+                if name == "fpbench" or name.startswith("fpbench."):
+                    namespace = getattr(imported, "__dict__", {})  # sys.modules may hold None
+                    for key, value in list(namespace.items()):
+                        if value is self:
+                            namespace[key] = module
         return getattr(module, attr)
 
 

@@ -25,3 +25,13 @@ def both_executors_agree(method, task, cfg, server) -> LocalResult:
         torch.testing.assert_close(out[1].params[k], out[0].params[k], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(out[1].loss, out[0].loss, atol=1e-5, rtol=1e-5)
     return out[1]
+
+
+def assert_presets_are_rows(config_cls, presets: dict, rows: dict) -> None:
+    """Every preset of `config_cls` is exactly its paper row written out: the defaults with the
+    row's values (and the preset's name) over them, and no preset without a row."""
+    assert set(presets) == set(rows)
+    defaults = config_cls().model_dump()
+    for name, row in rows.items():
+        got = config_cls(preset=name).model_dump()
+        assert got == {**defaults, **row, "preset": name}, name

@@ -22,6 +22,7 @@ from fpbench.methods.fgpt import (
 from fpbench.registry import METHODS
 
 from ..conftest import seeded_server, with_config
+from .common import assert_presets_are_rows
 
 
 def _method(tiny, name="fgpt", **args):
@@ -219,11 +220,7 @@ PAPER_ROWS = {
 
 
 def test_presets_are_the_papers_rows():
-    assert set(PRESETS) == set(PAPER_ROWS)
-    defaults = FGPTConfig().model_dump()
-    for name, row in PAPER_ROWS.items():
-        got = FGPTConfig(preset=name).model_dump()
-        assert got == {**defaults, **row, "preset": name}, name
+    assert_presets_are_rows(FGPTConfig, PRESETS, PAPER_ROWS)
 
 
 def test_pt_fedavg_is_fedavg_at_the_shared_and_group_positions(tiny):

@@ -28,6 +28,7 @@ from fpbench.methods.pep_fedpt import (
 from fpbench.registry import METHODS
 
 from ..conftest import seeded_server, with_config
+from .common import assert_presets_are_rows
 
 
 def _warm_client(method, task):
@@ -170,11 +171,7 @@ PAPER_ROWS = {
 
 
 def test_presets_are_the_papers_rows():
-    assert set(PRESETS) == set(PAPER_ROWS)
-    defaults = PEPConfig().model_dump()
-    for name, row in PAPER_ROWS.items():
-        got = PEPConfig(preset=name).model_dump()
-        assert got == {**defaults, **row, "preset": name}, name
+    assert_presets_are_rows(PEPConfig, PRESETS, PAPER_ROWS)
 
 
 def _manual(method, params, x, protos, prior, style):
