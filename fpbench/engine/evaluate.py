@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fpbench.engine.executor import autocast, client_batches, derive_seed
+from fpbench.engine.executor import autocast, client_batches, derive_seed, start_params
 from fpbench.engine.inputs import Inputs
 from fpbench.engine.metrics import EvalCounts, macro_f1
 from fpbench.engine.task import Task
@@ -110,7 +110,8 @@ def _evaluate_global(
     label_space: str = "all",
 ) -> EvalCounts:
     data = task.data
-    params = method.client_params(server, torch.zeros(1, dtype=torch.long), training=False)
+    zero = torch.zeros(1, dtype=torch.long)
+    params = start_params(method, server, zero, data.test_labels.device, training=False)
     ctx = Context(training=False, buffers=server.buffers)
     everything = torch.arange(len(data.test_labels), device=data.test_labels.device)
     rows = torch.zeros_like(everything)
@@ -176,7 +177,7 @@ def _evaluate_per_client(
     chunk = max(1, batch_size // 32)
     for start in range(0, len(clients), chunk):
         ids = torch.tensor(clients[start : start + chunk])
-        params = method.client_params(server, ids, training=False)
+        params = start_params(method, server, ids, task.priors.device, training=False)
         ctx = Context(
             training=False, priors=task.priors[ids.to(task.priors.device)], buffers=server.buffers
         )

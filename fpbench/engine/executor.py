@@ -49,6 +49,20 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
+def start_params(
+    method: Method,
+    server: ServerState,
+    client_ids: Tensor,
+    device: torch.device,
+    training: bool = True,
+) -> dict[str, Tensor]:
+    """`method.client_params` on `device`, computed outside autocast: it is server work (a
+    generated or mixed start prompt), and what a client trains must start in fp32."""
+    with torch.autocast(device.type, enabled=False):
+        start = method.client_params(server, client_ids, training=training)
+    return {n: p.to(device) for n, p in start.items()}
+
+
 def client_batches(indices: Tensor, batch_size: int, seed: int) -> list[Tensor]:
     """One epoch of shuffled minibatches of a client's train indices (last one may be short)."""
     gen = torch.Generator().manual_seed(seed)
@@ -142,7 +156,7 @@ def train_together(
     device = task.priors.device
     ids = torch.tensor(client_ids, dtype=torch.long)
     k = len(client_ids)
-    params = {n: p.to(device) for n, p in method.client_params(server, ids).items()}
+    params = start_params(method, server, ids, device)
     ctx = Context(
         training=True,
         priors=task.priors[ids.to(device)],

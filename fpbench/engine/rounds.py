@@ -98,12 +98,9 @@ def run_rounds(
     ckpt = ckpt_io.load(path, cfg.run_key, device)
     if ckpt is None:
         servers = {
-            pop.key: _to(
-                pop.method.init_server(
-                    torch.Generator().manual_seed(derive_seed(cfg.seed, "init-params"))
-                ),
-                device,
-            )
+            pop.key: pop.method.init_server(
+                torch.Generator().manual_seed(derive_seed(cfg.seed, "init-params"))
+            ).to(device)
             for pop in populations
         }
         if _sharing(cfg):
@@ -279,8 +276,3 @@ def mark_untrained(
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def _to(server: ServerState, device: torch.device) -> ServerState:
-    move = lambda d: {k: v.to(device) for k, v in d.items()}  # noqa: E731
-    return ServerState(move(server.params), move(server.personal), move(server.buffers))

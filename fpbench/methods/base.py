@@ -159,6 +159,11 @@ class ServerState:
     def from_state_dict(cls, state: dict[str, dict[str, Tensor]]) -> ServerState:
         return cls(state["params"], state["personal"], state["buffers"])
 
+    def to(self, device: torch.device) -> ServerState:
+        """The same state with every tensor on `device`."""
+        move = lambda d: {k: v.to(device) for k, v in d.items()}  # noqa: E731
+        return ServerState(move(self.params), move(self.personal), move(self.buffers))
+
 
 @dataclass
 class Context:
