@@ -37,13 +37,14 @@ def test_fpbenchs_side_is_the_peer_setting(tmp_path, setting) -> None:
     suite.write_text(
         sbs.SUITE.format(
             setting=setting, backbone=chosen["backbone"], weights=tmp_path / "w.npz",
-            rounds=args.rounds, device=args.device, sgpt=sgpt,
+            rounds=args.rounds, device=args.device, precision="fp32", sgpt=sgpt,
         )
     )  # fmt: skip
     (cell,) = load_suite(str(suite)).cells
     assert cell.partition.name == "pathological" and cell.partition.args["s"] == 10
     assert (cell.partition.args["num_clients"], cell.train.participation) == (10, 0.2)
     assert (cell.train.batch_size, cell.train.local_epochs, cell.train.eval_every) == (16, 1, 1)
+    assert cell.runtime.precision == "fp32"
     groups = chosen["sgpt"]["num_groups"]
     assert cell.method.args["num_groups"] == groups
     assert f"--key_prompt {groups}" in " ".join(chosen["peer"])
@@ -54,10 +55,13 @@ def test_report_prints_official_over_fpbench() -> None:
     args = type("Args", (), {"setting": "tiny", "rounds": 2, "device": "cpu"})
     args.train_per_class, args.test_per_class = 5, 2
     official = {"total_s": 30.0, "rounds_s": [10.0, 14.0]}
-    text = sbs.report(official, {"total_s": 12.0, "rounds_s": [5.0, 7.0]}, args)
-    assert "whole run                30.00      12.00   2.50" in text
-    assert "per round (mean)         12.00       6.00   2.00" in text
-    assert "round 1                  14.00       7.00   2.00" in text
+    mine = {"bf16": {"total_s": 12.0, "rounds_s": [5.0, 7.0]}}
+    mine["fp32"] = {"total_s": 15.0, "rounds_s": [6.0, 10.0]}
+    text = sbs.report(official, mine, args).splitlines()
+    assert text[1] == " " * 18 + "  official s fpbench bf16  ratio fpbench fp32  ratio"
+    assert text[2] == "whole run                30.00      12.00   2.50      15.00   2.00"
+    assert text[3] == "per round (mean)         12.00       6.00   2.00       8.00   1.50"
+    assert text[5] == "round 1                  14.00       7.00   2.00      10.00   1.40"
 
 
 @pytest.mark.skipif(not SCRIPTS.is_dir(), reason="needs the steering repo's shared/peer-sgpt")

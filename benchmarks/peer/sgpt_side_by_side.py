@@ -55,7 +55,7 @@ description = "fpbench's side of the side-by-side with the official SGPT code ({
 seeds = [0]
 [defaults]
 partition = {{ num_clients = 10 }}
-runtime = {{ device = "{device}" }}
+runtime = {{ device = "{device}", precision = "{precision}" }}
 [defaults.backbone]  # the official code's CIFAR-100 normalisation
 name = "{backbone}"
 weights = "{weights}"
@@ -136,20 +136,20 @@ def official(scripts: Path, peer: Path, scratch: Path, setting: dict, npz: Path,
     return {"total_s": found["total_s"], "rounds_s": [r["wall_s"] for r in found["rounds"]]}
 
 
-def ours(scratch: Path, setting: dict, npz: Path, args) -> dict:
-    """fpbench's timings on the same data and weights."""
+def ours(scratch: Path, setting: dict, npz: Path, args, precision: str) -> dict:
+    """fpbench's timings on the same data and weights, at this precision."""
     sgpt = "\n".join(f"{k} = {json.dumps(v)}" for k, v in setting["sgpt"].items())
     suite = scratch / "side-by-side.toml"
     suite.write_text(
         SUITE.format(
             setting=args.setting, backbone=setting["backbone"], weights=npz, rounds=args.rounds,
-            device=args.device, sgpt=sgpt,
+            device=args.device, precision=precision, sgpt=sgpt,
         )
     )  # fmt: skip
-    out = scratch / "fpbench.json"
+    out = scratch / f"fpbench-{precision}.json"
     env = {**os.environ, "FPBENCH_DATA": str(scratch / "data"), "HF_HUB_OFFLINE": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-c", FPBENCH_SIDE, suite, scratch / "fpbench.db", out]
+    cmd = [sys.executable, "-c", FPBENCH_SIDE, suite, scratch / f"fpbench-{precision}.db", out]
     run(cmd, env=env, cwd=scratch)
     found = json.loads(out.read_text())
     if found["status"] != "done":
@@ -157,24 +157,27 @@ def ours(scratch: Path, setting: dict, npz: Path, args) -> dict:
     return found
 
 
-def report(peer: dict, mine: dict, args) -> str:
+def report(peer: dict, mine: dict[str, dict], args) -> str:
+    """The table: the official code's seconds, then fpbench's and the ratio at each precision."""
+
     def mean(xs: list[float]) -> float:
         return sum(xs) / len(xs)
 
-    rows = [
-        ("whole run", peer["total_s"], mine["total_s"]),
-        ("per round (mean)", mean(peer["rounds_s"]), mean(mine["rounds_s"])),
-        *[
-            (f"round {r}", p, m)
-            for r, (p, m) in enumerate(zip(peer["rounds_s"], mine["rounds_s"], strict=True))
-        ],
-    ]
+    def row(name: str, pick) -> str:
+        cells = [f"{name:18} {pick(peer):11.2f}"]
+        cells += [f"{pick(m):10.2f} {pick(peer) / pick(m):6.2f}" for m in mine.values()]
+        return " ".join(cells)
+
+    head = [f"{'':18} {'official s':>11}"]
+    head += [f"{'fpbench ' + p:>10} {'ratio':>6}" for p in mine]
     lines = [
         f"SGPT side by side: setting {args.setting}, {args.rounds} round(s), device "
         f"{args.device}, {args.train_per_class} train / {args.test_per_class} test per class",
-        f"{'':18} {'official s':>11} {'fpbench s':>10} {'ratio':>6}",
+        " ".join(head),
+        row("whole run", lambda d: d["total_s"]),
+        row("per round (mean)", lambda d: mean(d["rounds_s"])),
     ]
-    lines += [f"{name:18} {p:11.2f} {m:10.2f} {p / m:6.2f}" for name, p, m in rows]
+    lines += [row(f"round {r}", lambda d, r=r: d["rounds_s"][r]) for r in range(args.rounds)]
     return "\n".join(lines)
 
 
@@ -188,6 +191,10 @@ def main() -> None:
     ap.add_argument("--setting", choices=sorted(SETTINGS), default="tiny")
     ap.add_argument("--rounds", type=int, default=1, help="rounds of each run (1 or 3 in README)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda, for both sides")
+    ap.add_argument(
+        "--precision", nargs="+", default=["auto"], choices=["auto", "fp32", "bf16"],
+        help="fpbench's precision(s), one run each (auto: bf16 on CUDA; the official code: fp32)",
+    )  # fmt: skip
     ap.add_argument("--train-per-class", type=int, default=5)
     ap.add_argument("--test-per-class", type=int, default=2)
     ap.add_argument("--scratch", type=Path, help="work folder outside any git repo (default: tmp)")
@@ -202,7 +209,7 @@ def main() -> None:
     start = time.perf_counter()
     npz = prepare(args.peer_scripts, scratch, setting, args.train_per_class, args.test_per_class)
     peer = official(args.peer_scripts, args.peer, scratch, setting, npz, args)
-    mine = ours(scratch, setting, npz, args)
+    mine = {p: ours(scratch, setting, npz, args, p) for p in args.precision}
     print(report(peer, mine, args))
     print(f"(both sides in {time.perf_counter() - start:.0f} s; scratch {scratch})")
     if args.json:

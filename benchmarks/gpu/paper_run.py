@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""Time a paper-sized run: SGPT on CIFAR-100, s = 10, the cell of `sgpt-table1`, on fake data of
+the real shape (50,000 / 10,000 images in the release's pickle format) and random ViT-B/16
+weights (saved to a file and loaded through the real loading path).
+
+    python benchmarks/gpu/paper_run.py --rounds 10 --scratch /tmp/paper-run --json run.json
+
+Everything but the weights, the data and the number of rounds is the suite's: 100 clients, 5 a
+round, 5 + 5 local epochs, batch 40, evaluation every 5th round and each of the last 10. The
+first `--rounds` rounds run (evaluation every 5th; the last-10 rule is left out so that the
+measured rounds mix training and evaluation as the whole run does) and the whole run is
+extrapolated: setup + round 0 (its one-off frozen passes) + the other training rounds at the
+measured mean + the 20 evaluated rounds at the measured evaluated-round mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # for tests.test_datasets' native-format writer
+
+from fpbench.engine.rounds import Observer, should_eval  # noqa: E402
+from fpbench.registry import BACKBONES  # noqa: E402
+from fpbench.store import Store  # noqa: E402
+from fpbench.suites import load_suite  # noqa: E402
+
+
+class Rounds(Observer):
+    """Prints each round's time as it ends (the log survives a timeout)."""
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+
+    def round_end(self, cfg, round_idx, metrics) -> None:
+        now = time.perf_counter()
+        acc = metrics.get("acc_global")
+        shown = "" if acc is None else f" acc_global {acc:.4f}"
+        print(f"round {round_idx}: {now - self.last:.2f} s{shown}", flush=True)
+        self.last = now
+
+
+def paper_cell(backbone: str, weights: Path, rounds: int, device: str):
+    """sgpt-table1's SGPT cell at s = 10 with this backbone, its weights, rounds and device."""
+    cells = load_suite("sgpt-table1").cells
+    (cfg,) = [c for c in cells if c.method.name == "sgpt" and c.partition.label == "path-s10"]
+    train = cfg.train.model_copy(update={"rounds": rounds, "eval_last": 0})
+    net = cfg.backbone.model_copy(update={"name": backbone, "weights": str(weights)})
+    runtime = cfg.runtime.model_copy(update={"device": device})
+    return cfg, cfg.model_copy(update={"train": train, "backbone": net, "runtime": runtime})
+
+
+def prepare(scratch: Path, per_class: tuple[int, int], backbone: str) -> Path:
+    """The fake CIFAR-100 (train / test images per class) and a random weights file."""
+    import timm
+    import torch
+
+    from tests.test_datasets import write_cifar100
+
+    if not (scratch / "data" / "cifar-100-python" / "meta").exists():
+        write_cifar100(scratch / "data", *per_class)
+    weights = scratch / f"{backbone}-random.pth"
+    if not weights.exists():
+        spec = BACKBONES.get(backbone)
+        torch.manual_seed(0)
+        model = timm.create_model(spec.timm_name, num_classes=0, **spec.timm_kwargs)
+        torch.save(model.state_dict(), weights)
+    return weights
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=10, help="rounds to run (of the suite's 60)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--backbone", default="vit-b16-in21k", help="another only for a quick check")
+    ap.add_argument("--scratch", type=Path, default=Path("/tmp/fpbench-paper-run"))
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument(
+        "--per-class", type=int, nargs=2, default=(500, 100), metavar=("TRAIN", "TEST"),
+        help="fake images per class (the real shape: 500 100; fewer for a quick check)",
+    )  # fmt: skip
+    args = ap.parse_args()
+    args.scratch.mkdir(parents=True, exist_ok=True)
+    weights = prepare(args.scratch, tuple(args.per_class), args.backbone)
+    os.environ["FPBENCH_DATA"] = str(args.scratch / "data")
+    full, cfg = paper_cell(args.backbone, weights, args.rounds, args.device)
+    from fpbench.engine.runner import run_cell
+
+    store = Store(f"sqlite:///{args.scratch / 'paper-run.db'}")
+    start = time.perf_counter()
+    result = run_cell(cfg, store, checkpoint_dir=args.scratch / "ck", observer=Rounds())
+    total = time.perf_counter() - start
+    if result.status != "done":
+        sys.exit(f"the run ended {result.status}: {result.error}")
+    walls = store.rounds(store.find_run(cfg.run_key).id)["wall_s"].tolist()
+    evaluated = [r for r in range(1, len(walls)) if should_eval(r, cfg.train)]
+    trained = [r for r in range(1, len(walls)) if r not in evaluated]
+    mean = lambda rs: sum(walls[r] for r in rs) / len(rs)  # noqa: E731
+    n_eval = sum(should_eval(r, full.train) for r in range(full.train.rounds))
+    setup = total - sum(walls)
+    whole = setup + walls[0] + (full.train.rounds - n_eval - 1) * mean(trained)
+    whole += n_eval * mean(evaluated)
+    figures = {
+        "rounds_run": len(walls),
+        "setup_s": setup,
+        "round0_s": walls[0],
+        "train_round_s": mean(trained),
+        "eval_round_s": mean(evaluated),
+        "rounds_s": walls,
+        "full_rounds": full.train.rounds,
+        "full_evaluated_rounds": n_eval,
+        "full_run_s_extrapolated": whole,
+    }
+    for k, v in figures.items():
+        print(f"{k:24} {v:.2f}" if isinstance(v, float) else f"{k:24} {v}")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Every GPU check in one call, inside a time budget (a lent GPU machine is short of time):
+#   A. correctness: `pytest -m gpu` and the default `pytest` with CUDA visible, side by side
+#      on separate cores (every test whose runtime.device is "auto" runs on CUDA in bf16);
+#   B. timings, one at a time: the bf16 matmul ceiling, `fpbench bench` at ViT-B/16, a
+#      paper-sized SGPT run (benchmarks/gpu/paper_run.py) and the official SGPT code next to
+#      fpbench (benchmarks/peer/sgpt_side_by_side.py);
+#   C. `pytest -m slow` with what is left.
+# Usage, from the repository root, with CUDA:
+#   OUT=DIR BUDGET_S=520 PEER=path/to/SGPT PEER_SCRIPTS=path/to/peer-sgpt benchmarks/gpu/run_checks.sh
+# Each step is cut at its cap (or at the budget); DIR gets summary.txt, the JSON figures and
+# logs.tgz (one log per step). Without PEER the side-by-side is skipped.
+set -u
+OUT=${OUT:-/tmp/fpbench-gpu-checks}
+mkdir -p "$OUT/logs"
+END=$(($(date +%s) + ${BUDGET_S:-520}))
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+PY=${PY:-python3}
+
+step() { # step NAME CAP_S CMD...: CMD's output to logs/NAME.log, cut at CAP_S or the budget
+  local name=$1 cap=$2 left t0 rc
+  shift 2
+  left=$((END - $(date +%s)))
+  ((cap > left)) && cap=$left
+  if ((cap < 15)); then
+    echo "$name: skipped, budget spent" >>"$OUT/summary.txt"
+    return
+  fi
+  t0=$(date +%s)
+  timeout -k 5 "$cap" "$@" >"$OUT/logs/$name.log" 2>&1
+  rc=$?
+  echo "$name: rc=$rc in $(($(date +%s) - t0)) s (cap $cap s)" >>"$OUT/summary.txt"
+}
+
+matmul() {
+  $PY - <<'EOF'
+import torch
+a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+for _ in range(3):
+    a @ b
+start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+start.record()
+for _ in range(20):
+    a @ b
+end.record()
+torch.cuda.synchronize()
+print(f"bf16 8192^3 matmul: {20 * 2 * 8192**3 / (start.elapsed_time(end) / 1e3) / 1e12:.0f} TFLOP/s")
+print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())
+EOF
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv >"$OUT/logs/env.log" 2>&1
+nproc >>"$OUT/logs/env.log"
+
+# A. correctness, concurrently on disjoint cores
+half=$(($(nproc) / 2))
+step gpu-tests 150 taskset -c 0-$((half - 1)) $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_gpu.py &
+step pytest 180 taskset -c $half-$(($(nproc) - 1)) $PY -m pytest -q -rfE -p no:cacheprovider &
+wait
+
+# B. timings, alone on the machine
+step matmul 30 matmul
+step bench 100 $PY -m fpbench bench --backbone vit-b16-in21k --device cuda --precision bf16 \
+  --clients 5 --batch 40 --steps 8 --json "$OUT/bench.json"
+step paper-run 140 $PY benchmarks/gpu/paper_run.py --rounds 10 --scratch /tmp/paper-run \
+  --json "$OUT/paper-run.json"
+if [[ -n ${PEER:-} ]]; then
+  step side-by-side 160 $PY benchmarks/peer/sgpt_side_by_side.py --peer "$PEER" \
+    --peer-scripts "$PEER_SCRIPTS" --setting vit-b16 --rounds 5 --device cuda --precision bf16 fp32 \
+    --scratch /tmp/side-by-side --json "$OUT/side-by-side.json"
+fi
+
+# C. the slow tests with what is left
+step slow 600 $PY -m pytest -m slow -q -rfE -p no:cacheprovider
+
+cd "$OUT/logs" || exit 1
+for log in env matmul paper-run side-by-side bench gpu-tests pytest slow; do
+  [[ -f $log.log ]] && echo "== $log" && tail -n 14 "$log.log" | cut -c1-160
+done
+cd "$OUT" && tar -czf logs.tgz logs && rm -rf logs
+echo "== summary" && cat summary.txt
