@@ -111,7 +111,8 @@ def test_the_input_gradient_is_differentiable(calls):
 @pytest.mark.parametrize("backend", ["onednn", "blas"])
 def test_a_cell_computes_with_its_runtime_cpu_linear(backend, calls, tmp_path):
     cfg = tiny_config("fedvpt", rounds=1)
-    cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"cpu_linear": backend})})
+    runtime = cfg.runtime.model_copy(update={"cpu_linear": backend, "device": "cpu"})
+    cfg = cfg.model_copy(update={"runtime": runtime})  # on the CPU also where CUDA is there
     store = Store(f"sqlite:///{tmp_path / 'r.db'}")
     assert run_cell(cfg, store, checkpoint_dir=tmp_path).status == "done"
     assert (len(calls) > 0) == (backend == "onednn" and frozen_linear._HAS_ONEDNN)

@@ -16,6 +16,7 @@ measured mean + the 20 evaluated rounds at the measured evaluated-round mean.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -73,11 +74,32 @@ def prepare(scratch: Path, per_class: tuple[int, int], backbone: str) -> Path:
     return weights
 
 
+@contextlib.contextmanager
+def profiled(path: Path | None):
+    """torch.profiler around the run, its op tables (by device time, by CPU time) to `path`."""
+    if path is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        yield
+    table = prof.key_averages()
+    path.write_text(
+        table.table(sort_by="self_device_time_total", row_limit=40)
+        + "\n"
+        + table.table(sort_by="self_cpu_time_total", row_limit=25)
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=10, help="rounds to run (of the suite's 60)")
+    ap.add_argument(
+        "--rounds", type=int, default=10, help="rounds to run (of 60; 6 or more to extrapolate)"
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backbone", default="vit-b16-in21k", help="another only for a quick check")
+    ap.add_argument("--profile", type=Path, help="profile the run; op tables to this file")
     ap.add_argument("--scratch", type=Path, default=Path("/tmp/fpbench-paper-run"))
     ap.add_argument("--json", type=Path, help="also write the figures here")
     ap.add_argument(
@@ -93,18 +115,21 @@ def main() -> None:
 
     store = Store(f"sqlite:///{args.scratch / 'paper-run.db'}")
     start = time.perf_counter()
-    result = run_cell(cfg, store, checkpoint_dir=args.scratch / "ck", observer=Rounds())
+    with profiled(args.profile):
+        result = run_cell(cfg, store, checkpoint_dir=args.scratch / "ck", observer=Rounds())
     total = time.perf_counter() - start
     if result.status != "done":
         sys.exit(f"the run ended {result.status}: {result.error}")
     walls = store.rounds(store.find_run(cfg.run_key).id)["wall_s"].tolist()
     evaluated = [r for r in range(1, len(walls)) if should_eval(r, cfg.train)]
     trained = [r for r in range(1, len(walls)) if r not in evaluated]
-    mean = lambda rs: sum(walls[r] for r in rs) / len(rs)  # noqa: E731
+    mean = lambda rs: sum(walls[r] for r in rs) / len(rs) if rs else None  # noqa: E731
     n_eval = sum(should_eval(r, full.train) for r in range(full.train.rounds))
     setup = total - sum(walls)
-    whole = setup + walls[0] + (full.train.rounds - n_eval - 1) * mean(trained)
-    whole += n_eval * mean(evaluated)
+    whole = None  # needs a measured training round and evaluated round after round 0
+    if trained and evaluated:
+        whole = setup + walls[0] + (full.train.rounds - n_eval - 1) * mean(trained)
+        whole += n_eval * mean(evaluated)
     figures = {
         "rounds_run": len(walls),
         "setup_s": setup,

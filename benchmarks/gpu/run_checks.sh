@@ -32,9 +32,7 @@ step() { # step NAME CAP_S CMD...: CMD's output to logs/NAME.log, cut at CAP_S o
   echo "$name: rc=$rc in $(($(date +%s) - t0)) s (cap $cap s)" >>"$OUT/summary.txt"
 }
 
-matmul() {
-  $PY - <<'EOF'
-import torch
+MATMUL='import torch
 a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 for _ in range(3):
     a @ b
@@ -45,9 +43,7 @@ for _ in range(20):
 end.record()
 torch.cuda.synchronize()
 print(f"bf16 8192^3 matmul: {20 * 2 * 8192**3 / (start.elapsed_time(end) / 1e3) / 1e12:.0f} TFLOP/s")
-print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())
-EOF
-}
+print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv >"$OUT/logs/env.log" 2>&1
 nproc >>"$OUT/logs/env.log"
@@ -59,7 +55,7 @@ step pytest 180 taskset -c $half-$(($(nproc) - 1)) $PY -m pytest -q -rfE -p no:c
 wait
 
 # B. timings, alone on the machine
-step matmul 30 matmul
+step matmul 30 $PY -c "$MATMUL"
 step bench 100 $PY -m fpbench bench --backbone vit-b16-in21k --device cuda --precision bf16 \
   --clients 5 --batch 40 --steps 8 --json "$OUT/bench.json"
 step paper-run 140 $PY benchmarks/gpu/paper_run.py --rounds 10 --scratch /tmp/paper-run \
