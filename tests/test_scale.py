@@ -26,6 +26,7 @@ from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.dispatch import Dispatch, run_cells
 from fpbench.engine.rounds import Observer
 from fpbench.engine.runner import run_cell, run_suite
+from fpbench.errors import FpbenchError
 from fpbench.store import Store
 from fpbench.store.claims import ClaimLost, new_owner, owner_is_gone
 from fpbench.store.models import Run
@@ -233,8 +234,7 @@ def _die() -> None:
 
 
 def _killed_child(db: str, ckpt: str, point: str, k: int) -> None:
-    """Run the cell in a forked process that SIGKILLs itself at `point` of round `k`."""
-    torch.set_num_threads(1)  # as DataLoader workers do: no OpenMP pool across fork
+    """Run the cell in a fresh process that SIGKILLs itself at `point` of round `k`."""
     cfg = tiny_config(rounds=KILL_ROUNDS)
     store, observer = _sqlite(Path(db)), Observer()
     if point == "after-round":  # round k stored and checkpointed
@@ -270,7 +270,8 @@ class _KillAt(Observer):
 )
 def test_sigkill_at_any_point_then_rerun_gives_identical_rows(tmp_path, uninterrupted, point, k):
     db, ck = tmp_path / "split.db", tmp_path / "ck"
-    proc = mp.get_context("fork").Process(target=_killed_child, args=(str(db), str(ck), point, k))
+    spawn = mp.get_context("spawn")  # not fork: a forked child cannot use CUDA this process did
+    proc = spawn.Process(target=_killed_child, args=(str(db), str(ck), point, k))
     proc.start()
     proc.join(120)
     assert proc.exitcode == -signal.SIGKILL
@@ -345,6 +346,31 @@ def test_submitit_local_executor_matches_serial(tmp_path, serial):
     results = run_cells(cells, url, checkpoint_dir=tmp_path / "ck", dispatch=dispatch)
     assert [r.status for r in results] == ["done", "done"], results
     pd.testing.assert_frame_equal(_results(_sqlite(tmp_path / "s.db")), rows, check_exact=True)
+
+
+def _job_sees() -> str | None:
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_submitit_local_jobs_see_the_drivers_gpus(tmp_path, monkeypatch):
+    """submitit's local jobs see no GPU unless given some: by default they get the driver's."""
+    pytest.importorskip("submitit")
+    from fpbench.engine.submitit_jobs import _executor, driver_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert driver_gpus() == [2, 3]
+    job = _executor(Dispatch(launcher="submitit-local", folder=tmp_path)).submit(_job_sees)
+    assert job.result() == "2,3"
+    one = Dispatch(launcher="submitit-local", folder=tmp_path, gpus_per_cell=1)
+    assert _executor(one).submit(_job_sees).result() == "0"  # submitit's own choice
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert driver_gpus() == []
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert driver_gpus() == [0, 1]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-5e1f")
+    with pytest.raises(FpbenchError, match="by index"):
+        driver_gpus()
 
 
 @pytest.mark.slow

@@ -118,7 +118,12 @@ def run(
     address: Annotated[
         str | None, typer.Option(help="Ray cluster address (--launcher ray); default: local Ray")
     ] = None,
-    gpus_per_cell: Annotated[float, typer.Option(min=0, help="GPUs per cell (slurm, ray)")] = 0,
+    gpus_per_cell: Annotated[
+        float,
+        typer.Option(
+            min=0, help="GPUs per cell (slurm, ray, submitit-local; 0 on submitit-local: all)"
+        ),
+    ] = 0,
     cpus_per_cell: Annotated[int, typer.Option(min=1, help="CPUs per cell (slurm, ray)")] = 1,
     timeout_min: Annotated[int, typer.Option(min=1, help="time limit per SLURM job")] = 1440,
     slurm_partition: Annotated[str | None, typer.Option(help="SLURM partition")] = None,

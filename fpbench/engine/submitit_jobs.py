@@ -8,15 +8,18 @@ preempted or timed-out job is requeued (`Checkpointable`) and resumes from its l
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 import submitit  # optional extra; `dispatch.validate` checks it is installed
+import torch
 
 from fpbench.engine.dispatch import Dispatch, Outcome, finish, run_one
 from fpbench.engine.rounds import Observer
 from fpbench.engine.runner import CellResult
+from fpbench.errors import FpbenchError
 from fpbench.specs import RunConfig
 
 POLL_S = 0.5
@@ -45,20 +48,46 @@ def run_submitit(
 
 
 def _executor(dispatch: Dispatch) -> Any:
-    cluster = "local" if dispatch.launcher == "submitit-local" else "slurm"
-    executor = submitit.AutoExecutor(folder=dispatch.folder / "%j", cluster=cluster)
+    gpus = math.ceil(dispatch.gpus_per_cell)
+    if dispatch.launcher == "submitit-local":
+        local = submitit.LocalExecutor(folder=dispatch.folder / "%j")
+        if gpus == 0:  # the GPUs `--launcher local` would use, not none
+            visible = driver_gpus()
+            local.update_parameters(gpus_per_node=len(visible), visible_gpus=tuple(visible))
+        else:
+            local.update_parameters(gpus_per_node=gpus)
+        local.update_parameters(timeout_min=dispatch.timeout_min)
+        return local
+    executor = submitit.AutoExecutor(folder=dispatch.folder / "%j", cluster="slurm")
     params: dict[str, Any] = {
         "name": "fpbench",
         "timeout_min": dispatch.timeout_min,
         "cpus_per_task": dispatch.cpus_per_cell,
-        "gpus_per_node": math.ceil(dispatch.gpus_per_cell),
+        "gpus_per_node": gpus,
+        "slurm_array_parallelism": dispatch.jobs,
     }
-    if cluster == "slurm":
-        params["slurm_array_parallelism"] = dispatch.jobs
-        if dispatch.slurm_partition:
-            params["slurm_partition"] = dispatch.slurm_partition
+    if dispatch.slurm_partition:
+        params["slurm_partition"] = dispatch.slurm_partition
     executor.update_parameters(**params)
     return executor
+
+
+def driver_gpus() -> list[int]:
+    """The GPUs this process sees, by the indices a local job's CUDA_VISIBLE_DEVICES takes.
+
+    submitit's local jobs see only the GPUs they are given (none by default), so without this
+    `--launcher submitit-local` would run every cell on the CPU of a GPU machine.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return list(range(torch.cuda.device_count()))
+    ids = [i.strip() for i in visible.split(",") if i.strip()]
+    if not all(i.isdigit() for i in ids):
+        raise FpbenchError(
+            f"--launcher submitit-local gives its jobs GPUs by index, but CUDA_VISIBLE_DEVICES="
+            f"{visible!r} names them otherwise; use indices, or --launcher local"
+        )
+    return [int(i) for i in ids]
 
 
 def _rolling(
