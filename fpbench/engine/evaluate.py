@@ -111,7 +111,7 @@ def _evaluate_global(
 ) -> EvalCounts:
     data = task.data
     zero = torch.zeros(1, dtype=torch.long)
-    params = start_params(method, server, zero, data.test_labels.device, training=False)
+    params = start_params(method, server, zero, task.priors.device, training=False)
     ctx = Context(training=False, buffers=server.buffers)
     everything = torch.arange(len(data.test_labels), device=data.test_labels.device)
     rows = torch.zeros_like(everything)
