@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -48,13 +49,14 @@ class Rounds(Observer):
         self.last = now
 
 
-def paper_cell(backbone: str, weights: Path, rounds: int, device: str):
-    """sgpt-table1's SGPT cell at s = 10 with this backbone, its weights, rounds and device."""
+def paper_cell(backbone: str, weights: Path, rounds: int, device: str, deterministic: bool):
+    """sgpt-table1's SGPT cell at s = 10 with this backbone, its weights, rounds, device and
+    deterministic mode."""
     cells = load_suite("sgpt-table1").cells
     (cfg,) = [c for c in cells if c.method.name == "sgpt" and c.partition.label == "path-s10"]
     train = cfg.train.model_copy(update={"rounds": rounds, "eval_last": 0})
     net = cfg.backbone.model_copy(update={"name": backbone, "weights": str(weights)})
-    runtime = cfg.runtime.model_copy(update={"device": device})
+    runtime = cfg.runtime.model_copy(update={"device": device, "deterministic": deterministic})
     return cfg, cfg.model_copy(update={"train": train, "backbone": net, "runtime": runtime})
 
 
@@ -102,6 +104,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backbone", default="vit-b16-in21k", help="another only for a quick check")
     ap.add_argument("--profile", type=Path, help="profile the run; op tables to this file")
+    ap.add_argument(
+        "--no-deterministic", dest="deterministic", action="store_false",
+        help="runtime.deterministic = false (to measure what the mode costs)",
+    )  # fmt: skip
     ap.add_argument("--scratch", type=Path, default=Path("/tmp/fpbench-paper-run"))
     ap.add_argument("--json", type=Path, help="also write the figures here")
     ap.add_argument(
@@ -112,13 +118,16 @@ def main() -> None:
     args.scratch.mkdir(parents=True, exist_ok=True)
     weights = prepare(args.scratch, tuple(args.per_class), args.backbone)
     os.environ["FPBENCH_DATA"] = str(args.scratch / "data")
-    full, cfg = paper_cell(args.backbone, weights, args.rounds, args.device)
+    full, cfg = paper_cell(args.backbone, weights, args.rounds, args.device, args.deterministic)
     from fpbench.engine.runner import run_cell
 
-    store = Store(f"sqlite:///{args.scratch / 'paper-run.db'}")
+    db, ck = args.scratch / "paper-run.db", args.scratch / "ck"
+    db.unlink(missing_ok=True)  # a fresh run each time: a stored one would be skipped
+    shutil.rmtree(ck, ignore_errors=True)
+    store = Store(f"sqlite:///{db}")
     start = time.perf_counter()
     with profiled(args.profile):
-        result = run_cell(cfg, store, checkpoint_dir=args.scratch / "ck", observer=Rounds())
+        result = run_cell(cfg, store, checkpoint_dir=ck, observer=Rounds())
     total = time.perf_counter() - start
     if result.status != "done":
         sys.exit(f"the run ended {result.status}: {result.error}")

@@ -7,7 +7,7 @@
 #      paper-sized SGPT run (benchmarks/gpu/paper_run.py) and the official SGPT code next to
 #      fpbench (benchmarks/peer/sgpt_side_by_side.py).
 # Usage, from the repository root, with CUDA:
-#   OUT=DIR BUDGET_S=500 PEER=path/to/SGPT PEER_SCRIPTS=path/to/peer-sgpt benchmarks/gpu/run_checks.sh
+#   OUT=DIR BUDGET_S=520 PEER=path/to/SGPT PEER_SCRIPTS=path/to/peer-sgpt benchmarks/gpu/run_checks.sh
 # Each step is cut at its cap (or at the budget); DIR gets summary.txt, the JSON figures and
 # logs.tgz (one log per step). Without PEER the side-by-side is skipped. The H200 figures in the
 # README's speed section came from it.
@@ -67,6 +67,8 @@ step bench 100 $PY -m fpbench bench --backbone vit-b16-in21k --device cuda --pre
   --clients 5 --batch 40 --steps 8 --json "$OUT/bench.json"
 step paper-run 140 $PY benchmarks/gpu/paper_run.py --rounds 10 --scratch /tmp/paper-run \
   --json "$OUT/paper-run.json"
+step paper-run-nondet 80 $PY benchmarks/gpu/paper_run.py --rounds 6 --scratch /tmp/paper-run \
+  --no-deterministic --json "$OUT/paper-run-nondet.json"
 if [[ -n ${PEER:-} ]]; then
   step side-by-side 160 $PY benchmarks/peer/sgpt_side_by_side.py --peer "$PEER" \
     --peer-scripts "$PEER_SCRIPTS" --setting vit-b16 --rounds 5 --device cuda --precision bf16 fp32 \
@@ -74,7 +76,7 @@ if [[ -n ${PEER:-} ]]; then
 fi
 
 cd "$OUT/logs" || exit 1
-for log in env matmul paper-run side-by-side bench; do
+for log in env matmul paper-run paper-run-nondet side-by-side bench; do
   [[ -f $log.log ]] && echo "== $log" && tail -n 14 "$log.log" | cut -c1-160
 done
 echo "== tests ($(wc -l <test-ids.txt) in $shards shards)"
