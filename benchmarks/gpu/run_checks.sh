@@ -11,6 +11,12 @@
 # Each step is cut at its cap (or at the budget); DIR gets summary.txt, the JSON figures and
 # logs.tgz (one log per step). Without PEER the side-by-side is skipped. The H200 figures in the
 # README's speed section came from it.
+# On a GPU machine with no package index (as the H200 was), first install what its image lacks
+# from wheels downloaded elsewhere into a git-ignored .whl/ (`pip download --no-deps
+# --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl ...`: pydantic,
+# pydantic_core, annotated-types, typing-inspection, open_clip_torch, ftfy, wcwidth, SQLAlchemy,
+# submitit, ml_collections), then `python3 -m pip install --no-index --no-deps .whl/*.whl` and
+# `python3 -m pip install --no-index --no-deps --no-build-isolation -e .`.
 set -u
 OUT=${OUT:-/tmp/fpbench-gpu-checks}
 mkdir -p "$OUT/logs"
