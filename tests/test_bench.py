@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import torch
 from typer.testing import CliRunner
@@ -75,3 +77,19 @@ def test_bf16_autocast_trains_close_to_fp32(tiny):
         assert runs["bf16"].params[k].dtype == torch.float32
         torch.testing.assert_close(runs["bf16"].params[k], v, atol=5e-2, rtol=5e-2)
     assert not torch.equal(runs["bf16"].params["prompts"], runs["fp32"].params["prompts"])
+
+
+def test_the_paper_sized_run_is_sgpt_table1s_cell_but_for_rounds_weights_and_device():
+    path = Path(__file__).parents[1] / "benchmarks/gpu/paper_run.py"
+    spec = importlib.util.spec_from_file_location("paper_run", path)
+    paper_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(paper_run)
+    full, cfg = paper_run.paper_cell("vit-b16-in21k", Path("/w.pth"), 10, "cuda", False)
+    assert (full.method.name, full.dataset.name) == ("sgpt", "cifar100")
+    assert (full.partition.name, full.partition.args["s"]) == ("pathological", 10)
+    assert (full.partition.args["num_clients"], full.train.participation) == (100, 0.05)
+    assert (full.train.rounds, full.train.local_epochs, full.train.batch_size) == (60, 5, 40)
+    assert (cfg.train.rounds, cfg.train.eval_last, cfg.backbone.weights) == (10, 0, "/w.pth")
+    assert (cfg.runtime.device, cfg.runtime.deterministic) == ("cuda", False)
+    rest = {"train": {"rounds", "eval_last"}, "backbone": {"weights"}, "runtime": True}
+    assert cfg.model_dump(exclude=rest) == full.model_dump(exclude=rest)
