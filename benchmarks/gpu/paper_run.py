@@ -60,6 +60,10 @@ def paper_cell(backbone: str, weights: Path, rounds: int, device: str, determini
     return cfg, cfg.model_copy(update={"train": train, "backbone": net, "runtime": runtime})
 
 
+def data_root(scratch: Path, per_class: tuple[int, int]) -> Path:
+    return scratch / f"data-{per_class[0]}-{per_class[1]}"
+
+
 def prepare(scratch: Path, per_class: tuple[int, int], backbone: str) -> Path:
     """The fake CIFAR-100 (train / test images per class) and a random weights file."""
     import timm
@@ -67,8 +71,8 @@ def prepare(scratch: Path, per_class: tuple[int, int], backbone: str) -> Path:
 
     from tests.test_datasets import write_cifar100
 
-    if not (scratch / "data" / "cifar-100-python" / "meta").exists():
-        write_cifar100(scratch / "data", *per_class)
+    if not (data_root(scratch, per_class) / "cifar-100-python" / "meta").exists():
+        write_cifar100(data_root(scratch, per_class), *per_class)
     weights = scratch / f"{backbone}-random.pth"
     if not weights.exists():
         spec = BACKBONES.get(backbone)
@@ -117,7 +121,7 @@ def main() -> None:
     args = ap.parse_args()
     args.scratch.mkdir(parents=True, exist_ok=True)
     weights = prepare(args.scratch, tuple(args.per_class), args.backbone)
-    os.environ["FPBENCH_DATA"] = str(args.scratch / "data")
+    os.environ["FPBENCH_DATA"] = str(data_root(args.scratch, tuple(args.per_class)))
     full, cfg = paper_cell(args.backbone, weights, args.rounds, args.device, args.deterministic)
     from fpbench.engine.runner import run_cell
 
