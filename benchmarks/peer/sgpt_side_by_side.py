@@ -6,8 +6,9 @@ images per class), the same random ViT weights (one Google-layout `.npz`, read b
 code's `load_from` and by fpbench through timm), 10 clients of 10 classes each, 2 clients a round,
 1 epoch per stage, batch 16, evaluation every round. The official code runs unchanged through the
 timing scripts of the steering repo's `shared/peer-sgpt` (called by path, never copied); fpbench
-runs the same setting as a suite written to the scratch folder. Prints wall time per round and
-per run of each side and the ratios (official / fpbench: above 1 means fpbench is faster).
+runs the same setting as a suite written to the scratch folder, once per `--precision` (the
+official code runs fp32). Prints wall time per round and per run of each side and the ratios
+(official / fpbench: above 1 means fpbench is faster).
 
     python benchmarks/peer/sgpt_side_by_side.py --peer /path/to/SGPT --setting tiny --rounds 1
 
