@@ -30,7 +30,6 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # for tests.test_datasets' native-format writer
 
 from fpbench.engine.rounds import Observer, should_eval  # noqa: E402
-from fpbench.registry import BACKBONES  # noqa: E402
 from fpbench.store import Store  # noqa: E402
 from fpbench.suites import load_suite  # noqa: E402
 
@@ -66,19 +65,17 @@ def data_root(scratch: Path, per_class: tuple[int, int]) -> Path:
 
 def prepare(scratch: Path, per_class: tuple[int, int], backbone: str) -> Path:
     """The fake CIFAR-100 (train / test images per class) and a random weights file."""
-    import timm
     import torch
 
+    from fpbench.backbones import create_backbone
     from tests.test_datasets import write_cifar100
 
     if not (data_root(scratch, per_class) / "cifar-100-python" / "meta").exists():
         write_cifar100(data_root(scratch, per_class), *per_class)
     weights = scratch / f"{backbone}-random.pth"
     if not weights.exists():
-        spec = BACKBONES.get(backbone)
-        torch.manual_seed(0)
-        model = timm.create_model(spec.timm_name, num_classes=0, **spec.timm_kwargs)
-        torch.save(model.state_dict(), weights)
+        vit = create_backbone(backbone, pretrained=False).vit  # the seeded random init
+        torch.save(vit.state_dict(), weights)
     return weights
 
 

@@ -270,12 +270,18 @@ def _init_worker(events: Any, threads: int, gpu_slots: list[str], counter: Any) 
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu_slots[index % len(gpu_slots)]
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (all, where unset)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [str(i) for i in range(torch.cuda.device_count())]
+    return [i.strip() for i in visible.split(",") if i.strip()]
+
+
 def _gpu_slots() -> list[str]:
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         return []
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    return [i.strip() for i in ids if i.strip()]
+    return visible_gpus()
 
 
 def _pool(

@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import submitit  # optional extra; `dispatch.validate` checks it is installed
-import torch
 
-from fpbench.engine.dispatch import Dispatch, Outcome, finish, run_one
+from fpbench.engine.dispatch import Dispatch, Outcome, finish, run_one, visible_gpus
 from fpbench.engine.rounds import Observer
 from fpbench.engine.runner import CellResult
 from fpbench.errors import FpbenchError
@@ -78,14 +77,12 @@ def driver_gpus() -> list[int]:
     submitit's local jobs see only the GPUs they are given (none by default), so without this
     `--launcher submitit-local` would run every cell on the CPU of a GPU machine.
     """
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return list(range(torch.cuda.device_count()))
-    ids = [i.strip() for i in visible.split(",") if i.strip()]
+    ids = visible_gpus()
     if not all(i.isdigit() for i in ids):
         raise FpbenchError(
             f"--launcher submitit-local gives its jobs GPUs by index, but CUDA_VISIBLE_DEVICES="
-            f"{visible!r} names them otherwise; use indices, or --launcher local"
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r} names them otherwise; use indices, "
+            "or --launcher local"
         )
     return [int(i) for i in ids]
 
