@@ -162,10 +162,32 @@ def plan(suite: Suite) -> list[tuple[Shape, RunConfig, int]]:
     return [(s, cfg, n) for s, (cfg, n) in found.items()]
 
 
+def free_bytes(device: torch.device) -> int:
+    """Memory free for new tensors on `device` (CPU: the kernel's MemAvailable)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kib * 1024
+    except (OSError, StopIteration):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def fake_dataset(shape: Shape, device: torch.device, seed: int = 0) -> ImageDataset:
-    """Random uint8 images and balanced labels of the shape's sizes, made on `device`."""
-    gen = torch.Generator(device=device).manual_seed(seed)
+    """Random uint8 images and balanced labels of the shape's sizes, made on `device`.
+
+    Raises MemoryError, before allocating, where the images would not leave half of the
+    device's free memory for the model and its activations."""
     side, c = shape.image_size, shape.num_classes
+    need, free = (shape.train_size + shape.test_size) * 3 * side * side, free_bytes(device)
+    if need > free / 2:
+        raise MemoryError(
+            f"the fake {shape.dataset} images ({shape.train_size + shape.test_size:,} of "
+            f"{side}px) take {need / 2**30:.1f} GiB, over half of the {free / 2**30:.1f} GiB "
+            f"free on {device}: estimate this shape on a device with more memory"
+        )
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def images(n: int) -> torch.Tensor:
         return torch.randint(0, 256, (n, 3, side, side), generator=gen, device=device).to(
@@ -296,6 +318,7 @@ def estimate(
     `max_shapes` measures only the first that many shapes (the others are listed unmeasured);
     `progress(i, n, shape)` is called before each measurement.
     """
+    from fpbench.determinism import deterministic
     from fpbench.engine.build import resolve_precision
 
     shapes = plan(suite)
@@ -307,7 +330,8 @@ def estimate(
         if progress is not None:
             progress(i, len(shapes), shape)
         try:
-            m = measure(shape, cfg, device, resolve_precision(precision, device), rounds)
+            with deterministic(cfg.runtime.deterministic, cfg.runtime.threads):  # as it will run
+                m = measure(shape, cfg, device, resolve_precision(precision, device), rounds)
         except Exception as e:  # one shape that cannot run here does not stop the others
             out.append(Estimate(shape, cfg.method.label, n, None, None, f"{type(e).__name__}: {e}"))
             continue

@@ -105,3 +105,52 @@ def test_dry_estimate_of_a_paper_suite_and_bad_input(monkeypatch, tmp_path) -> N
     assert (cifar["train_size"], cifar["test_size"], cifar["image_size"]) == (50_000, 10_000, 32)
     bad = CliRunner().invoke(app, ["estimate", "--suite", "smoke", "--precision", "fp8"])
     assert bad.exit_code == 2 and "--precision" in bad.output
+
+
+def test_estimate_of_one_method_and_an_unknown_one(tmp_path) -> None:
+    out = tmp_path / "sgpt.json"
+    args = ["estimate", "--suite", "sgpt-table1", "--method", "sgpt", "--dry", "--json", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())
+    # s = 50 (preset cifar-s50) and s = 10 on CIFAR-100, G = 5 on Five-dataset
+    assert [(r["shape"]["method"], r["shape"]["dataset"]) for r in rows] == [
+        ("sgpt", "cifar100"), ("sgpt", "cifar100"), ("sgpt", "five-dataset"),
+    ]  # fmt: skip
+    bad = CliRunner().invoke(app, ["estimate", "--suite", "smoke", "--method", "nope", "--dry"])
+    assert bad.exit_code == 2 and "method(s) ['nope'] not in suite smoke" in bad.output
+
+
+def test_a_shape_whose_fake_images_do_not_fit_is_reported_not_allocated(monkeypatch) -> None:
+    import fpbench.estimate as est
+
+    suite = load_suite("inat")  # 155,941 images of 224px: 23.5 GB of fake uint8 images
+    monkeypatch.setattr(est, "free_bytes", lambda device: 16 * 2**30)
+    found = estimate(suite, torch.device("cpu"), rounds=1, max_shapes=1)
+    assert found[0].measured is None and found[0].cell_s is None
+    assert found[0].error == (
+        "MemoryError: the fake inat-user-120k images (155,941 of 224px) take 21.9 GiB, over half "
+        "of the 16.0 GiB free on cpu: estimate this shape on a device with more memory"
+    )
+    assert all(e.error is None and e.measured is None for e in found[1:])
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_a_shape_is_measured_in_its_cells_deterministic_mode(tiny_suite, monkeypatch, on) -> None:
+    import fpbench.engine.executor as executor
+
+    suite = load_suite(str(tiny_suite))
+    cells = tuple(
+        c.model_copy(update={"runtime": c.runtime.model_copy(update={"deterministic": on})})
+        for c in suite.cells
+    )
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        raise RuntimeError("spied")
+
+    monkeypatch.setattr(executor, "train_clients", spy)
+    found = estimate(suite.model_copy(update={"cells": cells}), torch.device("cpu"), rounds=1)
+    assert seen == [on, on] and [e.error for e in found] == ["RuntimeError: spied"] * 2
+    assert torch.are_deterministic_algorithms_enabled() is False  # restored after each shape

@@ -80,13 +80,17 @@ def test_user_suites_still_win(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_wheel_holds_suites_and_papers(tmp_path):
-    """The built wheel ships every suite and paper file (CI also installs and runs it)."""
+    """The built wheel ships every suite and paper file (CI also installs and runs it).
+
+    Built with this environment's setuptools (no build isolation), so that it needs no package
+    index (a GPU machine may have none)."""
     if importlib.util.find_spec("setuptools") is None:
         pytest.skip("setuptools is not installed")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(ROOT)],
         check=True,
-    )
+    )  # fmt: skip
     (wheel,) = tmp_path.glob("fpbench-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     suites = {f"fpbench/benchmarks/{p.name}" for p in (ROOT / "benchmarks").glob("*.toml")}

@@ -4,10 +4,13 @@
 #      shards of two cores each, all at once (every test whose runtime.device is "auto" runs on
 #      CUDA in bf16);
 #   B. timings, one at a time: the bf16 matmul ceiling, `fpbench bench` at ViT-B/16, a
-#      paper-sized SGPT run (benchmarks/gpu/paper_run.py) and the official SGPT code next to
-#      fpbench (benchmarks/peer/sgpt_side_by_side.py).
+#      paper-sized SGPT run (benchmarks/gpu/paper_run.py), the official SGPT code next to
+#      fpbench (benchmarks/peer/sgpt_side_by_side.py) and `fpbench estimate` of the paper run's
+#      cell and of one shape of each backbone family.
 # Usage, from the repository root, with CUDA:
 #   OUT=DIR BUDGET_S=520 PEER=path/to/SGPT PEER_SCRIPTS=path/to/peer-sgpt benchmarks/gpu/run_checks.sh
+# STEPS="tests paper-run ..." runs only those steps (default: all); TESTS="tests/test_x.py -k y"
+# narrows step tests to what pytest collects from those arguments.
 # Each step is cut at its cap (or at the budget); DIR gets summary.txt, the JSON figures and
 # logs.tgz (one log per step). Without PEER the side-by-side is skipped. The H200 figures in the
 # README's speed section came from it.
@@ -23,6 +26,8 @@ mkdir -p "$OUT/logs"
 END=$(($(date +%s) + ${BUDGET_S:-520}))
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 PY=${PY:-python3}
+STEPS=${STEPS:-tests matmul bench paper-run paper-run-nondet side-by-side estimate}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
 
 step() { # step NAME CAP_S CMD...: CMD's output to logs/NAME.log, cut at CAP_S or the budget
   local name=$1 cap=$2 left t0 rc
@@ -57,35 +62,49 @@ nproc >>"$OUT/logs/env.log"
 
 # A. correctness: the tests dealt round-robin into shards (order kept, so a module's fixture
 # is built at most once per shard), two cores each
-$PY -m pytest --collect-only -q -p no:cacheprovider -m "not pretrained" 2>/dev/null |
-  grep '::' >"$OUT/logs/test-ids.txt"
-shards=$(($(nproc) / 2))
-for ((k = 0; k < shards; k++)); do
-  awk -v n=$shards -v k=$k 'NR % n == k' "$OUT/logs/test-ids.txt" >"$OUT/logs/shard-$k.txt"
-  step "tests-$k" 240 taskset -c $((2 * k)),$((2 * k + 1)) xargs -a "$OUT/logs/shard-$k.txt" \
-    -d '\n' $PY -m pytest -q -rfE -p no:cacheprovider -m "not pretrained" &
-done
-wait
+if want tests; then
+  # shellcheck disable=SC2086  # TESTS holds several pytest arguments
+  $PY -m pytest --collect-only -q -p no:cacheprovider -m "not pretrained" ${TESTS:-} 2>/dev/null |
+    grep '::' >"$OUT/logs/test-ids.txt"
+  shards=$(($(nproc) / 2))
+  for ((k = 0; k < shards; k++)); do
+    awk -v n=$shards -v k=$k 'NR % n == k' "$OUT/logs/test-ids.txt" >"$OUT/logs/shard-$k.txt"
+    [[ -s $OUT/logs/shard-$k.txt ]] || continue
+    step "tests-$k" 240 taskset -c $((2 * k)),$((2 * k + 1)) xargs -a "$OUT/logs/shard-$k.txt" \
+      -d '\n' $PY -m pytest -q -rfE -p no:cacheprovider -m "not pretrained" &
+  done
+  wait
+fi
 
 # B. timings, alone on the machine
-step matmul 30 $PY -c "$MATMUL"
-step bench 100 $PY -m fpbench bench --backbone vit-b16-in21k --device cuda --precision bf16 \
-  --clients 5 --batch 40 --steps 8 --json "$OUT/bench.json"
-step paper-run 140 $PY benchmarks/gpu/paper_run.py --rounds 10 --scratch /tmp/paper-run \
-  --json "$OUT/paper-run.json"
-step paper-run-nondet 80 $PY benchmarks/gpu/paper_run.py --rounds 6 --scratch /tmp/paper-run \
-  --no-deterministic --json "$OUT/paper-run-nondet.json"
-if [[ -n ${PEER:-} ]]; then
+want matmul && step matmul 30 $PY -c "$MATMUL"
+want bench && step bench 100 $PY -m fpbench bench --backbone vit-b16-in21k --device cuda \
+  --precision bf16 --clients 5 --batch 40 --steps 8 --json "$OUT/bench.json"
+want paper-run && step paper-run 140 $PY benchmarks/gpu/paper_run.py --rounds 10 \
+  --scratch /tmp/paper-run --json "$OUT/paper-run.json"
+want paper-run-nondet && step paper-run-nondet 80 $PY benchmarks/gpu/paper_run.py --rounds 6 \
+  --scratch /tmp/paper-run --no-deterministic --json "$OUT/paper-run-nondet.json"
+if want side-by-side && [[ -n ${PEER:-} ]]; then
   step side-by-side 160 $PY benchmarks/peer/sgpt_side_by_side.py --peer "$PEER" \
     --peer-scripts "$PEER_SCRIPTS" --setting vit-b16 --rounds 5 --device cuda --precision bf16 fp32 \
     --scratch /tmp/side-by-side --json "$OUT/side-by-side.json"
 fi
+if want estimate; then # the paper run's cell (sgpt-table1's 2nd SGPT shape), then one shape each
+  step estimate-sgpt 120 $PY -m fpbench estimate --suite sgpt-table1 --method sgpt \
+    --max-shapes 2 --device cuda --json "$OUT/estimate-sgpt.json"
+  for suite in inat clip-fewshot; do
+    step "estimate-$suite" 75 $PY -m fpbench estimate --suite $suite --max-shapes 1 --rounds 1 \
+      --device cuda --json "$OUT/estimate-$suite.json"
+  done
+fi
 
 cd "$OUT/logs" || exit 1
-for log in env matmul paper-run paper-run-nondet side-by-side bench; do
-  [[ -f $log.log ]] && echo "== $log" && tail -n 14 "$log.log" | cut -c1-160
+for log in env matmul paper-run paper-run-nondet side-by-side bench estimate-*; do
+  [[ -f ${log%.log}.log ]] && echo "== ${log%.log}" && tail -n 14 "${log%.log}.log" | cut -c1-160
 done
-echo "== tests ($(wc -l <test-ids.txt) in $shards shards)"
-grep -hE "^(FAILED|ERROR) |[0-9]+ (passed|failed)" tests-*.log | cut -c1-200
+if [[ -f test-ids.txt ]]; then
+  echo "== tests ($(wc -l <test-ids.txt))"
+  grep -hE "^(FAILED|ERROR) |[0-9]+ (passed|failed|skipped)" tests-*.log | cut -c1-200
+fi
 cd "$OUT" && tar -czf logs.tgz logs && rm -rf logs
 echo "== summary" && cat summary.txt

@@ -87,3 +87,21 @@ def write_or_print(text: str, out: Path | None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     console.print(f"wrote {out}")
+
+
+def select_cells(suite, methods: list[str] | None, seeds: list[int] | None = None) -> list:
+    """The suite's cells of these methods (names or labels) and seeds; none given: all."""
+    cells = list(suite.cells)
+    if methods:
+        known = sorted({c.method.label for c in cells} | {c.method.name for c in cells})
+        unknown = [m for m in methods if m not in known]
+        if unknown:
+            raise FpbenchError(
+                f"method(s) {unknown} not in suite {suite.name}; valid: {', '.join(known)}"
+            )
+        cells = [c for c in cells if c.method.label in methods or c.method.name in methods]
+    if seeds:
+        cells = [c for c in cells if c.seed in seeds]
+    if not cells:
+        raise FpbenchError(f"no cells of suite {suite.name} match the filters")
+    return cells

@@ -10,7 +10,14 @@ import typer
 from rich.table import Table
 
 from fpbench.cli.apps import app
-from fpbench.cli.common import SuiteOpt, console, err, user_errors, write_or_print
+from fpbench.cli.common import (
+    SuiteOpt,
+    console,
+    err,
+    select_cells,
+    user_errors,
+    write_or_print,
+)
 from fpbench.errors import FpbenchError
 
 
@@ -26,6 +33,9 @@ def _s(seconds: float | None) -> str:
 @user_errors
 def estimate_cmd(
     suite: SuiteOpt = "smoke",
+    method: Annotated[
+        list[str] | None, typer.Option(help="only these methods' shapes (repeatable)")
+    ] = None,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
     precision: Annotated[str, typer.Option(help="auto, fp32 or bf16")] = "auto",
     rounds: Annotated[int, typer.Option(min=1, help="rounds measured per shape")] = 2,
@@ -49,6 +59,8 @@ def estimate_cmd(
     if precision not in ("auto", "fp32", "bf16"):
         raise FpbenchError(f"--precision must be auto, fp32 or bf16, got {precision!r}")
     loaded = load_suite(suite)
+    if method:
+        loaded = loaded.model_copy(update={"cells": tuple(select_cells(loaded, method))})
     dev = None if dry else resolve_device(device)
     with err.status("") as status:
 

@@ -21,28 +21,12 @@ from fpbench.cli.common import (
     console,
     err,
     open_store,
+    select_cells,
     sqlite_missing,
     user_errors,
 )
 from fpbench.cli.run_log import LineObserver
 from fpbench.errors import FpbenchError
-
-
-def _select_cells(suite, methods: list[str] | None, seeds: list[int] | None):
-    cells = list(suite.cells)
-    if methods:
-        known = sorted({c.method.label for c in cells} | {c.method.name for c in cells})
-        unknown = [m for m in methods if m not in known]
-        if unknown:
-            raise FpbenchError(
-                f"method(s) {unknown} not in suite {suite.name}; valid: {', '.join(known)}"
-            )
-        cells = [c for c in cells if c.method.label in methods or c.method.name in methods]
-    if seeds:
-        cells = [c for c in cells if c.seed in seeds]
-    if not cells:
-        raise FpbenchError(f"no cells of suite {suite.name} match the filters")
-    return cells
 
 
 class _ProgressObserver:
@@ -159,7 +143,7 @@ def run(
     from fpbench.suites import load_suite
 
     loaded = load_suite(suite)
-    cells = _select_cells(loaded, method, seed)
+    cells = select_cells(loaded, method, seed)
     if data_root is not None:  # read by every worker through the environment
         os.environ["FPBENCH_DATA"] = str(data_root.expanduser().absolute())
     if launcher in ("lockstep", "reference"):  # --executor's meaning before cell launchers
