@@ -175,7 +175,7 @@ def free_bytes(device: torch.device) -> int:
 
 
 def fake_dataset(shape: Shape, device: torch.device, seed: int = 0) -> ImageDataset:
-    """Random uint8 images and balanced labels of the shape's sizes, made on `device`.
+    """Random uint8 images of the shape's sizes, made on `device`, and balanced labels.
 
     Raises MemoryError, before allocating, where the images would not leave half of the
     device's free memory for the model and its activations."""
@@ -190,16 +190,15 @@ def fake_dataset(shape: Shape, device: torch.device, seed: int = 0) -> ImageData
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def images(n: int) -> torch.Tensor:
-        return torch.randint(0, 256, (n, 3, side, side), generator=gen, device=device).to(
-            torch.uint8
-        )
+        size = (n, 3, side, side)
+        return torch.randint(0, 256, size, generator=gen, device=device, dtype=torch.uint8)
 
-    return ImageDataset(
+    return ImageDataset(  # labels on the CPU, as a loader gives them (task_of moves them)
         name=f"fake-{shape.dataset}",
         train_images=images(shape.train_size),
-        train_labels=torch.arange(shape.train_size, device=device) % c,
+        train_labels=torch.arange(shape.train_size) % c,
         test_images=images(shape.test_size),
-        test_labels=torch.arange(shape.test_size, device=device) % c,
+        test_labels=torch.arange(shape.test_size) % c,
         class_names=[f"class {k}" for k in range(c)],
         coarse_of_class=torch.arange(c) * min(c, 20) // c,
     )
@@ -223,14 +222,14 @@ def measure(
     precision: str,
     rounds: int = 2,
 ) -> Measurement:
-    """Time the parts of `rounds` rounds of the cell on fake data (see the module docstring)."""
+    """Time the parts of `rounds` rounds of the cell on fake data (see the module docstring),
+    through the engine's own round (`fpbench.engine.rounds.play_round`)."""
     from fpbench.engine.build import build_method
-    from fpbench.engine.evaluate import evaluate
-    from fpbench.engine.executor import train_clients
+    from fpbench.engine.executor import derive_seed
     from fpbench.engine.inputs import FeatureCache, Inputs
-    from fpbench.engine.rounds import sampling_schedule
+    from fpbench.engine.populations import Cohort, Population
+    from fpbench.engine.rounds import evaluate_populations, play_round, sampling_schedule
     from fpbench.engine.task import task_of
-    from fpbench.methods.base import Updates
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: the hub is never needed
     part = {"num_clients": shape.num_clients, "heldout_frac": shape.heldout_frac}
@@ -238,14 +237,23 @@ def measure(
         part["shots"] = shape.shots
     iid = Component(name="iid", label="iid", args=part)
     task = task_of(fake_dataset(shape, device), iid, 0, device)
-    cfg = _offline_args(cfg)
+    train = cfg.train.model_copy(  # the measured rounds evaluate only when asked to
+        update={"rounds": max(cfg.train.rounds, rounds + 1), "eval_every": 10**9, "eval_last": 0}
+    )
+    runtime = cfg.runtime.model_copy(update={"precision": precision})
+    cfg = _offline_args(cfg).model_copy(
+        update={"train": train, "runtime": runtime, "model_het": None}
+    )  # a model-heterogeneity cell: every client on the default backbone
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     start = time.perf_counter()
     method = build_method(cfg, task, device, pretrained=False)
-    server = method.init_server(torch.Generator().manual_seed(0))
+    seed = torch.Generator().manual_seed(derive_seed(cfg.seed, "init-params"))
+    server = method.init_server(seed).to(device)
     sync()
     setup = time.perf_counter() - start
-    inputs = Inputs.of(method, task, FeatureCache(), shape.eval_batch_size)
+    inputs = Inputs.of(method, task, FeatureCache(), cfg.train.eval_batch_size)
+    everyone = Cohort(None, tuple(range(task.num_clients)), cfg.train)
+    populations = [Population("", method, inputs, (everyone,))]
     splits = {s.what: s for s in inputs.frozen_splits()}
     share = shape.per_round / shape.trainable
     schedule = sampling_schedule(0, rounds, task.trainable_clients(), share)
@@ -261,14 +269,7 @@ def measure(
         frozen_s += time.perf_counter() - start
         frozen_n += sum(s.computed for s in splits.values()) - before
         start = time.perf_counter()
-        local = train_clients(
-            method, server, task, ids, cfg.train, round_idx=r, seed=0, inputs=inputs,
-            precision=precision,
-        )  # fmt: skip
-        weights = task.train_sizes[local.client_ids].to(device)
-        server = method.aggregate(
-            server, Updates(local.params, local.client_ids.to(device), weights, local.stats)
-        )
+        server, _, _ = play_round(populations, server, task, cfg, r, ids, [])
         sync()
         train_s.append(time.perf_counter() - start)
     start = time.perf_counter()
@@ -278,7 +279,8 @@ def measure(
     sync()
     test_frozen = time.perf_counter() - start
     start = time.perf_counter()
-    evaluate(method, server, task, shape.eval_batch_size, inputs, precision)
+    seen = sorted({c for ids in schedule for c in ids})
+    evaluate_populations(populations, {"": server}, task, cfg, precision, [], 0, seen)
     sync()
     return Measurement(
         setup_s=setup,

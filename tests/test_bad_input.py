@@ -339,7 +339,7 @@ def test_failed_cells_store_error_and_traceback_and_the_suite_goes_on(failed):
         nan = store.get_run(int(runs.loc["fedvpt", "id"]))
         oom = store.get_run(int(runs.loc["local", "id"]))
     assert nan.traceback.startswith("Traceback (most recent call last)")
-    assert "in _round" in nan.traceback and nan.traceback.rstrip().endswith(nan.error)
+    assert "in play_round" in nan.traceback and nan.traceback.rstrip().endswith(nan.error)
     assert "in build_method" in oom.traceback and "CUDA out of memory" in oom.error
     code, _, stderr = _cli("show", str(nan.id), "--db", str(db))
     assert code == 0 and "Traceback (most recent call last)" in stderr and "in _round" in stderr

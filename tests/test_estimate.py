@@ -87,6 +87,8 @@ def test_estimate_command_measures_capped_shapes(tiny_suite, tmp_path) -> None:
     result = CliRunner().invoke(app, [*args, "--max-shapes", "1", "--json", str(out)])
     assert result.exit_code == 0, result.output
     assert "device-hours on cpu (the 1 of 2 cells measured)" in result.output
+    assert "measuring shape 1/2: head-tune on vit-test" in result.output  # progress in a log
+    assert "measuring shape 2/2" not in result.output
     assert "assumptions:" in result.output
     rows = json.loads(out.read_text())
     assert [r["measured"] is not None for r in rows] == [True, False]
@@ -137,7 +139,7 @@ def test_a_shape_whose_fake_images_do_not_fit_is_reported_not_allocated(monkeypa
 
 @pytest.mark.parametrize("on", [True, False])
 def test_a_shape_is_measured_in_its_cells_deterministic_mode(tiny_suite, monkeypatch, on) -> None:
-    import fpbench.engine.executor as executor
+    import fpbench.engine.rounds as rounds
 
     suite = load_suite(str(tiny_suite))
     cells = tuple(
@@ -150,7 +152,20 @@ def test_a_shape_is_measured_in_its_cells_deterministic_mode(tiny_suite, monkeyp
         seen.append(torch.are_deterministic_algorithms_enabled())
         raise RuntimeError("spied")
 
-    monkeypatch.setattr(executor, "train_clients", spy)
+    monkeypatch.setattr(rounds, "train_clients", spy)
     found = estimate(suite.model_copy(update={"cells": cells}), torch.device("cpu"), rounds=1)
     assert seen == [on, on] and [e.error for e in found] == ["RuntimeError: spied"] * 2
     assert torch.are_deterministic_algorithms_enabled() is False  # restored after each shape
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("suite", ["tiny", "smoke-clip"])
+def test_every_shape_is_measured_on_cuda(tiny_suite, suite) -> None:
+    """Data, weights and server state on the device (the first CUDA run found them split)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    found = estimate(
+        load_suite(str(tiny_suite) if suite == "tiny" else suite), torch.device("cuda"), rounds=1
+    )
+    assert [e.error for e in found] == [None] * len(found)
+    assert {e.measured.device for e in found} == {"cuda"}

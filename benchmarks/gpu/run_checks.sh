@@ -10,7 +10,9 @@
 # Usage, from the repository root, with CUDA:
 #   OUT=DIR BUDGET_S=520 PEER=path/to/SGPT PEER_SCRIPTS=path/to/peer-sgpt benchmarks/gpu/run_checks.sh
 # STEPS="tests paper-run ..." runs only those steps (default: all); TESTS="tests/test_x.py -k y"
-# narrows step tests to what pytest collects from those arguments.
+# narrows step tests to what pytest collects from those arguments; PAPER_ROUNDS (default 10)
+# sets the paper run's rounds; ESTIMATE_SUITES and ESTIMATE_CAP_S (default 75) the suites whose
+# first shape step estimate measures, and its cap for each.
 # Each step is cut at its cap (or at the budget); DIR gets summary.txt, the JSON figures and
 # logs.tgz (one log per step). Without PEER the side-by-side is skipped. The H200 figures in the
 # README's speed section came from it.
@@ -26,7 +28,7 @@ mkdir -p "$OUT/logs"
 END=$(($(date +%s) + ${BUDGET_S:-520}))
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 PY=${PY:-python3}
-STEPS=${STEPS:-tests matmul bench paper-run paper-run-nondet side-by-side estimate}
+STEPS=${STEPS:-tests matmul bench paper-run paper-run-nondet side-by-side estimate-sgpt estimate}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 
 step() { # step NAME CAP_S CMD...: CMD's output to logs/NAME.log, cut at CAP_S or the budget
@@ -80,7 +82,7 @@ fi
 want matmul && step matmul 30 $PY -c "$MATMUL"
 want bench && step bench 100 $PY -m fpbench bench --backbone vit-b16-in21k --device cuda \
   --precision bf16 --clients 5 --batch 40 --steps 8 --json "$OUT/bench.json"
-want paper-run && step paper-run 140 $PY benchmarks/gpu/paper_run.py --rounds 10 \
+want paper-run && step paper-run 140 $PY benchmarks/gpu/paper_run.py --rounds "${PAPER_ROUNDS:-10}" \
   --scratch /tmp/paper-run --json "$OUT/paper-run.json"
 want paper-run-nondet && step paper-run-nondet 80 $PY benchmarks/gpu/paper_run.py --rounds 6 \
   --scratch /tmp/paper-run --no-deterministic --json "$OUT/paper-run-nondet.json"
@@ -89,12 +91,14 @@ if want side-by-side && [[ -n ${PEER:-} ]]; then
     --peer-scripts "$PEER_SCRIPTS" --setting vit-b16 --rounds 5 --device cuda --precision bf16 fp32 \
     --scratch /tmp/side-by-side --json "$OUT/side-by-side.json"
 fi
-if want estimate; then # the paper run's cell (sgpt-table1's 2nd SGPT shape), then one shape each
-  step estimate-sgpt 120 $PY -m fpbench estimate --suite sgpt-table1 --method sgpt \
-    --max-shapes 2 --device cuda --json "$OUT/estimate-sgpt.json"
-  for suite in inat clip-fewshot; do
-    step "estimate-$suite" 75 $PY -m fpbench estimate --suite $suite --max-shapes 1 --rounds 1 \
-      --device cuda --json "$OUT/estimate-$suite.json"
+# the paper run's cell (sgpt-table1's 2nd SGPT shape), then one shape of iNat (the largest
+# images), CLIP, PEP-FedPT and SDFed
+want estimate-sgpt && step estimate-sgpt 120 $PY -m fpbench estimate --suite sgpt-table1 \
+  --method sgpt --max-shapes 2 --device cuda --json "$OUT/estimate-sgpt.json"
+if want estimate; then
+  for suite in ${ESTIMATE_SUITES:-inat clip-fewshot pep-table1 sdfed-sweeps}; do
+    step "estimate-$suite" "${ESTIMATE_CAP_S:-75}" $PY -m fpbench estimate --suite "$suite" \
+      --max-shapes 1 --rounds 1 --device cuda --json "$OUT/estimate-$suite.json"
   done
 fi
 

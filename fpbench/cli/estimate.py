@@ -62,10 +62,11 @@ def estimate_cmd(
     if method:
         loaded = loaded.model_copy(update={"cells": tuple(select_cells(loaded, method))})
     dev = None if dry else resolve_device(device)
-    with err.status("") as status:
+    with err.status("") as status:  # a spinner on a terminal, a line per shape in a log
 
         def show(i: int, n: int, shape) -> None:
-            status.update(f"measuring shape {i + 1}/{n}: {shape.method} on {shape.backbone}")
+            line = f"measuring shape {i + 1}/{n}: {shape.method} on {shape.backbone}"
+            status.update(line) if err.is_terminal else err.print(line, highlight=False)
 
         found = estimate(loaded, dev, precision, rounds, max_shapes, show)
     console.print(_table(loaded.name, found, "plan only" if dev is None else str(dev)))

@@ -114,7 +114,7 @@ def run_rounds(
     for r in range(ckpt.round + 1, cfg.train.rounds):
         start = time.perf_counter()
         seen = sorted({c for ids in schedule[: r + 1] for c in ids})
-        server, rows, scalars = _round(
+        server, rows, scalars = play_round(
             populations, ckpt.server, task, cfg, r, schedule[r], ckpt.history, seen
         )
         wall = time.perf_counter() - start
@@ -131,7 +131,7 @@ def _sharing(cfg: RunConfig) -> bool:
     return cfg.model_het is not None and cfg.model_het.share == "shared"
 
 
-def _round(
+def play_round(
     populations: list[Population],
     server: ServerState,
     task: Task,
@@ -181,7 +181,7 @@ def _round(
         rows.append((None, "params_trainable", count, None))
     if should_eval(r, cfg.train):
         seen = client_ids if seen is None else seen
-        rows += _evaluate(populations, servers, task, cfg, precision, history, r, seen)
+        rows += evaluate_populations(populations, servers, task, cfg, precision, history, r, seen)
     return pack(servers), rows, {"loss_train": loss, "bytes_up": up, "bytes_down": down}
 
 
@@ -214,7 +214,7 @@ def _train_population(
     return concat_results(results) if results else None
 
 
-def _evaluate(
+def evaluate_populations(
     populations: list[Population],
     servers: dict[str, ServerState],
     task: Task,
