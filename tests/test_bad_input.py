@@ -342,7 +342,7 @@ def test_failed_cells_store_error_and_traceback_and_the_suite_goes_on(failed):
     assert "in play_round" in nan.traceback and nan.traceback.rstrip().endswith(nan.error)
     assert "in build_method" in oom.traceback and "CUDA out of memory" in oom.error
     code, _, stderr = _cli("show", str(nan.id), "--db", str(db))
-    assert code == 0 and "Traceback (most recent call last)" in stderr and "in _round" in stderr
+    assert code == 0 and "Traceback (most recent call last)" in stderr and "in play_round" in stderr
     code, stdout, _ = _cli("db", "check", str(db))
     assert code == 1 and stdout.count("--retry-failed") == 2
 

@@ -89,6 +89,7 @@ def test_estimate_command_measures_capped_shapes(tiny_suite, tmp_path) -> None:
     assert "device-hours on cpu (the 1 of 2 cells measured)" in result.output
     assert "measuring shape 1/2: head-tune on vit-test" in result.output  # progress in a log
     assert "measuring shape 2/2" not in result.output
+    assert "  frozen cls (train): 36 done\n  frozen cls (test): 36 done\n" in result.output
     assert "assumptions:" in result.output
     rows = json.loads(out.read_text())
     assert [r["measured"] is not None for r in rows] == [True, False]

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from fpbench import stages
 from fpbench.cli.apps import app
 from fpbench.cli.common import (
     SuiteOpt,
@@ -62,13 +63,21 @@ def estimate_cmd(
     if method:
         loaded = loaded.model_copy(update={"cells": tuple(select_cells(loaded, method))})
     dev = None if dry else resolve_device(device)
-    with err.status("") as status:  # a spinner on a terminal, a line per shape in a log
+    with err.status("") as status:  # a spinner on a terminal; in a log, lines as stages end
+        shown = [""]
 
         def show(i: int, n: int, shape) -> None:
-            line = f"measuring shape {i + 1}/{n}: {shape.method} on {shape.backbone}"
-            status.update(line) if err.is_terminal else err.print(line, highlight=False)
+            shown[0] = f"measuring shape {i + 1}/{n}: {shape.method} on {shape.backbone}"
+            status.update(shown[0]) if err.is_terminal else err.print(shown[0], highlight=False)
 
-        found = estimate(loaded, dev, precision, rounds, max_shapes, show)
+        def stage(what: str, done: int, total: int) -> None:  # frozen passes, warm starts
+            if err.is_terminal:
+                status.update(f"{shown[0]}, {what} {done:,}/{total:,}")
+            elif done == total:
+                err.print(f"  {what}: {total:,} done", highlight=False)
+
+        with stages.reporting(stage):
+            found = estimate(loaded, dev, precision, rounds, max_shapes, show)
     console.print(_table(loaded.name, found, "plan only" if dev is None else str(dev)))
     measured = [e for e in found if e.total_s is not None]
     cells = sum(e.cells for e in found)

@@ -60,6 +60,7 @@ from fpbench.methods.base import (
 )
 from fpbench.methods.numerics import fp32
 from fpbench.registry import METHODS
+from fpbench.stages import report
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -310,12 +311,12 @@ class PEPFedPT(Method):
             images, labels, train_idx = self._client_data()
             idx = torch.cat([train_idx[c] for c in clients])  # (n,) all of S_0's samples
             rows = torch.cat([torch.full((len(train_idx[c]),), k) for k, c in enumerate(clients)])
-            feats = torch.cat(
-                [
-                    self._frozen_cls(self.backbone.preprocess(images[part])).float()
-                    for part in idx.split(256)
-                ]
-            )  # (n, L, d)
+            parts, what = [], "frozen class means (PEP-FedPT warm start)"
+            report(what, 0, len(idx))  # a pass over all of S_0: minutes on a large dataset
+            for end, part in zip(range(256, len(idx) + 256, 256), idx.split(256), strict=True):
+                parts.append(self._frozen_cls(self.backbone.preprocess(images[part])).float())
+                report(what, min(end, len(idx)), len(idx))
+            feats = torch.cat(parts)  # (n, L, d)
             rows, y = rows.to(feats.device), labels[idx].to(feats.device)
             sums, count = class_sums(feats, rows, y, len(clients), self.task.num_classes)
             sums, count = sums.cpu(), count.cpu()  # (K, L, C, d), (K, C)

@@ -261,6 +261,19 @@ def test_warm_start_is_the_frozen_class_mean_over_holders(tiny):
     assert len(s0) == 1 and s0[0] in ids
 
 
+def test_warm_start_reports_its_pass_over_s0(tiny):
+    from fpbench.stages import reporting
+
+    _, task, method = _method(tiny)
+    seen = []
+    with reporting(lambda what, done, total: seen.append((what, done, total))):
+        seeded_server(method)
+    n = sum(len(task.train_idx[c]) for c in task.trainable_clients())
+    what = "frozen class means (PEP-FedPT warm start)"
+    assert seen[0] == (what, 0, n) and seen[-1] == (what, n, n)
+    assert [d for _, d, _ in seen] == sorted(d for _, d, _ in seen)
+
+
 def test_without_client_data_the_first_round_warm_starts_from_frozen_features(tiny):
     cfg, task, method = _method(tiny)
     method.task = dataclasses.replace(method.task, train_images=None)
