@@ -247,8 +247,8 @@ def measure(
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     start = time.perf_counter()
     method = build_method(cfg, task, device, pretrained=False)
-    seed = torch.Generator().manual_seed(derive_seed(cfg.seed, "init-params"))
-    server = method.init_server(seed).to(device)
+    gen = torch.Generator().manual_seed(derive_seed(cfg.seed, "init-params"))
+    server = method.init_server(gen).to(device)
     sync()
     setup = time.perf_counter() - start
     inputs = Inputs.of(method, task, FeatureCache(), cfg.train.eval_batch_size)
@@ -320,8 +320,8 @@ def estimate(
     `max_shapes` measures only the first that many shapes (the others are listed unmeasured);
     `progress(i, n, shape)` is called before each measurement.
     """
-    from fpbench.determinism import deterministic
     from fpbench.engine.build import resolve_precision
+    from fpbench.engine.runner import cell_numerics
 
     shapes = plan(suite)
     out = []
@@ -332,7 +332,7 @@ def estimate(
         if progress is not None:
             progress(i, len(shapes), shape)
         try:
-            with deterministic(cfg.runtime.deterministic, cfg.runtime.threads):  # as it will run
+            with cell_numerics(cfg):  # as the cell will compute
                 m = measure(shape, cfg, device, resolve_precision(precision, device), rounds)
         except Exception as e:  # one shape that cannot run here does not stop the others
             out.append(Estimate(shape, cfg.method.label, n, None, None, f"{type(e).__name__}: {e}"))

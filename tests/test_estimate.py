@@ -139,24 +139,28 @@ def test_a_shape_whose_fake_images_do_not_fit_is_reported_not_allocated(monkeypa
 
 
 @pytest.mark.parametrize("on", [True, False])
-def test_a_shape_is_measured_in_its_cells_deterministic_mode(tiny_suite, monkeypatch, on) -> None:
+def test_a_shape_is_measured_as_its_cell_computes(tiny_suite, monkeypatch, on) -> None:
+    """In the cell's deterministic mode and with its CPU linear backend (`cell_numerics`)."""
+    import fpbench.backbones.frozen_linear as frozen_linear
     import fpbench.engine.rounds as rounds
 
     suite = load_suite(str(tiny_suite))
+    runtime = {"deterministic": on, "cpu_linear": "onednn" if on else "blas"}
     cells = tuple(
-        c.model_copy(update={"runtime": c.runtime.model_copy(update={"deterministic": on})})
-        for c in suite.cells
+        c.model_copy(update={"runtime": c.runtime.model_copy(update=runtime)}) for c in suite.cells
     )
     seen = []
 
     def spy(*args, **kwargs):
-        seen.append(torch.are_deterministic_algorithms_enabled())
+        seen.append((torch.are_deterministic_algorithms_enabled(), frozen_linear._backend))
         raise RuntimeError("spied")
 
     monkeypatch.setattr(rounds, "train_clients", spy)
     found = estimate(suite.model_copy(update={"cells": cells}), torch.device("cpu"), rounds=1)
-    assert seen == [on, on] and [e.error for e in found] == ["RuntimeError: spied"] * 2
+    assert seen == [(on, runtime["cpu_linear"])] * 2
+    assert [e.error for e in found] == ["RuntimeError: spied"] * 2
     assert torch.are_deterministic_algorithms_enabled() is False  # restored after each shape
+    assert frozen_linear._backend == "onednn"
 
 
 @pytest.mark.gpu

@@ -68,7 +68,10 @@ def estimate_cmd(
 
         def show(i: int, n: int, shape) -> None:
             shown[0] = f"measuring shape {i + 1}/{n}: {shape.method} on {shape.backbone}"
-            status.update(shown[0]) if err.is_terminal else err.print(shown[0], highlight=False)
+            if err.is_terminal:
+                status.update(shown[0])
+            else:
+                err.print(shown[0], highlight=False)
 
         def stage(what: str, done: int, total: int) -> None:  # frozen passes, warm starts
             if err.is_terminal:

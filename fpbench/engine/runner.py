@@ -4,6 +4,8 @@ suite's cells."""
 from __future__ import annotations
 
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from traceback import format_exc
@@ -79,12 +81,19 @@ def run_cell(
     observer = observer or Observer()
     on_stage = getattr(observer, "stage", Observer().stage)  # duck-typed observers may lack it
     stage = lambda what, done, total: on_stage(cfg, what, done, total)  # noqa: E731
+    with cell_numerics(cfg), stages.reporting(stage):
+        return _run_cell(cfg, store, checkpoint_dir, observer, cache, claim_timeout)
+
+
+@contextmanager
+def cell_numerics(cfg: RunConfig) -> Iterator[None]:
+    """How a cell computes (also where `fpbench estimate` times it): its deterministic mode and
+    thread count, and its CPU linear layers' backend."""
     with (
         deterministic(cfg.runtime.deterministic, cfg.runtime.threads),
         cpu_linear(cfg.runtime.cpu_linear),
-        stages.reporting(stage),
     ):
-        return _run_cell(cfg, store, checkpoint_dir, observer, cache, claim_timeout)
+        yield
 
 
 def _run_cell(

@@ -313,9 +313,9 @@ class PEPFedPT(Method):
             rows = torch.cat([torch.full((len(train_idx[c]),), k) for k, c in enumerate(clients)])
             parts, what = [], "frozen class means (PEP-FedPT warm start)"
             report(what, 0, len(idx))  # a pass over all of S_0: minutes on a large dataset
-            for end, part in zip(range(256, len(idx) + 256, 256), idx.split(256), strict=True):
+            for part in idx.split(256):
                 parts.append(self._frozen_cls(self.backbone.preprocess(images[part])).float())
-                report(what, min(end, len(idx)), len(idx))
+                report(what, sum(map(len, parts)), len(idx))
             feats = torch.cat(parts)  # (n, L, d)
             rows, y = rows.to(feats.device), labels[idx].to(feats.device)
             sums, count = class_sums(feats, rows, y, len(clients), self.task.num_classes)
