@@ -13,6 +13,9 @@ built without loading weights: nothing downloads), split into the parts a run pa
 * local training and aggregation of one round,
 * one evaluation.
 
+Each part runs through the engine's own code (`fpbench.engine.rounds.play_round` and
+`evaluate_populations`) and as the cell computes (`fpbench.engine.runner.cell_numerics`).
+
 `project` turns them into a cell's time: setup + rounds x train round + evaluations x evaluation
 + the frozen passes over the samples the run is expected to touch (the clients sampled at least
 once: N (1 - (1 - m/N)^R) of N clients, m per round, R rounds). Assumptions, printed with every
