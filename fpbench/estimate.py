@@ -227,10 +227,8 @@ def measure(
 ) -> Measurement:
     """Time the parts of `rounds` rounds of the cell on fake data (see the module docstring),
     through the engine's own round (`fpbench.engine.rounds.play_round`)."""
-    from fpbench.engine.build import build_method
+    from fpbench.engine.build import build_populations
     from fpbench.engine.executor import derive_seed
-    from fpbench.engine.inputs import FeatureCache, Inputs
-    from fpbench.engine.populations import Cohort, Population
     from fpbench.engine.rounds import evaluate_populations, play_round, sampling_schedule
     from fpbench.engine.task import task_of
 
@@ -243,21 +241,20 @@ def measure(
     train = cfg.train.model_copy(  # the measured rounds evaluate only when asked to
         update={"rounds": max(cfg.train.rounds, rounds + 1), "eval_every": 10**9, "eval_last": 0}
     )
-    runtime = cfg.runtime.model_copy(update={"precision": precision})
+    runtime = cfg.runtime.model_copy(  # fake features are kept in memory, never on disk
+        update={"precision": precision, "feature_cache_dir": None}
+    )
     cfg = _offline_args(cfg).model_copy(
         update={"train": train, "runtime": runtime, "model_het": None}
     )  # a model-heterogeneity cell: every client on the default backbone
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     start = time.perf_counter()
-    method = build_method(cfg, task, device, pretrained=False)
+    populations = build_populations(cfg, task, device, pretrained=False)
     gen = torch.Generator().manual_seed(derive_seed(cfg.seed, "init-params"))
-    server = method.init_server(gen).to(device)
+    server = populations[0].method.init_server(gen).to(device)
     sync()
     setup = time.perf_counter() - start
-    inputs = Inputs.of(method, task, FeatureCache(), cfg.train.eval_batch_size)
-    everyone = Cohort(None, tuple(range(task.num_clients)), cfg.train)
-    populations = [Population("", method, inputs, (everyone,))]
-    splits = {s.what: s for s in inputs.frozen_splits()}
+    splits = {s.what: s for s in populations[0].inputs.frozen_splits()}
     share = shape.per_round / shape.trainable
     schedule = sampling_schedule(0, rounds, task.trainable_clients(), share)
     frozen_s, frozen_n, train_s = 0.0, 0, []

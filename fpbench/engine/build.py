@@ -62,11 +62,16 @@ def build_method(
 
 
 def build_populations(
-    cfg: RunConfig, task: Task, device: torch.device, cache: FeatureCache | None = None
+    cfg: RunConfig,
+    task: Task,
+    device: torch.device,
+    cache: FeatureCache | None = None,
+    pretrained: bool = True,
 ) -> list[Population]:
-    """One population of every client, or with `model_het` one population per distinct backbone."""
+    """One population of every client, or with `model_het` one population per distinct backbone
+    (`pretrained=False`: random weights, as `fpbench estimate` times them)."""
     if cfg.model_het is None:
-        method = build_method(cfg, task, device)
+        method = build_method(cfg, task, device, pretrained)
         everyone = Cohort(None, tuple(range(task.num_clients)), cfg.train)
         return [Population("", method, _inputs(cfg, method, task, cache), (everyone,))]
     het = cfg.model_het
@@ -86,7 +91,7 @@ def build_populations(
     populations = []
     for i, (ref, members) in enumerate(cohorts.items()):
         sub = cfg.model_copy(update={"backbone": ref})
-        method = build_method(sub, task, device)
+        method = build_method(sub, task, device, pretrained)
         key = f"{i}-{ref.name}"
         populations.append(
             Population(key, method, _inputs(sub, method, task, cache), tuple(members))
