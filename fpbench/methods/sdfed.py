@@ -12,7 +12,10 @@ round, Algorithm 1 every step: fpbench follows the algorithm). The loss (eq. 14)
     CE(G_c) + CE(G_s) + ||d(G_c) - d(G~_c)||^2 + ReLU(gamma - ||d(G_c) - d(G_s)||)
 
 with d(.) the prompt's normalised class text features; the two feature terms are averaged over
-the classes. Server: sample-size weighted FedAvg of G_s only (eq. 5); G_c never leaves the
+the classes. The stretch term treats the projection as a fixed target (App. C.4, eq. 25:
+"treating G~ as fixed in this term"): d(G~_c) carries no gradient, so the term pulls G_c
+towards its projection and not the projection towards G_c (`stretch_target = "through"` lets
+the gradient flow through both, fpbench's reading before the fix). Server: sample-size weighted FedAvg of G_s only (eq. 5); G_c never leaves the
 client. Inference uses the local prompt only, so it is personal.
 
 Global and local prompts are encoded as separate sequences, so a 64-token local prompt fits
@@ -58,6 +61,9 @@ class SDFedConfig(MethodConfig):
     pfhf: bool = Field(True, description="local prompts (off: global prompt only)")
     srlp: bool = Field(True, description="subspace refinement of the local prompt")
     irdc: bool = Field(True, description="stretch and separation losses")
+    stretch_target: Literal["fixed", "through"] = Field(
+        "fixed", description="d(G~_c) in the stretch term: a fixed target (eq. 25) or differentiated"
+    )
     class_token_position: Literal["end", "middle", "front"] = "end"
 
 
@@ -150,5 +156,8 @@ class SDFed(CoOpModel):
             return loss
         reg = separation_loss(text_l, text_g, self.cfg.gamma)  # (K,)
         if self.cfg.srlp:
-            reg = reg + stretch_loss(text_l, self.local_features(params, refine=True))
+            target = self.local_features(params, refine=True)
+            if self.cfg.stretch_target == "fixed":
+                target = target.detach()
+            reg = reg + stretch_loss(text_l, target)
         return loss + reg[client_index]

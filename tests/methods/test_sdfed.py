@@ -150,3 +150,42 @@ def test_sdfed_ablations(tiny, pfhf, srlp, irdc):
         ce_g = F.cross_entropy(method.logits(F.normalize(feats, dim=-1), t_g, rows), y,
                                reduction="none")  # fmt: skip
         torch.testing.assert_close(loss, ce + ce_g)
+
+
+@pytest.mark.parametrize("target", ["fixed", "through"])
+def test_stretch_term_treats_the_projection_as_a_fixed_target(tiny, target):
+    """App. C.4, eq. 25: grad_G L_str = 2 J_d(G)^T (d(G) - d(G~)), G~ held fixed; the option
+    "through" differentiates d(G~) too. The gradient of the local prompt under the method's loss
+    of the whole eq. 14 is rebuilt by hand with d(G~_c) detached (or not)."""
+    _, _, method = tiny("sdfed")
+    method.cfg = method.Config(lam=0.2, stretch_target=target)
+    server = seeded_server(method)
+    params = method.client_params(server, torch.tensor([0]))
+    gen = torch.Generator().manual_seed(3)
+    params["global_prompt"] = torch.randn(params["global_prompt"].shape, generator=gen)
+    local = torch.randn(params["local_prompt"].shape, generator=gen).requires_grad_(True)
+    feats, y, rows = torch.randn(2, 32, generator=gen), torch.tensor([0, 1]), torch.zeros(2).long()
+    loss = method.loss({**params, "local_prompt": local}, feats, y, rows, Context(training=True))
+    (got,) = torch.autograd.grad(loss.sum(), local)
+    # by hand: the same loss with d(G~_c) detached (or not), built from the layout
+    layout, loc = method.layout(8), local.detach().clone().requires_grad_(True)
+    g = params["global_prompt"][0]
+    t_g = layout.text_features(method.backbone, g[None])[0]
+    t_l = layout.text_features(method.backbone, loc[0][None])[0]
+    t_r = layout.text_features(method.backbone, (loc[0] @ projector(g, 0.2))[None])[0]
+    if target == "fixed":
+        t_r = t_r.detach()
+    f = F.normalize(feats, dim=-1)
+    scale = method.backbone.logit_scale
+    ce = F.cross_entropy(scale * f @ t_g.T, y, reduction="sum")
+    ce = ce + F.cross_entropy(scale * f @ t_l.T, y, reduction="sum")
+    reg = ((t_l - t_r) ** 2).sum(-1).mean() + F.relu(0.8 - (t_l - t_g).norm(dim=-1)).mean()
+    (want,) = torch.autograd.grad(ce + 2 * reg, loc, retain_graph=True)  # reg joins each sample
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+    # the two readings differ by more than the tolerance: the target's own gradient
+    t_r = layout.text_features(method.backbone, (loc[0] @ projector(g, 0.2))[None])[0]
+    through, fixed = (
+        torch.autograd.grad(((t_l - t)**2).sum(-1).mean(), loc, retain_graph=True)[0]
+        for t in (t_r, t_r.detach())
+    )
+    assert (through - fixed).abs().max() > 100 * 1e-6
