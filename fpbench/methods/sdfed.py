@@ -15,8 +15,9 @@ with d(.) the prompt's normalised class text features; the two feature terms are
 the classes. The stretch term treats the projection as a fixed target (App. C.4, eq. 25:
 "treating G~ as fixed in this term"): d(G~_c) carries no gradient, so the term pulls G_c
 towards its projection and not the projection towards G_c (`stretch_target = "through"` lets
-the gradient flow through both, fpbench's reading before the fix). Server: sample-size weighted FedAvg of G_s only (eq. 5); G_c never leaves the
-client. Inference uses the local prompt only, so it is personal.
+the gradient flow through both, fpbench's reading before the fix). Server: sample-size
+weighted FedAvg of G_s only (eq. 5); G_c never leaves the client. Inference uses the local
+prompt only, so it is personal.
 
 Global and local prompts are encoded as separate sequences, so a 64-token local prompt fits
 CLIP's 77-token budget whatever the global length (the budget is checked per prompt). Since
@@ -62,7 +63,7 @@ class SDFedConfig(MethodConfig):
     srlp: bool = Field(True, description="subspace refinement of the local prompt")
     irdc: bool = Field(True, description="stretch and separation losses")
     stretch_target: Literal["fixed", "through"] = Field(
-        "fixed", description="d(G~_c) in the stretch term: a fixed target (eq. 25) or differentiated"
+        "fixed", description="d(G~_c) in the stretch term: fixed target (eq. 25) or differentiated"
     )
     class_token_position: Literal["end", "middle", "front"] = "end"
 

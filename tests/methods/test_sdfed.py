@@ -185,7 +185,7 @@ def test_stretch_term_treats_the_projection_as_a_fixed_target(tiny, target):
     # the two readings differ by more than the tolerance: the target's own gradient
     t_r = layout.text_features(method.backbone, (loc[0] @ projector(g, 0.2))[None])[0]
     through, fixed = (
-        torch.autograd.grad(((t_l - t)**2).sum(-1).mean(), loc, retain_graph=True)[0]
+        torch.autograd.grad(((t_l - t) ** 2).sum(-1).mean(), loc, retain_graph=True)[0]
         for t in (t_r, t_r.detach())
     )
     assert (through - fixed).abs().max() > 100 * 1e-6
