@@ -53,6 +53,37 @@ def class_folder(root: Path, name: str) -> Path:
     )
 
 
+def image_files(folder: Path) -> list[Path]:
+    """The image files of one class folder, sorted."""
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+
+
+def check_generated(root: Path, num_classes: int) -> None:
+    """Fail unless `root` holds a class folder with images for each of `num_classes` classes.
+
+    Cheap (folder listings only), for checks made before anything is written; the class names
+    are matched when the images are read (`load_generated`).
+
+    Raises:
+        FpbenchError: the folder is missing, a class folder holds no image, or there are fewer
+            class folders with images than classes.
+    """
+    if not root.is_dir():
+        raise FpbenchError(f"synthetic_dir {str(root)!r} does not exist; generate it first")
+    folders = sorted(p for p in root.iterdir() if p.is_dir())
+    empty = [p.name for p in folders if not image_files(p)]
+    if empty:
+        raise FpbenchError(
+            f"synthetic_dir {str(root)!r}: class folder(s) {empty[:5]} hold no images "
+            "(see `fpbench data generate-gpt-fl`)"
+        )
+    if len(folders) < num_classes:
+        raise FpbenchError(
+            f"synthetic_dir {str(root)!r} holds images for {len(folders)} classes, the dataset "
+            f"has {num_classes} (see `fpbench data generate-gpt-fl`)"
+        )
+
+
 def load_generated(
     root: Path, class_names: list[str], size: int | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -70,7 +101,10 @@ def load_generated(
     labels: list[int] = []
     for label, name in enumerate(class_names):
         folder = class_folder(root, name)
-        for path in sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES):
+        files = image_files(folder)
+        if not files:
+            raise FpbenchError(f"synthetic_dir {str(root)!r}: class {name!r} has no images")
+        for path in files:
             with Image.open(path) as im:
                 rgb = im.convert("RGB")
             size = size or min(rgb.size)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
-from fpbench.data.gpt_fl_generate import load_generated
+from fpbench.data.gpt_fl_generate import check_generated, load_generated
 from fpbench.errors import FpbenchError
 from fpbench.lazy import F, torch
 from fpbench.methods.coop import CoOpConfig, CoOpModel
@@ -71,10 +71,17 @@ def generated_dir(args: GPTFLConfig | dict, dataset: str) -> Path | None:
 
 
 def require_generated(cells: list[Any]) -> None:
-    """Fail fast, before a suite writes anything, when a GPT-FL cell lacks its images."""
+    """Fail fast, before a suite writes anything, when a GPT-FL cell lacks its images: its
+    folder, or a class folder with images for every class of the cell's dataset."""
+    from fpbench.registry import DATASETS
+
     for cell in cells:
         if cell.method.name == GPTFL.name:
-            generated_dir(cell.method.args, cell.dataset.name)
+            root = generated_dir(cell.method.args, cell.dataset.name)
+            if root is not None:
+                dataset = DATASETS.get(cell.dataset.name)
+                info = dataset.info(dataset.Config(**cell.dataset.args))
+                check_generated(root, info.num_classes)
 
 
 @METHODS.register()

@@ -93,3 +93,47 @@ def test_generation_says_what_is_missing(tmp_path, monkeypatch):
         data_app, ["generate-gpt-fl", "synthetic", "--out", str(out), "--model", str(tmp_path)]
     )
     assert result.exit_code == 2 and "diffusers" in result.output and not out.exists()
+
+
+def _suite_with_gpt_fl(tmp_path, synthetic_dir):
+    """The tiny suite on CLIP with PromptFL first and GPT-FL reading `synthetic_dir` second."""
+    from tests.conftest import TINY_SUITE_TOML
+
+    text = TINY_SUITE_TOML.replace('{ name = "vit-test" }', '{ name = "clip-test" }')
+    methods = '[[methods]]\nname = "head-tune"\n[[methods]]\nname = "fedvpt"\n'
+    gpt_fl = f'[[methods]]\nname = "gpt-fl"\nsynthetic_dir = "{synthetic_dir}"\nserver_epochs = 1\n'
+    suite = tmp_path / "s.toml"
+    suite.write_text(text.replace(methods, '[[methods]]\nname = "promptfl"\n' + gpt_fl))
+    return suite
+
+
+@pytest.mark.parametrize("filled", [0, 3])  # an empty folder; images for 3 of 6 classes
+def test_gpt_fl_missing_class_images_stop_a_suite_before_anything_is_written(
+    tmp_path, monkeypatch, filled
+):
+    from fpbench.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "generated"
+    root.mkdir()
+    names = [f"class_{i}" for i in range(6)]
+    _write_generated(root, names[:filled], per_class=1, size=8)
+    (root / names[-1]).mkdir()  # a class folder without images
+    suite = _suite_with_gpt_fl(tmp_path, root)
+    result = CliRunner().invoke(app, ["run", "--suite", str(suite), "--db", "r.db"])
+    assert result.exit_code != 0
+    assert "class folder(s) ['class_5'] hold no images" in " ".join(result.output.split())
+    assert not (tmp_path / "r.db").exists()  # not even the PromptFL row before it
+    (root / names[-1]).rmdir()
+    result = CliRunner().invoke(app, ["run", "--suite", str(suite), "--db", "r.db"])
+    assert result.exit_code != 0 and not (tmp_path / "r.db").exists()
+    assert f"holds images for {filled} classes, the dataset has 6" in " ".join(
+        result.output.split()
+    )
+
+
+def test_load_generated_refuses_a_class_folder_without_images(tmp_path):
+    _write_generated(tmp_path, ["cat"], per_class=1)
+    (tmp_path / "dog").mkdir()
+    with pytest.raises(FpbenchError, match="class 'dog' has no images"):
+        load_generated(tmp_path, ["cat", "dog"])
