@@ -10,3 +10,39 @@ def test_sdfed_table4_draws_each_clients_local_prompt_length_from_4_to_64():
     sdfed = [c for c in load_suite("clip-model-het").cells if c.method.name == "sdfed"]
     assert sdfed and {tuple(c.method.args["local_len_range"]) for c in sdfed} == {(4, 64)}
     assert {c.method.args["stretch_target"] for c in sdfed} == {"fixed"}
+
+
+FEDPR_SUITES = {"sgpt-table1": 0.01, "sgpt-table2": 0.01, "label-het": 0.01, "feature-het": 0.01,
+                "pep-table1": 0.1, "pep-table2": 0.1, "pep-table16": 0.1, "heldout": 0.1,
+                "inat": 0.1}  # fmt: skip
+
+
+def test_fedpr_head_trains_as_the_other_baselines_heads_not_at_fedprs_adam():
+    """FedPR's Adam 0.1 is for its prompts; its head (frozen in FedPR) takes the suite's SGD."""
+    for name, lr in FEDPR_SUITES.items():
+        cells = [c for c in load_suite(name).cells if c.method.name == "fedpr"]
+        assert cells, name
+        for c in cells:
+            args = c.method.args
+            assert (c.train.optimizer, c.train.lr) == ("adam", 0.1), name  # the prompts
+            assert (args["head_optimizer"], args["head_lr"], args["head_momentum"]) == (
+                "sgd", lr, 0.9,
+            ), name  # fmt: skip
+
+
+def test_pep_inat_lr_decay_is_declared_with_what_it_leaves_of_the_rate():
+    from fpbench.report.paper import load_paper
+    from fpbench.report.protocol import feeding_cells, load_protocol
+
+    inat = [c for c in feeding_cells(load_paper("pep-fedpt")) if c.dataset == "inaturalist"]
+    assert inat and {
+        (c.config["train"]["rounds"], c.config["train"]["lr_decay"]) for c in inat
+    } == {(500, 0.99)}
+    (rule,) = [
+        r
+        for b in load_protocol("pep-fedpt")
+        if b.match.get("dataset") == ("inaturalist",)
+        for r in b.rules
+        if r.path == "train.lr_decay"
+    ]
+    assert f"{100 * 0.99**500:.1f}% of the rate" in rule.deviation.reason

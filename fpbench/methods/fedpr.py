@@ -30,19 +30,21 @@ Defaults: keep_ratio 0.8 and the Frobenius normalisation from FedPR's code; one 
 layer, SGPT's benchmark setting (FedPR used 20 per block). The optimiser comes from the run's
 TrainConfig: FedPR uses Adam (betas 0.9/0.999, no weight decay), so set `optimizer = "adam"`
 (`momentum` is Adam's beta1). FedPR's lr 0.1 moved only its (normalised, projected) prompts; one
-lr of 0.1 for the learned head too diverges (smoke: train loss 2.4 -> 8), so the smoke suite uses
-Adam with lr 0.01.
+lr of 0.1 for the learned head too diverges (smoke: train loss 2.4 -> 8). The head FedPR lacks
+therefore takes its own optimiser (`head_optimizer = "sgd"`, `head_lr`, ...): the suites train it
+as their other baselines train their heads (the run's SGD settings), while the prompts keep
+FedPR's Adam 0.1; `head_optimizer = "run"` trains it with the run's optimiser, as the prompts.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
 from fpbench.lazy import torch
-from fpbench.methods.base import Context, Phase, ServerState, Updates
+from fpbench.methods.base import Context, OptimizerSettings, Phase, ServerState, Updates
 from fpbench.methods.fedvpt_d import DeepConfig, FedVPTDeep
 from fpbench.registry import METHODS
 
@@ -55,6 +57,12 @@ class FedPRConfig(DeepConfig):
         0.8, gt=0, le=1, description="fraction of singular directions kept for local updates"
     )
     normalize: bool = Field(True, description="divide the projector by its Frobenius norm")
+    head_optimizer: Literal["run", "sgd", "adam"] = Field(
+        "run", description="the learned head's optimiser (FedPR's head is frozen): run = train's"
+    )
+    head_lr: float = Field(0.01, gt=0, description="the head's lr (not with run), on the schedule")
+    head_momentum: float = Field(0.9, ge=0, lt=1, description="the head's momentum / Adam beta1")
+    head_weight_decay: float = Field(0.0, ge=0)
 
 
 def null_space_projector(prompts: Tensor, keep_ratio: float, normalize: bool = True) -> Tensor:
@@ -104,6 +112,15 @@ class FedPR(FedVPTDeep):
         out = super().client_params(server, client_ids, training)
         out["prompt_update"] = torch.zeros_like(out["prompts"])  # (K, L, p, d)
         return out
+
+    def optimizer_settings(self) -> dict[str, OptimizerSettings]:
+        cfg = self.cfg
+        if cfg.head_optimizer == "run":
+            return {}
+        own = OptimizerSettings(
+            cfg.head_optimizer, cfg.head_lr, cfg.head_momentum, cfg.head_weight_decay
+        )
+        return {"head_w": own, "head_b": own}
 
     def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
         # the global prompts stay fixed; the update Z and the head train

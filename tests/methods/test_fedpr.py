@@ -65,3 +65,29 @@ def test_fedpr_local_prompt_change_is_orthogonal_to_the_global_prompts(tiny):
     expected = server.params["prompts"] + torch.einsum("k,klpd->lpd", w, change)
     torch.testing.assert_close(new.params["prompts"], expected)
     torch.testing.assert_close(new.buffers["projector"], null_space_projector(expected, 0.8))
+
+
+def test_fedpr_head_takes_its_own_optimiser_the_prompts_keep_the_runs(tiny):
+    """FedPR's Adam 0.1 is for its prompts; the head it lacks trains with its own settings."""
+    from fpbench.engine.executor import phase_optimizer
+    from fpbench.engine.optim import StackedAdam, StackedSGD
+
+    cfg, _, method = tiny("fedpr", optimizer="adam", lr=0.1, lr_decay=0.5)
+    method.cfg = method.Config(head_optimizer="sgd", head_lr=0.03, head_weight_decay=1e-5)
+    server = method.init_server(torch.Generator().manual_seed(0))
+    params = method.client_params(server, torch.tensor([0, 1]))
+    (phase,) = method.phases(1, tuple(params))
+    assert set(phase.trainable) == {"prompt_update", "head_w", "head_b"}
+    tensors = [params[n] for n in phase.trainable]
+    group = phase_optimizer(method, cfg.train, tensors, phase, lr=0.05)  # round 1: x 0.5
+    by_tensor = {id(t): opt for opt in group.optimizers for t in opt.params}
+    names = ("prompt_update", "head_w", "head_b")
+    prompt, head_w, head_b = (by_tensor[id(params[n])] for n in names)
+    assert isinstance(prompt, StackedAdam) and prompt.lr == 0.05
+    for head in (head_w, head_b):
+        assert isinstance(head, StackedSGD)
+        assert (head.lr, head.momentum, head.weight_decay) == (0.015, 0.9, 1e-5)
+    method.cfg = method.Config()  # "run": the head shares the run's optimiser
+    group = phase_optimizer(method, cfg.train, tensors, phase, lr=0.05)
+    (only,) = group.optimizers
+    assert isinstance(only, StackedAdam) and len(only.params) == 3
