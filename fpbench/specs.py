@@ -42,8 +42,10 @@ class TrainConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float | None = Field(None, gt=0, description="per-client gradient-norm clip")
     lr_decay: float = Field(1.0, gt=0, le=1, description="lr multiplier per round (exponential)")
-    lr_schedule: Literal["exp", "cosine"] = Field(
-        "exp", description="exp: lr * lr_decay**round; cosine: anneal lr to 0 over the rounds"
+    lr_schedule: Literal["exp", "cosine", "cosine-local"] = Field(
+        "exp",
+        description="exp: lr * lr_decay**round; cosine: anneal lr to 0 over the rounds; "
+        "cosine-local: anneal it over each round's local epochs (per epoch, from lr)",
     )
     eval_every: int = Field(1, ge=1, description="evaluate every this many rounds")
     eval_last: int = Field(10, ge=0, description="also evaluate each of the last this many rounds")

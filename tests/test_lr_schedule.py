@@ -44,3 +44,33 @@ def test_cosine_reaches_the_optimiser(tiny):
     assert torch.equal(last.params["ctx"][0], server.params["ctx"])
     first = train_clients(method, server, task, ids, cfg.train, round_idx=0, seed=0)
     assert not torch.equal(first.params["ctx"][0], server.params["ctx"])
+
+
+def test_cosine_local_anneals_over_each_rounds_local_epochs(tiny, monkeypatch):
+    """PromptFL's code counts MAX_EPOCH in local epochs: Dassl's cosine stepped per epoch, over
+    the round's epochs, from the full lr in every round (TPFL's other reading of max_epoch)."""
+    from fpbench.engine.optim import OptimizerGroup
+
+    seen: list[float] = []
+    step = OptimizerGroup.step
+
+    def spy(self, mask):
+        seen.append(self.optimizers[0].lr)
+        step(self, mask)
+
+    monkeypatch.setattr(OptimizerGroup, "step", spy)
+    cfg, task, method = tiny("promptfl", lr_schedule="cosine-local", lr=0.1, local_epochs=3)
+    server = seeded_server(method)
+    ids = task.trainable_clients()[:1]
+    for round_idx in (0, 1):  # the same in every round
+        seen.clear()
+        train_clients(method, server, task, ids, cfg.train, round_idx=round_idx, seed=0)
+        per_epoch = len(seen) // 3
+        assert per_epoch >= 1 and len(seen) == 3 * per_epoch
+        want = [
+            0.1,
+            0.1 * (1 + math.cos(math.pi / 3)) / 2,
+            0.1 * (1 + math.cos(2 * math.pi / 3)) / 2,
+        ]
+        assert seen == pytest.approx([w for w in want for _ in range(per_epoch)])
+    assert round_lr(cfg.train, 7) == 0.1

@@ -46,3 +46,46 @@ def test_pep_inat_lr_decay_is_declared_with_what_it_leaves_of_the_rate():
         if r.path == "train.lr_decay"
     ]
     assert f"{100 * 0.99**500:.1f}% of the rate" in rule.deviation.reason
+
+
+# -- fpbench's readings are rules in the protocol data --------------------------------------------
+
+
+def _covered(paper: str) -> dict[str, set[str]]:
+    """Per feeding cell: the reading keys of its method that no rule of the paper covers."""
+    from fpbench.report.paper import load_paper
+    from fpbench.report.protocol import _matches, feeding_cells, load_protocol
+
+    blocks = load_protocol(paper)
+    missing = {}
+    for cell in feeding_cells(load_paper(paper)):
+        keys = {f"readings.{k}" for k in cell.config["readings"]}
+        for block in blocks:
+            if cell.tables & set(block.tables) and _matches(block.match, cell):
+                keys -= {r.path for r in block.rules if _matches(r.match, cell)}
+        if keys:
+            missing[cell.name] = keys
+    return missing
+
+
+def test_every_reading_of_a_clip_method_is_a_rule_of_its_papers_protocol():
+    for paper in ("sdfed", "tpfl"):
+        assert _covered(paper) == {}, paper
+
+
+def test_methods_checked_against_official_code_are_those_the_differential_test_runs():
+    import importlib.util
+    from pathlib import Path
+
+    from fpbench.registry import METHODS
+
+    path = Path(__file__).parents[1] / "benchmarks/peer/official.py"
+    spec = importlib.util.spec_from_file_location("official", path)
+    official = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(official)
+    kinds = {kind for kind, _ in official.CASES.values()}
+    checked = {
+        name for name in METHODS.names() if METHODS.get(name).all_readings()["official_check"]
+        != "none"
+    }  # fmt: skip
+    assert checked == {"promptfl", "fedotp"} and kinds == {"coop", "fedotp"}

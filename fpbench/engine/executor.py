@@ -127,12 +127,24 @@ def round_lr(cfg: TrainConfig, round_idx: int) -> float:
 
     "exp": lr * lr_decay**round. "cosine": lr * (1 + cos(pi * round / rounds)) / 2, annealed
     once per round (PyTorch's CosineAnnealingLR stepped per round with T_max = rounds, as
-    TPFL's "cosine scheduler, max_epoch 20" over 20 global epochs), so a one-epoch round gets
-    Dassl's per-epoch cosine; lr_decay is ignored.
+    TPFL's "cosine scheduler, max_epoch 20" read as 20 global epochs), so a one-epoch round gets
+    Dassl's per-epoch cosine; lr_decay is ignored. "cosine-local": lr in every round; within it
+    `epoch_factor` anneals it over the local epochs (the PromptFL code's reading of max_epoch).
     """
+    if cfg.lr_schedule == "cosine-local":
+        return cfg.lr
     if cfg.lr_schedule == "cosine":
         return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * round_idx / cfg.rounds))
     return cfg.lr * cfg.lr_decay**round_idx
+
+
+def epoch_factor(cfg: TrainConfig, epoch: int, epochs: int) -> float:
+    """The lr factor of local epoch `epoch` of `epochs`: (1 + cos(pi * epoch / epochs)) / 2
+    under "cosine-local" (Dassl's CosineAnnealingLR with T_max = MAX_EPOCH, stepped per epoch,
+    as PromptFL's code counts MAX_EPOCH in local epochs), else 1."""
+    if cfg.lr_schedule != "cosine-local":
+        return 1.0
+    return 0.5 * (1.0 + math.cos(math.pi * epoch / epochs))
 
 
 def train_together(
@@ -177,6 +189,7 @@ def train_together(
         leaves = {n: p.detach().requires_grad_(n in phase.trainable) for n, p in params.items()}
         opt = phase_optimizer(method, cfg, [leaves[n] for n in phase.trainable], phase, lr)
         for epoch in range(phase.epochs):
+            opt.scale_lr(epoch_factor(cfg, epoch, phase.epochs))
             seeds = [derive_seed(seed, round_idx, c, phase_idx, epoch) for c in client_ids]
             batches = [
                 client_batches(task.train_idx[c], cfg.batch_size, seeds[row])[: budget[row]]

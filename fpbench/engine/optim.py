@@ -144,6 +144,12 @@ class OptimizerGroup:
 
     def __init__(self, optimizers: list[StackedOptimizer]) -> None:
         self.optimizers = optimizers
+        self.base_lrs = [opt.lr for opt in optimizers]
+
+    def scale_lr(self, factor: float) -> None:
+        """Set every optimiser's lr to its lr at construction times `factor`."""
+        for opt, lr in zip(self.optimizers, self.base_lrs, strict=True):
+            opt.lr = lr * factor
 
     def zero_grad(self) -> None:
         for opt in self.optimizers:

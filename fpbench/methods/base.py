@@ -200,10 +200,24 @@ class Method:
     Config: ClassVar[type[MethodConfig]] = MethodConfig
     inference: ClassVar[Inference] = "global"
     personal: ClassVar[frozenset[str]] = frozenset()  # parameter names kept per client
+    # fpbench's readings where its paper and reference code leave a choice, one line each; a
+    # subclass's entries add to (or replace) its bases'. The paper protocols hold every feeding
+    # cell to them as the virtual config paths `readings.<key>` (fpbench.report.protocol).
+    # `official_check`: whether a differential test runs the official code on the same inputs.
+    readings: ClassVar[dict[str, str]] = {"official_check": "none"}
+
     # a personal method that says what it deploys to a new client (its evaluation
     # `client_params` of a client that never trained): held-out clients are then scored with it
     # instead of not applicable
     scores_new_clients: ClassVar[bool] = False
+
+    @classmethod
+    def all_readings(cls) -> dict[str, str]:
+        """`readings` merged over the class and its bases (a subclass's entries win)."""
+        out: dict[str, str] = {}
+        for klass in reversed(cls.__mro__):
+            out.update(vars(klass).get("readings", {}))
+        return out
 
     def __init__(self, cfg: MethodConfig, backbone: PromptedViT, task: TaskInfo) -> None:
         self.cfg = cfg

@@ -7,7 +7,9 @@ feeding a table are those its cells select (suite, method, dataset, partition la
 `config`, as `fpbench table --paper` selects runs), taken from `fpbench.suites.load_suite`.
 
 A rule pins one dotted path of `RunConfig.model_dump(mode="json")` (or the virtual path `seeds`:
-the sorted seeds of each cell over its seeds) to the paper's `value`, or, where the rule declares
+the sorted seeds of each cell over its seeds; or `readings.<key>`: what the method's code
+declares it does where paper and reference code leave a choice, `Method.readings`) to the
+paper's `value`, or, where the rule declares
 a `deviation`, to what fpbench runs instead (`deviation.runs`, with a one-line `reason`).
 TOML has no null: the string "null" stands for None. A `match` maps run labels (suite, method,
 dataset, partition) to an fnmatch glob or a list of them: a label matches when it matches any of
@@ -31,6 +33,7 @@ from fpbench.report.paper import PAPERS_DIR, SELECT, Paper, PaperTable, _contain
 UNSTATED = "unstated"
 NULL = "null"
 SEEDS = "seeds"
+READINGS = "readings"  # virtual config section: the method class's readings
 REL_TOL = 1e-9
 
 
@@ -216,8 +219,15 @@ def _selects(spec: Mapping[str, Any], cfg: Any) -> bool:
 def _fed(cfg: Any, tables: set[int]) -> FedCell:
     return FedCell(
         cfg.suite, cfg.method.label, cfg.dataset.label, cfg.partition.label, cfg.seed,
-        cfg.model_dump(mode="json"), frozenset(tables),
+        {**cfg.model_dump(mode="json"), READINGS: readings_of(cfg.method.name)}, frozenset(tables),
     )  # fmt: skip
+
+
+def readings_of(method: str) -> dict[str, str]:
+    """The method's readings (`Method.readings`), seen by the rules as `readings.<key>`."""
+    from fpbench.registry import METHODS
+
+    return METHODS.get(method).all_readings()
 
 
 # -- checking --------------------------------------------------------------------------------

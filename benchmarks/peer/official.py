@@ -1,0 +1,327 @@
+#!/usr/bin/env python3
+"""Differential checks of fpbench against the official code, run unmodified from its checkout.
+
+Covered: CoOp's prompt learner (KaiyangZhou/CoOp, `trainers/coop.py`: PromptFL's and the CLIP
+methods' text prompts) and FedOTP (HongxiaLee/FedOTP, `trainers/GLP_OT.py`: global + local
+prompts matched to image patches by unbalanced optimal transport). Both sides get the same
+random CLIP weights (one open_clip state dict, read by fpbench through `open_clip:<config>` and
+by the official code's own `clip.model.build_model`), the same context vectors, class names and
+preprocessed images; the logits, the gradients of the cross-entropy with respect to the context
+and FedOTP's transport plans are compared in fp32 (plans also in fp64).
+
+The official modules are imported by path from the checkouts (never copied into fpbench); the
+trainer framework they import (Dassl) is replaced by empty stand-ins, since only their model
+classes run. Get the checkouts with
+
+    git clone https://github.com/KaiyangZhou/CoOp /work/peer/CoOp
+    git clone https://github.com/HongxiaLee/FedOTP /work/peer/FedOTP
+
+(or set FPBENCH_PEER_COOP / FPBENCH_PEER_FEDOTP). `python benchmarks/peer/official.py` prints
+the largest differences of every case; tests/test_peer_official.py asserts them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import sys
+import tempfile
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace as NS
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[2]
+PEER = REPO.parent / "peer"
+COOP = Path(os.environ.get("FPBENCH_PEER_COOP", PEER / "CoOp"))
+FEDOTP = Path(os.environ.get("FPBENCH_PEER_FEDOTP", PEER / "FedOTP"))
+# CoOp at ff61507, FedOTP at 9948611 were the checkouts these checks were written against
+HOW = "git clone https://github.com/{repo} {path} (or set {var})"
+
+# Tiny CLIPs whose heads are 64 wide, as the official build_model infers them (width // 64)
+VIT = {
+    "embed_dim": 32,
+    "quick_gelu": True,
+    "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 16, "head_width": 64},
+    "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 64, "heads": 1, "layers": 2},
+}
+RN = {
+    "embed_dim": 32,
+    "quick_gelu": True,
+    "vision_cfg": {"image_size": 64, "layers": [1, 1, 1, 1], "width": 16, "head_width": 64},
+    "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 64, "heads": 1, "layers": 2},
+}
+CLASSES = ["golden_retriever", "tabby cat", "airplane"]
+_PACKAGES = ("clip", "trainers", "dassl", "Dassl")
+
+
+def missing(path: Path, repo: str, var: str) -> str | None:
+    """A line saying how to get a checkout that is absent, or None when it is there."""
+    if (path / "trainers").is_dir() and (path / "clip").is_dir():
+        return None
+    return f"official checkout not found at {path}: " + HOW.format(repo=repo, path=path, var=var)
+
+
+# -- the official code, imported by path ---------------------------------------------------------
+
+
+def _dassl_stubs(root: str) -> dict[str, types.ModuleType]:
+    """Empty stand-ins for the Dassl modules the official trainers import (`root`: its package
+    path, "dassl" for CoOp, "Dassl.dassl" for FedOTP's vendored copy)."""
+    parts = root.split(".")
+    mods = {
+        ".".join(parts[: i + 1]): types.ModuleType(".".join(parts[: i + 1]))
+        for i in range(len(parts))
+    }
+    registry = NS(register=lambda *a, **k: lambda cls: cls)
+    leaves = {
+        "engine": {"TRAINER_REGISTRY": registry, "TrainerX": object},
+        "engine.trainer": {"TrainerX": object},
+        "metrics": {"compute_accuracy": None},
+        "utils": {"load_pretrained_weights": None, "load_checkpoint": None},
+        "optim": {"build_optimizer": None, "build_lr_scheduler": None},
+    }
+    for name, attrs in leaves.items():
+        mod = types.ModuleType(f"{root}.{name}")
+        mod.__dict__.update(attrs)
+        mods[f"{root}.{name}"] = mod
+    mods[f"{root}.engine"].trainer = mods[f"{root}.engine.trainer"]
+    return mods
+
+
+@contextlib.contextmanager
+def _isolated(repo: Path, stubs: dict[str, types.ModuleType]) -> Iterator[None]:
+    """Import from `repo` with its own `clip` / `trainers` packages; restore sys.modules after."""
+    saved = {k: v for k, v in sys.modules.items() if k.split(".")[0] in _PACKAGES}
+    for k in saved:
+        del sys.modules[k]
+    sys.modules.update(stubs)
+    sys.path.insert(0, str(repo))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(repo))
+        for k in [k for k in sys.modules if k.split(".")[0] in _PACKAGES]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+
+
+def load_official(repo: Path, trainer: str, dassl: str) -> tuple[Any, Any]:
+    """(clip.model module, trainer module) of an official checkout, imported unmodified."""
+    with _isolated(repo, _dassl_stubs(dassl)):
+        return importlib.import_module("clip.model"), importlib.import_module(trainer)
+
+
+# -- one set of weights for both sides -----------------------------------------------------------
+
+
+def weights(arch: dict, name: str, folder: Path, seed: int = 0) -> tuple[Path, dict]:
+    """Random open_clip weights of config `arch` registered as `name`, saved under `folder`."""
+    import open_clip
+
+    cfg = folder / f"{name}.json"
+    cfg.write_text(json.dumps(arch))
+    if name not in open_clip.list_models():
+        open_clip.add_model_config(cfg)
+    torch.manual_seed(seed)
+    model = open_clip.create_model(name, pretrained=None)
+    state = model.state_dict()
+    path = folder / f"{name}.pth"
+    torch.save(state, path)
+    return path, state
+
+
+def official_clip(clip_model: Any, state: dict, *build_args: Any) -> Any:
+    """The official `build_model` on the state dict, in fp32 with the exact fp32 weights (its
+    build casts to fp16; the trainers call `.float()` for fp32, and reloading restores the bits
+    that the fp16 round trip lost)."""
+    model = clip_model.build_model({k: v.clone() for k, v in state.items()}, *build_args).float()
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def fpbench_backbone(name: str, path: Path) -> Any:
+    from fpbench.backbones import create_backbone
+
+    return create_backbone(f"open_clip:{name}", weights=path)
+
+
+def fpbench_method(method: str, backbone: Any, **args: Any) -> Any:
+    from fpbench.methods.base import TaskInfo
+    from fpbench.registry import METHODS
+
+    cls = METHODS.get(method)
+    c = len(CLASSES)
+    task = TaskInfo(c, 1, torch.full((1, c), 1 / c), torch.tensor([8]), tuple(CLASSES), "peer")
+    return cls(cls.Config(**args), backbone, task)
+
+
+def _cfg(section: str, size: int, **trainer: Any) -> NS:
+    return NS(TRAINER=NS(**{section: NS(**trainer)}), INPUT=NS(SIZE=(size, size)),
+              DATASET=NS(NAME="peer"))  # fmt: skip
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().double() - b.detach().double()).abs().max())
+
+
+# -- CoOp ----------------------------------------------------------------------------------------
+
+
+def coop_case(folder: Path, position: str = "end", csc: bool = False, ctx_init: str = "",
+              n_ctx: int = 4, seed: int = 0) -> dict[str, float]:  # fmt: skip
+    """CoOp's CustomCLIP against fpbench's PromptFL forward on one set of inputs.
+
+    Returns the largest absolute differences: `init` (the context from `ctx_init`, when given),
+    `eot` (where each class prompt ends, which the text encoder pools: fpbench tokenises "X..X
+    name." whatever the init, CoOp the init phrase, of the same length), `logits` and `grad`
+    (cross-entropy gradient of the context), and for scale `grad_max`.
+    """
+    from fpbench.methods.base import Context
+
+    clip_model, coop = load_official(COOP, "trainers.coop", "dassl")
+    path, state = weights(VIT, "fpbench-peer-vit", folder)
+    theirs = official_clip(clip_model, state)
+    cfg = _cfg("COOP", 32, N_CTX=n_ctx, CTX_INIT=ctx_init, CSC=csc, CLASS_TOKEN_POSITION=position)
+    official = coop.CustomCLIP(cfg, CLASSES, theirs)
+    backbone = fpbench_backbone("fpbench-peer-vit", path)
+    ours = fpbench_method("promptfl", backbone, n_ctx=n_ctx, class_token_position=position,
+                          csc=csc, ctx_init=ctx_init or None)  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    start = ours.init_context(gen)  # (M, d) or (C, M, d)
+    out = {}
+    if ctx_init:
+        out["init"] = _diff(start, official.prompt_learner.ctx.detach())
+    eot = ours.layout(ours.n_ctx).ids.argmax(-1)
+    out["eot"] = _diff(eot, official.tokenized_prompts.argmax(-1))
+    with torch.no_grad():
+        official.prompt_learner.ctx.copy_(start)
+    images = torch.randn(4, 3, 32, 32, generator=gen)
+    labels = torch.tensor([0, 1, 2, 1])
+    logits_theirs = official(images)
+    F.cross_entropy(logits_theirs, labels).backward()
+    ctx = start.unsqueeze(0).clone().requires_grad_(True)  # (K = 1, ...)
+    feats = backbone.forward_features(images).cls
+    rows = torch.zeros(len(labels), dtype=torch.long)
+    logits_ours = ours.forward({"ctx": ctx}, feats, rows, Context(training=True))
+    F.cross_entropy(logits_ours, labels).backward()
+    out["logits"] = _diff(logits_ours, logits_theirs)
+    out["grad"] = _diff(ctx.grad[0], official.prompt_learner.ctx.grad)
+    out["grad_max"] = float(official.prompt_learner.ctx.grad.abs().max())
+    return out
+
+
+# -- FedOTP --------------------------------------------------------------------------------------
+
+
+def fedotp_case(folder: Path, arch: str = "vit", eps: float = 0.1, thresh: float = 0.0,
+                ot: str = "cot", n_ctx: int = 4, batch: int = 3, seed: int = 0,
+                forward: bool = True) -> dict[str, float]:  # fmt: skip
+    """FedOTP's CustomCLIP (GLP_OT) against fpbench's FedOTP forward on one set of inputs.
+
+    `thresh = 0` runs every solve for max_iter iterations on both sides (the official code stops
+    when the mean change over the whole batch converges, fpbench per (image, class) problem, a
+    declared deviation). Returns the largest absolute differences of `logits`, `grad_global`,
+    `grad_local` and `plan` (the official solver and fpbench's on the same similarities, in
+    fp64) and, for scale, `grad_max` and `plan_max`. `forward = False` compares the plans only
+    and reports `official_none` = 1 where the official fp32 forward returns None (its kernel
+    exp(-(1 - S) / eps) underflows to a NaN plan, as at eps = 0.01 here; fpbench solves the plan
+    in fp64, a declared deviation).
+    """
+    from fpbench.methods.base import Context
+    from fpbench.methods.fedotp import transport_plan
+
+    clip_model, glp = load_official(FEDOTP, "trainers.GLP_OT", "Dassl.dassl")
+    spec, size = (VIT, 32) if arch == "vit" else (RN, 64)
+    name = f"fpbench-peer-{arch}"
+    path, state = weights(spec, name, folder)
+    design = {"trainer": "GLP_OT", "vision_depth": 0, "language_depth": 0, "vision_ctx": 0,
+              "language_ctx": 0}  # fmt: skip
+    theirs = official_clip(clip_model, state, design)
+    top = {"cot": "COT", "sinkhorn": "Sinkhorn"}[ot]
+    cfg = _cfg("GLP_OT", size, N_CTX=n_ctx, CTX_INIT="", CSC=False, CLASS_TOKEN_POSITION="end",
+               N=2, EPS=eps, THRESH=thresh, OT=top, TOP_PERCENT=0.8, MAX_ITER=100)  # fmt: skip
+    official = glp.CustomCLIP(cfg, CLASSES, theirs)
+    backbone = fpbench_backbone(name, path)
+    ours = fpbench_method("fedotp", backbone, n_ctx=n_ctx, eps=eps, thresh=max(thresh, 1e-300),
+                          ot=ot, rho=0.8, max_iter=100)  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    start = ours.init_params(gen)  # global_ctx, local_ctx (M, d) each
+    with torch.no_grad():
+        official.prompt_learner.ctx.copy_(torch.stack([start["global_ctx"], start["local_ctx"]]))
+    images = torch.randn(batch, 3, size, size, generator=gen)
+    labels = torch.arange(batch) % len(CLASSES)
+    logits_theirs = official(images)
+    params = {k: v.unsqueeze(0).clone().requires_grad_(True) for k, v in start.items()}
+    out: dict[str, float] = {}
+    if not forward:
+        out["official_none"] = float(logits_theirs is None)
+    elif logits_theirs is None:
+        raise ValueError("the official forward returned None (a NaN in its transport plan)")
+    else:
+        F.cross_entropy(logits_theirs, labels).backward()
+        rows = torch.zeros(batch, dtype=torch.long)
+        logits_ours = ours.forward(params, images, rows, Context(training=True))
+        F.cross_entropy(logits_ours, labels).backward()
+        grad = official.prompt_learner.ctx.grad
+        out["logits"] = _diff(logits_ours, logits_theirs)
+        out["grad_global"] = _diff(params["global_ctx"].grad[0], grad[0])
+        out["grad_local"] = _diff(params["local_ctx"].grad[0], grad[1])
+        out["grad_max"] = float(grad.abs().max())
+    # the plans of the same similarities (fpbench's layout: (B, C, M, N)), both in fp64
+    with torch.no_grad():
+        prompts = (params["global_ctx"], params["local_ctx"])
+        text = torch.stack([ours.text_features(p) for p in prompts], dim=1)[0]  # (N, C, E)
+        local = F.normalize(backbone.encode_image_tokens(images)[:, 1:].float(), dim=-1)
+        sim = torch.einsum("bme,nce->bcmn", local, text).double()  # (B, C, M, N)
+        mine = transport_plan(sim, 0.8, eps, max(thresh, 1e-300), 100, ot != "cot")
+        b, c, m, n = sim.shape
+        kern = torch.exp(-(1.0 - sim) / eps).reshape(b * c, m, n)
+        a = torch.full((b * c, m), 1.0 / m, dtype=torch.float64)
+        if ot == "cot":
+            v = torch.full((b * c, n), 0.8 / n, dtype=torch.float64)
+            plan = official.entropic_COT_fast(a, v, kern, 0.01, numItermax=100)
+        else:
+            plan = official.Sinkhorn(kern, a, torch.full((b * c, n), 1.0 / n, dtype=torch.float64))
+    out["plan"] = _diff(mine.reshape(b * c, m, n), plan)
+    out["plan_max"] = float(plan.abs().max())
+    return out
+
+
+CASES = {
+    **{f"coop {p}": ("coop", {"position": p}) for p in ("end", "middle", "front")},
+    "coop end csc": ("coop", {"csc": True}),
+    "coop 'a photo of a'": ("coop", {"ctx_init": "a photo of a"}),
+    "fedotp vit cot eps 0.1": ("fedotp", {"eps": 0.1}),
+    "fedotp vit cot eps 0.01 (plans)": ("fedotp", {"eps": 0.01, "forward": False}),
+    "fedotp vit sinkhorn": ("fedotp", {"ot": "sinkhorn"}),
+    "fedotp rn cot eps 0.1": ("fedotp", {"arch": "rn", "eps": 0.1}),
+    "fedotp vit cot stop 1e-3": ("fedotp", {"eps": 0.1, "thresh": 1e-3}),
+}
+
+
+def run(name: str, folder: Path) -> dict[str, float]:
+    kind, args = CASES[name]
+    return (coop_case if kind == "coop" else fedotp_case)(folder, **args)
+
+
+def main() -> None:
+    for repo, path, var in (("KaiyangZhou/CoOp", COOP, "FPBENCH_PEER_COOP"),
+                            ("HongxiaLee/FedOTP", FEDOTP, "FPBENCH_PEER_FEDOTP")):  # fmt: skip
+        if line := missing(path, repo, var):
+            sys.exit(line)
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in CASES:
+            diffs = run(name, Path(tmp))
+            print(f"{name:40s} " + "  ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""fpbench against the official code of CoOp (PromptFL's prompt learner) and FedOTP, by execution.
+
+The official checkouts are run unmodified by path (benchmarks/peer/official.py says how to get
+them); without them every test here skips with a line saying so. Logits and gradients agree to
+fp32 rounding (1e-5, relative to the gradient's scale), FedOTP's transport plans to fp64
+rounding (1e-12) where both sides run the same iterations, and to 1e-6 under the suites' stopping
+threshold, where fpbench stops each (image, class) problem on its own and the official code when
+the batch's mean converges (a declared deviation).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+
+
+def _official():
+    spec = importlib.util.spec_from_file_location("official", ROOT / "benchmarks/peer/official.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+OFFICIAL = _official()
+FAST = {"coop end", "fedotp vit cot eps 0.1"}  # the rest: pytest -m slow
+CASES = [
+    pytest.param(name, marks=() if name in FAST else pytest.mark.slow, id=name.replace(" ", "-"))
+    for name in OFFICIAL.CASES
+]
+
+
+def _need(kind: str) -> None:
+    repo, path, var = {
+        "coop": ("KaiyangZhou/CoOp", OFFICIAL.COOP, "FPBENCH_PEER_COOP"),
+        "fedotp": ("HongxiaLee/FedOTP", OFFICIAL.FEDOTP, "FPBENCH_PEER_FEDOTP"),
+    }[kind]
+    if line := OFFICIAL.missing(path, repo, var):
+        pytest.skip(line)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_fpbench_computes_what_the_official_code_computes(name, tmp_path):
+    kind, args = OFFICIAL.CASES[name]
+    _need(kind)
+    d = OFFICIAL.run(name, tmp_path)
+    if kind == "coop":
+        assert d["eot"] == 0 and d.get("init", 0.0) == 0  # same pooled token, same init
+        assert d["logits"] < 1e-5
+        assert d["grad"] < 1e-5 * max(1.0, d["grad_max"])
+        return
+    stop = args.get("thresh", 0.0) > 0
+    assert d["plan"] < (1e-6 if stop else 1e-12) * max(1.0, d["plan_max"])
+    if args.get("forward", True):
+        assert d["logits"] < 1e-5
+        for g in ("grad_global", "grad_local"):
+            assert d[g] < 1e-5 * max(1.0, d["grad_max"])
+    else:  # eps = 0.01 in fp32: the official kernel underflows; fpbench's fp64 plan does not
+        assert d["official_none"] == 1.0
+
+
+def test_a_missing_checkout_is_one_line_saying_how_to_get_it(tmp_path):
+    line = OFFICIAL.missing(tmp_path / "CoOp", "KaiyangZhou/CoOp", "FPBENCH_PEER_COOP")
+    assert line == (
+        f"official checkout not found at {tmp_path / 'CoOp'}: git clone "
+        f"https://github.com/KaiyangZhou/CoOp {tmp_path / 'CoOp'} (or set FPBENCH_PEER_COOP)"
+    )
+    (tmp_path / "CoOp" / "trainers").mkdir(parents=True)
+    (tmp_path / "CoOp" / "clip").mkdir()
+    assert OFFICIAL.missing(tmp_path / "CoOp", "KaiyangZhou/CoOp", "FPBENCH_PEER_COOP") is None
