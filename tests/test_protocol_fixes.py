@@ -68,8 +68,11 @@ def _covered(paper: str) -> dict[str, set[str]]:
     return missing
 
 
-def test_every_reading_of_a_clip_method_is_a_rule_of_its_papers_protocol():
-    for paper in ("sdfed", "tpfl"):
+def test_every_reading_of_a_feeding_method_is_a_rule_of_its_papers_protocol():
+    from fpbench.report.paper import list_papers
+
+    assert set(list_papers()) == {"sgpt", "fgpt", "pep-fedpt", "sdfed", "tpfl"}
+    for paper in list_papers():
         assert _covered(paper) == {}, paper
 
 
