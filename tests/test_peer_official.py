@@ -1,7 +1,9 @@
 """fpbench against the official code of CoOp (PromptFL's prompt learner) and FedOTP, by execution.
 
 The official checkouts are run unmodified by path (benchmarks/peer/official.py says how to get
-them); without them every test here skips with a line saying so. Logits and gradients agree to
+them); without them every test here skips with a line saying so. The initial contexts are
+bit-identical (CoOp's N(0, 0.02^2) draw from the same seed, or an init phrase's embeddings);
+logits and gradients agree to
 fp32 rounding (1e-5, relative to the gradient's scale), FedOTP's transport plans to fp64
 rounding (1e-12) where both sides run the same iterations, and to 1e-6 under the suites' stopping
 threshold, where fpbench stops each (image, class) problem on its own and the official code when
@@ -48,10 +50,11 @@ def test_fpbench_computes_what_the_official_code_computes(name, tmp_path):
     _need(kind)
     d = OFFICIAL.run(name, tmp_path)
     if kind == "coop":
-        assert d["eot"] == 0 and d.get("init", 0.0) == 0  # same pooled token, same init
+        assert d["eot"] == 0 and d["init"] == 0  # same pooled token, bit-identical init
         assert d["logits"] < 1e-5
         assert d["grad"] < 1e-5 * max(1.0, d["grad_max"])
         return
+    assert d["init"] == 0  # both prompts: the official N(0, 0.02^2) draw from the same seed
     stop = args.get("thresh", 0.0) > 0
     assert d["plan"] < (1e-6 if stop else 1e-12) * max(1.0, d["plan_max"])
     if args.get("forward", True):

@@ -178,7 +178,8 @@ def coop_case(folder: Path, position: str = "end", csc: bool = False, ctx_init: 
               n_ctx: int = 4, seed: int = 0) -> dict[str, float]:  # fmt: skip
     """CoOp's CustomCLIP against fpbench's PromptFL forward on one set of inputs.
 
-    Returns the largest absolute differences: `init` (the context from `ctx_init`, when given),
+    Returns the largest absolute differences: `init` (the initial context: CoOp's N(0, 0.02^2)
+    draw from the same seed, or the embeddings of `ctx_init`),
     `eot` (where each class prompt ends, which the text encoder pools: fpbench tokenises "X..X
     name." whatever the init, CoOp the init phrase, of the same length), `logits` and `grad`
     (cross-entropy gradient of the context), and for scale `grad_max`.
@@ -189,15 +190,14 @@ def coop_case(folder: Path, position: str = "end", csc: bool = False, ctx_init: 
     path, state = weights(VIT, "fpbench-peer-vit", folder)
     theirs = official_clip(clip_model, state)
     cfg = _cfg("COOP", 32, N_CTX=n_ctx, CTX_INIT=ctx_init, CSC=csc, CLASS_TOKEN_POSITION=position)
+    torch.manual_seed(seed)  # the official random init draws from the global generator
     official = coop.CustomCLIP(cfg, CLASSES, theirs)
     backbone = fpbench_backbone("fpbench-peer-vit", path)
     ours = fpbench_method("promptfl", backbone, n_ctx=n_ctx, class_token_position=position,
                           csc=csc, ctx_init=ctx_init or None)  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     start = ours.init_context(gen)  # (M, d) or (C, M, d)
-    out = {}
-    if ctx_init:
-        out["init"] = _diff(start, official.prompt_learner.ctx.detach())
+    out = {"init": _diff(start, official.prompt_learner.ctx)}
     eot = ours.layout(ours.n_ctx).ids.argmax(-1)
     out["eot"] = _diff(eot, official.tokenized_prompts.argmax(-1))
     with torch.no_grad():
@@ -227,7 +227,8 @@ def fedotp_case(folder: Path, arch: str = "vit", eps: float = 0.1, thresh: float
 
     `thresh = 0` runs every solve for max_iter iterations on both sides (the official code stops
     when the mean change over the whole batch converges, fpbench per (image, class) problem, a
-    declared deviation). Returns the largest absolute differences of `logits`, `grad_global`,
+    declared deviation). Returns the largest absolute differences of `init` (the two prompts'
+    N(0, 0.02^2) draws from the same seed), `logits`, `grad_global`,
     `grad_local` and `plan` (the official solver and fpbench's on the same similarities, in
     fp64) and, for scale, `grad_max` and `plan_max`. `forward = False` compares the plans only
     and reports `official_none` = 1 where the official fp32 forward returns None (its kernel
@@ -247,19 +248,23 @@ def fedotp_case(folder: Path, arch: str = "vit", eps: float = 0.1, thresh: float
     top = {"cot": "COT", "sinkhorn": "Sinkhorn"}[ot]
     cfg = _cfg("GLP_OT", size, N_CTX=n_ctx, CTX_INIT="", CSC=False, CLASS_TOKEN_POSITION="end",
                N=2, EPS=eps, THRESH=thresh, OT=top, TOP_PERCENT=0.8, MAX_ITER=100)  # fmt: skip
+    torch.manual_seed(seed)  # the official random init draws from the global generator
     official = glp.CustomCLIP(cfg, CLASSES, theirs)
     backbone = fpbench_backbone(name, path)
     ours = fpbench_method("fedotp", backbone, n_ctx=n_ctx, eps=eps, thresh=max(thresh, 1e-300),
                           ot=ot, rho=0.8, max_iter=100)  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     start = ours.init_params(gen)  # global_ctx, local_ctx (M, d) each
+    init = _diff(
+        torch.stack([start["global_ctx"], start["local_ctx"]]), official.prompt_learner.ctx
+    )
     with torch.no_grad():
         official.prompt_learner.ctx.copy_(torch.stack([start["global_ctx"], start["local_ctx"]]))
     images = torch.randn(batch, 3, size, size, generator=gen)
     labels = torch.arange(batch) % len(CLASSES)
     logits_theirs = official(images)
     params = {k: v.unsqueeze(0).clone().requires_grad_(True) for k, v in start.items()}
-    out: dict[str, float] = {}
+    out: dict[str, float] = {"init": init}
     if not forward:
         out["official_none"] = float(logits_theirs is None)
     elif logits_theirs is None:
