@@ -1,4 +1,5 @@
-"""fpbench against the official code of CoOp (PromptFL's prompt learner) and FedOTP, by execution.
+"""fpbench against the official code of CoOp (PromptFL's prompt learner), FedOTP and SGPT, by
+execution.
 
 The official checkouts are run unmodified by path (benchmarks/peer/official.py says how to get
 them); without them every test here skips with a line saying so. The initial contexts are
@@ -7,7 +8,9 @@ logits and gradients agree to
 fp32 rounding (1e-5, relative to the gradient's scale), FedOTP's transport plans to fp64
 rounding (1e-12) where both sides run the same iterations, and to 1e-6 under the suites' stopping
 threshold, where fpbench stops each (image, class) problem on its own and the official code when
-the batch's mean converges (a declared deviation).
+the batch's mean converges (a declared deviation). SGPT: both phases of a round (shared
+prompts without selection; group prompts and keys with Select weighted by the accumulated counts)
+and test time, the selected groups identical.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ def _official():
 
 
 OFFICIAL = _official()
-FAST = {"coop end", "fedotp vit cot eps 0.1"}  # the rest: pytest -m slow
+# one case of each in the default run; the rest: pytest -m slow
+FAST = {"coop end", "fedotp vit cot eps 0.1", "sgpt both phases, counts 5 1 0 3"}
 CASES = [
     pytest.param(name, marks=() if name in FAST else pytest.mark.slow, id=name.replace(" ", "-"))
     for name in OFFICIAL.CASES
@@ -36,11 +40,7 @@ CASES = [
 
 
 def _need(kind: str) -> None:
-    repo, path, var = {
-        "coop": ("KaiyangZhou/CoOp", OFFICIAL.COOP, "FPBENCH_PEER_COOP"),
-        "fedotp": ("HongxiaLee/FedOTP", OFFICIAL.FEDOTP, "FPBENCH_PEER_FEDOTP"),
-    }[kind]
-    if line := OFFICIAL.missing(path, repo, var):
+    if line := OFFICIAL.why_not(kind):
         pytest.skip(line)
 
 
@@ -49,6 +49,15 @@ def test_fpbench_computes_what_the_official_code_computes(name, tmp_path):
     kind, args = OFFICIAL.CASES[name]
     _need(kind)
     d = OFFICIAL.run(name, tmp_path)
+    if kind == "sgpt":  # both phases and test time: logits, every trained tensor's gradient
+        for key, value in d.items():
+            if "logits" in key:
+                assert value < 1e-5, key
+            elif " grad " in key:
+                assert value < 1e-5 * max(1.0, d["grad_max"]), key
+        assert d["select train"] == d["select test"] == 0  # the same group for every sample
+        assert d["groups_test"] >= 2  # the batch spreads over the groups
+        return
     if kind == "coop":
         assert d["eot"] == 0 and d["init"] == 0  # same pooled token, bit-identical init
         assert d["logits"] < 1e-5

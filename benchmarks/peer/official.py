@@ -2,8 +2,10 @@
 """Differential checks of fpbench against the official code, run unmodified from its checkout.
 
 Covered: CoOp's prompt learner (KaiyangZhou/CoOp, `trainers/coop.py`: PromptFL's and the CLIP
-methods' text prompts) and FedOTP (HongxiaLee/FedOTP, `trainers/GLP_OT.py`: global + local
-prompts matched to image patches by unbalanced optimal transport). Both sides get the same
+methods' text prompts), FedOTP (HongxiaLee/FedOTP, `trainers/GLP_OT.py`: global + local
+prompts matched to image patches by unbalanced optimal transport) and SGPT (ubc-tea/SGPT,
+`models/vit_models_pr.py`: both phases of a round and test time, see `sgpt_case`). Both CLIP
+sides get the same
 random CLIP weights (one open_clip state dict, read by fpbench through `open_clip:<config>` and
 by the official code's own `clip.model.build_model`), the same context vectors, class names and
 preprocessed images; the logits, the gradients of the cross-entropy with respect to the context
@@ -11,19 +13,22 @@ and FedOTP's transport plans are compared in fp32 (plans also in fp64).
 
 The official modules are imported by path from the checkouts (never copied into fpbench); the
 trainer framework they import (Dassl) is replaced by empty stand-ins, since only their model
-classes run. Get the checkouts with
+classes run. Get the checkouts next to the repository (or set FPBENCH_PEER_COOP,
+FPBENCH_PEER_FEDOTP, FPBENCH_PEER_SGPT):
 
-    git clone https://github.com/KaiyangZhou/CoOp /work/peer/CoOp
-    git clone https://github.com/HongxiaLee/FedOTP /work/peer/FedOTP
+    git clone https://github.com/KaiyangZhou/CoOp ../peer/CoOp
+    git clone https://github.com/HongxiaLee/FedOTP ../peer/FedOTP
+    git clone https://github.com/ubc-tea/SGPT ../peer/SGPT   # + pip install 'fpbench[peer]'
 
-(or set FPBENCH_PEER_COOP / FPBENCH_PEER_FEDOTP). `python benchmarks/peer/official.py` prints
-the largest differences of every case; tests/test_peer_official.py asserts them.
+`python benchmarks/peer/official.py` prints the largest differences of every case (a case whose
+checkout is absent prints why); tests/test_peer_official.py asserts them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -96,9 +101,11 @@ def _dassl_stubs(root: str) -> dict[str, types.ModuleType]:
 
 
 @contextlib.contextmanager
-def _isolated(repo: Path, stubs: dict[str, types.ModuleType]) -> Iterator[None]:
-    """Import from `repo` with its own `clip` / `trainers` packages; restore sys.modules after."""
-    saved = {k: v for k, v in sys.modules.items() if k.split(".")[0] in _PACKAGES}
+def _isolated(
+    repo: Path, stubs: dict[str, types.ModuleType], packages: tuple[str, ...] = _PACKAGES
+) -> Iterator[None]:
+    """Import from `repo` with its own top-level packages; restore sys.modules after."""
+    saved = {k: v for k, v in sys.modules.items() if k.split(".")[0] in packages}
     for k in saved:
         del sys.modules[k]
     sys.modules.update(stubs)
@@ -107,7 +114,7 @@ def _isolated(repo: Path, stubs: dict[str, types.ModuleType]) -> Iterator[None]:
         yield
     finally:
         sys.path.remove(str(repo))
-        for k in [k for k in sys.modules if k.split(".")[0] in _PACKAGES]:
+        for k in [k for k in sys.modules if k.split(".")[0] in packages]:
             del sys.modules[k]
         sys.modules.update(saved)
 
@@ -299,6 +306,153 @@ def fedotp_case(folder: Path, arch: str = "vit", eps: float = 0.1, thresh: float
     return out
 
 
+# -- SGPT ----------------------------------------------------------------------------------------
+
+SGPT = Path(os.environ.get("FPBENCH_PEER_SGPT", PEER / "SGPT"))
+FAKE_NPZ = REPO.parent / "shared" / "peer-sgpt" / "make_fake_vit_npz.py"  # the steering repo's
+SGPT_VIT = {"hidden": 192, "heads": 3, "mlp": 768, "layers": 4, "patch": 16}  # vit-ti16-d4
+SGPT_LAYOUT = {"num_groups": 4, "shared_layers": (0, 1), "group_layers": (2, 3)}
+
+
+def sgpt_missing() -> str | None:
+    """A line saying what is absent for the SGPT case, or None."""
+    if not (SGPT / "models" / "vit_models_pr.py").is_file():
+        return f"official checkout not found at {SGPT}: " + HOW.format(
+            repo="ubc-tea/SGPT", path=SGPT, var="FPBENCH_PEER_SGPT"
+        )
+    if not FAKE_NPZ.is_file():
+        return f"needs the steering repo's {FAKE_NPZ} (random Google-layout ViT weights)"
+    if importlib.util.find_spec("ml_collections") is None:
+        return "the official SGPT code imports ml_collections: pip install 'fpbench[peer]'"
+    return None
+
+
+def sgpt_case(folder: Path, counts: tuple[int, ...] = (5, 1, 0, 3), batch: int = 6,
+              seed: int = 0) -> dict[str, float]:  # fmt: skip
+    """SGPT's VisionTransformer_m (models/vit_models_pr.py) against fpbench's SGPT forward, in
+    both phases of a round (shared: head + shared prompts, no selection; group: selection with
+    the accumulated counts `counts`, group prompts, keys and head, CE + key loss) and at test
+    time, on the same random ViT (one Google-layout .npz, read by the official `load_from` and
+    by fpbench through timm), prompts, keys, head and images.
+
+    Returns the largest absolute differences of each phase's `logits`, the gradients of every
+    tensor the phase trains, and `select` (samples whose chosen group differs, training and
+    test), with `grad_max` for scale and `groups_train` / `groups_test`, how many distinct
+    groups the batch spreads over.
+    """
+    import subprocess
+
+    import numpy as np
+
+    from fpbench.backbones import create_backbone
+    from fpbench.methods.base import Context, TaskInfo
+    from fpbench.registry import METHODS
+
+    npz = folder / "vit.npz"
+    if not npz.is_file():
+        flags = [f"--{k}={v}" for k, v in SGPT_VIT.items()]
+        cmd = [sys.executable, "-B", str(FAKE_NPZ), "--out", str(npz), *flags]
+        subprocess.run(cmd, check=True, capture_output=True)
+    with _isolated(SGPT, {}, ("models",)):
+        configs = importlib.import_module("models.configs")
+        vit = importlib.import_module("models.vit_models_pr")
+    cfg = configs.get_b16_config()
+    cfg.hidden_size = SGPT_VIT["hidden"]
+    cfg.patches.size = (SGPT_VIT["patch"],) * 2
+    cfg.transformer.num_heads = SGPT_VIT["heads"]
+    cfg.transformer.mlp_dim = SGPT_VIT["mlp"]
+    cfg.transformer.num_layers = SGPT_VIT["layers"]
+    groups = SGPT_LAYOUT["num_groups"]
+    args = NS(key_prompt=groups, share_blocks=list(SGPT_LAYOUT["shared_layers"]),
+              share_blocks_g=list(SGPT_LAYOUT["group_layers"]), n_prompt=1,
+              dataset="cifar100", device="cpu", domain_query=False)  # fmt: skip
+    c = len(CLASSES)
+    official = vit.VisionTransformer_m(cfg, 224, num_classes=c, args=args)
+    official.load_from(np.load(npz))
+    official.freeze()
+
+    backbone = create_backbone("vit-ti16-d4", weights=npz)
+    cls = METHODS.get("sgpt")
+    task = TaskInfo(c, 1, torch.full((1, c), 1 / c), torch.tensor([8]), tuple(CLASSES), "peer")
+    ours = cls(cls.Config(**SGPT_LAYOUT), backbone, task)
+    gen = torch.Generator().manual_seed(seed)
+    start = ours.init_params(gen)
+    start["shared_prompts"] = torch.randn(start["shared_prompts"].shape, generator=gen) * 0.1
+    images = torch.randn(batch, 3, 224, 224, generator=gen)
+    images = images * torch.linspace(0.5, 2.0, batch).view(-1, 1, 1, 1)  # samples far apart
+    # keys near the first samples' queries, so that Select spreads the batch over the groups
+    near = ours.query(images[:groups])
+    start["keys"] = near + 0.05 * torch.randn(near.shape, generator=gen)
+    with torch.no_grad():  # the same tensors into the official model's parameters
+        for i, p in enumerate(official.prompt_common):
+            p.copy_(start["shared_prompts"][i].unsqueeze(0))
+        for j in range(len(SGPT_LAYOUT["group_layers"])):
+            for g, p in enumerate(official.prompt_embeddings[str(j)]):
+                p.copy_(start["group_prompts"][g, j].unsqueeze(0))
+        official.prompt_keys.copy_(start["keys"])
+        official.head.weight.copy_(start["head_w"])
+        official.head.bias.copy_(start["head_b"])
+    theirs = dict(official.named_parameters())
+    names = {"shared_prompts": [f"prompt_common.{i}" for i in range(2)],
+             "head_w": ["head.weight"], "head_b": ["head.bias"], "keys": ["prompt_keys"],
+             "group_prompts": [f"prompt_embeddings.{j}.{g}" for g in range(groups)
+                               for j in range(2)]}  # fmt: skip
+
+    def official_grad(name: str) -> torch.Tensor:
+        grads = [theirs[n].grad for n in names[name]]
+        if name == "shared_prompts":
+            return torch.cat(grads)  # (2, 1, d)
+        if name == "group_prompts":
+            return torch.cat(grads).view(groups, 2, 1, -1)
+        return grads[0]
+
+    labels = torch.arange(batch) % c
+    rows = torch.zeros(batch, dtype=torch.long)
+    buffers = {"select_counts": torch.tensor(counts)}
+    out: dict[str, float] = {"grad_max": 0.0}
+    for phase, trained in (("shared", ("shared_prompts", "head_w", "head_b")),
+                           ("group", ("group_prompts", "keys", "head_w", "head_b"))):  # fmt: skip
+        official.zero_grad()
+        official.train()
+        official.selection = phase == "group"
+        official.cluster_size_g = dict(enumerate(counts))
+        result = official(images)
+        loss = F.cross_entropy(result["logits"], labels)
+        if phase == "group":
+            loss = loss + result["reduced_sim"]
+        loss.backward()
+        params = {k: v.unsqueeze(0).clone().requires_grad_(k in trained) for k, v in start.items()}
+        ctx = Context(training=True, phase=phase, buffers=buffers)
+        mine = ours.forward(params, images, rows, ctx)
+        loss = F.cross_entropy(mine.logits, labels)
+        if mine.aux_loss is not None:
+            loss = loss + mine.aux_loss.mean()
+        loss.backward()
+        out[f"{phase} logits"] = _diff(mine.logits, result["logits"])
+        for name in trained:
+            theirs_grad = official_grad(name)
+            out[f"{phase} grad {name}"] = _diff(params[name].grad[0], theirs_grad)
+            out["grad_max"] = max(out["grad_max"], float(theirs_grad.abs().max()))
+    # the groups Select picks: training (with the counts) and test (nearest key)
+    with torch.no_grad():
+        query = official.forward_g(official.transformer.embeddings(images))["out_x"]
+        params = {k: v.unsqueeze(0) for k, v in start.items()}
+        for training in (True, False):
+            official.train(training)
+            picked, _, _ = official.clusters_g(query)
+            ctx = Context(training=training, phase="group", buffers=buffers)
+            mine, _ = ours.select_groups(params["keys"], images, rows, ctx)
+            which = "train" if training else "test"
+            out[f"select {which}"] = float((mine != picked[:, 0]).sum())
+            out[f"groups_{which}"] = float(len(set(mine.tolist())))
+        official.eval()
+        official.selection = True
+        logits = official(images)["logits"]
+        mine = ours.forward(params, images, rows, Context(training=False))
+        out["test logits"] = _diff(mine.logits, logits)
+    return out
+
+
 CASES = {
     **{f"coop {p}": ("coop", {"position": p}) for p in ("end", "middle", "front")},
     "coop end csc": ("coop", {"csc": True}),
@@ -308,22 +462,32 @@ CASES = {
     "fedotp vit sinkhorn": ("fedotp", {"ot": "sinkhorn"}),
     "fedotp rn cot eps 0.1": ("fedotp", {"arch": "rn", "eps": 0.1}),
     "fedotp vit cot stop 1e-3": ("fedotp", {"eps": 0.1, "thresh": 1e-3}),
+    "sgpt both phases, counts 5 1 0 3": ("sgpt", {}),
+    "sgpt both phases, no counts yet": ("sgpt", {"counts": (0, 0, 0, 0)}),
 }
 
 
 def run(name: str, folder: Path) -> dict[str, float]:
     kind, args = CASES[name]
-    return (coop_case if kind == "coop" else fedotp_case)(folder, **args)
+    return {"coop": coop_case, "fedotp": fedotp_case, "sgpt": sgpt_case}[kind](folder, **args)
+
+
+def why_not(kind: str) -> str | None:
+    """Why a kind of case cannot run here (its checkout or a dependency is absent), or None."""
+    if kind == "sgpt":
+        return sgpt_missing()
+    if kind == "coop":
+        return missing(COOP, "KaiyangZhou/CoOp", "FPBENCH_PEER_COOP")
+    return missing(FEDOTP, "HongxiaLee/FedOTP", "FPBENCH_PEER_FEDOTP")
 
 
 def main() -> None:
-    for repo, path, var in (("KaiyangZhou/CoOp", COOP, "FPBENCH_PEER_COOP"),
-                            ("HongxiaLee/FedOTP", FEDOTP, "FPBENCH_PEER_FEDOTP")):  # fmt: skip
-        if line := missing(path, repo, var):
-            sys.exit(line)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        for name in CASES:
+        for name, (kind, _) in CASES.items():
+            if line := why_not(kind):
+                print(f"{name:40s} skipped: {line}")
+                continue
             diffs = run(name, Path(tmp))
             print(f"{name:40s} " + "  ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
 
