@@ -9,8 +9,8 @@ feeding a table are those its cells select (suite, method, dataset, partition la
 A rule pins one dotted path of `RunConfig.model_dump(mode="json")` (or the virtual path `seeds`:
 the sorted seeds of each cell over its seeds; or `readings.<key>`: what the method's code
 declares it does where paper and reference code leave a choice, `Method.readings`) to the
-paper's `value`, or, where the rule declares
-a `deviation`, to what fpbench runs instead (`deviation.runs`, with a one-line `reason`).
+paper's `value`, or, where the rule declares a `deviation`, to what fpbench runs instead
+(`deviation.runs`, with a one-line `reason`).
 TOML has no null: the string "null" stands for None. A `match` maps run labels (suite, method,
 dataset, partition) to an fnmatch glob or a list of them: a label matches when it matches any of
 its positive globs (or there are none) and none of its negative ones ("!fedpr" leaves fedpr out).
