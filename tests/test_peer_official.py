@@ -1,5 +1,5 @@
-"""fpbench against the official code of CoOp (PromptFL's prompt learner), FedOTP and SGPT, by
-execution.
+"""fpbench against the official code of CoOp (PromptFL's prompt learner), FedOTP, SGPT and
+FedPR's optimiser, by execution.
 
 The official checkouts are run unmodified by path (benchmarks/peer/official.py says how to get
 them); without them every test here skips with a line saying so. The initial contexts are
@@ -32,7 +32,8 @@ def _official():
 
 OFFICIAL = _official()
 # one case of each in the default run; the rest: pytest -m slow
-FAST = {"coop end", "fedotp vit cot eps 0.1", "sgpt both phases, counts 5 1 0 3"}
+FAST = {"coop end", "fedotp vit cot eps 0.1", "sgpt both phases, counts 5 1 0 3",
+        "fedpr adam-svd, eps 0"}  # fmt: skip
 CASES = [
     pytest.param(name, marks=() if name in FAST else pytest.mark.slow, id=name.replace(" ", "-"))
     for name in OFFICIAL.CASES
@@ -49,6 +50,13 @@ def test_fpbench_computes_what_the_official_code_computes(name, tmp_path):
     kind, args = OFFICIAL.CASES[name]
     _need(kind)
     d = OFFICIAL.run(name, tmp_path)
+    if kind == "fedpr":  # the projector, and the prompts after the projected Adam steps
+        assert d["projector"] < 1e-6
+        if args.get("eps", 1e-8) == 0:
+            assert d["prompts"] < 1e-5 * max(1.0, d["step_max"])
+        else:  # torch's eps placement against AdamSVD's (declared): well below the steps
+            assert d["prompts"] < 1e-3 * d["step_max"]
+        return
     if kind == "sgpt":  # both phases and test time: logits, every trained tensor's gradient
         for key, value in d.items():
             if "logits" in key:

@@ -91,4 +91,5 @@ def test_methods_checked_against_official_code_are_those_the_differential_test_r
         name for name in METHODS.names() if METHODS.get(name).all_readings()["official_check"]
         != "none"
     }  # fmt: skip
-    assert checked == {"promptfl", "fedotp", "sgpt"} and kinds == {"coop", "fedotp", "sgpt"}
+    assert checked == {"promptfl", "fedotp", "sgpt", "fedpr"}
+    assert kinds == {"coop", "fedotp", "sgpt", "fedpr"}

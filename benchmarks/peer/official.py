@@ -3,9 +3,10 @@
 
 Covered: CoOp's prompt learner (KaiyangZhou/CoOp, `trainers/coop.py`: PromptFL's and the CLIP
 methods' text prompts), FedOTP (HongxiaLee/FedOTP, `trainers/GLP_OT.py`: global + local
-prompts matched to image patches by unbalanced optimal transport) and SGPT (ubc-tea/SGPT,
-`models/vit_models_pr.py`: both phases of a round and test time, see `sgpt_case`). Both CLIP
-sides get the same
+prompts matched to image patches by unbalanced optimal transport), SGPT (ubc-tea/SGPT,
+`models/vit_models_pr.py`: both phases of a round and test time, see `sgpt_case`) and FedPR's
+optimiser (chunmeifeng/FedPR, `util/adam_svd.py`, see `fedpr_case`). Both CLIP sides get the
+same
 random CLIP weights (one open_clip state dict, read by fpbench through `open_clip:<config>` and
 by the official code's own `clip.model.build_model`), the same context vectors, class names and
 preprocessed images; the logits, the gradients of the cross-entropy with respect to the context
@@ -14,11 +15,12 @@ and FedOTP's transport plans are compared in fp32 (plans also in fp64).
 The official modules are imported by path from the checkouts (never copied into fpbench); the
 trainer framework they import (Dassl) is replaced by empty stand-ins, since only their model
 classes run. Get the checkouts next to the repository (or set FPBENCH_PEER_COOP,
-FPBENCH_PEER_FEDOTP, FPBENCH_PEER_SGPT):
+FPBENCH_PEER_FEDOTP, FPBENCH_PEER_SGPT, FPBENCH_PEER_FEDPR):
 
     git clone https://github.com/KaiyangZhou/CoOp ../peer/CoOp
     git clone https://github.com/HongxiaLee/FedOTP ../peer/FedOTP
     git clone https://github.com/ubc-tea/SGPT ../peer/SGPT   # + pip install 'fpbench[peer]'
+    git clone https://github.com/chunmeifeng/FedPR ../peer/FedPR
 
 `python benchmarks/peer/official.py` prints the largest differences of every case (a case whose
 checkout is absent prints why); tests/test_peer_official.py asserts them.
@@ -453,6 +455,69 @@ def sgpt_case(folder: Path, counts: tuple[int, ...] = (5, 1, 0, 3), batch: int =
     return out
 
 
+# -- FedPR ---------------------------------------------------------------------------------------
+
+FEDPR = Path(os.environ.get("FPBENCH_PEER_FEDPR", PEER / "FedPR"))
+
+
+def fedpr_missing() -> str | None:
+    if (FEDPR / "util" / "adam_svd.py").is_file():
+        return None
+    return f"official checkout not found at {FEDPR}: " + HOW.format(
+        repo="chunmeifeng/FedPR", path=FEDPR, var="FPBENCH_PEER_FEDPR"
+    )
+
+
+def fedpr_case(folder: Path, eps: float = 1e-8, steps: int = 3, layers: int = 2,
+               tokens: int = 4, dim: int = 16, seed: int = 0) -> dict[str, float]:  # fmt: skip
+    """FedPR's AdamSVD (util/adam_svd.py: Adam whose every update is projected onto the null
+    space of the global prompts) against fpbench's FedPR path on the same prompts and gradients.
+
+    The official optimiser takes `steps` steps on the prompts P (L, p, d) after its
+    `get_eigens` / `get_transforms` on the global prompts; fpbench trains the unprojected update
+    Z with its Adam (the engine's `make_optimizer("adam")`) and uses P + project(Z). With
+    p = `tokens` >= the dropped floor(0.2 d) directions the dropped subspace lies in the
+    prompts' row space and the projector is unique (with p = 1, as the suites run, it also
+    drops an arbitrary basis of the null space, LAPACK's choice on both sides). Returns the
+    largest absolute differences of the `projector` and of the `prompts` after the steps, and
+    for scale `step_max` (the largest change of a prompt entry).
+    """
+    from fpbench.engine.optim import make_optimizer
+    from fpbench.methods.fedpr import null_space_projector, project, project_straight_through
+
+    with _isolated(FEDPR, {}, ("util",)):
+        adam_svd = importlib.import_module("util.adam_svd")
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randn(layers, tokens, dim, generator=gen)  # the global prompts
+    grads = [torch.randn(layers, tokens, dim, generator=gen) * 0.01 for _ in range(steps)]
+
+    theirs = prompts.clone().requires_grad_(True)
+    opt = adam_svd.AdamSVD([{"params": [theirs], "svd": True, "thres": 600.0}], lr=0.1, eps=eps,
+                           ratio=0.8)  # fmt: skip
+    theirs.grad = torch.zeros_like(theirs)  # get_eigens / get_transforms skip grad-less tensors
+    opt.get_eigens({0: torch.bmm(prompts.transpose(1, 2), prompts)})
+    opt.get_transforms()
+    for g in grads:
+        theirs.grad = g.clone()
+        opt.step()
+
+    proj = null_space_projector(prompts, keep_ratio=0.8)
+    update = torch.zeros(1, layers, tokens, dim, requires_grad=True)  # (K = 1, L, p, d)
+    ours = make_optimizer("adam", [update], lr=0.1, momentum=0.9, weight_decay=0.0,
+                          grad_clip=None)  # fmt: skip
+    ours.eps = eps
+    for g in grads:  # the gradient reaches the update straight through the projection
+        ours.zero_grad()
+        (project_straight_through(update, proj) * g.unsqueeze(0)).sum().backward()
+        ours.step(torch.ones(1, dtype=torch.bool))
+    mine = prompts + project(update.detach(), proj)[0]
+    return {
+        "projector": _diff(proj, opt.transforms[theirs]),
+        "prompts": _diff(mine, theirs),
+        "step_max": float((theirs.detach() - prompts).abs().max()),
+    }
+
+
 CASES = {
     **{f"coop {p}": ("coop", {"position": p}) for p in ("end", "middle", "front")},
     "coop end csc": ("coop", {"csc": True}),
@@ -464,18 +529,23 @@ CASES = {
     "fedotp vit cot stop 1e-3": ("fedotp", {"eps": 0.1, "thresh": 1e-3}),
     "sgpt both phases, counts 5 1 0 3": ("sgpt", {}),
     "sgpt both phases, no counts yet": ("sgpt", {"counts": (0, 0, 0, 0)}),
+    "fedpr adam-svd, eps 0": ("fedpr", {"eps": 0.0}),
+    "fedpr adam-svd, eps 1e-8": ("fedpr", {}),
 }
 
 
 def run(name: str, folder: Path) -> dict[str, float]:
     kind, args = CASES[name]
-    return {"coop": coop_case, "fedotp": fedotp_case, "sgpt": sgpt_case}[kind](folder, **args)
+    cases = {"coop": coop_case, "fedotp": fedotp_case, "sgpt": sgpt_case, "fedpr": fedpr_case}
+    return cases[kind](folder, **args)
 
 
 def why_not(kind: str) -> str | None:
     """Why a kind of case cannot run here (its checkout or a dependency is absent), or None."""
     if kind == "sgpt":
         return sgpt_missing()
+    if kind == "fedpr":
+        return fedpr_missing()
     if kind == "coop":
         return missing(COOP, "KaiyangZhou/CoOp", "FPBENCH_PEER_COOP")
     return missing(FEDOTP, "HongxiaLee/FedOTP", "FPBENCH_PEER_FEDOTP")
