@@ -104,6 +104,8 @@ class FedPR(FedVPTDeep):
         "official_check": "differential",
         # torch's Adam adds eps after the bias correction; FedPR's AdamSVD before it
         "adam_eps": "after-bias-correction",
+        # FedPR keeps each client's AdamSVD (moments, step count) across rounds
+        "optimizer_state": "fresh-per-round",
     }
 
     def init_server(self, gen: torch.Generator) -> ServerState:
