@@ -138,8 +138,9 @@ def weights(arch: dict, name: str, folder: Path, seed: int = 0) -> tuple[Path, d
     cfg.write_text(json.dumps(arch))
     if name not in open_clip.list_models():
         open_clip.add_model_config(cfg)
-    torch.manual_seed(seed)
-    model = open_clip.create_model(name, pretrained=None)
+    with torch.random.fork_rng():  # leaves the caller's global generator as it was
+        torch.manual_seed(seed)
+        model = open_clip.create_model(name, pretrained=None)
     state = model.state_dict()
     path = folder / f"{name}.pth"
     torch.save(state, path)
@@ -199,8 +200,9 @@ def coop_case(folder: Path, position: str = "end", csc: bool = False, ctx_init: 
     path, state = weights(VIT, "fpbench-peer-vit", folder)
     theirs = official_clip(clip_model, state)
     cfg = _cfg("COOP", 32, N_CTX=n_ctx, CTX_INIT=ctx_init, CSC=csc, CLASS_TOKEN_POSITION=position)
-    torch.manual_seed(seed)  # the official random init draws from the global generator
-    official = coop.CustomCLIP(cfg, CLASSES, theirs)
+    with torch.random.fork_rng():  # the official random init draws from the global generator
+        torch.manual_seed(seed)
+        official = coop.CustomCLIP(cfg, CLASSES, theirs)
     backbone = fpbench_backbone("fpbench-peer-vit", path)
     ours = fpbench_method("promptfl", backbone, n_ctx=n_ctx, class_token_position=position,
                           csc=csc, ctx_init=ctx_init or None)  # fmt: skip
@@ -257,8 +259,9 @@ def fedotp_case(folder: Path, arch: str = "vit", eps: float = 0.1, thresh: float
     top = {"cot": "COT", "sinkhorn": "Sinkhorn"}[ot]
     cfg = _cfg("GLP_OT", size, N_CTX=n_ctx, CTX_INIT="", CSC=False, CLASS_TOKEN_POSITION="end",
                N=2, EPS=eps, THRESH=thresh, OT=top, TOP_PERCENT=0.8, MAX_ITER=100)  # fmt: skip
-    torch.manual_seed(seed)  # the official random init draws from the global generator
-    official = glp.CustomCLIP(cfg, CLASSES, theirs)
+    with torch.random.fork_rng():  # the official random init draws from the global generator
+        torch.manual_seed(seed)
+        official = glp.CustomCLIP(cfg, CLASSES, theirs)
     backbone = fpbench_backbone(name, path)
     ours = fpbench_method("fedotp", backbone, n_ctx=n_ctx, eps=eps, thresh=max(thresh, 1e-300),
                           ot=ot, rho=0.8, max_iter=100)  # fmt: skip
@@ -369,7 +372,8 @@ def sgpt_case(folder: Path, counts: tuple[int, ...] = (5, 1, 0, 3), batch: int =
               share_blocks_g=list(SGPT_LAYOUT["group_layers"]), n_prompt=1,
               dataset="cifar100", device="cpu", domain_query=False)  # fmt: skip
     c = len(CLASSES)
-    official = vit.VisionTransformer_m(cfg, 224, num_classes=c, args=args)
+    with torch.random.fork_rng():  # its own inits draw from the global generator
+        official = vit.VisionTransformer_m(cfg, 224, num_classes=c, args=args)
     official.load_from(np.load(npz))
     official.freeze()
 
