@@ -76,8 +76,11 @@ class RuntimeConfig(_Strict):
 
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     executor: Literal["reference", "lockstep"] = "lockstep"
-    precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="auto: bf16 autocast on CUDA, fp32 on CPU"
+    precision: Literal["auto", "fp32", "bf16", "bf16-frozen"] = Field(
+        "auto",
+        description="auto: bf16 autocast on CUDA, fp32 on CPU; bf16-frozen: bf16 autocast and a "
+        "ViT's frozen blocks held and computed in bf16 end to end (faster; a bf16 residual "
+        "stream)",
     )
     compile: bool = Field(False, description="torch.compile the backbone's blocks")
     cache_features: bool = Field(

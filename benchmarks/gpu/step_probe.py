@@ -11,7 +11,8 @@ choice), through the engine's own round (`play_round`):
 1. rounds of the cell, each timed (the round's new clients' frozen queries computed first, timed
    apart), one of them under torch.profiler: the device's busy fraction (kernel time / wall) and
    the op tables by device and by CPU time; the FLOPs of a round (torch's counter) and TFLOP/s;
-2. the same round with deterministic mode off, and with `runtime.compile`;
+2. the same round with deterministic mode off, and rounds with `runtime.compile` and with
+   `runtime.precision = "bf16-frozen"` (alone and compiled);
 3. the frozen Select queries of N samples computed in fp32, TF32 and bf16: time of each and how
    often the chosen group (nearest key; FGPT's top-k) differs from fp32's.
 """
@@ -187,7 +188,13 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--profile-out", type=Path)
     ap.add_argument("--select-samples", type=int, default=8192)
-    ap.add_argument("--skip", nargs="*", default=[], help="rounds select-sgpt select-fgpt compile")
+    ap.add_argument(
+        "--skip",
+        nargs="*",
+        default=[],
+        help="steps to leave out: rounds select-sgpt select-fgpt bf16+compile bf16-frozen "
+        "bf16-frozen+compile",
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backbone", help="another backbone (a quick check only)")
     ap.add_argument("--max-steps", type=int, help="train.max_local_steps (a quick check only)")
@@ -210,7 +217,9 @@ def main() -> None:
                 cell("fgpt-table1", "fgpt"), args.select_samples, 1, out, "select_fgpt"
             ),
         ),  # fmt: skip
-        ("compile", lambda: probe_compile(sgpt, out)),
+        ("bf16+compile", lambda: probe_variant(sgpt, out, "bf16", True)),
+        ("bf16-frozen", lambda: probe_variant(sgpt, out, "bf16-frozen", False)),
+        ("bf16-frozen+compile", lambda: probe_variant(sgpt, out, "bf16-frozen", True)),
     ]
     for name, fn in steps:
         if name in args.skip:
@@ -226,17 +235,25 @@ def main() -> None:
             args.json.write_text(json.dumps(out, indent=2, default=str))
 
 
-def probe_compile(cfg, out: dict) -> None:
-    cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"compile": True})})
+def probe_variant(cfg, out: dict, precision: str, compiled: bool, rounds: int = 3) -> None:
+    """`rounds` rounds of the cell at this precision, compiled or not: each round's seconds
+    (the first includes compiling) and, with the baseline's FLOPs, TFLOP/s of the last."""
+    runtime = cfg.runtime.model_copy(update={"compile": compiled, "precision": precision})
+    cfg = cfg.model_copy(update={"runtime": runtime})
+    name = f"{precision}{'+compile' if compiled else ''}"
     with cell_numerics(cfg):
         _, task, pops, server, schedule = build(cfg)
         times = []
-        for r in range(3):
+        for r in range(rounds):
             frozen_first(pops, task, schedule[r])
             server, s = timed_round(pops, server, task, cfg, r, schedule[r])
             times.append(s)
-            print(f"compiled round {r}: {s:.2f} s", flush=True)
-        out["compile_round_s"] = times
+            print(f"{name} round {r}: {s:.2f} s", flush=True)
+    fig: dict = {"round_s": times}
+    if "round_flops" in out:
+        fig["tflops"] = out["round_flops"] / min(times[1:] or times) / 1e12
+    out.setdefault("variants", {})[name] = fig
+    print(name, json.dumps(fig), flush=True)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ def estimate_cmd(
         list[str] | None, typer.Option(help="only these methods' shapes (repeatable)")
     ] = None,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
-    precision: Annotated[str, typer.Option(help="auto, fp32 or bf16")] = "auto",
+    precision: Annotated[str, typer.Option(help="auto, fp32, bf16 or bf16-frozen")] = "auto",
     rounds: Annotated[int, typer.Option(min=1, help="rounds measured per shape")] = 2,
     max_shapes: Annotated[
         int | None, typer.Option(min=0, help="measure only the first N shapes")
@@ -57,8 +57,10 @@ def estimate_cmd(
     from fpbench.estimate import ASSUMPTIONS, as_dict, estimate
     from fpbench.suites import load_suite
 
-    if precision not in ("auto", "fp32", "bf16"):
-        raise FpbenchError(f"--precision must be auto, fp32 or bf16, got {precision!r}")
+    if precision not in ("auto", "fp32", "bf16", "bf16-frozen"):
+        raise FpbenchError(
+            f"--precision must be auto, fp32, bf16 or bf16-frozen, got {precision!r}"
+        )
     loaded = load_suite(suite)
     if method:
         loaded = loaded.model_copy(update={"cells": tuple(select_cells(loaded, method))})

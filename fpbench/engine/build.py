@@ -41,9 +41,14 @@ def build_method(
     ).to(device)
     if cfg.backbone.mean is not None:  # the suite's input normalisation (e.g. the reference code's)
         backbone.mean, backbone.std = cfg.backbone.mean, cfg.backbone.std
+    if resolve_precision(cfg.runtime.precision, device) == "bf16-frozen" and hasattr(
+        backbone, "hold_bf16_blocks"
+    ):
+        backbone.hold_bf16_blocks()
     if cfg.runtime.compile and hasattr(backbone, "vit"):
-        for block in backbone.vit.blocks:
-            block.compile(dynamic=True)
+        for blocks in (backbone.vit.blocks, *getattr(backbone, "_bf16_blocks", ())):
+            for block in blocks:
+                block.compile(dynamic=True)
     method_cls = METHODS.get(cfg.method.name)
     info = TaskInfo(
         num_classes=task.data.num_classes,
