@@ -195,6 +195,7 @@ def main() -> None:
         help="steps to leave out: rounds select-sgpt select-fgpt bf16+compile bf16-frozen "
         "bf16-frozen+compile",
     )
+    ap.add_argument("--round-flops", type=float, help="a round's FLOPs, where rounds is skipped")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backbone", help="another backbone (a quick check only)")
     ap.add_argument("--max-steps", type=int, help="train.max_local_steps (a quick check only)")
@@ -203,6 +204,7 @@ def main() -> None:
     DEVICE = torch.device(args.device)
     if args.backbone:
         OVERRIDES["backbone"] = {"name": args.backbone}
+    OVERRIDES["round_flops"] = args.round_flops
     if args.max_steps:
         OVERRIDES["train"] = {"max_local_steps": args.max_steps}
     gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu"
@@ -219,7 +221,7 @@ def main() -> None:
         ),  # fmt: skip
         ("bf16+compile", lambda: probe_variant(sgpt, out, "bf16", True)),
         ("bf16-frozen", lambda: probe_variant(sgpt, out, "bf16-frozen", False)),
-        ("bf16-frozen+compile", lambda: probe_variant(sgpt, out, "bf16-frozen", True)),
+        ("bf16-frozen+compile", lambda: probe_variant(sgpt, out, "bf16-frozen", True, 3, True)),
     ]
     for name, fn in steps:
         if name in args.skip:
@@ -235,9 +237,12 @@ def main() -> None:
             args.json.write_text(json.dumps(out, indent=2, default=str))
 
 
-def probe_variant(cfg, out: dict, precision: str, compiled: bool, rounds: int = 3) -> None:
+def probe_variant(
+    cfg, out: dict, precision: str, compiled: bool, rounds: int = 3, profiled: bool = False
+) -> None:
     """`rounds` rounds of the cell at this precision, compiled or not: each round's seconds
-    (the first includes compiling) and, with the baseline's FLOPs, TFLOP/s of the last."""
+    (the first includes compiling) and, with the baseline's FLOPs, TFLOP/s of the fastest
+    after the first; `profiled`: the last round under torch.profiler, its op table printed."""
     runtime = cfg.runtime.model_copy(update={"compile": compiled, "precision": precision})
     cfg = cfg.model_copy(update={"runtime": runtime})
     name = f"{precision}{'+compile' if compiled else ''}"
@@ -249,8 +254,18 @@ def probe_variant(cfg, out: dict, precision: str, compiled: bool, rounds: int = 
             server, s = timed_round(pops, server, task, cfg, r, schedule[r])
             times.append(s)
             print(f"{name} round {r}: {s:.2f} s", flush=True)
+        if profiled:
+            from torch.profiler import ProfilerActivity, profile
+
+            frozen_first(pops, task, schedule[rounds])
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                _, s = timed_round(pops, server, task, cfg, rounds, schedule[rounds])
+            print(f"{name} profiled round: {s:.2f} s, busy {busy_fraction(prof, s):.0%}")
+            table = prof.key_averages()
+            print(table.table(sort_by="self_device_time_total", row_limit=22), flush=True)
     fig: dict = {"round_s": times}
-    if "round_flops" in out:
+    out.setdefault("round_flops", OVERRIDES.get("round_flops"))
+    if out["round_flops"]:
         fig["tflops"] = out["round_flops"] / min(times[1:] or times) / 1e12
     out.setdefault("variants", {})[name] = fig
     print(name, json.dumps(fig), flush=True)
