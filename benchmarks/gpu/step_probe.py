@@ -193,7 +193,7 @@ def main() -> None:
         nargs="*",
         default=[],
         help="steps to leave out: rounds select-sgpt select-fgpt bf16+compile bf16-frozen "
-        "bf16-frozen+compile",
+        "bf16-frozen+compile bf16-frozen+cudnn bf16-frozen+compile+cudnn",
     )
     ap.add_argument("--round-flops", type=float, help="a round's FLOPs, where rounds is skipped")
     ap.add_argument("--device", default="cuda")
@@ -222,6 +222,14 @@ def main() -> None:
         ("bf16+compile", lambda: probe_variant(sgpt, out, "bf16", True)),
         ("bf16-frozen", lambda: probe_variant(sgpt, out, "bf16-frozen", False)),
         ("bf16-frozen+compile", lambda: probe_variant(sgpt, out, "bf16-frozen", True, 3, True)),
+        (
+            "bf16-frozen+cudnn",
+            lambda: probe_variant(sgpt, out, "bf16-frozen", False, 2, True, "cudnn"),
+        ),  # fmt: skip
+        (
+            "bf16-frozen+compile+cudnn",
+            lambda: probe_variant(sgpt, out, "bf16-frozen", True, 3, False, "cudnn"),
+        ),  # fmt: skip
     ]
     for name, fn in steps:
         if name in args.skip:
@@ -237,16 +245,37 @@ def main() -> None:
             args.json.write_text(json.dumps(out, indent=2, default=str))
 
 
+@contextlib.contextmanager
+def attention(backend: str | None):
+    """SDPA with `backend` first ("cudnn"), or PyTorch's own choice (None)."""
+    if backend is None:
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+    order += [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel(order, set_priority=True):
+        yield
+
+
 def probe_variant(
-    cfg, out: dict, precision: str, compiled: bool, rounds: int = 3, profiled: bool = False
+    cfg,
+    out: dict,
+    precision: str,
+    compiled: bool,
+    rounds: int = 3,
+    profiled: bool = False,
+    sdpa: str | None = None,
 ) -> None:
-    """`rounds` rounds of the cell at this precision, compiled or not: each round's seconds
-    (the first includes compiling) and, with the baseline's FLOPs, TFLOP/s of the fastest
-    after the first; `profiled`: the last round under torch.profiler, its op table printed."""
+    """`rounds` rounds of the cell at this precision, compiled or not, attention `sdpa`: each
+    round's seconds (the first includes compiling) and, with the baseline's FLOPs, TFLOP/s of
+    the fastest after the first; the last round played twice from one state (bit-identical
+    parameters: deterministic); `profiled`: that round under torch.profiler, its op table."""
     runtime = cfg.runtime.model_copy(update={"compile": compiled, "precision": precision})
     cfg = cfg.model_copy(update={"runtime": runtime})
-    name = f"{precision}{'+compile' if compiled else ''}"
-    with cell_numerics(cfg):
+    name = f"{precision}{'+compile' if compiled else ''}{f'+{sdpa}' if sdpa else ''}"
+    with cell_numerics(cfg), attention(sdpa):
         _, task, pops, server, schedule = build(cfg)
         times = []
         for r in range(rounds):
@@ -254,16 +283,20 @@ def probe_variant(
             server, s = timed_round(pops, server, task, cfg, r, schedule[r])
             times.append(s)
             print(f"{name} round {r}: {s:.2f} s", flush=True)
+        frozen_first(pops, task, schedule[rounds])
+        once = timed_round(pops, server, task, cfg, rounds, schedule[rounds])[0]
         if profiled:
             from torch.profiler import ProfilerActivity, profile
 
-            frozen_first(pops, task, schedule[rounds])
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                _, s = timed_round(pops, server, task, cfg, rounds, schedule[rounds])
+                twice, s = timed_round(pops, server, task, cfg, rounds, schedule[rounds])
             print(f"{name} profiled round: {s:.2f} s, busy {busy_fraction(prof, s):.0%}")
             table = prof.key_averages()
             print(table.table(sort_by="self_device_time_total", row_limit=22), flush=True)
-    fig: dict = {"round_s": times}
+        else:
+            twice = timed_round(pops, server, task, cfg, rounds, schedule[rounds])[0]
+        same = all(torch.equal(once.params[k], twice.params[k]) for k in once.params)
+    fig: dict = {"round_s": times, "deterministic": same}
     out.setdefault("round_flops", OVERRIDES.get("round_flops"))
     if out["round_flops"]:
         fig["tflops"] = out["round_flops"] / min(times[1:] or times) / 1e12
