@@ -242,7 +242,7 @@ def measure(
         update={"rounds": max(cfg.train.rounds, rounds + 1), "eval_every": 10**9, "eval_last": 0}
     )
     runtime = cfg.runtime.model_copy(  # fake features are kept in memory, never on disk
-        update={"precision": precision, "feature_cache_dir": None}
+        update={"precision": precision, "cache_features": cfg.runtime.cache_features and "memory"}
     )
     cfg = _offline_args(cfg).model_copy(
         update={"train": train, "runtime": runtime, "model_het": None}
