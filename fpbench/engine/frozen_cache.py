@@ -40,16 +40,18 @@ FrozenPrecision = Literal["fp32", "tf32", "bf16"]
 
 def weights_digest(model: nn.Module) -> str:
     """SHA-256 of every parameter and buffer of `model` (names, dtypes, shapes and bytes);
-    kept on the module, which is frozen, after the first call."""
+    kept on the module until one of its tensors is replaced or changed in place."""
+    state = model.state_dict()
+    versions = tuple((id(t), t._version) for t in state.values())
     found = getattr(model, "_fpbench_weights_digest", None)
-    if found is not None:
-        return found
+    if found is not None and found[1] == versions:
+        return found[0]
     h = hashlib.sha256()
-    for name, t in model.state_dict().items():
+    for name, t in state.items():
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         h.update(_bytes(t))
     digest = h.hexdigest()
-    model._fpbench_weights_digest = digest  # type: ignore[assignment]
+    model._fpbench_weights_digest = (digest, versions)  # type: ignore[assignment]
     return digest
 
 
