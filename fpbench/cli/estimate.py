@@ -90,10 +90,8 @@ def estimate_cmd(
         some = sum(e.cells for e in measured)
         scope = "" if some == cells else f" (the {some} of {cells} cells measured)"
         peak = max((e.measured.peak_mem_bytes or 0 for e in measured), default=0)
-        console.print(
-            f"suite {loaded.name}: {total / 3600:,.3f} device-hours on {dev}{scope}, "
-            f"peak memory of a cell {human_bytes(peak or None)}"
-        )
+        console.print(f"suite {loaded.name}: {total / 3600:,.3f} device-hours on {dev}{scope}")
+        console.print(f"peak memory of a cell: {human_bytes(peak or None)}")
     for e in found:
         if e.error:
             err.print(f"shape {e.shape.method} / {e.shape.backbone} not measured: {e.error}")

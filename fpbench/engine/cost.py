@@ -4,7 +4,8 @@ Peak memory: on CUDA, the most memory PyTorch's allocator held for tensors while
 (`torch.cuda.max_memory_allocated`, reset when the cell starts); on the CPU, the process's peak
 resident set: Linux's high-water mark (`VmHWM`), reset when the cell starts by writing 5 to
 `/proc/self/clear_refs`, or where that cannot be done, `resource.getrusage`'s `ru_maxrss`, the
-peak of the whole process so far (earlier cells of the same process included).
+peak of the whole process so far (earlier cells of the same process included). Both count
+every page the process holds (Python, PyTorch and the data included), not only tensors.
 
 FLOPs: `torch.utils.flop_counter.FlopCounterMode` counts the matrix products, convolutions and
 attention of the first round a run plays (forward and backward, training and, where that round
