@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fpbench.lazy import torch
 
@@ -35,14 +35,9 @@ class ImageDataset:
     # Office / DomainNet clients by it); None where the dataset does not record it
     domain_train_sizes: torch.Tensor | None = None
     # a stable id of the contents where the maker knows one (fake data: its seed and shape);
-    # None: `fingerprint` hashes the contents
+    # None: `fingerprint` hashes the contents (`dataclasses.replace` keeps it: set it only on
+    # data that is never edited)
     identity: str | None = None
-    _digest: tuple[str, tuple[int, ...]] | None = field(
-        default=None, init=False, repr=False, compare=False
-    )
-    _origin: tuple[ImageDataset, tuple[tuple[int, ...], tuple[int, ...]]] | None = field(
-        default=None, init=False, repr=False, compare=False
-    )
 
     @property
     def num_classes(self) -> int:
@@ -58,13 +53,16 @@ class ImageDataset:
         dataset (and shared with its `moved` copies), on the CPU."""
         if self.identity is not None:
             return self.identity
-        if self._origin is not None:
-            origin, ids = self._origin  # unchanged on either side since the move: the same data
-            if ids == (origin._tensor_ids(), self._tensor_ids()):
-                return origin.fingerprint()
-        if self._digest is None or self._digest[1] != self._tensor_ids():
-            self._digest = (self._hash(), self._tensor_ids())
-        return self._digest[0]
+        # kept as plain attributes, not fields: `dataclasses.replace` and saving leave them out
+        origin = getattr(self, "_origin", None)
+        if origin is not None:
+            source, ids = origin  # unchanged on either side since the move: the same data
+            if ids == (source._tensor_ids(), self._tensor_ids()):
+                return source.fingerprint()
+        digest = getattr(self, "_digest", None)
+        if digest is None or digest[1] != self._tensor_ids():
+            digest = self._digest = (self._hash(), self._tensor_ids())
+        return digest[0]
 
     def moved(self, device: torch.device | str) -> ImageDataset:
         """The dataset with its images and labels on `device` (same fingerprint, computed on
