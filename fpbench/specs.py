@@ -83,10 +83,24 @@ class RuntimeConfig(_Strict):
         "stream)",
     )
     compile: bool = Field(False, description="torch.compile the backbone's blocks")
-    cache_features: bool = Field(
-        True, description="compute frozen features and queries once per sample, when first needed"
+    cache_features: bool | Literal["memory"] = Field(
+        True,
+        description="compute frozen features and queries once per sample, when first needed, "
+        "and keep them in memory and on disk (true), in this process's memory only "
+        '("memory"), or not at all (false: every batch computes them anew)',
     )
-    feature_cache_dir: str | None = Field(None, description="also keep them on disk here")
+    feature_cache_dir: str | None = Field(
+        None,
+        description="where frozen features and queries are kept on disk, keyed by what "
+        "determines them (see fpbench.engine.frozen_cache); None: the `frozen` folder of "
+        "fpbench's cache ($FPBENCH_CACHE, else ~/.cache/fpbench); `fpbench cache info` shows it",
+    )
+    frozen_precision: Literal["fp32", "tf32", "bf16"] = Field(
+        "fp32",
+        description="precision of the frozen passes (Select queries, cached features), whatever "
+        "the run's: fp32; tf32 (TF32 matrix products on CUDA, fp32 elsewhere); bf16 (autocast). "
+        "How often Select's group choice changes with tf32 / bf16: not measured yet",
+    )
     deterministic: bool = Field(
         True,
         description="deterministic kernels: results bit-identical across processes, resumes and "
