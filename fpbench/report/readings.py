@@ -3,8 +3,9 @@ to it.
 
 A paper data file (`benchmarks/papers/<paper>.toml`) carries `[[readings]]` blocks beside its
 `[[tables]]` and `[[protocol]]`: `tables` (numbers), optional `columns` and `rows` (fnmatch globs
-over the column and row keys, "!" excludes, default all), the `metric` those cells read and its
-`source` (a checkable one, see `fpbench.report.sources`). Every cell fpbench fills (its spec names
+over the column and row keys, "!" excludes, default all), the `metric` those cells read, its
+`source` (a checkable one, see `fpbench.report.sources`) and optionally a `reason` (why that
+metric is the paper's reading). Every cell fpbench fills (its spec names
 a suite, a method and a metric) must be covered by exactly one reading, and read its metric.
 """
 
@@ -31,6 +32,7 @@ class Reading:
     rows: tuple[str, ...]
     metric: str
     source: str
+    reason: str = ""
 
     def selects(self, table: int, row: str, column: str) -> bool:
         from fpbench.report.protocol import _label_matches
@@ -61,12 +63,12 @@ def parse_readings(data: Mapping[str, Any], where: str = "<memory>") -> list[Rea
 
 def _reading(i: int, raw: Mapping[str, Any], where: str) -> Reading:
     at = f"{where} readings block {i + 1}"
-    keys = {"tables", "columns", "rows", "metric", "source"}
+    keys = {"tables", "columns", "rows", "metric", "source", "reason"}
     unknown, missing = sorted(set(raw) - keys), [k for k in ("tables", "metric", "source")
                                                  if not raw.get(k)]  # fmt: skip
     if unknown or missing:
         raise FpbenchError(
-            f"{at}: needs tables, metric, source (optional columns, rows); "
+            f"{at}: needs tables, metric, source (optional columns, rows, reason); "
             f"unknown {unknown}, missing {missing}"
         )
     if not all(isinstance(t, int) for t in raw["tables"]):
@@ -79,7 +81,7 @@ def _reading(i: int, raw: Mapping[str, Any], where: str) -> Reading:
             raise FpbenchError(f"{at}: {k} is a glob or a list of globs, got {v!r}")
     return Reading(
         i + 1, tuple(raw["tables"]), tuple(globs["columns"]), tuple(globs["rows"]),
-        str(raw["metric"]), str(raw["source"]),
+        str(raw["metric"]), str(raw["source"]), str(raw.get("reason", "")),
     )  # fmt: skip
 
 
