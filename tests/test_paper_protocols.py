@@ -455,7 +455,8 @@ def test_cli_lists_the_declared_deviations_of_a_paper():
     )
     (alpha,) = [line for line in lines if "partition.args.alpha" in line]
     assert [c.strip() for c in alpha.split("|")[1:7]] == [
-        "1", "dataset=five-dataset", "partition.args.alpha", "unstated", "sec. 5.1", "1000.0",
+        "1", "dataset=five-dataset", "partition.args.alpha", "unstated",
+        'sec. 5.1: "with every 4 clients originating from the same dataset"', "1000.0",
     ]  # fmt: skip
 
 
