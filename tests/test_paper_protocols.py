@@ -273,6 +273,31 @@ def test_match_takes_glob_lists_and_negations(tmp_path):
             assert len(check(paper, blocks, cells)) == hits, match
 
 
+def test_match_config_selects_cells_by_their_resolved_config(tmp_path):
+    rule = (
+        '{ path = "train.batch_size", value = 40, source = "x", '
+        "match = { method = %s, config = { method = { name = %s } } } }"
+    )
+    for method, name, hits in [('"*"', '"fedvpt"', 1), ('"head-*"', '"fedvpt"', None)]:
+        paper, blocks, cells = _paper(
+            tmp_path, f"[[protocol]]\ntables = [1]\nrules = [{rule % (method, name)}]\n"
+        )
+        if hits is None:
+            with pytest.raises(FpbenchError, match="matches no suite cell"):
+                check(paper, blocks, cells)
+        else:
+            assert [f.cell for f in check(paper, blocks, cells)] == [
+                "tiny: fedvpt/synthetic/pathological"
+            ]
+    assert deviations(parse_protocol({"protocol": [{"tables": [1], "rules": [{
+        "path": "a", "value": 1, "source": "s", "deviation": {"runs": 2, "reason": "r"},
+        "match": {"config": {"train": {"local_epochs": 2}}},
+    }]}]}))[0]["match"] == "train.local_epochs=2"  # fmt: skip
+    with pytest.raises(FpbenchError, match="non-empty table"):
+        parse_protocol({"protocol": [{"tables": [1], "match": {"config": 2}, "rules": [
+            {"path": "a", "value": 1, "source": "s"}]}]})  # fmt: skip
+
+
 def test_protocol_equality():
     assert same(1.0, 1) and same([0.5, 1], (0.5, 1.0)) and same(None, "null")
     assert not same(0.01, 0.0100001) and not same(True, 1) and not same([1, 2], [1])

@@ -11,7 +11,9 @@ the sorted seeds of each cell over its seeds) to the paper's `value`, or, where 
 a `deviation`, to what fpbench runs instead (`deviation.runs`, with a one-line `reason`).
 TOML has no null: the string "null" stands for None. A `match` maps run labels (suite, method,
 dataset, partition) to an fnmatch glob or a list of them: a label matches when it matches any of
-its positive globs (or there are none) and none of its negative ones ("!fedpr" leaves fedpr out).
+its positive globs (or there are none) and none of its negative ones ("!fedpr" leaves fedpr out);
+`config`, a nested table, selects the cells whose resolved config contains it (as a paper
+table's cells select runs, e.g. FGPT Table 8's rows by `train.local_epochs`).
 
 Completeness: every leaf path of every feeding cell's resolved config (`leaf_paths`) must be
 covered by a rule of a block that selects the cell: *pinned* (a paper value), *declared* (a
@@ -44,6 +46,7 @@ from fpbench.report.paper import PAPERS_DIR, SELECT, Paper, PaperTable, _contain
 UNSTATED = "unstated"
 NULL = "null"
 SEEDS = "seeds"
+CONFIG = "config"
 REL_TOL = 1e-9
 
 
@@ -63,7 +66,7 @@ class Rule:
     path: str
     value: Any
     source: str
-    match: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    match: Mapping[str, Any] = field(default_factory=dict)
     deviation: Deviation | None = None
     free: str | None = None  # why the path cannot change the table's number (no value then)
 
@@ -94,7 +97,7 @@ class Block:
     index: int
     tables: tuple[int, ...]
     rules: tuple[Rule, ...]
-    match: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    match: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -173,12 +176,20 @@ def _block(i: int, raw: Mapping[str, Any], where: str) -> Block:
     return Block(i + 1, tuple(tables), rules, _match(raw.get("match", {}), at))
 
 
-def _match(raw: Any, at: str) -> dict[str, tuple[str, ...]]:
-    if not isinstance(raw, Mapping) or set(raw) - set(SELECT):
-        raise FpbenchError(f"{at}: match takes labels {', '.join(SELECT)}, got {raw!r}")
-    out = {k: tuple(map(str, v)) if isinstance(v, list) else (str(v),) for k, v in raw.items()}
+def _match(raw: Any, at: str) -> dict[str, Any]:
+    if not isinstance(raw, Mapping) or set(raw) - {*SELECT, CONFIG}:
+        raise FpbenchError(f"{at}: match takes labels {', '.join(SELECT)} and config, got {raw!r}")
+    if CONFIG in raw and (not isinstance(raw[CONFIG], Mapping) or not raw[CONFIG]):
+        raise FpbenchError(f"{at}: match config is a non-empty table, got {raw[CONFIG]!r}")
+    out: dict[str, Any] = {
+        k: tuple(map(str, v)) if isinstance(v, list) else (str(v),)
+        for k, v in raw.items()
+        if k != CONFIG
+    }
     if any(not globs for globs in out.values()):
         raise FpbenchError(f"{at}: a match label needs at least one glob, got {raw!r}")
+    if CONFIG in raw:
+        out[CONFIG] = dict(raw[CONFIG])
     return out
 
 
@@ -300,8 +311,11 @@ def check(paper: Paper, blocks: list[Block], cells: list[FedCell]) -> list[Findi
     return findings
 
 
-def _matches(match: Mapping[str, tuple[str, ...]], cell: FedCell) -> bool:
-    return all(_label_matches(cell.label(k), globs) for k, globs in match.items())
+def _matches(match: Mapping[str, Any], cell: FedCell) -> bool:
+    return all(
+        _contains(cell.config, want) if k == CONFIG else _label_matches(cell.label(k), want)
+        for k, want in match.items()
+    )
 
 
 def _label_matches(label: str, globs: tuple[str, ...]) -> bool:
@@ -462,10 +476,10 @@ def deviations(blocks: list[Block]) -> list[dict[str, str]]:
         for rule in block.rules:
             if rule.deviation is None:
                 continue
-            match = [f"{k}={','.join(v)}" for k, v in {**block.match, **rule.match}.items()]
+            match = [_show_match(k, v) for k, v in {**block.match, **rule.match}.items()]
             if set(block.match) & set(rule.match):  # both narrow one label: show both
-                match = [f"{k}={','.join(v)}" for k, v in block.match.items()] + [
-                    f"{k}={','.join(v)}" for k, v in rule.match.items()
+                match = [_show_match(k, v) for k, v in block.match.items()] + [
+                    _show_match(k, v) for k, v in rule.match.items()
                 ]
             rows.append({
                 "tables": ", ".join(map(str, block.tables)),
@@ -477,6 +491,12 @@ def deviations(blocks: list[Block]) -> list[dict[str, str]]:
                 "reason": rule.deviation.reason,
             })  # fmt: skip
     return rows
+
+
+def _show_match(key: str, want: Any) -> str:
+    if key == CONFIG:
+        return " ".join(f"{p}={_show(v)}" for p, v in leaf_paths(want).items())
+    return f"{key}={','.join(want)}"
 
 
 def _show(value: Any) -> str:
