@@ -136,11 +136,12 @@ def _run(store: Store, suite, method, seed, final, *, ds="cifar100", part="path-
         config=cfg or {"train": {"local_epochs": 5}},
         fpbench_version="test", torch_version="test", device="cpu",
     )  # fmt: skip
-    for rnd, acc in enumerate(final):  # SGPT's and FGPT's accuracy columns read acc_pooled
-        metrics = [(None, name, acc, None) for name in ("acc_global", "acc_pooled")]
+    names = ("acc_global", "acc_pooled")  # SGPT's and FGPT's accuracy columns read acc_pooled
+    for rnd, acc in enumerate(final):
+        metrics = [(None, name, acc, None) for name in names]
         if rnd == len(final) - 1:
             mean = sum(final) / len(final)
-            metrics += [(None, f"{name}_last10", mean, None) for name in ("acc_global", "acc_pooled")]
+            metrics += [(None, f"{name}_last10", mean, None) for name in names]
         store.write_round(rec.id, rnd, loss_train=1.0, wall_s=2.0, bytes_up=400, bytes_down=800,
                           metrics=metrics)  # fmt: skip
     return rec.id
