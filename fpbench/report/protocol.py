@@ -2,7 +2,7 @@
 
 A paper data file (`benchmarks/papers/<paper>.toml`, see `fpbench.report.paper`) may carry, beside
 its `[[tables]]`, `[[protocol]]` blocks: rules on the resolved configs of the suite cells that
-feed some of its tables (format: notes/protocol-format.md, summarised in the README). The cells
+feed some of its tables (format: the README section "Paper protocols"). The cells
 feeding a table are those its cells select (suite, method, dataset, partition labels and
 `config`, as `fpbench table --paper` selects runs), taken from `fpbench.suites.load_suite`.
 
