@@ -486,6 +486,19 @@ def test_cli_lists_the_declared_deviations_of_a_paper():
     ]  # fmt: skip
 
 
+def test_cli_deviations_csv_keeps_the_counts_in_a_comment_line():
+    result = CliRunner().invoke(
+        app, ["table", "--paper", "tpfl", "--deviations", "--format", "csv"]
+    )
+    assert result.exit_code == 0, result.output
+    *rows, last = result.output.strip().splitlines()
+    n = paper_coverage("tpfl").counts()
+    assert last.startswith("# tpfl: ") and last.endswith(
+        f"{n['pinned']} pinned, {n['declared']} declared, {n['free']} free"
+    )
+    assert rows[0] == "tables,match,path,paper,source,fpbench runs,reason"
+
+
 def test_cli_deviations_without_a_paper_is_one_clear_error():
     result = CliRunner().invoke(app, ["table", "--deviations"])
     assert result.exit_code == 2

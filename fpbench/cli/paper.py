@@ -87,8 +87,9 @@ def show_deviations(paper: str, fmt: str, out: Path | None) -> None:
         write_or_print(f"paper {paper}: no declared deviations\n\n{counts}", out)
         return
     frame = pd.DataFrame(rows)
-    if fmt != "term":
-        write_or_print(f"{render(frame, fmt).rstrip()}\n\n{counts}", out)
+    if fmt != "term":  # after the table; a comment line in CSV
+        tail = f"# {counts}" if fmt == "csv" else f"\n{counts}"
+        write_or_print(f"{render(frame, fmt).rstrip()}\n{tail}", out)
         return
     from rich.console import Console
     from rich.table import Table
