@@ -70,6 +70,16 @@ def test_every_path_of_every_feeding_cell_is_pinned_declared_or_free(paper):
 
 
 @pytest.mark.parametrize("paper", list_papers())
+def test_precision_and_executor_are_held_to_the_reference_not_freed(paper):
+    kinds = paper_coverage(paper).kinds
+    assert kinds["runtime.precision"] == "declared", kinds["runtime.precision"]  # auto: bf16
+    assert kinds["runtime.executor"] == "declared", kinds["runtime.executor"]  # lockstep
+    partial = any(c.config["train"]["participation"] < 1 for c in feeding_cells(load_paper(paper)))
+    if partial:  # clients may go unsampled: how they are scored is a protocol choice
+        assert kinds["train.unseen_clients"] != "free"
+
+
+@pytest.mark.parametrize("paper", list_papers())
 def test_every_filled_column_reads_a_declared_metric(paper):
     problems = check_readings(load_paper(paper), load_readings(paper))
     assert not problems, "\n".join(problems)
