@@ -281,9 +281,13 @@ def _fed(cfg: Any, tables: set[int]) -> FedCell:
 def check(paper: Paper, blocks: list[Block], cells: list[FedCell]) -> list[Finding]:
     """Every difference between `cells` and the protocol `blocks` of `paper`.
 
+    A glob rule with a value checks every path it covers; a free rule checks nothing (see
+    `coverage` for the paths no rule covers).
+
     Raises:
         FpbenchError: a block naming a table the paper lacks, a block or rule selecting no
-            cell, or a rule path missing from a cell's resolved config (a typo).
+            cell, a rule path missing from a cell's resolved config (a typo), or a glob or free
+            rule that covers no path of its cells.
     """
     numbers = {t.number for t in paper.tables}
     findings: list[Finding] = []
