@@ -7,6 +7,7 @@ in-memory paper and suite.
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -59,9 +60,14 @@ def test_every_deviation_carries_a_reason_and_a_source(paper):
         assert row["reason"].strip() and row["source"].strip(), row
 
 
+@cache
+def _coverage(paper: str):
+    return paper_coverage(paper)
+
+
 @pytest.mark.parametrize("paper", list_papers())
 def test_every_path_of_every_feeding_cell_is_pinned_declared_or_free(paper):
-    cov = paper_coverage(paper)
+    cov = _coverage(paper)
     by_path: dict[str, list[str]] = {}
     for cell, path in cov.uncovered:
         by_path.setdefault(path, []).append(cell)
@@ -71,7 +77,7 @@ def test_every_path_of_every_feeding_cell_is_pinned_declared_or_free(paper):
 
 @pytest.mark.parametrize("paper", list_papers())
 def test_precision_and_executor_are_held_to_the_reference_not_freed(paper):
-    kinds = paper_coverage(paper).kinds
+    kinds = _coverage(paper).kinds
     assert kinds["runtime.precision"] == "declared", kinds["runtime.precision"]  # auto: bf16
     assert kinds["runtime.executor"] == "declared", kinds["runtime.executor"]  # lockstep
     partial = any(c.config["train"]["participation"] < 1 for c in feeding_cells(load_paper(paper)))

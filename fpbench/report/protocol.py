@@ -35,6 +35,7 @@ import fnmatch
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,7 @@ class Rule:
     def kind(self) -> str:
         return FREE if self.free is not None else DECLARED if self.deviation else PINNED
 
-    @property
+    @cached_property
     def is_glob(self) -> bool:
         return any(ch in self.path for ch in "*?[")
 
@@ -87,6 +88,8 @@ class Rule:
         """Whether this rule's path is `leaf` or above it (`seeds` covers `seed`)."""
         if self.path == SEEDS:
             return leaf == "seed"
+        if not self.is_glob:
+            return leaf == self.path or leaf.startswith(self.path + ".")
         return fnmatch.fnmatchcase(leaf, self.path) or fnmatch.fnmatchcase(leaf, self.path + ".*")
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 SILENT = "silent:"
@@ -80,7 +81,12 @@ def normalise(text: str, join_hyphens: bool = False) -> str:
 def occurs(quote: str, text: str) -> bool:
     """Whether `quote` is a passage of `text`, up to whitespace and hyphenated line breaks."""
     q = normalise(quote)
-    return q in normalise(text) or q in normalise(text, join_hyphens=True)
+    return q in _normalised(text, False) or q in _normalised(text, True)
+
+
+@lru_cache(maxsize=32)
+def _normalised(text: str, join_hyphens: bool) -> str:
+    return normalise(text, join_hyphens)  # a paper's text, normalised once for all its quotes
 
 
 def find_text(name: str, shared: Path) -> Path | None:
