@@ -171,11 +171,20 @@ def _create_record(cfg: RunConfig, store: Store, device: torch.device):
         dataset=cfg.dataset.label,
         partition=cfg.partition.label,
         seed=cfg.seed,
-        config=cfg.model_dump(mode="json"),
+        config=stored_config(cfg, device),
         fpbench_version=fpbench.__version__,
         torch_version=torch.__version__,
         device=_device_name(device, cfg),
     )
+
+
+def stored_config(cfg: RunConfig, device: torch.device) -> dict:
+    """The resolved config a run is stored with: its runtime (executor, precision, ...) and
+    train settings (`unseen_clients`, ...) included, the precision as it computes on `device`
+    ("auto" resolved to bf16 or fp32), so each run records the numerics its numbers came from."""
+    config = cfg.model_dump(mode="json")
+    config["runtime"]["precision"] = resolve_precision(cfg.runtime.precision, device)
+    return config
 
 
 def _device_name(device: torch.device, cfg: RunConfig) -> str:
