@@ -48,6 +48,8 @@ ASSUMPTIONS = (
     "frozen passes cover the clients expected to be sampled at least once, and the test split",
     "model heterogeneity: every client timed with the suite's default backbone",
     "the device stays as busy as during the measurement (on a shared machine: as loaded)",
+    "peak memory: as in the measured rounds and evaluation (CUDA: max allocated; CPU: the "
+    "process's peak RSS)",
 )
 
 
@@ -98,6 +100,9 @@ class Measurement:
     frozen_per_sample_s: float  # one train sample's frozen features (0: none)
     test_frozen_s: float  # the test split's frozen pass
     device: str
+    # the peak memory of the measured rounds (CUDA: max allocated; CPU: peak RSS), which a cell
+    # of the shape is expected to reach too (fpbench.engine.cost.PeakMemory)
+    peak_mem_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -204,6 +209,7 @@ def fake_dataset(shape: Shape, device: torch.device, seed: int = 0) -> ImageData
         test_labels=torch.arange(shape.test_size) % c,
         class_names=[f"class {k}" for k in range(c)],
         coarse_of_class=torch.arange(c) * min(c, 20) // c,
+        identity=f"fake:{seed}:{device}:{side}:{shape.train_size}:{shape.test_size}:{c}",
     )
 
 
@@ -228,11 +234,14 @@ def measure(
     """Time the parts of `rounds` rounds of the cell on fake data (see the module docstring),
     through the engine's own round (`fpbench.engine.rounds.play_round`)."""
     from fpbench.engine.build import build_populations
+    from fpbench.engine.cost import PeakMemory
     from fpbench.engine.executor import derive_seed
     from fpbench.engine.rounds import evaluate_populations, play_round, sampling_schedule
     from fpbench.engine.task import task_of
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: the hub is never needed
+    peak = PeakMemory(device)
+    peak.start()
     part = {"num_clients": shape.num_clients, "heldout_frac": shape.heldout_frac}
     if shape.shots is not None:
         part["shots"] = shape.shots
@@ -242,7 +251,7 @@ def measure(
         update={"rounds": max(cfg.train.rounds, rounds + 1), "eval_every": 10**9, "eval_last": 0}
     )
     runtime = cfg.runtime.model_copy(  # fake features are kept in memory, never on disk
-        update={"precision": precision, "feature_cache_dir": None}
+        update={"precision": precision, "cache_features": cfg.runtime.cache_features and "memory"}
     )
     cfg = _offline_args(cfg).model_copy(
         update={"train": train, "runtime": runtime, "model_het": None}
@@ -289,6 +298,7 @@ def measure(
         frozen_per_sample_s=frozen_s / frozen_n if frozen_n else 0.0,
         test_frozen_s=test_frozen,
         device=str(device),
+        peak_mem_bytes=peak.read(),
     )
 
 

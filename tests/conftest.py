@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -50,6 +53,19 @@ name = "head-tune"
 [[methods]]
 name = "fedvpt"
 """
+
+
+@pytest.fixture(autouse=True)
+def _own_cache_folder(tmp_path_factory, monkeypatch) -> Path:
+    """Each test gets its own fpbench cache folder (frozen values, seeded weights), in and
+    below its process; the vit-smoke weights already made in the real one are linked in, not
+    retrained."""
+    real = Path(os.environ.get("FPBENCH_CACHE") or Path.home() / ".cache" / "fpbench")
+    folder = tmp_path_factory.mktemp("fpbench-cache")
+    for weights in real.glob("vit-smoke-*.pth"):
+        (folder / weights.name).symlink_to(weights)
+    monkeypatch.setenv("FPBENCH_CACHE", str(folder))
+    return folder
 
 
 # Method args the tiny federation needs offline (GPT-FL has no generated images here)

@@ -7,6 +7,7 @@ in-memory paper and suite.
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -17,16 +18,24 @@ from fpbench.cli import app
 from fpbench.errors import FpbenchError
 from fpbench.report.paper import PAPERS_DIR, list_papers, load_paper
 from fpbench.report.protocol import (
+    UNSTATED,
     check,
     check_paper,
+    coverage,
     deviations,
     feeding_cells,
+    leaf_paths,
     load_protocol,
+    paper_coverage,
     parse_protocol,
     same,
 )
+from fpbench.report.readings import check_readings, load_readings
+from fpbench.report.sources import anchors, form_problems, occurs, text_problems
 from fpbench.suites import expand_suite
 from tests.conftest import TINY_SUITE_TOML
+
+SHARED = Path(__file__).parents[1].parent / "shared"  # CI: a copy beside the clone, read-only
 
 WITH_PROTOCOL = [
     p
@@ -49,6 +58,66 @@ def test_every_cell_feeding_the_paper_runs_its_protocol(paper):
 def test_every_deviation_carries_a_reason_and_a_source(paper):
     for row in deviations(load_protocol(paper)):
         assert row["reason"].strip() and row["source"].strip(), row
+
+
+@cache
+def _coverage(paper: str):
+    return paper_coverage(paper)
+
+
+@pytest.mark.parametrize("paper", list_papers())
+def test_every_path_of_every_feeding_cell_is_pinned_declared_or_free(paper):
+    cov = _coverage(paper)
+    by_path: dict[str, list[str]] = {}
+    for cell, path in cov.uncovered:
+        by_path.setdefault(path, []).append(cell)
+    lines = [f"{p}  ({len(c)} cells, e.g. {c[0]})" for p, c in sorted(by_path.items())]
+    assert not lines, f"{paper}: {len(lines)} paths no rule covers:\n  " + "\n  ".join(lines)
+
+
+@pytest.mark.parametrize("paper", list_papers())
+def test_precision_and_executor_are_held_to_the_reference_not_freed(paper):
+    kinds = _coverage(paper).kinds
+    assert kinds["runtime.precision"] == "declared", kinds["runtime.precision"]  # auto: bf16
+    assert kinds["runtime.executor"] == "declared", kinds["runtime.executor"]  # lockstep
+    partial = any(c.config["train"]["participation"] < 1 for c in feeding_cells(load_paper(paper)))
+    if partial:  # clients may go unsampled: how they are scored is a protocol choice
+        assert kinds["train.unseen_clients"] != "free"
+
+
+@pytest.mark.parametrize("paper", list_papers())
+def test_every_filled_column_reads_a_declared_metric(paper):
+    problems = check_readings(load_paper(paper), load_readings(paper))
+    assert not problems, "\n".join(problems)
+
+
+def _sources(paper: str) -> list[tuple[str, str, bool]]:
+    """(where, source, unstated) of every pinned or declared rule and every reading."""
+    out = [
+        (f"block {b.index} {r.path}", r.source, r.value == UNSTATED)
+        for b in load_protocol(paper)
+        for r in b.rules
+        if r.free is None
+    ]
+    return out + [(f"reading {r.index}", r.source, False) for r in load_readings(paper)]
+
+
+@pytest.mark.parametrize("paper", list_papers())
+def test_every_source_quotes_the_paper_or_names_a_file_and_line(paper):
+    bad = [f"{w}: {p}" for w, s, u in _sources(paper) for p in form_problems(s, unstated=u)]
+    assert not bad, f"{paper}:\n  " + "\n  ".join(bad)
+
+
+@pytest.mark.skipif(
+    not ((SHARED / "papers").is_dir() and (SHARED / "specs").is_dir()),
+    reason=f"needs the paper texts and specs at {SHARED}/papers and /specs (../shared beside "
+    "the clone)",
+)
+@pytest.mark.parametrize("paper", list_papers())
+def test_every_quote_occurs_in_its_text_and_every_reference_exists(paper):
+    text = (SHARED / "papers" / load_paper(paper).source).read_text()
+    bad = [f"{w}: {p}" for w, s, _ in _sources(paper) for p in text_problems(s, text, SHARED)]
+    assert not bad, f"{paper}:\n  " + "\n  ".join(bad)
 
 
 # -- the checker on a tiny paper ---------------------------------------------------------------
@@ -221,10 +290,191 @@ def test_match_takes_glob_lists_and_negations(tmp_path):
             assert len(check(paper, blocks, cells)) == hits, match
 
 
+def test_match_config_selects_cells_by_their_resolved_config(tmp_path):
+    rule = (
+        '{ path = "train.batch_size", value = 40, source = "x", '
+        "match = { method = %s, config = { method = { name = %s } } } }"
+    )
+    for method, name, hits in [('"*"', '"fedvpt"', 1), ('"head-*"', '"fedvpt"', None)]:
+        paper, blocks, cells = _paper(
+            tmp_path, f"[[protocol]]\ntables = [1]\nrules = [{rule % (method, name)}]\n"
+        )
+        if hits is None:
+            with pytest.raises(FpbenchError, match="matches no suite cell"):
+                check(paper, blocks, cells)
+        else:
+            assert [f.cell for f in check(paper, blocks, cells)] == [
+                "tiny: fedvpt/synthetic/pathological"
+            ]
+    assert deviations(parse_protocol({"protocol": [{"tables": [1], "rules": [{
+        "path": "a", "value": 1, "source": "s", "deviation": {"runs": 2, "reason": "r"},
+        "match": {"config": {"train": {"local_epochs": 2}}},
+    }]}]}))[0]["match"] == "train.local_epochs=2"  # fmt: skip
+    with pytest.raises(FpbenchError, match="non-empty table"):
+        parse_protocol({"protocol": [{"tables": [1], "match": {"config": 2}, "rules": [
+            {"path": "a", "value": 1, "source": "s"}]}]})  # fmt: skip
+
+
 def test_protocol_equality():
     assert same(1.0, 1) and same([0.5, 1], (0.5, 1.0)) and same(None, "null")
     assert not same(0.01, 0.0100001) and not same(True, 1) and not same([1, 2], [1])
     assert not same(0.0, "null") and not same("none", "null")
+
+
+# -- completeness on the tiny paper ----------------------------------------------------------
+
+
+def test_leaf_paths_descend_mappings_and_keep_lists_and_none_as_leaves():
+    config = {"a": {"b": 1, "c": [1, 2], "d": {}}, "e": None, "seed": 0}
+    assert leaf_paths(config) == {"a.b": 1, "a.c": [1, 2], "e": None, "seed": 0}
+
+
+def test_coverage_names_every_uncovered_path_and_counts_the_kinds(tmp_path):
+    paper, blocks, cells = _paper(
+        tmp_path,
+        """
+[[protocol]]
+tables = [1]
+rules = [
+  { path = "train.rounds", value = 2, source = "s" },
+  { path = "train.batch_size", value = 40, source = "s", deviation = { runs = 8, reason = "r" } },
+  { path = "seeds", value = [0], source = "s" },
+  { path = "runtime.*", free = "how the run executes" },
+  { path = "train", free = "everything else of train", match = { method = "fedvpt" } },
+]
+""",
+    )
+    cov = coverage(paper, blocks, cells)
+    uncovered = {p for _, p in cov.uncovered}
+    assert "train.lr" in uncovered and "method.name" in uncovered and "seed" not in uncovered
+    assert not any(p.startswith("runtime.") for p in uncovered)
+    # train.lr is free for fedvpt, uncovered for head-tune only
+    assert [c for c, p in cov.uncovered if p == "train.lr"] == [
+        "tiny: head-tune/synthetic/pathological"
+    ]
+    assert (cov.kinds["train.rounds"], cov.kinds["train.batch_size"], cov.kinds["seed"]) == (
+        "pinned", "declared", "pinned",
+    )  # fmt: skip
+    assert cov.kinds["runtime.precision"] == "free" and cov.kinds["train.lr"] == "free"
+    n = cov.counts()
+    assert n["pinned"] == 2 and n["declared"] == 1
+    assert n["free"] == len(cov.kinds) - 3
+
+
+def test_a_glob_rule_with_a_value_checks_every_path_it_covers(tmp_path):
+    paper, blocks, cells = _paper(
+        tmp_path,
+        """
+[[protocol]]
+tables = [1]
+match = { method = "head-tune" }
+rules = [{ path = "train.augment.*", value = false, source = "s" }]
+""",
+    )
+    (finding,) = check(paper, blocks, cells)  # hflip is False; rotate 0.0 is not False
+    assert (finding.path, finding.got) == ("train.augment.rotate", 0.0)
+
+
+@pytest.mark.parametrize(
+    "rule, message",
+    [
+        ('{ path = "train.nothing*", free = "x" }', "covers no path"),
+        ('{ path = "train.nothing", free = "x" }', "covers no path"),
+    ],
+)
+def test_a_free_rule_covering_nothing_is_an_error(tmp_path, rule, message):
+    paper, blocks, cells = _paper(tmp_path, f"[[protocol]]\ntables = [1]\nrules = [{rule}]\n")
+    with pytest.raises(FpbenchError, match=message):
+        check(paper, blocks, cells)
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        {"path": "a", "free": ""},
+        {"path": "a", "free": "x", "value": 1},
+        {"free": "x"},
+    ],
+)
+def test_a_malformed_free_rule_is_one_clear_error(rule):
+    with pytest.raises(FpbenchError, match="free rule"):
+        parse_protocol({"protocol": [{"tables": [1], "rules": [rule]}]})
+
+
+# -- metric readings on the tiny paper -------------------------------------------------------
+
+
+def _readings(tmp_path: Path, readings: str) -> list[str]:
+    (tmp_path / "tiny.toml").write_text(TINY_PAPER + readings)
+    return check_readings(load_paper("tiny", tmp_path), load_readings("tiny", tmp_path))
+
+
+def test_a_column_reading_its_declared_metric_passes(tmp_path):
+    reading = '[[readings]]\ntables = [1]\nmetric = "acc_global"\nsource = \'"x"\'\n'
+    assert _readings(tmp_path, reading) == []
+
+
+def test_a_column_without_a_reading_or_reading_another_metric_fails(tmp_path):
+    assert _readings(tmp_path, "") == [
+        "tiny table 1 cell ht.acc reads acc_global without a reading rule",
+        "tiny table 1 cell vpt.acc reads acc_global without a reading rule",
+    ]
+    wrong = '[[readings]]\ntables = [1]\nrows = "vpt"\nmetric = "acc_pooled"\nsource = "q"\n'
+    other = '[[readings]]\ntables = [1]\nrows = "!vpt"\nmetric = "acc_global"\nsource = "q"\n'
+    assert _readings(tmp_path, wrong + other) == [
+        "tiny table 1 cell vpt.acc reads acc_global, its reading rule (block 1) says acc_pooled (q)"
+    ]
+    stale = '[[readings]]\ntables = [1]\ncolumns = "nope"\nmetric = "m"\nsource = "q"\n'
+    both = '[[readings]]\ntables = [1]\nmetric = "acc_global"\nsource = "q"\n'
+    assert _readings(tmp_path, both + both + stale) == [
+        "tiny table 1 cell ht.acc: more than one reading rule (blocks 1, 2)",
+        "tiny table 1 cell vpt.acc: more than one reading rule (blocks 1, 2)",
+        "tiny readings block 3 selects no filled cell",
+    ]
+
+
+# -- checkable sources -----------------------------------------------------------------------
+
+
+def test_a_source_needs_a_quote_or_a_file_and_line():
+    assert form_problems('sec. 5.1: "E = 5"') == []
+    assert form_problems("sgpt-reference-code.md:301 (train.sh)") == []
+    assert form_problems("sec. 5.1") and form_problems("ref 3.5")
+    assert form_problems("silent: sec. 4.1 gives no batch size", unstated=True) == []
+    assert form_problems("silent: sec. 4.1", unstated=False)
+    assert form_problems("silent:", unstated=True)
+
+
+def test_anchors_tie_a_quote_to_the_reference_it_follows():
+    found = anchors('a.md:3-4 "x y"; sec. 2 "z"')
+    assert [(a.kind, a.text, a.file, a.first, a.last) for a in found] == [
+        ("ref", "", "a.md", 3, 4), ("quote", "x y", "", 0, 0), ("quote", "z", "", 0, 0),
+    ]  # fmt: skip
+    assert found[1].ref == found[0] and found[2].ref is None
+
+
+def test_quotes_match_up_to_whitespace_and_hyphenated_line_breaks_only():
+    text = "We train for 60 rounds\nwith local epochs E = 5 on proto-\ntypes and few-\nshot data."
+    assert occurs("60 rounds with local epochs E = 5", text)
+    assert occurs("on prototypes", text) and occurs("few-shot data", text)
+    assert not occurs("60 rounds with local epochs E=5", text)
+    assert not occurs("50 rounds", text)
+
+
+def test_text_problems_check_quotes_against_the_paper_or_the_referenced_lines(tmp_path):
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "specs" / "ref.md").write_text("one\n--comm_round 60\nthree\n")
+    paper = "The clients train E = 5 epochs."
+    ok = 'sec. 1: "E = 5 epochs"; ref.md:2 "--comm_round 60"'
+    assert text_problems(ok, paper, tmp_path) == []
+    assert text_problems('ref.md:1 "--comm_round 60"', paper, tmp_path) == [
+        "quote '--comm_round 60' does not occur in ref.md:1"
+    ]
+    assert text_problems('"E = 6"; ref.md:4; nope.md:1', paper, tmp_path) == [
+        "quote 'E = 6' does not occur in the paper",
+        "reference ref.md:4-4: the file has 3 lines",
+        f"reference nope.md:1: no such file under {tmp_path}/{{specs,papers}}",
+    ]
 
 
 # -- the CLI ----------------------------------------------------------------------------------
@@ -238,11 +488,31 @@ def test_cli_lists_the_declared_deviations_of_a_paper():
         " tables ", " match ", " path ", " paper ", " source ", " fpbench runs ", " reason ",
     ]  # fmt: skip
     want = [r["path"] for r in deviations(load_protocol("sgpt"))]
-    assert [line.split("|")[3].strip() for line in lines[2:]] == want
+    assert [line.split("|")[3].strip() for line in lines[2:-1]] == want
+    cov = paper_coverage("sgpt")
+    n = cov.counts()
+    assert lines[-1] == (
+        f"sgpt: {len(cov.paths)} config paths of {len(feeding_cells(load_paper('sgpt')))} "
+        f"feeding cells: {n['pinned']} pinned, {n['declared']} declared, {n['free']} free"
+    )
     (alpha,) = [line for line in lines if "partition.args.alpha" in line]
     assert [c.strip() for c in alpha.split("|")[1:7]] == [
-        "1", "dataset=five-dataset", "partition.args.alpha", "unstated", "sec. 5.1", "1000.0",
+        "1", "dataset=five-dataset", "partition.args.alpha", "unstated",
+        'sec. 5.1: "with every 4 clients originating from the same dataset"', "1000.0",
     ]  # fmt: skip
+
+
+def test_cli_deviations_csv_keeps_the_counts_in_a_comment_line():
+    result = CliRunner().invoke(
+        app, ["table", "--paper", "tpfl", "--deviations", "--format", "csv"]
+    )
+    assert result.exit_code == 0, result.output
+    *rows, last = result.output.strip().splitlines()
+    n = paper_coverage("tpfl").counts()
+    assert last.startswith("# tpfl: ") and last.endswith(
+        f"{n['pinned']} pinned, {n['declared']} declared, {n['free']} free"
+    )
+    assert rows[0] == "tables,match,path,paper,source,fpbench runs,reason"
 
 
 def test_cli_deviations_without_a_paper_is_one_clear_error():

@@ -93,3 +93,47 @@ def test_methods_checked_against_official_code_are_those_the_differential_test_r
     }  # fmt: skip
     assert checked == {"promptfl", "fedotp", "sgpt", "fedpr"}
     assert kinds == {"coop", "fedotp", "sgpt", "fedpr"}
+
+
+NEW_PATHS = {
+    "sdfed": {
+        "method.args.stretch_target": "pinned",
+        "method.args.local_len_range": "pinned",
+        "readings.official_check": "pinned",
+        "readings.optimizer_state": "declared",
+        "readings.ot_stop": "declared",
+        "readings.d": "declared",
+        "readings.generation": "declared",
+    },
+    "sgpt": {
+        "method.args.head_optimizer": "declared",
+        "method.args.head_lr": "declared",
+        "method.args.head_momentum": "declared",
+        "method.args.head_weight_decay": "declared",
+        "readings.adam_eps": "declared",
+        "readings.official_check": "pinned",
+    },
+    "pep-fedpt": {
+        "method.args.head_optimizer": "declared",
+        "method.args.head_lr": "declared",
+        "readings.optimizer_state": "declared",
+        "train.lr_decay": "declared",
+    },
+    "tpfl": {
+        "train.rounds": "declared",
+        "train.lr_schedule": "pinned",
+        "readings.z": "declared",
+        "readings.official_check": "pinned",
+    },
+    "fgpt": {"readings.official_check": "pinned"},
+}
+
+
+def test_the_settings_and_readings_of_part_4_are_leaf_paths_held_by_their_papers_rules():
+    """The new method arguments and the virtual readings.* paths reach the completeness check
+    (as leaf paths of the feeding cells) and are covered by the kind of rule each needs."""
+    from fpbench.report.protocol import paper_coverage
+
+    for paper, want in NEW_PATHS.items():
+        kinds = paper_coverage(paper).kinds
+        assert {path: kinds.get(path) for path in want} == want, paper

@@ -48,14 +48,29 @@ class Rounds(Observer):
         self.last = now
 
 
-def paper_cell(backbone: str, weights: Path, rounds: int, device: str, deterministic: bool):
-    """sgpt-table1's SGPT cell at s = 10 with this backbone, its weights, rounds, device and
-    deterministic mode."""
+def paper_cell(
+    backbone: str,
+    weights: Path,
+    rounds: int,
+    device: str,
+    deterministic: bool,
+    precision: str = "auto",
+    compiled: bool = False,
+):
+    """sgpt-table1's SGPT cell at s = 10 with this backbone, its weights, rounds, device,
+    deterministic mode, precision and compilation."""
     cells = load_suite("sgpt-table1").cells
     (cfg,) = [c for c in cells if c.method.name == "sgpt" and c.partition.label == "path-s10"]
     train = cfg.train.model_copy(update={"rounds": rounds, "eval_last": 0})
     net = cfg.backbone.model_copy(update={"name": backbone, "weights": str(weights)})
-    runtime = cfg.runtime.model_copy(update={"device": device, "deterministic": deterministic})
+    runtime = cfg.runtime.model_copy(
+        update={
+            "device": device,
+            "deterministic": deterministic,
+            "precision": precision,
+            "compile": compiled,
+        }
+    )
     return cfg, cfg.model_copy(update={"train": train, "backbone": net, "runtime": runtime})
 
 
@@ -109,6 +124,8 @@ def main() -> None:
         "--no-deterministic", dest="deterministic", action="store_false",
         help="runtime.deterministic = false (to measure what the mode costs)",
     )  # fmt: skip
+    ap.add_argument("--precision", default="auto", help="runtime.precision (auto: bf16 on CUDA)")
+    ap.add_argument("--compile", action="store_true", help="runtime.compile = true")
     ap.add_argument("--scratch", type=Path, default=Path("/tmp/fpbench-paper-run"))
     ap.add_argument("--json", type=Path, help="also write the figures here")
     ap.add_argument(
@@ -119,7 +136,15 @@ def main() -> None:
     args.scratch.mkdir(parents=True, exist_ok=True)
     weights = prepare(args.scratch, tuple(args.per_class), args.backbone)
     os.environ["FPBENCH_DATA"] = str(data_root(args.scratch, tuple(args.per_class)))
-    full, cfg = paper_cell(args.backbone, weights, args.rounds, args.device, args.deterministic)
+    full, cfg = paper_cell(
+        args.backbone,
+        weights,
+        args.rounds,
+        args.device,
+        args.deterministic,
+        args.precision,
+        args.compile,
+    )
     from fpbench.engine.runner import run_cell
 
     db, ck = args.scratch / "paper-run.db", args.scratch / "ck"

@@ -17,7 +17,9 @@ Prompt styles, for `prompts[l]` of shape (B, p_l, d) given before block l (0-bas
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -111,7 +113,30 @@ class PromptedViT(nn.Module):
         cfg = getattr(model, "pretrained_cfg", None) or {}
         self.mean = tuple(float(v) for v in (mean or cfg.get("mean", (0.5, 0.5, 0.5))))
         self.std = tuple(float(v) for v in (std or cfg.get("std", (0.5, 0.5, 0.5))))
+        self._bf16_blocks: list[nn.ModuleList] = []  # unregistered: not in any state_dict
         self.train(False)
+
+    def hold_bf16_blocks(self) -> None:
+        """Keep a bf16 copy of the frozen blocks; under bf16 autocast they then compute in bf16
+        end to end (weights cast once, a bf16 residual stream, no per-op casts), where autocast
+        alone keeps the residual stream and layer norms in fp32. Frozen passes (autocast off)
+        still run the fp32 blocks. `runtime.precision = "bf16-frozen"` asks for it."""
+        if not self._bf16_blocks:
+            self._bf16_blocks.append(copy.deepcopy(self.vit.blocks).to(torch.bfloat16))
+
+    def blocks_for(self, tokens: Tensor) -> tuple[nn.ModuleList, Tensor, bool]:
+        """The blocks to run `tokens` through, the tokens in their dtype, and whether autocast
+        must be off around them (the bf16 copy under bf16 autocast)."""
+        if self._bf16_blocks and _bf16_autocast(tokens.device.type):
+            return self._bf16_blocks[0], tokens.to(torch.bfloat16), True
+        return self.vit.blocks, tokens, False
+
+    def _apply(self, fn, *args, **kwargs):  # noqa: ANN001, ANN202  (nn.Module's signature)
+        """`.to(device)` and friends reach the unregistered bf16 copy too (its dtype stays)."""
+        out = super()._apply(fn, *args, **kwargs)
+        for blocks in self._bf16_blocks:
+            blocks._apply(lambda t: fn(t).to(t.dtype) if t.is_floating_point() else fn(t))
+        return out
 
     def train(self, mode: bool = True) -> PromptedViT:
         """Stay in eval mode whatever is asked: dropout and drop-path never fire."""
@@ -161,14 +186,16 @@ class PromptedViT(nn.Module):
         if not wanted <= set(range(start, end)):
             raise ValueError(f"return_layers {sorted(wanted)} outside blocks [{start}, {end})")
         layer_cls: dict[int, Tensor] = {}
-        for layer in range(start, end):
-            if layer in prompts:
-                tokens, num_prompt_tokens = self._insert(
-                    tokens, prompts[layer], style, num_prompt_tokens
-                )
-            tokens = self.vit.blocks[layer](tokens)  # (B, T, d)
-            if layer in wanted:
-                layer_cls[layer] = tokens[:, 0]  # (B, d)
+        blocks, tokens, own = self.blocks_for(tokens) if start < end else (None, tokens, False)
+        with torch.autocast(tokens.device.type, enabled=False) if own else nullcontext():
+            for layer in range(start, end):
+                if layer in prompts:
+                    tokens, num_prompt_tokens = self._insert(
+                        tokens, prompts[layer], style, num_prompt_tokens
+                    )
+                tokens = blocks[layer](tokens)  # (B, T, d)
+                if layer in wanted:
+                    layer_cls[layer] = tokens[:, 0]  # (B, d)
         return tokens, layer_cls, num_prompt_tokens
 
     def forward_features(
@@ -241,6 +268,15 @@ class PromptedViT(nn.Module):
         tokens = torch.cat([tokens[:, :first], prompt, tokens[:, rest:]], dim=1)
         kept = 0 if style == "deep" else num_prompt_tokens
         return tokens, kept + prompt.shape[1]
+
+
+def _bf16_autocast(device_type: str) -> bool:
+    """Whether bf16 autocast is on for this device type (False on a torch without the query)."""
+    try:
+        on = torch.is_autocast_enabled(device_type)
+        return on and torch.get_autocast_dtype(device_type) == torch.bfloat16
+    except (AttributeError, TypeError):  # torch < 2.4
+        return False
 
 
 def _square_size(size: int | tuple[int, int]) -> int:

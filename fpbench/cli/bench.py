@@ -26,7 +26,7 @@ def bench_cmd(
     batch: Annotated[int, typer.Option(min=1, help="minibatch size per client")] = 32,
     steps: Annotated[int, typer.Option(min=1, help="minibatches per client per round")] = 4,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
-    precision: Annotated[str, typer.Option(help="auto, fp32 or bf16")] = "auto",
+    precision: Annotated[str, typer.Option(help="auto, fp32, bf16 or bf16-frozen")] = "auto",
     repeats: Annotated[int, typer.Option(min=1, help="timed repeats (median)")] = 3,
     json_out: Annotated[
         Path | None, typer.Option("--json", help="also write the figures here")
@@ -38,8 +38,10 @@ def bench_cmd(
     from fpbench.registry import BACKBONES
 
     BACKBONES.get(backbone)
-    if precision not in ("auto", "fp32", "bf16"):
-        raise FpbenchError(f"--precision must be auto, fp32 or bf16, got {precision!r}")
+    if precision not in ("auto", "fp32", "bf16", "bf16-frozen"):
+        raise FpbenchError(
+            f"--precision must be auto, fp32, bf16 or bf16-frozen, got {precision!r}"
+        )
     figures = bench(backbone, clients, batch, steps, device, precision, repeats)
     table = Table(title=f"fpbench bench: {backbone}, {clients} clients x {batch} x {steps} steps")
     table.add_column("figure")

@@ -38,7 +38,7 @@ def estimate_cmd(
         list[str] | None, typer.Option(help="only these methods' shapes (repeatable)")
     ] = None,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
-    precision: Annotated[str, typer.Option(help="auto, fp32 or bf16")] = "auto",
+    precision: Annotated[str, typer.Option(help="auto, fp32, bf16 or bf16-frozen")] = "auto",
     rounds: Annotated[int, typer.Option(min=1, help="rounds measured per shape")] = 2,
     max_shapes: Annotated[
         int | None, typer.Option(min=0, help="measure only the first N shapes")
@@ -56,9 +56,12 @@ def estimate_cmd(
     from fpbench.engine.build import resolve_device
     from fpbench.estimate import ASSUMPTIONS, as_dict, estimate
     from fpbench.suites import load_suite
+    from fpbench.units import human_bytes
 
-    if precision not in ("auto", "fp32", "bf16"):
-        raise FpbenchError(f"--precision must be auto, fp32 or bf16, got {precision!r}")
+    if precision not in ("auto", "fp32", "bf16", "bf16-frozen"):
+        raise FpbenchError(
+            f"--precision must be auto, fp32, bf16 or bf16-frozen, got {precision!r}"
+        )
     loaded = load_suite(suite)
     if method:
         loaded = loaded.model_copy(update={"cells": tuple(select_cells(loaded, method))})
@@ -88,7 +91,9 @@ def estimate_cmd(
         total = sum(e.total_s for e in measured)
         some = sum(e.cells for e in measured)
         scope = "" if some == cells else f" (the {some} of {cells} cells measured)"
+        peak = max((e.measured.peak_mem_bytes or 0 for e in measured), default=0)
         console.print(f"suite {loaded.name}: {total / 3600:,.3f} device-hours on {dev}{scope}")
+        console.print(f"peak memory of a cell: {human_bytes(peak or None)}")
     for e in found:
         if e.error:
             err.print(f"shape {e.shape.method} / {e.shape.backbone} not measured: {e.error}")
@@ -98,9 +103,11 @@ def estimate_cmd(
 
 
 def _table(suite: str, found: list, where: str) -> Table:
+    from fpbench.units import human_bytes
+
     table = Table(title=f"fpbench estimate: {suite} ({len(found)} shapes, {where})")
     table.add_column("shape")
-    for name in ("cells", "s/round", "s/eval", "frozen s", "h/cell", "h total"):
+    for name in ("cells", "s/round", "s/eval", "frozen s", "peak mem", "h/cell", "h total"):
         table.add_column(name, justify="right")
     for e in found:
         s, m = e.shape, e.measured
@@ -114,6 +121,7 @@ def _table(suite: str, found: list, where: str) -> Table:
             _s(m.train_round_s if m else None),
             _s(m.eval_s if m else None),
             _s(frozen),
+            human_bytes(m.peak_mem_bytes if m else None),
             _h(e.cell_s),
             _h(e.total_s),
         )

@@ -96,7 +96,9 @@ def show(
     run_ref: Annotated[str, typer.Argument(metavar="RUN", help="run id or run_key prefix")],
     db: DbOpt = DEFAULT_DB,
 ) -> None:
-    """Show one run: its identity, status, config and final metrics."""
+    """Show one run: its identity, status, what it cost, its config and final metrics."""
+    from fpbench.units import human_bytes, human_flops
+
     store = open_store(db, must_exist=True)
     record = store.get_run(run_ref)
     console.print(
@@ -107,6 +109,10 @@ def show(
     console.print(
         f"device={record.device} torch={record.torch_version} "
         f"fpbench={record.fpbench_version} wall_s={record.wall_s or 0:.1f}"
+    )
+    console.print(
+        f"peak memory={human_bytes(record.peak_mem_bytes)} "
+        f"FLOPs of a round={human_flops(record.round_flops)}"
     )
     if record.error:
         err.print(f"[red]error:[/] {escape(record.error)}", highlight=False)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass
 
 from fpbench.lazy import torch
@@ -31,6 +34,10 @@ class ImageDataset:
     # (D,) int64 each domain's full train-list size before any subsetting (the SGPT code weighs
     # Office / DomainNet clients by it); None where the dataset does not record it
     domain_train_sizes: torch.Tensor | None = None
+    # a stable id of the contents where the maker knows one (fake data: its seed and shape);
+    # None: `fingerprint` hashes the contents (`dataclasses.replace` keeps it: set it only on
+    # data that is never edited)
+    identity: str | None = None
 
     @property
     def num_classes(self) -> int:
@@ -41,13 +48,57 @@ class ImageDataset:
         return len(self.domain_names) if self.domain_names else 1
 
     def fingerprint(self) -> str:
-        """A short content hash, used to key caches of frozen features."""
-        import hashlib
+        """A hash of the whole contents (images, labels, class names, domains), keying the
+        caches of frozen values; `identity` where the dataset declares one. Computed once per
+        dataset (and shared with its `moved` copies), on the CPU."""
+        if self.identity is not None:
+            return self.identity
+        # kept as plain attributes, not fields: `dataclasses.replace` and saving leave them out
+        origin = getattr(self, "_origin", None)
+        if origin is not None:
+            source, ids = origin  # unchanged on either side since the move: the same data
+            if ids == (source._tensor_ids(), self._tensor_ids()):
+                return source.fingerprint()
+        digest = getattr(self, "_digest", None)
+        if digest is None or digest[1] != self._tensor_ids():
+            digest = self._digest = (self._hash(), self._tensor_ids())
+        return digest[0]
 
+    def moved(self, device: torch.device | str) -> ImageDataset:
+        """The dataset with its images and labels on `device` (same fingerprint, computed on
+        this copy's first ask from the original)."""
+        out = dataclasses.replace(
+            self,
+            train_images=self.train_images.to(device),
+            train_labels=self.train_labels.to(device),
+            test_images=self.test_images.to(device),
+            test_labels=self.test_labels.to(device),
+        )
+        out._origin = (self, (self._tensor_ids(), out._tensor_ids()))
+        return out
+
+    def _tensors(self) -> list[torch.Tensor | None]:
+        return [
+            self.train_images, self.train_labels, self.test_images, self.test_labels,
+            self.train_domains, self.test_domains, self.coarse_of_class, self.train_users,
+            self.domain_train_sizes,
+        ]  # fmt: skip
+
+    def _tensor_ids(self) -> tuple[int, ...]:
+        return tuple(id(t) for t in self._tensors())
+
+    def _hash(self) -> str:
         h = hashlib.sha256()
-        for t in (self.train_images, self.train_labels, self.test_images, self.test_labels):
-            h.update(str(tuple(t.shape)).encode())
-            head = t.reshape(-1)[: (1 << 20) // t.element_size() + 1]  # the first MiB, any device
-            h.update(head.cpu().numpy().tobytes()[: 1 << 20])
-        h.update(",".join(self.class_names).encode())
-        return h.hexdigest()[:16]
+        for t in self._tensors():
+            if t is None:
+                h.update(b"none;")
+                continue
+            h.update(f"{t.dtype}:{tuple(t.shape)};".encode())
+            flat = t.detach().reshape(-1)
+            step = max(1, (64 << 20) // t.element_size())  # 64 MiB at a time
+            for start in range(0, flat.numel(), step):
+                part = flat[start : start + step].contiguous().cpu()
+                h.update(memoryview(part.view(torch.uint8).numpy()))
+        names = [self.class_names, self.domain_names or []]
+        h.update(json.dumps(names).encode())
+        return h.hexdigest()[:32]

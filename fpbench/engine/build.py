@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from fpbench.backbones import create_backbone
+from fpbench.cache import frozen_dir
 from fpbench.engine.inputs import FeatureCache, Inputs
 from fpbench.engine.populations import Cohort, Population
 from fpbench.engine.task import Task
@@ -41,9 +40,14 @@ def build_method(
     ).to(device)
     if cfg.backbone.mean is not None:  # the suite's input normalisation (e.g. the reference code's)
         backbone.mean, backbone.std = cfg.backbone.mean, cfg.backbone.std
+    if resolve_precision(cfg.runtime.precision, device) == "bf16-frozen" and hasattr(
+        backbone, "hold_bf16_blocks"
+    ):
+        backbone.hold_bf16_blocks()
     if cfg.runtime.compile and hasattr(backbone, "vit"):
-        for block in backbone.vit.blocks:
-            block.compile(dynamic=True)
+        for blocks in (backbone.vit.blocks, *getattr(backbone, "_bf16_blocks", ())):
+            for block in blocks:
+                block.compile(dynamic=True)
     method_cls = METHODS.get(cfg.method.name)
     info = TaskInfo(
         num_classes=task.data.num_classes,
@@ -100,11 +104,13 @@ def build_populations(
 
 
 def _inputs(cfg: RunConfig, method: Method, task: Task, cache: FeatureCache | None) -> Inputs:
-    folder = cfg.runtime.feature_cache_dir
-    if not cfg.runtime.cache_features:
-        cache = None
-    elif folder:
-        cache = FeatureCache(Path(folder))
+    """The method's inputs, its frozen values kept as `runtime.cache_features` says: in
+    `cache`'s memory (shared by a process's cells) and, unless "memory", on disk in
+    `runtime.feature_cache_dir` (default: fpbench's cache folder)."""
+    rt = cfg.runtime
+    if rt.cache_features is False:
+        found = None
     else:
-        cache = cache or FeatureCache()
-    return Inputs.of(method, task, cache, cfg.train.eval_batch_size)
+        folder = None if rt.cache_features == "memory" else frozen_dir(rt.feature_cache_dir)
+        found = (cache or FeatureCache()).on(folder)
+    return Inputs.of(method, task, found, cfg.train.eval_batch_size, rt.frozen_precision)

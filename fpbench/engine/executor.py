@@ -44,7 +44,7 @@ def derive_seed(*parts: int | str) -> int:
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
     """bf16 autocast where asked for (CUDA); parameters and optimiser stay fp32."""
-    if precision == "bf16":
+    if precision in ("bf16", "bf16-frozen"):
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 

@@ -4,16 +4,21 @@ Most methods take preprocessed images: uint8 images stay on the device and are r
 normalised there per batch. A method's `frozen` work (`fpbench.methods.base.Frozen`) is either
 its input instead of the images (`as_input`, e.g. head-tune's final cls features) or a
 per-sample query handed over in `ctx.query` (e.g. SGPT's Select). It depends on nothing
-trained, so with a `FeatureCache` it is computed once per sample and kept, in memory and
-optionally on disk, and training a head on cached features skips the backbone entirely.
+trained, so with a `FeatureCache` it is computed once per sample and kept, in memory and on
+disk (by default in fpbench's cache folder, `runtime.feature_cache_dir`), and training a head on
+cached features skips the backbone entirely. Every cell, seed and method of a suite, and the
+next suite, reads what an earlier one computed.
 
 Lazily: a sample's frozen features are computed the first time a batch needs them, so a run pays
 only for the clients it trains and, once it first evaluates, the test split. The unit of work is
 canonical, so the values never depend on which client, round, cell or process asked first (a
 resumed run and every executor get the same bits): a train sample is computed with its owner
 client's samples (the lowest-id client holding it), in index order, `batch_size` at a time; the
-test split as a whole. Units are keyed by (backbone, dataset, split, feature, their indices,
-batch size) in memory and on disk.
+test split as a whole. Units are keyed, in memory and on disk, by everything that determines
+their values (`fpbench.engine.frozen_cache.frozen_key`: backbone and weights digest, data
+digest and split, preprocessing, the feature read, the frozen pass's precision
+`runtime.frozen_precision`, the numerics of the machine) and their indices and batch size; an
+entry on disk whose stored key or digest does not match is recomputed, never used.
 
 A training phase whose lower blocks see nothing it trains (`Phase.resume_layer`) gets the hidden
 states entering its first trained block from a `HiddenCache`, filled on first use and kept for
@@ -23,8 +28,8 @@ the phase.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Callable
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -32,6 +37,16 @@ from torch import Tensor
 
 from fpbench.backbones import PromptedViT
 from fpbench.engine.augment import augment
+from fpbench.engine.cost import uncounted
+from fpbench.engine.frozen_cache import (
+    FrozenPrecision,
+    entry_path,
+    frozen_key,
+    frozen_precision,
+    read_entry,
+    safe_name,
+    write_entry,
+)
 from fpbench.engine.task import Task
 from fpbench.methods.base import Frozen, Method, batched_queries
 from fpbench.specs import Augment
@@ -55,17 +70,27 @@ class SplitStore:
 
 class FeatureCache:
     """Frozen features, in memory (per split, shared by the cells of a process) and, with a
-    folder, on disk (one file per unit)."""
+    folder, on disk (one entry per unit, see `fpbench.engine.frozen_cache`)."""
 
     def __init__(self, folder: Path | None = None) -> None:
         self.folder = folder
         self._memory: dict[str, Tensor] = {}
         self._stores: dict[str, SplitStore] = {}
 
-    def get(self, key: str, compute: Callable[[], Tensor], device: torch.device) -> Tensor:
+    def on(self, folder: Path | None) -> FeatureCache:
+        """This cache's memory with another disk folder (None: memory only)."""
+        if folder == self.folder:
+            return self
+        other = FeatureCache(folder)
+        other._memory, other._stores = self._memory, self._stores
+        return other
+
+    def get(
+        self, key: str, compute: Callable[[], Tensor], device: torch.device, kind: str = "misc"
+    ) -> Tensor:
         """`compute()` once for `key` (then from memory, or from disk in another process)."""
         if key not in self._memory:
-            self._memory[key] = self.unit(key, compute, device)
+            self._memory[key] = self.unit(key, compute, device, kind)
         return self._memory[key]
 
     def store(self, key: str, n: int, device: torch.device) -> SplitStore:
@@ -75,26 +100,25 @@ class FeatureCache:
             found = self._stores[key] = SplitStore(n, device)
         return found
 
-    def unit(self, key: str, compute: Callable[[], Tensor], device: torch.device) -> Tensor:
-        """One unit's features: from disk where kept there, else computed (and kept)."""
-        path = self.folder / f"{key}.pt" if self.folder else None
-        if path is not None and path.is_file():
-            return torch.load(path, map_location=device, weights_only=True)
+    def unit(
+        self,
+        key: str,
+        compute: Callable[[], Tensor],
+        device: torch.device,
+        kind: str = "misc",
+        rows: int | None = None,
+    ) -> Tensor:
+        """One unit's features: from disk where an entry for exactly `key` (with `rows` rows)
+        is kept there, else computed (and kept, replacing a stale or damaged entry)."""
+        path = entry_path(self.folder, key, kind) if self.folder else None
+        if path is not None:
+            found = read_entry(path, key)
+            if found is not None and (rows is None or len(found) == rows):
+                return found.to(device)
         feats = compute()
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes may write the same unit
-            torch.save(feats.cpu(), tmp)
-            tmp.replace(path)
+            write_entry(path, key, feats)
         return feats
-
-
-def backbone_fingerprint(backbone: PromptedViT) -> str:
-    h = hashlib.sha256(backbone.name.encode())
-    h.update(repr((backbone.mean, backbone.std)).encode())  # the input normalisation counts too
-    for t in list(getattr(backbone, "vit", backbone).state_dict().values())[:4]:
-        h.update(t.detach().float().cpu().numpy().tobytes()[: 1 << 16])
-    return h.hexdigest()[:12]
 
 
 def owners(n: int, members: list[Tensor]) -> Tensor:
@@ -106,11 +130,16 @@ def owners(n: int, members: list[Tensor]) -> Tensor:
     return owner
 
 
-def _unit_tag(idx: Tensor, batch_size: int) -> int:
-    """A nonzero 63-bit tag of a unit: its sorted indices and the batch size."""
+def _unit_digest(idx: Tensor, batch_size: int) -> str:
+    """A unit's identity: its sorted indices and the batch size (SHA-256, hex)."""
     h = hashlib.sha256(str(batch_size).encode())
     h.update(idx.cpu().numpy().tobytes())
-    return int.from_bytes(h.digest()[:8], "little") >> 1 or 1
+    return h.hexdigest()
+
+
+def _tag(digest: str) -> int:
+    """A nonzero 63-bit tag of a unit from its digest."""
+    return int(digest[:16], 16) >> 1 or 1
 
 
 class FrozenSplit:
@@ -125,18 +154,30 @@ class FrozenSplit:
         owner: Tensor,
         *,
         cache: FeatureCache,
-        key: str,
+        key: Callable[[], str],
+        kind: str,
         batch_size: int,
+        precision: FrozenPrecision = "fp32",
     ) -> None:
+        """`key()` gives the split's key (`frozen_key`), asked when the first unit is needed;
+        `kind` names its entries' folder on disk; `precision`: of the frozen pass."""
         self.what, self.fn, self.backbone, self.images = what, fn, backbone, images
-        self.cache, self.key, self.batch_size = cache, key, batch_size
+        self.cache, self._key, self.kind, self.batch_size = cache, key, kind, batch_size
+        self.precision = precision
         self.owner = owner  # (n,) each sample's unit, -1: none
         order = torch.argsort(owner, stable=True)
         counts = torch.bincount(owner + 1, minlength=int(owner.max()) + 2).tolist()
         self.units = list(order.split(counts))[1:]  # unit u: its samples, in index order
-        self.store = cache.store(key, len(owner), owner.device)
         self.ready = torch.zeros(len(owner), dtype=torch.bool, device=owner.device)
         self.computed = 0  # samples this split computed (not read from memory or disk)
+
+    @cached_property
+    def key(self) -> str:
+        return self._key()
+
+    @cached_property
+    def store(self) -> SplitStore:
+        return self.cache.store(self.key, len(self.owner), self.owner.device)
 
     def __getitem__(self, idx: Tensor | slice) -> Tensor:
         """Features (B, d) of samples idx, computing the units they need first."""
@@ -151,15 +192,16 @@ class FrozenSplit:
         need = [self.units[u] for u in self.owner[missing].unique().tolist() if u >= 0]
         orphans = missing[self.owner[missing] < 0].unique()  # in no unit: computed as asked
         need += [orphans] if len(orphans) else []
-        tags = [_unit_tag(unit, self.batch_size) for unit in need]
-        todo = [(u, t) for u, t in zip(need, tags, strict=True) if not self._has(u, t)]
+        digests = [_unit_digest(unit, self.batch_size) for unit in need]
+        todo = [(u, d) for u, d in zip(need, digests, strict=True) if not self._has(u, _tag(d))]
         total, done = sum(len(u) for u, _ in todo), [0]
         if total:
             report(f"frozen {self.what}", 0, total)
-        for unit, tag in todo:
-            key = f"{self.key}-u{tag:016x}"
+        for unit, digest in todo:
+            key = f"{self.key}|unit={digest}"
             compute = lambda u=unit: self._compute(u, done, total)  # noqa: E731
-            self.store.put(unit, self.cache.unit(key, compute, self.owner.device), tag)
+            feats = self.cache.unit(key, compute, self.owner.device, self.kind, rows=len(unit))
+            self.store.put(unit, feats, _tag(digest))
         if done[0] < total:  # some units came from disk
             report(f"frozen {self.what}", total, total)
         for unit in need:
@@ -170,11 +212,12 @@ class FrozenSplit:
 
     @torch.no_grad()
     def _compute(self, unit: Tensor, done: list[int], total: int) -> Tensor:
-        """fn over the images of unit (n,), `batch_size` at a time, in fp32 whatever the
-        run's precision (the kept values serve every run): (n, d)."""
+        """fn over the images of unit (n,), `batch_size` at a time, in the frozen precision
+        whatever the run's (the kept values serve every run), stored as fp32: (n, d). Its
+        FLOPs are not counted in a round's (`fpbench.engine.cost`): it is work done once."""
         out = []
         for part in unit.split(self.batch_size):
-            with torch.autocast(unit.device.type, enabled=False):
+            with uncounted(), frozen_precision(self.precision, unit.device):
                 out.append(self.fn(self.backbone.preprocess(self.images[part])).float())
             done[0] += len(part)
             self.computed += len(part)
@@ -194,10 +237,11 @@ class Inputs:
         *,
         cache: FeatureCache | None,
         batch_size: int,
+        precision: FrozenPrecision = "fp32",
     ) -> None:
         self.backbone, self.task, self.frozen = backbone, task, frozen
         self.takes_features = frozen is not None and frozen.as_input  # x: features, not images
-        self.batch_size = batch_size
+        self.batch_size, self.precision = batch_size, precision
         self._test_queries: Tensor | None = None  # without a cache: computed once, kept
         self.cached: dict[str, FrozenSplit] = {}  # the forward's x, when `takes_features`
         self.queries: dict[str, FrozenSplit] = {}  # ctx.query otherwise
@@ -205,7 +249,12 @@ class Inputs:
             return  # nothing frozen to keep
         data = task.data
         kind = frozen.name if frozen.as_input else f"query-{frozen.name}"
-        base = f"{backbone_fingerprint(backbone)}-{data.fingerprint()}-{kind}"
+        folder = f"{safe_name(getattr(backbone, 'name', 'backbone'))}--{safe_name(kind)}"
+        device = task.priors.device
+
+        def key(split: str) -> Callable[[], str]:
+            return lambda: frozen_key(backbone, data, split, kind, precision, batch_size, device)
+
         split_owners = {
             "train": owners(len(data.train_labels), task.train_idx),
             "test": torch.zeros(len(data.test_labels), dtype=torch.long, device=task.priors.device),
@@ -214,7 +263,8 @@ class Inputs:
         splits = {
             split: FrozenSplit(
                 f"{kind} ({split})", frozen.fn, backbone, images[split], split_owners[split],
-                cache=cache, key=f"{base}-{split}", batch_size=batch_size,
+                cache=cache, key=key(split), kind=folder, batch_size=batch_size,
+                precision=precision,
             )
             for split in ("train", "test")
         }  # fmt: skip
@@ -225,14 +275,23 @@ class Inputs:
 
     @classmethod
     def of(
-        cls, method: Method, task: Task, cache: FeatureCache | None = None, batch_size: int = 256
+        cls,
+        method: Method,
+        task: Task,
+        cache: FeatureCache | None = None,
+        batch_size: int = 256,
+        precision: FrozenPrecision = "fp32",
     ) -> Inputs:
         """The inputs `method` asks for (its `frozen` work).
 
         With a cache, frozen features and queries are computed once per sample, when first
-        needed (in batches of `batch_size`); without one, every batch computes them anew.
+        needed (in batches of `batch_size`, in `precision`); without one, every batch computes
+        them anew.
         """
-        return cls(method.backbone, task, method.frozen(), cache=cache, batch_size=batch_size)
+        return cls(
+            method.backbone, task, method.frozen(), cache=cache, batch_size=batch_size,
+            precision=precision,
+        )  # fmt: skip
 
     def frozen_splits(self) -> list[FrozenSplit]:
         return [*self.queries.values(), *self.cached.values()]
@@ -253,9 +312,11 @@ class Inputs:
         if self.frozen is None or self.frozen.as_input:
             raise RuntimeError("the method declares no frozen query; its test split has none")
         if self._test_queries is None:
-            self._test_queries = batched_queries(
-                self.frozen.fn, self.backbone, data.test_images, idx, self.batch_size
-            )
+            device = data.test_images.device
+            with uncounted(), frozen_precision(self.precision, device):
+                self._test_queries = batched_queries(
+                    self.frozen.fn, self.backbone, data.test_images, idx, self.batch_size
+                )
         return self._test_queries
 
     def train(self, idx: Tensor, augmentation: tuple[Augment, Tensor] | None = None) -> Tensor:

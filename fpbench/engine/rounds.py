@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,7 @@ import torch
 
 from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.build import resolve_precision
+from fpbench.engine.cost import count_flops
 from fpbench.engine.evaluate import evaluate
 from fpbench.engine.executor import LocalResult, concat_results, derive_seed, train_clients
 from fpbench.engine.metrics import (
@@ -92,7 +94,10 @@ def run_rounds(
     observer: Observer,
     owner: str | None = None,
 ) -> float:
-    """The round loop, from the last checkpoint on; returns the run's total training time."""
+    """The round loop, from the last checkpoint on; returns the run's total training time.
+
+    The first round played while the run has no FLOPs stored is counted (`fpbench.engine.cost`;
+    the counter's overhead is in that round's `wall_s`)."""
     device = task.priors.device
     path = ckpt_io.checkpoint_path(checkpoint_dir, cfg.run_key)
     ckpt = ckpt_io.load(path, cfg.run_key, device)
@@ -111,14 +116,19 @@ def run_rounds(
     schedule = sampling_schedule(
         cfg.seed, cfg.train.rounds, task.trainable_clients(), cfg.train.participation
     )
+    count = store.get_run(run_id).round_flops is None
     for r in range(ckpt.round + 1, cfg.train.rounds):
         start = time.perf_counter()
         seen = sorted({c for ids in schedule[: r + 1] for c in ids})
-        server, rows, scalars = play_round(
-            populations, ckpt.server, task, cfg, r, schedule[r], ckpt.history, seen
-        )
+        with count_flops() if count else nullcontext() as flops:
+            server, rows, scalars = play_round(
+                populations, ckpt.server, task, cfg, r, schedule[r], ckpt.history, seen
+            )
         wall = time.perf_counter() - start
         store.write_round(run_id, r, wall_s=wall, metrics=rows, owner=owner, **scalars)
+        if flops is not None:
+            store.record_cost(run_id, round_flops=flops.total, owner=owner)
+            count = False
         ckpt = ckpt_io.Checkpoint(cfg.run_key, r, server, ckpt.history, ckpt.elapsed_s + wall)
         ckpt_io.save(path, ckpt)
         evaluated = should_eval(r, cfg.train)

@@ -3,6 +3,7 @@ suite's cells."""
 
 from __future__ import annotations
 
+import contextlib
 import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ from fpbench.backbones.frozen_linear import cpu_linear
 from fpbench.determinism import deterministic
 from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.build import build_populations, resolve_device, resolve_precision
+from fpbench.engine.cost import PeakMemory
 from fpbench.engine.executor import derive_seed
 from fpbench.engine.inputs import FeatureCache
 from fpbench.engine.rounds import Observer, run_rounds
@@ -110,6 +112,8 @@ def _run_cell(
     if record is not None and claim_is_live(record, claim_timeout):  # before building anything
         return CellResult(cfg, "skipped", "claimed by another driver")
     device = resolve_device(cfg.runtime.device)
+    peak = PeakMemory(device)
+    peak.start()
     torch.manual_seed(derive_seed(cfg.seed, "torch"))
     try:  # reports reach the observer's `stage` (run_cell); so do the frozen passes' later
         stages.report("preparing data", 0, 1)
@@ -133,8 +137,14 @@ def _run_cell(
     except ClaimLost as e:
         return CellResult(cfg, "skipped", str(e))
     except BaseException as e:
+        with contextlib.suppress(Exception):  # never masking what ended the cell
+            store.record_cost(record.id, peak_mem_bytes=peak.read(), owner=owner)
         store.finish_run(record.id, owner, "failed", error=error_text(e), traceback=format_exc())
         raise
+    try:
+        store.record_cost(record.id, peak_mem_bytes=peak.read(), owner=owner)
+    except ClaimLost as e:
+        return CellResult(cfg, "skipped", str(e))
     if not store.finish_run(record.id, owner, "done", wall_s=elapsed):
         return CellResult(cfg, "skipped", "claim taken over by another driver")
     ckpt_io.checkpoint_path(checkpoint_dir, cfg.run_key).unlink(missing_ok=True)
@@ -161,11 +171,20 @@ def _create_record(cfg: RunConfig, store: Store, device: torch.device):
         dataset=cfg.dataset.label,
         partition=cfg.partition.label,
         seed=cfg.seed,
-        config=cfg.model_dump(mode="json"),
+        config=stored_config(cfg, device),
         fpbench_version=fpbench.__version__,
         torch_version=torch.__version__,
         device=_device_name(device, cfg),
     )
+
+
+def stored_config(cfg: RunConfig, device: torch.device) -> dict:
+    """The resolved config a run is stored with: its runtime (executor, precision, ...) and
+    train settings (`unseen_clients`, ...) included, the precision as it computes on `device`
+    ("auto" resolved to bf16 or fp32), so each run records the numerics its numbers came from."""
+    config = cfg.model_dump(mode="json")
+    config["runtime"]["precision"] = resolve_precision(cfg.runtime.precision, device)
+    return config
 
 
 def _device_name(device: torch.device, cfg: RunConfig) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -72,13 +71,7 @@ def task_of(
 ) -> Task:
     """Partition `data` with `partition` and move images and indices to `device`."""
     clients = make_clients(partition.name, partition.args, data, seed=seed)
-    on_device = dataclasses.replace(
-        data,
-        train_images=data.train_images.to(device),
-        train_labels=data.train_labels.to(device),
-        test_images=data.test_images.to(device),
-        test_labels=data.test_labels.to(device),
-    )
+    on_device = data.moved(device)
     return Task(
         data=on_device,
         clients=clients,

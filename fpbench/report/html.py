@@ -1,6 +1,6 @@
 """`fpbench report`: one self-contained HTML page with a suite's tables and plots.
 
-The page carries a header naming the runs behind it (their keys, status, fpbench / torch
+The page carries a header naming the runs behind it (their keys, status, cost, fpbench / torch
 versions and devices), one summary table per metric (mean ± std over seeds of each run's final
 value, as `fpbench table` prints it) and the trade-off and learning-curve plots. Plots are
 embedded as base64 PNGs, so the page is a single file that can be mailed or attached; the same
@@ -25,6 +25,7 @@ from matplotlib.figure import Figure
 from fpbench.errors import FpbenchError
 from fpbench.report import plots
 from fpbench.report.tables import no_results_error, summary_table
+from fpbench.units import human_bytes, human_flops
 
 TABLE_METRICS = (
     "acc_global",
@@ -38,8 +39,9 @@ DOMAIN_METRIC = r"acc_domain_[0-9a-z-]+"  # fpbench.engine.metrics.domain_accura
 CURVE_METRICS = ("acc_global", "acc_local_mean", "acc_local_worst", "loss_train")
 RUN_COLUMNS = [
     "id", "run_key", "method", "dataset", "partition", "seed", "status", "last_round", "wall_s",
-    "fpbench_version", "torch_version", "device",
+    "peak_mem_bytes", "round_flops", "fpbench_version", "torch_version", "device",
 ]  # fmt: skip
+COST_HEADERS = {"peak_mem_bytes": "peak memory", "round_flops": "FLOPs / round"}
 INDEX_FILE = "index.html"
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 1200px; color: #222; }
@@ -143,6 +145,10 @@ def _runs_table(runs: pd.DataFrame) -> str:
     shown = runs.reindex(columns=[c for c in RUN_COLUMNS if c in runs.columns])
     if "wall_s" in shown:
         shown = shown.assign(wall_s=shown["wall_s"].map(lambda v: "" if pd.isna(v) else f"{v:.1f}"))
+    for column, fmt in (("peak_mem_bytes", human_bytes), ("round_flops", human_flops)):
+        if column in shown:
+            shown[column] = shown[column].map(lambda v, f=fmt: "" if pd.isna(v) else f(float(v)))
+    shown = shown.rename(columns=COST_HEADERS)
     return shown.to_html(index=False, classes="runs", border=0, na_rep="", escape=True)
 
 

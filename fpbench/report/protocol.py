@@ -2,18 +2,34 @@
 
 A paper data file (`benchmarks/papers/<paper>.toml`, see `fpbench.report.paper`) may carry, beside
 its `[[tables]]`, `[[protocol]]` blocks: rules on the resolved configs of the suite cells that
-feed some of its tables (format: notes/protocol-format.md, summarised in the README). The cells
+feed some of its tables (format: the README section "Paper protocols"). The cells
 feeding a table are those its cells select (suite, method, dataset, partition labels and
 `config`, as `fpbench table --paper` selects runs), taken from `fpbench.suites.load_suite`.
 
 A rule pins one dotted path of `RunConfig.model_dump(mode="json")` (or the virtual path `seeds`:
 the sorted seeds of each cell over its seeds; or `readings.<key>`: what the method's code
-declares it does where paper and reference code leave a choice, `Method.readings`) to the
-paper's `value`, or, where the rule declares a `deviation`, to what fpbench runs instead
-(`deviation.runs`, with a one-line `reason`).
+declares it does where paper and reference code leave a choice, `Method.readings`, leaf paths
+like any other and not the `[[readings]]` metric blocks below) to the paper's `value`, or,
+where the rule declares a `deviation`, to what fpbench runs instead (`deviation.runs`, with a
+one-line `reason`).
 TOML has no null: the string "null" stands for None. A `match` maps run labels (suite, method,
 dataset, partition) to an fnmatch glob or a list of them: a label matches when it matches any of
-its positive globs (or there are none) and none of its negative ones ("!fedpr" leaves fedpr out).
+its positive globs (or there are none) and none of its negative ones ("!fedpr" leaves fedpr out);
+`config`, a nested table, selects the cells whose resolved config contains it (as a paper
+table's cells select runs, e.g. FGPT Table 8's rows by `train.local_epochs`).
+
+Completeness: every leaf path of every feeding cell's resolved config (`leaf_paths`) must be
+covered by a rule of a block that selects the cell: *pinned* (a paper value), *declared* (a
+deviation) or *free* (`free = "why it cannot change the table's number"`, no value). A rule's
+path may be an fnmatch glob ("runtime.*"); a path also covers everything below it, and `seeds`
+covers `seed`. `coverage` names every uncovered (cell, path) and counts the paths of each kind.
+
+Metric readings: `[[readings]]` blocks say which metric each column of a table reads (`tables`,
+optional `columns` / `rows` globs over the column and row keys, `metric`, `source`);
+`check_readings` fails on a filled cell without a reading or reading another metric.
+
+Sources (`fpbench.report.sources`): every pinned or declared rule and every reading names a
+checkable source, a verbatim quote of its paper or a `file:line` of a spec of reference code.
 """
 
 from __future__ import annotations
@@ -22,6 +38,7 @@ import fnmatch
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +50,7 @@ from fpbench.report.paper import PAPERS_DIR, SELECT, Paper, PaperTable, _contain
 UNSTATED = "unstated"
 NULL = "null"
 SEEDS = "seeds"
+CONFIG = "config"
 READINGS = "readings"  # virtual config section: the method class's readings
 REL_TOL = 1e-9
 
@@ -45,18 +63,38 @@ class Deviation:
     reason: str
 
 
+PINNED, DECLARED, FREE = "pinned", "declared", "free"
+
+
 @dataclass(frozen=True)
 class Rule:
     path: str
     value: Any
     source: str
-    match: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    match: Mapping[str, Any] = field(default_factory=dict)
     deviation: Deviation | None = None
+    free: str | None = None  # why the path cannot change the table's number (no value then)
 
     @property
     def expected(self) -> Any:
         """The value a cell must resolve to: the paper's, or the declared deviation's."""
         return self.deviation.runs if self.deviation else self.value
+
+    @property
+    def kind(self) -> str:
+        return FREE if self.free is not None else DECLARED if self.deviation else PINNED
+
+    @cached_property
+    def is_glob(self) -> bool:
+        return any(ch in self.path for ch in "*?[")
+
+    def covers(self, leaf: str) -> bool:
+        """Whether this rule's path is `leaf` or above it (`seeds` covers `seed`)."""
+        if self.path == SEEDS:
+            return leaf == "seed"
+        if not self.is_glob:
+            return leaf == self.path or leaf.startswith(self.path + ".")
+        return fnmatch.fnmatchcase(leaf, self.path) or fnmatch.fnmatchcase(leaf, self.path + ".*")
 
 
 @dataclass(frozen=True)
@@ -66,7 +104,7 @@ class Block:
     index: int
     tables: tuple[int, ...]
     rules: tuple[Rule, ...]
-    match: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    match: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -145,21 +183,31 @@ def _block(i: int, raw: Mapping[str, Any], where: str) -> Block:
     return Block(i + 1, tuple(tables), rules, _match(raw.get("match", {}), at))
 
 
-def _match(raw: Any, at: str) -> dict[str, tuple[str, ...]]:
-    if not isinstance(raw, Mapping) or set(raw) - set(SELECT):
-        raise FpbenchError(f"{at}: match takes labels {', '.join(SELECT)}, got {raw!r}")
-    out = {k: tuple(map(str, v)) if isinstance(v, list) else (str(v),) for k, v in raw.items()}
+def _match(raw: Any, at: str) -> dict[str, Any]:
+    if not isinstance(raw, Mapping) or set(raw) - {*SELECT, CONFIG}:
+        raise FpbenchError(f"{at}: match takes labels {', '.join(SELECT)} and config, got {raw!r}")
+    if CONFIG in raw and (not isinstance(raw[CONFIG], Mapping) or not raw[CONFIG]):
+        raise FpbenchError(f"{at}: match config is a non-empty table, got {raw[CONFIG]!r}")
+    out: dict[str, Any] = {
+        k: tuple(map(str, v)) if isinstance(v, list) else (str(v),)
+        for k, v in raw.items()
+        if k != CONFIG
+    }
     if any(not globs for globs in out.values()):
         raise FpbenchError(f"{at}: a match label needs at least one glob, got {raw!r}")
+    if CONFIG in raw:
+        out[CONFIG] = dict(raw[CONFIG])
     return out
 
 
 def _rule(raw: Mapping[str, Any], at: str) -> Rule:
+    if "free" in raw:
+        return _free_rule(raw, at)
     unknown = sorted(set(raw) - {"path", "value", "source", "match", "deviation"})
     missing = [k for k in ("path", "value", "source") if k not in raw]
     if unknown or missing:
         raise FpbenchError(
-            f"{at}: needs path, value, source (optional match, deviation); "
+            f"{at}: needs path, value, source (optional match, deviation), or path and free; "
             f"unknown {unknown}, missing {missing}"
         )
     at = f"{at} ({raw['path']})"
@@ -173,6 +221,17 @@ def _rule(raw: Mapping[str, Any], at: str) -> Rule:
     return Rule(
         str(raw["path"]), raw["value"], str(raw["source"]), _match(raw.get("match", {}), at), dev
     )
+
+
+def _free_rule(raw: Mapping[str, Any], at: str) -> Rule:
+    unknown = sorted(set(raw) - {"path", "free", "match"})
+    if unknown or "path" not in raw or not str(raw["free"]).strip():
+        raise FpbenchError(
+            f'{at}: a free rule is {{ path = "...", free = "why it cannot change the number" }} '
+            f"(optional match); unknown {unknown}"
+        )
+    at = f"{at} ({raw['path']})"
+    return Rule(str(raw["path"]), None, "", _match(raw.get("match", {}), at), free=str(raw["free"]))
 
 
 # -- the cells feeding a paper's tables ----------------------------------------------------------
@@ -236,9 +295,13 @@ def readings_of(method: str) -> dict[str, str]:
 def check(paper: Paper, blocks: list[Block], cells: list[FedCell]) -> list[Finding]:
     """Every difference between `cells` and the protocol `blocks` of `paper`.
 
+    A glob rule with a value checks every path it covers; a free rule checks nothing (see
+    `coverage` for the paths no rule covers).
+
     Raises:
         FpbenchError: a block naming a table the paper lacks, a block or rule selecting no
-            cell, or a rule path missing from a cell's resolved config (a typo).
+            cell, a rule path missing from a cell's resolved config (a typo), or a glob or free
+            rule that covers no path of its cells.
     """
     numbers = {t.number for t in paper.tables}
     findings: list[Finding] = []
@@ -257,12 +320,20 @@ def check(paper: Paper, blocks: list[Block], cells: list[FedCell]) -> list[Findi
                 raise FpbenchError(
                     f"{at}, rule {rule.path}: matches no suite cell (match {dict(rule.match)})"
                 )
-            findings += _check_rule(block, rule, chosen, at)
+            if (rule.free is not None or rule.is_glob) and not any(
+                rule.covers(leaf) for c in chosen for leaf in leaf_paths(c.config)
+            ):
+                raise FpbenchError(f"{at}: rule path {rule.path!r} covers no path of its cells")
+            if rule.free is None:
+                findings += _check_rule(block, rule, chosen, at)
     return findings
 
 
-def _matches(match: Mapping[str, tuple[str, ...]], cell: FedCell) -> bool:
-    return all(_label_matches(cell.label(k), globs) for k, globs in match.items())
+def _matches(match: Mapping[str, Any], cell: FedCell) -> bool:
+    return all(
+        _contains(cell.config, want) if k == CONFIG else _label_matches(cell.label(k), want)
+        for k, want in match.items()
+    )
 
 
 def _label_matches(label: str, globs: tuple[str, ...]) -> bool:
@@ -274,30 +345,35 @@ def _label_matches(label: str, globs: tuple[str, ...]) -> bool:
 
 
 def _check_rule(block: Block, rule: Rule, cells: list[FedCell], at: str) -> list[Finding]:
-    got: list[tuple[FedCell, Any]] = []
+    got: list[tuple] = []
     if rule.path == SEEDS:
         runs: dict[tuple, list[FedCell]] = {}
         for c in cells:
             runs.setdefault((c.suite, c.method, c.dataset, c.partition, _unseeded(c)), []).append(c)
         got = [(group[0], sorted(c.seed for c in group)) for group in runs.values()]
+    elif rule.is_glob:
+        for c in cells:
+            leaves = leaf_paths(c.config)
+            got += [(c, leaf, leaves[leaf]) for leaf in leaves if rule.covers(leaf)]
     else:
         for c in cells:
             value = lookup(c.config, rule.path)
             if value is _MISSING:
                 raise FpbenchError(f"{at}: path {rule.path!r} is not in the config of {c.name}")
             got.append((c, value))
+    got = [g if len(g) == 3 else (g[0], rule.path, g[1]) for g in got]
     return [
         Finding(
             block.index,
             block.tables,
             c.name,
-            rule.path,
+            path,
             rule.expected,
             value,
             rule.source,
             rule.deviation is not None,
         )  # fmt: skip
-        for c, value in got
+        for c, path, value in got
         if not same(value, rule.expected)
     ]
 
@@ -336,6 +412,72 @@ def same(got: Any, want: Any) -> bool:
     return got == want
 
 
+def leaf_paths(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Every leaf of a resolved config by dotted path: mappings are descended (an empty one has
+    no leaf), anything else (a number, a string, None, a list) is a leaf."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            out.update(leaf_paths(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """How the protocol covers the leaf paths of the feeding cells."""
+
+    uncovered: list[tuple[str, str]]  # (cell name, path), sorted
+    kinds: Mapping[str, str]  # path -> pinned / declared / free (the strongest over its cells)
+
+    @property
+    def paths(self) -> set[str]:
+        """Every leaf path of the cells, covered or not."""
+        return set(self.kinds) | {path for _, path in self.uncovered}
+
+    def counts(self) -> dict[str, int]:
+        """How many distinct paths are pinned, declared and free."""
+        kinds = list(self.kinds.values())
+        return {k: kinds.count(k) for k in (PINNED, DECLARED, FREE)}
+
+
+_STRENGTH = {FREE: 0, PINNED: 1, DECLARED: 2}
+
+
+def coverage(paper: Paper, blocks: list[Block], cells: list[FedCell]) -> Coverage:
+    """Which leaf path of which feeding cell no rule covers, and the kind of every covered path.
+
+    A rule covers the paths of the cells its block and its own `match` select (blocks only of
+    the tables a cell feeds).
+    """
+    uncovered: list[tuple[str, str]] = []
+    kinds: dict[str, str] = {}
+    for cell in cells:
+        rules = [
+            r
+            for b in blocks
+            if cell.tables & set(b.tables) and _matches(b.match, cell)
+            for r in b.rules
+            if _matches(r.match, cell)
+        ]
+        for leaf in leaf_paths(cell.config):
+            found = [r.kind for r in rules if r.covers(leaf)]
+            if not found:
+                uncovered.append((cell.name, leaf))
+                continue
+            kind = max(found, key=_STRENGTH.__getitem__)
+            if leaf not in kinds or _STRENGTH[kind] > _STRENGTH[kinds[leaf]]:
+                kinds[leaf] = kind
+    return Coverage(sorted(set(uncovered)), kinds)
+
+
+def paper_coverage(name: str, root: Path = PAPERS_DIR) -> Coverage:
+    """`coverage` of paper `name` over the suites feeding its tables."""
+    paper = load_paper(name, root)
+    return coverage(paper, load_protocol(name, root), feeding_cells(paper))
+
+
 def check_paper(name: str, root: Path = PAPERS_DIR) -> list[Finding]:
     """Load paper `name`, its protocol and the suites feeding it; every undeclared difference."""
     paper = load_paper(name, root)
@@ -352,10 +494,10 @@ def deviations(blocks: list[Block]) -> list[dict[str, str]]:
         for rule in block.rules:
             if rule.deviation is None:
                 continue
-            match = [f"{k}={','.join(v)}" for k, v in {**block.match, **rule.match}.items()]
+            match = [_show_match(k, v) for k, v in {**block.match, **rule.match}.items()]
             if set(block.match) & set(rule.match):  # both narrow one label: show both
-                match = [f"{k}={','.join(v)}" for k, v in block.match.items()] + [
-                    f"{k}={','.join(v)}" for k, v in rule.match.items()
+                match = [_show_match(k, v) for k, v in block.match.items()] + [
+                    _show_match(k, v) for k, v in rule.match.items()
                 ]
             rows.append({
                 "tables": ", ".join(map(str, block.tables)),
@@ -367,6 +509,12 @@ def deviations(blocks: list[Block]) -> list[dict[str, str]]:
                 "reason": rule.deviation.reason,
             })  # fmt: skip
     return rows
+
+
+def _show_match(key: str, want: Any) -> str:
+    if key == CONFIG:
+        return " ".join(f"{p}={_show(v)}" for p, v in leaf_paths(want).items())
+    return f"{key}={','.join(want)}"
 
 
 def _show(value: Any) -> str:

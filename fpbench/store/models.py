@@ -96,6 +96,10 @@ class Run(Base):
     owner: Mapped[str | None] = mapped_column(String(255))
     heartbeat_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime)
     traceback: Mapped[str | None] = mapped_column(Text)  # of a failed run, with `error`
+    # what the run cost (fpbench/engine/cost.py): peak device memory (CUDA: max allocated;
+    # CPU: peak RSS) and the FLOPs of its first round
+    peak_mem_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    round_flops: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class Round(Base):

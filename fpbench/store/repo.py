@@ -30,6 +30,7 @@ MIN_KEY_PREFIX = 4
 RUN_COLUMNS = [
     "id", "run_key", "suite", "method", "dataset", "partition", "seed", "status", "error",
     "created_at", "finished_at", "wall_s", "fpbench_version", "torch_version", "device",
+    "peak_mem_bytes", "round_flops",
 ]  # fmt: skip
 METRIC_COLUMNS = [
     "run_id", "suite", "method", "dataset", "partition", "seed", "round", "client_id", "name",
@@ -63,6 +64,8 @@ class RunRecord:
     owner: str | None = None  # the claim: who runs (or ran) it, and its last heartbeat
     heartbeat_at: dt.datetime | None = None
     traceback: str | None = None  # of a failed run
+    peak_mem_bytes: int | None = None  # what it cost (fpbench.engine.cost)
+    round_flops: int | None = None
 
 
 def _record(run: Run) -> RunRecord:
@@ -312,6 +315,25 @@ class Store(ClaimMixin):
             keys = ", ".join(r.run_key for r in found[:5])
             raise FpbenchError(f"run key prefix {ref!r} is ambiguous ({keys}, ...): give more")
         return _record(found[0])
+
+    def record_cost(
+        self,
+        run_id: int,
+        *,
+        peak_mem_bytes: int | None = None,
+        round_flops: int | None = None,
+        owner: str | None = None,
+    ) -> None:
+        """Store what a run cost: its peak memory (the largest of its sessions') and the
+        FLOPs of a round (kept once stored). `owner`: as in `write_round`."""
+        with self._session.begin() as s:
+            run = self._get(s, run_id)
+            if owner is not None:
+                touch_or_raise(s, run_id, owner)
+            if peak_mem_bytes is not None:
+                run.peak_mem_bytes = max(int(peak_mem_bytes), run.peak_mem_bytes or 0)
+            if round_flops is not None and run.round_flops is None:
+                run.round_flops = int(round_flops)
 
     # -- rounds and metrics --------------------------------------------------------------------
 

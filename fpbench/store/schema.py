@@ -5,6 +5,9 @@ Version 1 had `runs`, `rounds` and `metrics` only. Version 2 adds the claim colu
 Opening a database upgrades an older one in place (columns are only ever added, so older fpbench
 versions can still read it); a newer one is refused before anything is written, because this
 fpbench would not know what its extra tables and columns mean.
+
+Later nullable columns that an older fpbench can ignore are added the same way without a new
+version: `peak_mem_bytes` and `round_flops` (what a run cost, `fpbench.engine.cost`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from fpbench.store.models import Meta, Run
 
 SCHEMA_VERSION = 2
 VERSION_KEY = "schema_version"
-ADDED_COLUMNS = ("owner", "heartbeat_at", "traceback")  # runs columns newer than version 1
+# runs columns newer than version 1
+ADDED_COLUMNS = ("owner", "heartbeat_at", "traceback", "peak_mem_bytes", "round_flops")
 
 
 def stored_version(engine: Engine) -> int | None:

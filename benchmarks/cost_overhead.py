@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""What counting a round's FLOPs costs: the same round timed plainly and under
+`fpbench.engine.cost.count_flops` (PyTorch's FlopCounterMode), alternately, on synthetic data
+with random weights of the backbone.
+
+    python benchmarks/cost_overhead.py --backbone vit-test --image-size 16
+    python benchmarks/cost_overhead.py --backbone vit-b16-in21k --image-size 32 --device cuda
+
+Frozen work is done before the timing (a warm-up round), so each timed round is training,
+aggregation and an evaluation. Prints each repetition and the ratio of the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from fpbench.engine.build import build_populations, resolve_device
+from fpbench.engine.cost import count_flops
+from fpbench.engine.inputs import FeatureCache
+from fpbench.engine.rounds import play_round
+from fpbench.engine.runner import cell_numerics
+from fpbench.engine.task import build_task
+from fpbench.suites import expand_suite
+
+
+def cell(args: argparse.Namespace):
+    raw = {
+        "seeds": [0],
+        "defaults": {
+            "backbone": {"name": args.backbone},
+            "runtime": {"device": args.device},
+            "train": {"rounds": 3, "batch_size": args.batch, "participation": 1.0},
+            "dataset": {
+                "num_classes": 10,
+                "image_size": args.image_size,
+                "train_per_class": args.per_class,
+                "test_per_class": args.per_class // 2,
+            },  # fmt: skip
+            "partition": {"num_clients": args.clients},
+        },
+        "datasets": [{"name": "synthetic"}],
+        "partitions": [{"name": "iid"}],
+        "methods": [{"name": args.method}],
+    }
+    return expand_suite(raw, name="cost-overhead").cells[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--method", default="sgpt")
+    ap.add_argument("--backbone", default="vit-test")
+    ap.add_argument("--image-size", type=int, default=16)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--per-class", type=int, default=20, help="train images per class")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    cfg = cell(args)
+    device = resolve_device(args.device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    with cell_numerics(cfg):
+        task = build_task(cfg, device)
+        pops = build_populations(cfg, task, device, FeatureCache(), pretrained=False)
+        server = pops[0].method.init_server(torch.Generator().manual_seed(0)).to(device)
+        ids = task.trainable_clients()
+        play_round(pops, server, task, cfg, 0, ids, [], ids)  # warm-up: the frozen passes
+        times: dict[bool, list[float]] = {False: [], True: []}
+        flops = 0
+        for rep in range(args.reps):
+            for counted in (False, True):
+                sync()
+                start = time.perf_counter()
+                if counted:
+                    with count_flops() as found:
+                        play_round(pops, server, task, cfg, 1, ids, [], ids)
+                    flops = found.total
+                else:
+                    play_round(pops, server, task, cfg, 1, ids, [], ids)
+                sync()
+                times[counted].append(time.perf_counter() - start)
+                print(f"rep {rep} {'counted' if counted else 'plain  '} {times[counted][-1]:.3f} s")
+    plain, counted = (statistics.median(times[k]) for k in (False, True))
+    print(
+        f"{args.method} on {args.backbone} ({args.image_size}px, {device}): a round "
+        f"{plain:.3f} s plain, {counted:.3f} s counted ({counted / plain:.2f}x), "
+        f"{flops / 1e9:,.2f} GFLOP"
+    )
+
+
+if __name__ == "__main__":
+    main()
