@@ -12,10 +12,11 @@ from rich.table import Table
 from fpbench import stages
 from fpbench.cli.apps import app
 from fpbench.cli.common import (
+    SetOpt,
     SuiteOpt,
     console,
     err,
-    select_cells,
+    load_cells,
     user_errors,
     write_or_print,
 )
@@ -37,6 +38,7 @@ def estimate_cmd(
     method: Annotated[
         list[str] | None, typer.Option(help="only these methods' shapes (repeatable)")
     ] = None,
+    sets: SetOpt = None,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
     precision: Annotated[str, typer.Option(help="auto, fp32 or bf16")] = "auto",
     rounds: Annotated[int, typer.Option(min=1, help="rounds measured per shape")] = 2,
@@ -55,13 +57,12 @@ def estimate_cmd(
     downloads), projected to the suite's device-hours."""
     from fpbench.engine.build import resolve_device
     from fpbench.estimate import ASSUMPTIONS, as_dict, estimate
-    from fpbench.suites import load_suite
 
     if precision not in ("auto", "fp32", "bf16"):
         raise FpbenchError(f"--precision must be auto, fp32 or bf16, got {precision!r}")
-    loaded = load_suite(suite)
+    loaded, cells = load_cells(suite, sets, method)
     if method:
-        loaded = loaded.model_copy(update={"cells": tuple(select_cells(loaded, method))})
+        loaded = loaded.model_copy(update={"cells": tuple(cells)})
     dev = None if dry else resolve_device(device)
     with err.status("") as status:  # a spinner on a terminal; in a log, lines as stages end
         shown = [""]

@@ -17,11 +17,12 @@ from fpbench.cli.common import (
     DEFAULT_DB,
     DEFAULT_METRICS,
     DbOpt,
+    SetOpt,
     SuiteOpt,
     console,
     err,
+    load_cells,
     open_store,
-    select_cells,
     sqlite_missing,
     user_errors,
 )
@@ -74,6 +75,7 @@ def run(
         list[str] | None, typer.Option(help="only these methods (repeatable)")
     ] = None,
     seed: Annotated[list[int] | None, typer.Option(help="only these seeds (repeatable)")] = None,
+    sets: SetOpt = None,
     db: DbOpt = DEFAULT_DB,
     device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N")] = None,
     launcher: Annotated[
@@ -135,15 +137,15 @@ def run(
     """Run (or resume) every cell of a suite; finished cells are skipped.
 
     A --db containing {run_key} gives every cell its own SQLite file (see `fpbench db merge`).
+    With --set, the cells are stored under the suite name NAME+PATH=VALUE,... (runtime.*
+    paths excepted), so tables never mix them with the suite's own cells.
     """
     from fpbench.data.prepared import data_root as data_root_of
     from fpbench.data.prepared import require_present
     from fpbench.methods.gpt_fl import require_generated
     from fpbench.store import Store
-    from fpbench.suites import load_suite
 
-    loaded = load_suite(suite)
-    cells = select_cells(loaded, method, seed)
+    loaded, cells = load_cells(suite, sets, method, seed)
     if data_root is not None:  # read by every worker through the environment
         os.environ["FPBENCH_DATA"] = str(data_root.expanduser().absolute())
     if launcher in ("lockstep", "reference"):  # --executor's meaning before cell launchers
@@ -196,7 +198,7 @@ def run(
             dispatch=dispatch,
             observer=observer,
         )
-    _report_results(loaded.name, results, suite, db)
+    _report_results(loaded.name, results, loaded.name if sets else suite, db)
 
 
 def _retry_selection(suite: str, cells: list, url: str) -> list:

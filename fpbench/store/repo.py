@@ -268,7 +268,7 @@ class Store(ClaimMixin):
     def _get(s: Session, run_id: int) -> Run:
         run = s.get(Run, run_id)
         if run is None:
-            raise FpbenchError(f"no run with id {run_id}; see `fpbench list`")
+            raise FpbenchError(f"no run with id {run_id}; see `fpbench runs`")
         return run
 
     def runs(self, suite: str | None = None) -> pd.DataFrame:
@@ -302,12 +302,12 @@ class Store(ClaimMixin):
             if len(ref) < MIN_KEY_PREFIX:
                 raise FpbenchError(
                     f"no run {ref!r}: give a run id or at least {MIN_KEY_PREFIX} characters "
-                    "of a run key (see `fpbench list`)"
+                    "of a run key (see `fpbench runs`)"
                 )
             stmt = select(Run).where(Run.run_key.startswith(ref, autoescape=True)).limit(6)
             found = s.scalars(stmt).all()
         if not found:
-            raise FpbenchError(f"no run with id or key prefix {ref!r}; see `fpbench list`")
+            raise FpbenchError(f"no run with id or key prefix {ref!r}; see `fpbench runs`")
         if len(found) > 1:
             keys = ", ".join(r.run_key for r in found[:5])
             raise FpbenchError(f"run key prefix {ref!r} is ambiguous ({keys}, ...): give more")

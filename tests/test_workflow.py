@@ -1,0 +1,197 @@
+"""The research workflow around a run: `--set` overrides, `fpbench runs` (and later export,
+compare), through the real CLI on the tiny suite or on small hand-made databases."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+import tomllib
+from typer.testing import CliRunner
+
+from fpbench.cli import app
+from fpbench.cli.common import parse_sets
+from fpbench.errors import FpbenchError
+from fpbench.store import Store
+from fpbench.suites import expand_suite, load_suite, set_overrides, sets_name
+from tests.conftest import TINY_SUITE_TOML
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args))
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "tiny.toml").write_text(TINY_SUITE_TOML)
+    return tmp_path
+
+
+def fake_db(path: Path, values: dict[tuple[str, int], list[float]], suite: str = "s") -> str:
+    """A database of done runs: (method, seed) -> acc_global per round (rounds 0, 1, ...),
+    with acc_local_mean = acc_global / 2 and client 0's acc_local = the same value."""
+    url = f"sqlite:///{path}"
+    with Store(url) as store:
+        for i, ((method, seed), accs) in enumerate(values.items()):
+            run = store.create_run(
+                run_key=f"{i:04d}abcd", suite=suite, method=method, dataset="d", partition="p",
+                seed=seed, config={}, fpbench_version="0", torch_version="0", device="cpu",
+            )  # fmt: skip
+            for rnd, acc in enumerate(accs):
+                rows = [
+                    (None, "acc_global", acc, None),
+                    (None, "acc_local_mean", acc / 2, None),
+                    (0, "acc_local", acc, 10),
+                ]
+                store.write_round(
+                    run.id, rnd, loss_train=1.0 / (rnd + 1), wall_s=2.0, bytes_up=10,
+                    bytes_down=20, metrics=rows,
+                )  # fmt: skip
+            assert store.claim_run(run.id, "me")
+            assert store.finish_run(run.id, "me", "done", wall_s=3.0)
+    return url
+
+
+# -- --set ------------------------------------------------------------------------------------
+
+
+def test_parse_sets_reads_values_as_a_suite_file_does():
+    got = parse_sets(
+        ["train.rounds=2", "train.lr=1e-3", "a.b=true", 'c.d="x"', "e.f=adam", "g.h=[1, 2]"]
+        + ["i.j=null", "k.l={ hflip = true }"]
+    )
+    assert got == {
+        "train.rounds": 2, "train.lr": 0.001, "a.b": True, "c.d": "x", "e.f": "adam",
+        "g.h": [1, 2], "i.j": None, "k.l": {"hflip": True},
+    }  # fmt: skip
+    assert type(got["train.rounds"]) is int
+    with pytest.raises(FpbenchError, match="KEY=VALUE"):
+        parse_sets(["train.rounds"])
+    with pytest.raises(FpbenchError, match="given twice"):
+        parse_sets(["train.rounds=2", "train.rounds=3"])
+
+
+def test_set_overrides_nest_paths_and_refuse_others():
+    assert set_overrides({"train.rounds": 2, "method.args.prompt_len": 5}) == {
+        "train": {"rounds": 2},
+        "method": {"args": {"prompt_len": 5}},
+    }
+    for bad in ("seed", "suite", "method.name", "method.prompt_len", "rounds", "train."):
+        with pytest.raises(FpbenchError, match="not a settable path"):
+            set_overrides({bad: 1})
+    with pytest.raises(FpbenchError, match="train.augment"):
+        set_overrides({"train.augment": True, "train.augment.hflip": True})
+
+
+def test_sets_name():
+    assert (
+        sets_name("tiny", {"train.rounds": 2, "train.lr": 0.1})
+        == "tiny+train.rounds=2,train.lr=0.1"
+    )
+    assert sets_name("tiny", {"runtime.device": "cpu"}) == "tiny"  # not part of results
+    hashed = sets_name("tiny", {"backbone.weights": "/w/x.pth"})  # no '/' in a suite name
+    assert hashed.startswith("tiny+set-") and len(hashed) == len("tiny+set-") + 8
+
+
+def test_sets_change_cells_and_keys_exactly_like_the_file():
+    raw = tomllib.loads(TINY_SUITE_TOML)
+    plain = expand_suite(raw, name="tiny").cells
+    forced = expand_suite(raw, name="tiny", sets={"train.rounds": 5, "train.lr": 0.2}).cells
+    in_file = tomllib.loads(TINY_SUITE_TOML.replace("rounds = 2", "rounds = 5").replace(
+        "lr = 0.05", "lr = 0.2"))  # fmt: skip
+    assert [c.run_key for c in forced] == [
+        c.run_key for c in expand_suite(in_file, name="tiny").cells
+    ]
+    assert {c.train.rounds for c in forced} == {5}
+    assert not {c.run_key for c in forced} & {c.run_key for c in plain}
+    runtime = expand_suite(raw, name="tiny", sets={"runtime.device": "cpu"}).cells
+    assert [c.run_key for c in runtime] == [c.run_key for c in plain]
+    assert {c.runtime.device for c in runtime} == {"cpu"}
+
+
+def test_method_args_set_only_on_the_chosen_methods(workdir):
+    with pytest.raises(FpbenchError, match=r"head-tune.*with --set: method.prompt_len"):
+        load_suite("tiny", {"method.args.prompt_len": 3})
+    suite = load_suite("tiny", {"method.args.prompt_len": 3}, methods=["fedvpt"])
+    assert suite.name == "tiny+method.args.prompt_len=3"
+    assert [(c.method.name, c.method.args["prompt_len"]) for c in suite.cells] == [("fedvpt", 3)]
+
+
+@pytest.mark.parametrize(
+    "sets, needle",
+    [
+        (
+            ["train.rounds=0"],
+            "with --set: train.rounds: Input should be greater than or equal to 1",
+        ),
+        (["train.roundz=2"], "train.roundz: Extra inputs are not permitted"),
+        (["train.optimizer=adamw"], "train.optimizer: Input should be 'sgd' or 'adam'"),
+        (["seed=3"], "--set seed: not a settable path"),
+    ],
+)
+def test_bad_sets_exit_2_and_write_nothing(workdir, sets, needle):
+    args = [a for s in sets for a in ("--set", s)]
+    for command in (["run"], ["estimate", "--dry"]):
+        result = invoke(*command, "--suite", "tiny", *args)
+        assert result.exit_code == 2, result.output
+        assert needle in result.output and "Traceback" not in result.output
+    assert not (workdir / "results").exists()
+
+
+def test_estimate_takes_sets(workdir):
+    args = ["estimate", "--suite", "tiny", "--dry", "--json", "e.json"]
+    result = invoke(*args, "--set", "train.rounds=7", "--method", "fedvpt")
+    assert result.exit_code == 0, result.output
+    assert "tiny+train.rounds=7" in result.output
+    shapes = json.loads((workdir / "e.json").read_text())
+    assert [(s["label"], s["shape"]["rounds"]) for s in shapes] == [("fedvpt", 7)]
+
+
+def test_run_with_set_stores_its_own_cells_and_runs_lists_them(workdir):
+    result = invoke("run", "--suite", "tiny", "--method", "head-tune", "--set", "train.rounds=1")
+    assert result.exit_code == 0, result.output
+    assert "fpbench table --suite tiny+train.rounds=1 " in result.output
+    expected = load_suite("tiny", {"train.rounds": 1}).cells
+    with sqlite3.connect(workdir / "results" / "fpbench.db") as con:
+        rows = con.execute("select run_key, suite, config_json from runs").fetchall()
+        rounds = con.execute("select count(*) from rounds").fetchone()[0]
+    head = next(c for c in expected if c.method.name == "head-tune")
+    assert [(r[0], r[1]) for r in rows] == [(head.run_key, "tiny+train.rounds=1")]
+    assert '"rounds": 1' in rows[0][2] and rounds == 1
+    listed = invoke("runs")
+    assert listed.exit_code == 0, listed.output
+    assert head.run_key[:8] in listed.output and "tiny+train.rounds=1" in listed.output
+    assert "1 run in" in listed.output
+
+
+def test_runs_lists_filters_and_headline_percent(workdir):
+    fake_db(
+        workdir / "r.db",
+        {("sgpt", 0): [0.1, 0.5], ("sgpt", 1): [0.2, 0.7], ("fedavg", 0): [0.3, 0.25]},
+    )
+    result = invoke("runs", "--db", "r.db")
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if "abcd" in line]
+    assert len(lines) == 3
+    assert "50.00" in lines[0] and "25.00" in lines[0]  # global and local-mean of the last round
+    assert "70.00" in lines[1] and "35.00" in lines[1]
+    assert "25.00" in lines[2] and "12.50" in lines[2]
+    assert all("│      2 │" in line and "done" in line for line in lines)  # rounds 0-1: 2 rounds
+    only = invoke("runs", "--db", "r.db", "--method", "fedavg", "--status", "done")
+    assert only.exit_code == 0 and "1 run in" in only.output and "sgpt" not in only.output
+    none = invoke("runs", "--db", "r.db", "--status", "failed")
+    assert none.exit_code == 0 and "no runs in r.db match" in none.output
+    missing = invoke("runs", "--db", "nope.db")
+    assert missing.exit_code == 2 and "no results database" in missing.output
+
+
+def test_missing_run_points_to_fpbench_runs(workdir):
+    fake_db(workdir / "r.db", {("sgpt", 0): [0.1]})
+    result = invoke("show", "12345", "--db", "r.db")
+    assert result.exit_code == 2 and "see `fpbench runs`" in result.output
