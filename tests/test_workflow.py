@@ -3,10 +3,12 @@ compare), through the real CLI on the tiny suite or on small hand-made databases
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sqlite3
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import tomllib
 from typer.testing import CliRunner
@@ -195,3 +197,66 @@ def test_missing_run_points_to_fpbench_runs(workdir):
     fake_db(workdir / "r.db", {("sgpt", 0): [0.1]})
     result = invoke("show", "12345", "--db", "r.db")
     assert result.exit_code == 2 and "see `fpbench runs`" in result.output
+
+
+# -- export -----------------------------------------------------------------------------------
+
+
+def test_export_csv_holds_every_round_and_client_value(workdir):
+    fake_db(workdir / "r.db", {("sgpt", 0): [0.1, 0.5], ("fedavg", 1): [0.3, 0.25, 0.75]})
+    result = invoke("export", "out", "--db", "r.db")
+    assert result.exit_code == 0, result.output
+    assert "out/rounds.csv (5 rows)" in result.output
+    runs = pd.read_csv(workdir / "out" / "runs.csv")
+    rounds = pd.read_csv(workdir / "out" / "rounds.csv")
+    clients = pd.read_csv(workdir / "out" / "clients.csv")
+    assert list(runs["method"]) == ["sgpt", "fedavg"] and list(runs["last_round"]) == [1, 2]
+    assert json.loads(runs["config_json"][0]) == {}
+    assert list(rounds.columns) == [
+        "run_id", "run_key", "suite", "method", "dataset", "partition", "seed", "round",
+        "loss_train", "wall_s", "bytes_up", "bytes_down", "acc_global", "acc_local_mean",
+    ]  # fmt: skip
+    assert rounds[["method", "seed", "round"]].values.tolist() == [
+        ["sgpt", 0, 0], ["sgpt", 0, 1], ["fedavg", 1, 0], ["fedavg", 1, 1], ["fedavg", 1, 2],
+    ]  # fmt: skip
+    assert list(rounds["acc_global"]) == [0.1, 0.5, 0.3, 0.25, 0.75]
+    assert list(rounds["acc_local_mean"]) == [0.05, 0.25, 0.15, 0.125, 0.375]
+    assert list(rounds["loss_train"]) == pytest.approx([1, 1 / 2, 1, 1 / 2, 1 / 3])
+    assert list(clients.columns[-4:]) == ["round", "client_id", "acc_local", "acc_local_count"]
+    assert list(clients["acc_local"]) == [0.1, 0.5, 0.3, 0.25, 0.75]
+    assert set(clients["acc_local_count"]) == {10} and set(clients["client_id"]) == {0}
+    again = invoke("export", "out", "--db", "r.db")
+    assert again.exit_code == 2 and "--force overwrites" in again.output
+    only = invoke("export", "out", "--db", "r.db", "--method", "fedavg", "--force")
+    assert only.exit_code == 0, only.output
+    assert set(pd.read_csv(workdir / "out" / "rounds.csv")["method"]) == {"fedavg"}
+    by_run = invoke("export", "one", "--db", "r.db", "--run", "0000ab")
+    assert by_run.exit_code == 0 and "one/rounds.csv (2 rows)" in by_run.output
+    none = invoke("export", "none", "--db", "r.db", "--status", "failed")
+    assert none.exit_code == 2 and "no runs" in none.output and not (workdir / "none").exists()
+
+
+def test_export_parquet_reads_back_as_the_csv(workdir):
+    pytest.importorskip("pyarrow")
+    fake_db(workdir / "r.db", {("sgpt", 0): [0.1, 0.5], ("fedavg", 1): [0.3, 0.25, 0.75]})
+    for fmt in ("csv", "parquet"):
+        result = invoke("export", fmt, "--db", "r.db", "--format", fmt)
+        assert result.exit_code == 0, result.output
+    for table in ("runs", "rounds", "clients"):
+        parquet = pd.read_parquet(workdir / "parquet" / f"{table}.parquet")
+        csv = pd.read_csv(workdir / "csv" / f"{table}.csv")
+        assert list(parquet.columns) == list(csv.columns)
+        same = ["id", "run_key", "wall_s"] if table == "runs" else list(csv.columns)
+        pd.testing.assert_frame_equal(
+            parquet[same].astype(object), csv[same].astype(object), check_dtype=False
+        )
+    rounds = pd.read_parquet(workdir / "parquet" / "rounds.parquet")
+    assert list(rounds["acc_global"]) == [0.1, 0.5, 0.3, 0.25, 0.75]
+
+
+def test_export_parquet_without_pyarrow_names_the_extra(workdir, monkeypatch):
+    fake_db(workdir / "r.db", {("sgpt", 0): [0.1]})
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    result = invoke("export", "out", "--db", "r.db", "--format", "parquet")
+    assert result.exit_code == 2 and "pip install 'fpbench[parquet]'" in result.output
+    assert not (workdir / "out").exists()

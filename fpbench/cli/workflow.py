@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from enum import Enum
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -9,6 +11,7 @@ from rich.table import Table
 
 from fpbench.cli.apps import app
 from fpbench.cli.common import DEFAULT_DB, DbOpt, console, open_store, suite_name, user_errors
+from fpbench.errors import FpbenchError
 
 
 def percent(value: float) -> str:
@@ -77,3 +80,54 @@ def print_wide(table: Table) -> None:
         console.print(table)
     else:
         Console(width=width).print(table)
+
+
+class ExportFormat(str, Enum):
+    csv = "csv"
+    parquet = "parquet"
+
+
+@app.command("export")
+@user_errors
+def export(
+    out: Annotated[Path, typer.Argument(help="folder for runs, rounds and clients .csv/.parquet")],
+    suite: Annotated[
+        str | None, typer.Option("--suite", "-s", help="only this suite's runs (name or .toml)")
+    ] = None,
+    method: Annotated[
+        list[str] | None, typer.Option(help="only these methods (labels; repeatable)")
+    ] = None,
+    status: Annotated[
+        list[str] | None, typer.Option(help="only runs with this status (repeatable)")
+    ] = None,
+    run: Annotated[
+        list[str] | None,
+        typer.Option("--run", help="only these runs: id or run_key prefix (repeatable)"),
+    ] = None,
+    fmt: Annotated[
+        ExportFormat,
+        typer.Option("--format", help="csv, or parquet (pip install 'fpbench[parquet]')"),
+    ] = ExportFormat.csv,
+    force: Annotated[bool, typer.Option("--force", help="overwrite an earlier export")] = False,
+    db: DbOpt = DEFAULT_DB,
+) -> None:
+    """Write the selected runs' per-round and per-client metrics as flat tables: runs.*,
+    rounds.* (round scalars and aggregate metrics) and clients.* (per-client metrics).
+
+    Values are the database's: accuracies as fractions, rounds counted from 0."""
+    from fpbench.report.export import export_tables, write_tables
+    from fpbench.report.listing import run_listing
+
+    name = suite_name(suite) if suite else None
+    with open_store(db, must_exist=True) as store:
+        listing = run_listing(store, suite=name, methods=method or (), statuses=status or ())
+        ids = list(listing["id"])
+        if run:
+            wanted = {store.get_run(ref).id for ref in run}
+            ids = [i for i in ids if i in wanted]
+        if not ids:
+            raise FpbenchError(f"no runs in {db} match the filters; see `fpbench runs`")
+        tables = export_tables(store, ids)
+    for path in write_tables(tables, out, fmt.value, force=force):
+        rows = len(tables[path.stem])
+        console.print(f"wrote {path} ({rows} row{'s' if rows != 1 else ''})", highlight=False)
