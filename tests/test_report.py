@@ -110,13 +110,15 @@ def test_summary_table_one_seed_order_and_missing_cells(two_panels: pd.DataFrame
 def test_summary_stats_numbers(metrics: pd.DataFrame) -> None:
     stats = summary_stats(metrics, ["acc_local_worst", "acc_global"])
     assert stats.columns.tolist() == [
-        "method", "dataset", "partition", "metric", "mean", "std", "n",
+        "method", "dataset", "partition", "metric", "mean", "std", "n", "ci_low", "ci_high",
     ]  # fmt: skip
     assert stats["metric"].tolist()[:2] == ["acc_local_worst", "acc_global"]  # given order
     sgpt = stats[(stats["method"] == "sgpt") & (stats["metric"] == "acc_global")].iloc[0]
     assert sgpt["mean"] == pytest.approx(0.81)
     assert sgpt["std"] == pytest.approx(np.std([0.80, 0.82], ddof=1))
     assert sgpt["n"] == 2
+    # 95% t-interval: 0.81 ± t(0.975, 1) * 0.01414 / sqrt(2) = 0.81 ± 12.7062 * 0.01
+    assert (sgpt["ci_low"], sgpt["ci_high"]) == pytest.approx((0.682938, 0.937062), abs=1e-6)
     pop = summary_stats(metrics, ["acc_global"], ddof=0)
     assert pop.loc[pop["method"] == "sgpt", "std"].item() == pytest.approx(0.01)
 

@@ -16,6 +16,8 @@ from typer.testing import CliRunner
 from fpbench.cli import app
 from fpbench.cli.common import parse_sets
 from fpbench.errors import FpbenchError
+from fpbench.report.compare import compare_methods, paired_test
+from fpbench.report.tables import t_interval
 from fpbench.store import Store
 from fpbench.suites import expand_suite, load_suite, set_overrides, sets_name
 from tests.conftest import TINY_SUITE_TOML
@@ -260,3 +262,66 @@ def test_export_parquet_without_pyarrow_names_the_extra(workdir, monkeypatch):
     result = invoke("export", "out", "--db", "r.db", "--format", "parquet")
     assert result.exit_code == 2 and "pip install 'fpbench[parquet]'" in result.output
     assert not (workdir / "out").exists()
+
+
+# -- statistics -------------------------------------------------------------------------------
+
+
+def test_t_interval_by_hand():
+    # mean 0.6, sample std 0.1, 3 seeds: 0.6 ± t(0.975, 2) 4.3027 * 0.1 / sqrt(3) = 0.6 ± 0.248414
+    assert t_interval(0.6, 0.1, 3) == pytest.approx((0.351586, 0.848414), abs=1e-6)
+    assert t_interval(0.6, 0.1, 1) is None
+
+
+def test_paired_test_by_hand():
+    # differences 0.01, 0.02, 0.03: mean 0.02, sd 0.01, t = 0.02 / (0.01 / sqrt 3) = 3.4641,
+    # two-sided p with 2 df = 1 - t / sqrt(t^2 + 2) = 0.07418; interval 0.02 ± 4.3027 * 0.005774
+    got = paired_test([0.1, 0.2, 0.3], [0.11, 0.22, 0.33])
+    assert got["mean_diff"] == pytest.approx(0.02) and got["std_diff"] == pytest.approx(0.01)
+    assert got["t"] == pytest.approx(3.4641, abs=1e-4)
+    assert got["p"] == pytest.approx(0.07418, abs=1e-5)
+    assert (got["ci_low"], got["ci_high"]) == pytest.approx((-0.0048414, 0.0448414), abs=1e-7)
+    assert got["verdict"] == "within seed noise"
+    # differences 0.05, 0.06, 0.07: t = 10.392, p = 1 - t / sqrt(t^2 + 2) = 0.00913
+    got = paired_test([0.1, 0.2, 0.3], [0.15, 0.26, 0.37])
+    assert got["p"] == pytest.approx(0.00913, abs=1e-5)
+    assert got["verdict"] == "exceeds seed noise" and got["ci_low"] > 0
+    same = paired_test([0.1, 0.2], [0.2, 0.3])  # equal differences: no spread at all
+    assert (same["p"], same["verdict"]) == (0.0, "exceeds seed noise")
+    assert paired_test([0.1, 0.2], [0.1, 0.2])["verdict"] == "within seed noise"
+    assert paired_test([0.1], [0.3])["verdict"] == "one seed: no test"
+
+
+def test_compare_pairs_by_seed_and_prints_the_test(workdir):
+    fake_db(
+        workdir / "r.db",
+        {
+            **{("fedavg", s): [0.0, v] for s, v in enumerate([0.1, 0.2, 0.3, 0.9])},
+            **{("sgpt", s + 1): [0.0, v] for s, v in enumerate([0.25, 0.36, 0.97, 0.5])},
+        },
+    )
+    found = compare_methods(Store("sqlite:///r.db").metrics(), "fedavg", "sgpt", ["acc_global"])
+    row = found.iloc[0]
+    assert row["seeds"] == [1, 2, 3]  # seeds 0 and 4 have no partner
+    assert row["diffs"] == pytest.approx([0.05, 0.06, 0.07])
+    assert row["p"] == pytest.approx(0.00913, abs=1e-5)
+    result = invoke("compare", "fedavg", "sgpt", "--suite", "s", "--db", "r.db")
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.output.splitlines() if "acc_global" in line)
+    assert "1, 2, 3" in line and "+5.00 +6.00 +7.00" in line and "+6.00" in line
+    assert "0.00913" in line and "exceeds seed noise" in line
+    local = next(line for line in result.output.splitlines() if "acc_local_mean" in line)
+    assert "+2.50 +3.00 +3.50" in local  # half the global values
+    bad = invoke("compare", "fedavg", "nope", "--suite", "s", "--db", "r.db")
+    assert bad.exit_code == 2 and "no runs of method 'nope'" in bad.output
+
+
+def test_table_ci_and_term_format(workdir):
+    fake_db(workdir / "r.db", {("sgpt", s): [v] for s, v in enumerate([0.5, 0.6, 0.7])})
+    plain = invoke("table", "--suite", "s", "--db", "r.db", "--metric", "acc_global")
+    assert plain.exit_code == 0 and "| sgpt | 60.00 ± 10.00 |" in plain.output
+    ci = invoke("table", "--suite", "s", "--db", "r.db", "--metric", "acc_global", "--ci")
+    assert "| sgpt | 60.00 ± 10.00 [35.16, 84.84] |" in ci.output
+    term = invoke("table", "--suite", "s", "--db", "r.db", "--format", "term", "--ci")
+    assert term.exit_code == 0, term.output
+    assert "60.00 ± 10.00 [35.16, 84.84]" in term.output and "30.00 ± 5.00" in term.output

@@ -128,7 +128,7 @@ class TableFormat(str, Enum):
     md = "md"
     csv = "csv"
     latex = "latex"
-    term = "term"  # --paper only
+    term = "term"
 
 
 @app.command()
@@ -136,7 +136,15 @@ class TableFormat(str, Enum):
 def table(
     suite: Annotated[str | None, typer.Option("--suite", "-s", help="suite name or .toml")] = None,
     metric: Annotated[list[str] | None, typer.Option(help="metric(s) (repeatable)")] = None,
-    fmt: Annotated[TableFormat, typer.Option("--format", help="output format")] = TableFormat.md,
+    fmt: Annotated[
+        TableFormat, typer.Option("--format", help="md, csv, latex, or term (a terminal table)")
+    ] = TableFormat.md,
+    ci: Annotated[
+        bool,
+        typer.Option(
+            "--ci", help="also the 95% Student-t confidence interval of the mean over seeds"
+        ),
+    ] = False,
     out: Annotated[Path | None, typer.Option(help="write to this file instead of stdout")] = None,
     db: DbOpt = DEFAULT_DB,
     paper: Annotated[
@@ -152,8 +160,11 @@ def table(
         ),
     ] = False,
 ) -> None:
-    """Mean +- std over seeds of each method's final metrics (mean of the last 10 evals).
+    """Mean ± std over seeds of each method's final metrics, accuracies in percent.
 
+    A run's final value is its mean over the last train.summary_window evaluations (10 by
+    default; the smoke suites use 3), else its last evaluation. --ci adds the 95% Student-t
+    confidence interval of the mean over seeds, [low, high] (two or more seeds).
     With --paper: the paper's tables in its layout, fpbench's values beside the paper's.
     With --paper --deviations: every declared deviation from the paper's protocol (table(s),
     cells, config path, the paper's value and source, what fpbench runs, and why).
@@ -174,8 +185,34 @@ def table(
         return
     if suite is None:
         raise FpbenchError("give --suite NAME (a suite's summary) or --paper NAME (its tables)")
-    _, frame = _suite_metrics(db, suite)
-    write_or_print(render(summary_table(frame, metric or DEFAULT_METRICS), fmt.value), out)
+    name, frame = _suite_metrics(db, suite)
+    summary = summary_table(frame, metric or DEFAULT_METRICS, suite=name, ci=ci)
+    if fmt is TableFormat.term:
+        _print_term(
+            summary,
+            f"suite {name}: mean ± std over seeds" + (", [95% t-interval]" if ci else ""),
+            out,
+        )
+        return
+    write_or_print(render(summary, fmt.value), out)
+
+
+def _print_term(summary: Any, title: str, out: Path | None) -> None:
+    """A summary table as a rich terminal table (recorded to `out` when given)."""
+    from rich.console import Console
+
+    from fpbench.report.tables import flat_parts
+
+    index_names, headers, rows = flat_parts(summary)
+    table = Table(title=title)
+    for i, head in enumerate([*index_names, *headers]):
+        table.add_column(head, justify="left" if i < len(index_names) else "right")
+    for row in rows:
+        table.add_row(*row)
+    target = Console(record=True, width=220) if out else console
+    target.print(table)
+    if out:
+        write_or_print(target.export_text(), out)
 
 
 def _suite_metrics(db: str, suite: str) -> tuple[str, Any]:

@@ -10,7 +10,16 @@ import typer
 from rich.table import Table
 
 from fpbench.cli.apps import app
-from fpbench.cli.common import DEFAULT_DB, DbOpt, console, open_store, suite_name, user_errors
+from fpbench.cli.common import (
+    DEFAULT_DB,
+    DEFAULT_METRICS,
+    DbOpt,
+    SuiteOpt,
+    console,
+    open_store,
+    suite_name,
+    user_errors,
+)
 from fpbench.errors import FpbenchError
 
 
@@ -131,3 +140,57 @@ def export(
     for path in write_tables(tables, out, fmt.value, force=force):
         rows = len(tables[path.stem])
         console.print(f"wrote {path} ({rows} row{'s' if rows != 1 else ''})", highlight=False)
+
+
+@app.command("compare")
+@user_errors
+def compare(
+    method_a: Annotated[str, typer.Argument(metavar="A", help="method label (the baseline)")],
+    method_b: Annotated[str, typer.Argument(metavar="B", help="method label compared with A")],
+    suite: SuiteOpt,
+    metric: Annotated[list[str] | None, typer.Option(help="metric(s) (repeatable)")] = None,
+    alpha: Annotated[float, typer.Option(help="level of the paired t-test")] = 0.05,
+    db: DbOpt = DEFAULT_DB,
+) -> None:
+    """Two methods on the same cells: per-seed differences B - A of each run's final value,
+    their mean with its Student-t interval, a paired two-sided t-test (scipy) and whether the
+    gap exceeds seed noise (p < alpha). Accuracies in percentage points."""
+    import pandas as pd
+
+    from fpbench.report.compare import compare_methods
+    from fpbench.report.tables import is_percent
+
+    name = suite_name(suite)
+    with open_store(db, must_exist=True) as store:
+        frame = store.metrics(suite=name)
+    found = compare_methods(
+        frame, method_a, method_b, metric or DEFAULT_METRICS, alpha=alpha, suite=name
+    )
+    level = f"{100 * (1 - alpha):g}%"
+    table = Table(
+        title=f"suite {name}: B = {method_b} vs A = {method_a}, paired by seed "
+        f"(paired t-test, alpha {alpha:g}; {level} t-interval of the mean difference)"
+    )
+    heads = ["dataset / partition", "metric", "seeds", method_a, method_b, "B - A per seed"]
+    for i, head in enumerate([*heads, "mean B - A", f"{level} CI", "p", "verdict"]):
+        table.add_column(head, justify="left" if i < 3 or i == 9 else "right")
+    for row in found.itertuples(index=False):
+        scale = 100.0 if is_percent(row.metric) else 1.0
+        ci = (
+            "-"
+            if pd.isna(row.ci_low)
+            else f"[{row.ci_low * scale:+.2f}, {row.ci_high * scale:+.2f}]"
+        )
+        table.add_row(
+            f"{row.dataset} / {row.partition}",
+            row.metric,
+            ", ".join(map(str, row.seeds)),
+            f"{row.mean_a * scale:.2f}",
+            f"{row.mean_b * scale:.2f}",
+            " ".join(f"{d * scale:+.2f}" for d in row.diffs),
+            f"{row.mean_diff * scale:+.2f}",
+            ci,
+            "-" if pd.isna(row.p) else f"{row.p:.3g}",
+            row.verdict,
+        )
+    print_wide(table)

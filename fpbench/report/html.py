@@ -2,10 +2,10 @@
 
 The page carries a header naming the runs behind it (their keys, status, fpbench / torch
 versions and devices), one summary table per metric (mean ± std over seeds of each run's final
-value, as `fpbench table` prints it) and the trade-off and learning-curve plots. Plots are
-embedded as base64 PNGs, so the page is a single file that can be mailed or attached; the same
-PNGs are also written beside it for reuse. `build_report` is pure (DataFrames in, text and
-bytes out); `write_report` writes the files.
+value and the 95% Student-t interval of the mean, as `fpbench table --ci` prints it) and the
+trade-off and learning-curve plots. Plots are embedded as base64 PNGs, so the page is a single
+file that can be mailed or attached; the same PNGs are also written beside it for reuse.
+`build_report` is pure (DataFrames in, text and bytes out); `write_report` writes the files.
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def build_report(
         "<h2>Summary tables</h2>",
         _note(
             "Mean ± std over seeds of each run's final value (the mean over the last evaluated "
-            "rounds); accuracies in percent."
+            "rounds), then in brackets the 95% confidence interval of the mean over seeds "
+            "(Student t, two or more seeds); accuracies in percent."
         ),
         *_tables(metrics, suite),
         "<h2>Plots</h2>",
@@ -154,7 +155,7 @@ def _tables(metrics: pd.DataFrame, suite: str) -> list[str]:
     for metric in [*TABLE_METRICS, *domains]:
         if metric not in stored and not any(n.startswith(f"{metric}_last") for n in stored):
             continue
-        table = summary_table(metrics, [metric], suite=suite)
+        table = summary_table(metrics, [metric], suite=suite, ci=True)
         table.columns = [" / ".join(str(x) for x in col[:-1]) for col in table.columns]
         parts.append(f"<h3>{_esc(plots.axis_label(metric))}</h3>")
         # the row labels as a first column: one header row, as in the terminal table
