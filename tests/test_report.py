@@ -231,10 +231,12 @@ def test_curves(two_panels: pd.DataFrame, tmp_path: Path) -> None:
     first, second = fig.axes
     assert [line.get_label() for line in first.lines] == ["fedavg", "sgpt"]
     fedavg = first.lines[0].get_xydata()
-    assert fedavg == pytest.approx(np.array([[10, 99.0], [20, 72.5]]))  # mean over seeds
-    assert first.lines[1].get_xydata() == pytest.approx(np.array([[20, 15.0]]))  # no client row
+    # rounds 10 and 20 of the database are rounds 11 and 21 of every view (numbered from 1)
+    assert fedavg == pytest.approx(np.array([[11, 99.0], [21, 72.5]]))  # mean over seeds
+    assert first.lines[1].get_xydata() == pytest.approx(np.array([[21, 15.0]]))  # no client row
     assert (len(first.collections), len(second.collections)) == (2, 0)  # std bands: 2 seeds only
-    assert second.lines[0].get_xydata() == pytest.approx(np.array([[5, 40.0], [10, 60.0]]))
+    assert second.lines[0].get_xydata() == pytest.approx(np.array([[6, 40.0], [11, 60.0]]))
+    assert first.get_xlabel() == "round (1 = the first)"
     assert first.get_ylabel() == "global accuracy (%)"
     saved_png(fig, tmp_path / "curves.png")
     with pytest.raises(FpbenchError, match="no rows for metric 'acc_pooled'"):

@@ -164,7 +164,7 @@ def test_run_piped_to_a_file_in_a_subprocess(tmp_path):
         )
     text = log.read_text()
     assert re.search(STAMP + r"round 2/2  fedvpt / synthetic / pathological / seed 0  global", text)
-    assert "suite tiny: 1 run, 0 already done, 0 failed" in text
+    assert "suite tiny: 1 cell ran, 0 already done, 0 failed" in text
     assert "fpbench table --suite tiny --db results/fpbench.db" in text
 
 

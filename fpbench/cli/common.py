@@ -37,6 +37,9 @@ DEFAULT_DB = "results/fpbench.db"
 DEFAULT_METRICS = ["acc_global", "acc_local_mean", "acc_local_worst"]  # the summary table's
 DbOpt = Annotated[str, typer.Option("--db", help="results database: a path or SQLAlchemy URL")]
 SuiteOpt = Annotated[str, typer.Option("--suite", "-s", help="suite name or path to a .toml")]
+PlotOutOpt = Annotated[
+    Path, typer.Option(help="output image (.png also writes a .pdf beside it; .pdf, .svg)")
+]
 SetOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -69,6 +72,11 @@ def parse_sets(items: list[str] | None) -> dict[str, Any]:
             except json.JSONDecodeError:
                 out[key] = text
     return out
+
+
+def plural(n: int, noun: str) -> str:
+    """'1 cell', '5 cells' (nouns whose plural adds an s)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def sqlite_missing(db: str) -> bool:

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from fpbench.cli.apps import db_app
-from fpbench.cli.common import console, user_errors
+from fpbench.cli.common import console, plural, user_errors
 from fpbench.errors import FpbenchError
 
 
@@ -64,9 +64,11 @@ def check(
         problems = find_problems(store)
         n_runs = len(store.runs())
     if not problems:
-        console.print(f"{db}: {n_runs} runs, no problems", highlight=False, soft_wrap=True)
+        line = f"{db}: {plural(n_runs, 'run')}, no problems"
+        console.print(line, highlight=False, soft_wrap=True)
         return
-    console.print(f"{db}: {len(problems)} problems in {n_runs} runs", highlight=False)
+    line = f"{db}: {plural(len(problems), 'problem')} in {plural(n_runs, 'run')}"
+    console.print(line, highlight=False)
     for p in problems:
         line = f"  run {p.run_id} {p.run_key} ({p.status}): {p.message}"
         console.print(line, highlight=False, soft_wrap=True, markup=False)

@@ -17,6 +17,7 @@ from fpbench.cli.common import (
     console,
     err,
     load_cells,
+    plural,
     user_errors,
     write_or_print,
 )
@@ -99,7 +100,7 @@ def estimate_cmd(
 
 
 def _table(suite: str, found: list, where: str) -> Table:
-    table = Table(title=f"fpbench estimate: {suite} ({len(found)} shapes, {where})")
+    table = Table(title=f"fpbench estimate: {suite} ({plural(len(found), 'shape')}, {where})")
     table.add_column("shape")
     for name in ("cells", "s/round", "s/eval", "frozen s", "h/cell", "h total"):
         table.add_column(name, justify="right")

@@ -18,6 +18,7 @@ from fpbench.cli.common import (
     DEFAULT_DB,
     DEFAULT_METRICS,
     DbOpt,
+    PlotOutOpt,
     SuiteOpt,
     console,
     err,
@@ -115,12 +116,17 @@ def show(
     console.print_json(json.dumps(record.config))
     metrics = store.metrics(run_ids=[record.id])
     if not metrics.empty:
+        from fpbench.report.tables import is_percent
+
         last = metrics[metrics["round"] == metrics["round"].max()]
-        table = Table(title=f"aggregates at round {int(last['round'].iloc[0])}")
+        total = record.config.get("train", {}).get("rounds")
+        done = int(last["round"].iloc[0]) + 1  # views number rounds from 1
+        table = Table(title=f"aggregates at round {done}" + (f"/{total}" if total else ""))
         table.add_column("metric")
         table.add_column("value", justify="right")
         for name, value in sorted(zip(last["name"], last["value"], strict=True)):
-            table.add_row(name, f"{value:.4f}")
+            shown = f"{100 * value:.2f}%" if is_percent(name) else f"{value:.4g}"
+            table.add_row(name, shown)
         console.print(table)
 
 
@@ -226,21 +232,21 @@ def _suite_metrics(db: str, suite: str) -> tuple[str, Any]:
 @user_errors
 def plot_tradeoff(
     suite: SuiteOpt,
-    out: Annotated[Path, typer.Option(help="output image (png, pdf, svg)")],
+    out: PlotOutOpt,
     db: DbOpt = DEFAULT_DB,
 ) -> None:
     """Global accuracy (x) vs worst local accuracy (y), one marker per method (SGPT Fig. 1)."""
     from fpbench.report.plots import tradeoff
 
     name, frame = _suite_metrics(db, suite)
-    save_figure(tradeoff(frame, suite=name), out)
+    save_figure(tradeoff(frame, suite=name), out, pdf_beside=True)
 
 
 @plot_app.command("curves")
 @user_errors
 def plot_curves(
     suite: SuiteOpt,
-    out: Annotated[Path, typer.Option(help="output image (png, pdf, svg)")],
+    out: PlotOutOpt,
     metric: Annotated[str, typer.Option(help="metric to plot against rounds")] = "acc_global",
     db: DbOpt = DEFAULT_DB,
 ) -> None:
@@ -248,4 +254,4 @@ def plot_curves(
     from fpbench.report.plots import curves
 
     name, frame = _suite_metrics(db, suite)
-    save_figure(curves(frame, metric, suite=name), out)
+    save_figure(curves(frame, metric, suite=name), out, pdf_beside=True)

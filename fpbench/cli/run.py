@@ -23,6 +23,7 @@ from fpbench.cli.common import (
     err,
     load_cells,
     open_store,
+    plural,
     sqlite_missing,
     user_errors,
 )
@@ -235,8 +236,8 @@ def _report_results(suite: str, results, suite_arg: str, db: str) -> None:
     counts = {s: sum(r.status == s for r in results) for s in ("done", "skipped", "failed")}
     busy = sum(r.status == "skipped" and r.error is not None for r in results)
     console.print(
-        f"suite [bold]{suite}[/]: {counts['done']} run, {counts['skipped'] - busy} already "
-        f"done, {counts['failed']} failed"
+        f"suite [bold]{suite}[/]: {plural(counts['done'], 'cell')} ran, "
+        f"{counts['skipped'] - busy} already done, {counts['failed']} failed"
         + (f", {busy} skipped (claimed by another driver)" if busy else "")
     )
     for r in results:
@@ -272,7 +273,7 @@ def _print_cells(suite: str, cells, db: str) -> None:
 
     # no database yet: every cell is new, and a dry run creates nothing
     store = None if sqlite_missing(db) else open_store(db)
-    table = Table(title=f"suite {suite}: {len(cells)} cells")
+    table = Table(title=f"suite {suite}: {plural(len(cells), 'cell')}")
     for col in ("run_key", "method", "dataset", "partition", "seed", "status", "data"):
         table.add_column(col)
     root = data_root()

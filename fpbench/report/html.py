@@ -37,7 +37,7 @@ TABLE_METRICS = (
 DOMAIN_METRIC = r"acc_domain_[0-9a-z-]+"  # fpbench.engine.metrics.domain_accuracies
 CURVE_METRICS = ("acc_global", "acc_local_mean", "acc_local_worst", "loss_train")
 RUN_COLUMNS = [
-    "id", "run_key", "method", "dataset", "partition", "seed", "status", "last_round", "wall_s",
+    "id", "run_key", "method", "dataset", "partition", "seed", "status", "rounds", "wall_s",
     "fpbench_version", "torch_version", "device",
 ]  # fmt: skip
 INDEX_FILE = "index.html"
@@ -125,9 +125,10 @@ def _header(runs: pd.DataFrame, suite: str, now: dt.datetime) -> str:
     """Title, provenance (versions, devices, status counts) and the table of runs."""
     status = runs["status"].value_counts() if len(runs) else pd.Series(dtype=int)
     counts = ", ".join(f"{n} {s}" for s, n in status.items()) or "none"
+    n_runs = f"{len(runs)} run{'s' if len(runs) != 1 else ''}"
     lines = [
         f"<h1>fpbench report: suite {_esc(suite)}</h1>",
-        _note(f"generated {now:%Y-%m-%d %H:%M} UTC from {len(runs)} runs ({counts})"),
+        _note(f"generated {now:%Y-%m-%d %H:%M} UTC from {n_runs} ({counts})"),
         '<ul class="provenance">',
         f"<li>fpbench: {_esc(_distinct(runs, 'fpbench_version'))}</li>",
         f"<li>torch: {_esc(_distinct(runs, 'torch_version'))}</li>",
@@ -141,6 +142,9 @@ def _header(runs: pd.DataFrame, suite: str, now: dt.datetime) -> str:
 
 
 def _runs_table(runs: pd.DataFrame) -> str:
+    """The runs, `rounds` being how many are stored (the last is round `rounds`, from 1)."""
+    if "last_round" in runs:
+        runs = runs.assign(rounds=(runs["last_round"] + 1).astype("Int64"))
     shown = runs.reindex(columns=[c for c in RUN_COLUMNS if c in runs.columns])
     if "wall_s" in shown:
         shown = shown.assign(wall_s=shown["wall_s"].map(lambda v: "" if pd.isna(v) else f"{v:.1f}"))

@@ -78,6 +78,22 @@ def _reason(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
+def _driver_hint(url: str, exc: BaseException) -> str:
+    """What to install when the URL's database driver is missing."""
+    if not isinstance(exc, ImportError):
+        return ""
+    try:
+        backend = make_url(url).get_backend_name()
+    except ArgumentError:
+        return ""
+    if backend == "postgresql":
+        return (
+            "; install fpbench's PostgreSQL driver with pip install 'fpbench[postgres]' and "
+            "name it in the URL: postgresql+psycopg://USER:PASSWORD@HOST/DB"
+        )
+    return f"; install the Python driver of {backend} that this URL names"
+
+
 def _safe_url(url: str) -> str:
     try:
         return make_url(url).render_as_string(hide_password=True)
@@ -184,6 +200,7 @@ class Store(ClaimMixin):
         except (SQLAlchemyError, OSError, ValueError, ImportError) as exc:
             raise FpbenchError(
                 f"cannot open results database {_safe_url(url)}: {_reason(exc)}"
+                + _driver_hint(url, exc)
             ) from exc
         self._session = sessionmaker(self._engine, expire_on_commit=False)
 
