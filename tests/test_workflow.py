@@ -161,6 +161,7 @@ def test_run_with_set_stores_its_own_cells_and_runs_lists_them(workdir):
     result = invoke("run", "--suite", "tiny", "--method", "head-tune", "--set", "train.rounds=1")
     assert result.exit_code == 0, result.output
     assert "fpbench table --suite tiny+train.rounds=1 " in result.output
+    assert "1 cell ran, 0 already done, 0 failed" in result.output
     expected = load_suite("tiny", {"train.rounds": 1}).cells
     with sqlite3.connect(workdir / "results" / "fpbench.db") as con:
         rows = con.execute("select run_key, suite, config_json from runs").fetchall()
@@ -325,3 +326,70 @@ def test_table_ci_and_term_format(workdir):
     term = invoke("table", "--suite", "s", "--db", "r.db", "--format", "term", "--ci")
     assert term.exit_code == 0, term.output
     assert "60.00 ± 10.00 [35.16, 84.84]" in term.output and "30.00 ± 5.00" in term.output
+
+
+# -- one numbering, one unit; help and messages -------------------------------------------------
+
+
+def test_show_numbers_rounds_from_one_in_percent(workdir):
+    fake_db(workdir / "r.db", {("sgpt", 0): [0.1, 0.5, 0.625]})
+    result = invoke("show", "1", "--db", "r.db")
+    assert result.exit_code == 0, result.output
+    assert "aggregates at round 3" in result.output  # database rounds 0, 1, 2
+    assert "62.50%" in result.output and "31.25%" in result.output
+    assert "0.6250" not in result.output
+
+
+def test_report_runs_table_counts_rounds_and_plots_write_pdfs(workdir):
+    fake_db(workdir / "r.db", {("sgpt", 0): [0.1, 0.5, 0.625]})
+    result = invoke("report", "--suite", "s", "--db", "r.db", "--out", "rep")
+    assert result.exit_code == 0, result.output
+    page = (workdir / "rep" / "index.html").read_text()
+    assert "<th>rounds</th>" in page and "<td>3</td>" in page and "last_round" not in page
+    assert "1 run (1 done)" in page
+    for kind, *more in (("tradeoff", "--y", "acc_local_mean"), ("curves",)):
+        out = workdir / f"{kind}.png"
+        result = invoke("plot", kind, "--suite", "s", "--db", "r.db", "--out", str(out), *more)
+        assert result.exit_code == 0, result.output
+        assert out.with_suffix(".pdf").read_bytes()[:4] == b"%PDF"
+
+
+def test_paper_table_without_database_says_so(workdir):
+    result = invoke("table", "--paper", "sgpt", "--table", "1", "--db", "none.db")
+    assert result.exit_code == 0, result.output
+    assert "no results database at none.db: the paper's values only" in result.output
+    assert not (workdir / "none.db").exists()
+
+
+def test_shortened_names_suggest_what_they_begin():
+    from fpbench.registry import PARTITIONS
+
+    with pytest.raises(FpbenchError, match=r"'patho'\. Did you mean pathological, pachinko\?"):
+        PARTITIONS.get("patho")
+
+
+def test_missing_database_driver_names_the_extra(workdir):
+    pytest.importorskip("sqlalchemy")
+    try:
+        import pg8000  # noqa: F401
+
+        pytest.skip("pg8000 is installed here")
+    except ImportError:
+        pass
+    result = invoke("runs", "--db", "postgresql+pg8000://u@localhost/x")
+    assert result.exit_code == 2
+    assert "No module named 'pg8000'" in result.output
+    assert "pip install 'fpbench[postgres]'" in result.output
+    assert "postgresql+psycopg://" in result.output
+
+
+def test_list_suites_says_what_each_needs(workdir):
+    from fpbench.cli.results import suite_row
+
+    assert suite_row("tiny") == ("2", "[green]offline[/]", "")
+    assert suite_row("smoke")[1] == "[green]offline[/]"
+    cells, needs, description = suite_row("fgpt-table7")
+    assert (cells, needs) == ("14", "data cifar100; weights vit-b16-in21k")
+    assert description.startswith("FGPT Table 7")
+    result = invoke("list", "suites")
+    assert result.exit_code == 0 and "offline" in result.output and "cells" in result.output

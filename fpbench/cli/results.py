@@ -52,8 +52,11 @@ def list_(what: Annotated[Listable, typer.Argument(help="what to list")]) -> Non
     table = Table(title=what.value)
     table.add_column("name")
     if what is Listable.suites:
+        table.add_column("cells", justify="right")
+        table.add_column("needs")
+        table.add_column("description")
         for name in list_suites():
-            table.add_row(name)
+            table.add_row(name, *suite_row(name))
         console.print(table)
         return
     registry = {
@@ -80,6 +83,34 @@ def list_(what: Annotated[Listable, typer.Argument(help="what to list")]) -> Non
     for row in rows:
         table.add_row(*row)
     console.print(table)
+
+
+def suite_row(name: str) -> tuple[str, str, str]:
+    """(cells, what it needs, description) of a suite: "offline" when every dataset is
+    generated and every backbone is built without downloaded weights, else the datasets whose
+    files and the backbones whose weights it needs (`fpbench data status`)."""
+    from fpbench.data.prepared import real_dataset
+    from fpbench.registry import BACKBONES
+    from fpbench.suites import load_suite
+
+    try:
+        suite = load_suite(name)
+    except FpbenchError as e:
+        return "-", f"[red]invalid[/]: {escape(str(e))}", ""
+    data = sorted({c.dataset.name for c in suite.cells if real_dataset(c.dataset.name)})
+    refs = {c.backbone for c in suite.cells} | {
+        p.backbone for c in suite.cells if c.model_het for p in c.model_het.profiles if p.backbone
+    }
+    weights = sorted(
+        {r.name for r in refs if r.weights or BACKBONES.get(r.name).pretrained not in OFFLINE}
+    )
+    needs = [*(f"data {', '.join(data)}" for _ in data[:1])]
+    needs += [f"weights {', '.join(weights)}" for _ in weights[:1]]
+    first = suite.description.strip().splitlines()[0] if suite.description.strip() else ""
+    return str(len(suite.cells)), "; ".join(needs) or "[green]offline[/]", escape(first)
+
+
+OFFLINE = ("none", "smoke", "seeded")  # built without downloaded weights (catalog `pretrained`)
 
 
 def _summary_line(obj: Any) -> str:
@@ -233,13 +264,15 @@ def _suite_metrics(db: str, suite: str) -> tuple[str, Any]:
 def plot_tradeoff(
     suite: SuiteOpt,
     out: PlotOutOpt,
+    x: Annotated[str, typer.Option(help="metric on the x axis")] = "acc_global",
+    y: Annotated[str, typer.Option(help="metric on the y axis")] = "acc_local_worst",
     db: DbOpt = DEFAULT_DB,
 ) -> None:
     """Global accuracy (x) vs worst local accuracy (y), one marker per method (SGPT Fig. 1)."""
     from fpbench.report.plots import tradeoff
 
     name, frame = _suite_metrics(db, suite)
-    save_figure(tradeoff(frame, suite=name), out, pdf_beside=True)
+    save_figure(tradeoff(frame, x=x, y=y, suite=name), out, pdf_beside=True)
 
 
 @plot_app.command("curves")
