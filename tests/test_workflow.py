@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sqlite3
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import tomllib
+import torch
 from typer.testing import CliRunner
 
 from fpbench.cli import app
 from fpbench.cli.common import parse_sets
+from fpbench.engine.artifacts import params_path, read_npz
 from fpbench.errors import FpbenchError
 from fpbench.report.compare import compare_methods, paired_test
 from fpbench.report.tables import t_interval
@@ -393,3 +396,52 @@ def test_list_suites_says_what_each_needs(workdir):
     assert description.startswith("FGPT Table 7")
     result = invoke("list", "suites")
     assert result.exit_code == 0 and "offline" in result.output and "cells" in result.output
+
+
+# -- trained state: kept, exported, re-scored ---------------------------------------------------
+
+
+def test_params_path_beside_the_database():
+    ck = Path("/c")
+    assert params_path("sqlite:////r/x.db", ck, "k") == Path("/r/x-params/k.pt")
+    assert params_path("postgresql+psycopg://u@h/db", ck, "k") == Path("/c/params/k.pt")
+
+
+def test_kept_state_exports_and_rescores_to_the_stored_numbers(workdir):
+    suite = TINY_SUITE_TOML.replace('name = "head-tune"', 'name = "fedrep"')
+    (workdir / "benchmarks" / "tiny.toml").write_text(suite)
+    result = invoke("run", "--suite", "tiny", "--set", "train.rounds=1")
+    assert result.exit_code == 0, result.output
+    assert not list((workdir / "results" / "checkpoints").glob("*.pt"))  # moved, not left
+    kept = sorted(p.name for p in (workdir / "results" / "fpbench-params").iterdir())
+    keys = sorted(f"{c.run_key}.pt" for c in load_suite("tiny", {"train.rounds": 1}).cells)
+    assert kept == keys
+    for run in ("1", "2"):  # fedrep (personal heads), fedvpt (global)
+        again = invoke("evaluate", run)
+        assert again.exit_code == 0, again.output
+        assert re.search(r"(\d+) of \1 stored values .* all\s+equal", again.output), again.output
+        # every client's local (and held-out) accuracy and the aggregates over them
+        assert int(re.search(r"(\d+) of", again.output)[1]) >= 10
+    other = invoke("evaluate", "1", "--set", "dataset.args.seed=1")
+    assert other.exit_code == 0 and "stored" not in other.output and "re-scored" in other.output
+    out = workdir / "fedrep.npz"
+    exported = invoke("export-params", "1", "--out", str(out))
+    assert exported.exit_code == 0, exported.output
+    state, meta = read_npz(out)
+    assert meta["format"] == "fpbench-params-1" and meta["round"] == 0
+    assert meta["config"]["method"]["name"] == "fedrep"
+    assert sorted(state.personal) == ["head_b", "head_w"] and sorted(state.params) == ["prompts"]
+    assert state.personal["head_w"].shape == (4, 6, 32)  # a head per client, 6 classes
+    kept_state = torch.load(
+        workdir / "results" / "fpbench-params" / f"{meta['run_key']}.pt", weights_only=True
+    )["server"]
+    assert torch.equal(state.personal["head_w"], kept_state["personal"]["head_w"])
+    assert torch.equal(state.params["prompts"], kept_state["params"]["prompts"])
+    again = invoke("export-params", "1", "--out", str(out))
+    assert again.exit_code == 2 and "--force overwrites" in again.output
+    wrong = invoke("evaluate", "1", "--dataset", "cifar10")
+    assert wrong.exit_code == 2 and "cifar10 has 10 classes, the run's 6" in wrong.output
+    (workdir / "results" / "fpbench-params" / kept[0]).unlink()
+    (workdir / "results" / "fpbench-params" / kept[1]).unlink()
+    gone = invoke("evaluate", "1")
+    assert gone.exit_code == 2 and "has no trained state" in gone.output
