@@ -445,3 +445,18 @@ def test_kept_state_exports_and_rescores_to_the_stored_numbers(workdir):
     (workdir / "results" / "fpbench-params" / kept[1]).unlink()
     gone = invoke("evaluate", "1")
     assert gone.exit_code == 2 and "has no trained state" in gone.output
+
+
+def test_db_merge_copies_kept_states_along(workdir):
+    fake_db(workdir / "a.db", {("sgpt", 0): [0.1]})
+    (workdir / "a-params").mkdir()
+    (workdir / "a-params" / "0000abcd.pt").write_bytes(b"state")
+    (workdir / "out-params").mkdir()
+    (workdir / "out-params" / "ffff.pt").write_bytes(b"mine")
+    result = invoke("db", "merge", "out.db", "a.db")
+    assert result.exit_code == 0, result.output
+    assert "1 trained state(s) copied" in result.output
+    assert (workdir / "out-params" / "0000abcd.pt").read_bytes() == b"state"
+    assert (workdir / "out-params" / "ffff.pt").read_bytes() == b"mine"
+    again = invoke("db", "merge", "out.db", "a.db")
+    assert again.exit_code == 0 and "copied" not in again.output
