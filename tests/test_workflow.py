@@ -460,3 +460,39 @@ def test_db_merge_copies_kept_states_along(workdir):
     assert (workdir / "out-params" / "ffff.pt").read_bytes() == b"mine"
     again = invoke("db", "merge", "out.db", "a.db")
     assert again.exit_code == 0 and "copied" not in again.output
+
+
+# -- trackers -----------------------------------------------------------------------------------
+
+
+def test_tensorboard_events_read_back_as_the_stored_rounds(workdir):
+    tb = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    args = ["run", "--suite", "tiny", "--method", "head-tune", "--log", "tensorboard"]
+    result = invoke(*args, "--log-dir", "logs")
+    assert result.exit_code == 0, result.output
+    (folder,) = (workdir / "logs" / "tiny").iterdir()
+    cfg = next(c for c in load_suite("tiny").cells if c.method.name == "head-tune")
+    assert folder.name == f"head-tune-synthetic-pathological-s0-{cfg.run_key[:8]}"
+    events = tb.EventAccumulator(str(folder))
+    events.Reload()
+    with Store("sqlite:///results/fpbench.db") as store:
+        stored = store.metrics(names=["acc_global", "loss_train"])
+    for name, scale in (("acc_global", 100.0), ("loss_train", 1.0)):
+        logged = [(e.step, e.value) for e in events.Scalars(name)]
+        rows = stored[stored["name"] == name]
+        pairs = zip(rows["round"], rows["value"], strict=True)
+        expected = [(int(r) + 1, scale * v) for r, v in pairs]
+        assert [s for s, _ in logged] == [1, 2] == [s for s, _ in expected]  # rounds from 1
+        assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-6)
+
+
+def test_missing_tracker_package_names_the_extra(workdir, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
+    result = invoke("run", "--suite", "tiny", "--log", "wandb")
+    assert result.exit_code == 2 and "pip install 'fpbench[wandb]'" in result.output
+    assert not (workdir / "results").exists()
+    bad = invoke("run", "--suite", "tiny", "--log", "neptune")
+    assert bad.exit_code == 2 and "unknown tracker 'neptune'" in bad.output

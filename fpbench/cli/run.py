@@ -126,6 +126,17 @@ def run(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="list the cells and their status")
     ] = False,
+    log: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--log",
+            help="also log each cell's curves to tensorboard, wandb or mlflow (repeatable; "
+            "optional extras; local launcher)",
+        ),
+    ] = None,
+    log_dir: Annotated[
+        Path, typer.Option(help="where --log writes (TensorBoard events, W&B files, mlruns)")
+    ] = Path("results/logs"),
     retry_failed: Annotated[
         bool,
         typer.Option(
@@ -161,6 +172,9 @@ def run(
     if dry_run:
         _print_cells(loaded.name, cells, db)
         return
+    from fpbench.trackers import TrackingObserver, make_trackers
+
+    trackers = make_trackers(log or [], log_dir)  # a missing package: before anything runs
     from fpbench.engine.dispatch import CELL_KEY, Dispatch, run_cells, validate  # imports torch
 
     require_present([c.dataset.name for c in cells], data_root_of())  # before anything is written
@@ -191,6 +205,8 @@ def run(
             if live
             else LineObserver(sys.stdout, len(cells))
         )
+        if trackers:
+            observer = TrackingObserver(observer, trackers)
         _pretrain_smoke_backbone(cells, observer)
         results = run_cells(
             cells,
