@@ -12,18 +12,24 @@ driver); cells run by submitit, SLURM or Ray log nothing (`fpbench export` has t
 * W&B: one run per cell in project `fpbench-<suite>`, group = the suite, config = the cell's
   resolved config; `WANDB_MODE=offline` keeps it local (pip install 'fpbench[wandb]').
 * MLflow: one run per cell in experiment `fpbench/<suite>`, params = the cell's identity
-  flattened, tracking URI from `MLFLOW_TRACKING_URI` or `<log dir>/mlruns` (a file store)
+  flattened, tracking URI from `MLFLOW_TRACKING_URI` or `<log dir>/mlruns` (MLflow's file
+  store, which MLflow 3 keeps behind `MLFLOW_ALLOW_FILE_STORE=true`, set here for it)
   (pip install 'fpbench[mlflow]').
+
+A tracker that cannot start stops `fpbench run` before any cell runs; one that fails during a
+run is warned about once and dropped, and the run goes on (the database has every value).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
 from typing import Any
 
 from fpbench.errors import FpbenchError
 
+log = logging.getLogger(__name__)
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 EXTRA = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 MODULE = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
@@ -105,9 +111,12 @@ class Mlflow:
 
         import mlflow
 
-        self.client = mlflow.MlflowClient(
-            os.environ.get("MLFLOW_TRACKING_URI") or (log_dir / "mlruns").absolute().as_uri()
-        )
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:  # MLflow 3 keeps its file store for those who opt in, as here
+            uri = (log_dir / "mlruns").absolute().as_uri()
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = mlflow.MlflowClient(uri)
+        self.client.search_experiments(max_results=1)  # an unusable store fails here
         self.runs: dict[str, str] = {}
 
     def start(self, cfg: Any) -> None:
@@ -145,7 +154,10 @@ def make_trackers(names: list[str], log_dir: Path) -> list[Any]:
             raise FpbenchError(
                 f"--log {name} needs the {name} package: pip install 'fpbench[{EXTRA[name]}]'"
             )
-        out.append(CLASSES[name](log_dir))
+        try:
+            out.append(CLASSES[name](log_dir))
+        except Exception as e:  # noqa: BLE001 - any tracker's own error, in one line
+            raise FpbenchError(f"--log {name}: {type(e).__name__}: {e}") from None
     return out
 
 
@@ -153,20 +165,29 @@ class TrackingObserver:
     """An observer that forwards every call to `inner` and logs rounds to the trackers."""
 
     def __init__(self, inner: Any, trackers: list[Any]) -> None:
-        self.inner, self.trackers = inner, trackers
+        self.inner, self.trackers = inner, list(trackers)
         self.open: dict[str, Any] = {}
+
+    def _each(self, call: str, *args: Any) -> None:
+        """`call` on every tracker; one that raises is warned about and dropped."""
+        for tracker in list(self.trackers):
+            try:
+                getattr(tracker, call)(*args)
+            except Exception as e:  # noqa: BLE001 - a tracker never stops the run
+                self.trackers.remove(tracker)
+                log.warning(
+                    "stopped logging to %s: %s: %s", type(tracker).__name__, type(e).__name__, e
+                )
 
     def cell_start(self, cfg: Any, start_round: int) -> None:
         self.inner.cell_start(cfg, start_round)
-        for tracker in self.trackers:
-            tracker.start(cfg)
+        self._each("start", cfg)
         self.open[cfg.run_key] = cfg
 
     def round_end(self, cfg: Any, round_idx: int, metrics: dict[str, float]) -> None:
         self.inner.round_end(cfg, round_idx, metrics)
         if metrics and cfg.run_key in self.open:
-            for tracker in self.trackers:
-                tracker.log(cfg, round_idx + 1, shown(metrics))
+            self._each("log", cfg, round_idx + 1, shown(metrics))
 
     def stage(self, cfg: Any, what: str, done: int, total: int) -> None:
         self.inner.stage(cfg, what, done, total)
@@ -174,5 +195,4 @@ class TrackingObserver:
     def cell_end(self, result: Any) -> None:
         self.inner.cell_end(result)
         if self.open.pop(result.cfg.run_key, None) is not None:
-            for tracker in self.trackers:
-                tracker.end(result.cfg, result.status)
+            self._each("end", result.cfg, result.status)

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import re
 import sqlite3
+import struct
 from pathlib import Path
 
 import pandas as pd
@@ -496,3 +497,110 @@ def test_missing_tracker_package_names_the_extra(workdir, monkeypatch):
     assert not (workdir / "results").exists()
     bad = invoke("run", "--suite", "tiny", "--log", "neptune")
     assert bad.exit_code == 2 and "unknown tracker 'neptune'" in bad.output
+
+
+def _stored_percent(name: str) -> list[tuple[int, float]]:
+    """(round from 1, value in percent) of the only run's aggregate `name`."""
+    with Store("sqlite:///results/fpbench.db") as store:
+        rows = store.metrics(names=[name])
+    return [(int(r) + 1, 100 * v) for r, v in zip(rows["round"], rows["value"], strict=True)]
+
+
+def test_mlflow_file_store_reads_back_as_the_stored_rounds(workdir, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    args = ["run", "--suite", "tiny", "--method", "head-tune", "--set", "train.lr=0.03"]
+    result = invoke(*args, "--log", "mlflow", "--log-dir", "logs")
+    assert result.exit_code == 0, result.output
+    client = mlflow.MlflowClient((workdir / "logs" / "mlruns").as_uri())
+    experiment = client.get_experiment_by_name("fpbench/tiny+train.lr=0.03")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FINISHED" and run.info.run_name.startswith("head-tune-synthetic")
+    assert run.data.params["train.lr"] == "0.03" and run.data.params["seed"] == "0"
+    logged = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "acc_global")]
+    expected = _stored_percent("acc_global")
+    assert [s for s, _ in logged] == [1, 2] == [s for s, _ in expected]
+    assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-12)
+
+
+def _wandb_records(path: Path) -> list:
+    """The protobuf records of a W&B offline `.wandb` file (a LevelDB-style log: 32 KiB
+    blocks of records, each a crc32, a length, a type (full, first, middle, last) and data)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    raw, block, head = path.read_bytes(), 32768, 7
+    pos, parts, records = 7, b"", []  # after the file's own header, ":W&B" magic version
+    while pos + head <= len(raw):
+        if block - pos % block < head:
+            pos += block - pos % block  # the rest of a block too short for a header is padding
+            continue
+        _, n, kind = struct.unpack("<IHB", raw[pos : pos + head])
+        data, pos = raw[pos + head : pos + head + n], pos + head + n
+        parts = data if kind in (1, 2) else parts + data
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(parts)
+            records.append(record)
+    return records
+
+
+@pytest.mark.slow  # starts W&B's own service process (about 30 s here)
+def test_wandb_offline_run_holds_the_stored_rounds(workdir, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    args = ["run", "--suite", "tiny", "--method", "head-tune", "--log", "wandb"]
+    result = invoke(*args, "--log-dir", "logs")
+    assert result.exit_code == 0, result.output
+    (path,) = (workdir / "logs" / "wandb").glob("offline-run-*/run-*.wandb")
+    records = _wandb_records(path)
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run.display_name.startswith("head-tune-synthetic") and run.run_group == "tiny"
+    history = [
+        {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
+    logged = [(h["_step"], h["acc_global"]) for h in history]
+    expected = _stored_percent("acc_global")
+    assert [s for s, _ in logged] == [1, 2] == [s for s, _ in expected]
+    assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-12)
+    assert [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"] == [0]
+
+
+def test_a_failing_tracker_is_dropped_and_the_run_goes_on(caplog):
+    from types import SimpleNamespace
+
+    from fpbench.engine.rounds import Observer
+    from fpbench.trackers import TrackingObserver
+
+    class Broken:
+        logged: list = []
+
+        def start(self, cfg):
+            pass
+
+        def log(self, cfg, step, metrics):
+            raise OSError("disk full")
+
+        def end(self, cfg, status):
+            raise AssertionError("a dropped tracker is not called again")
+
+    class Keeps(Broken):
+        def log(self, cfg, step, metrics):
+            self.logged.append((step, metrics))
+
+        def end(self, cfg, status):
+            self.logged.append(status)
+
+    keeps = Keeps()
+    keeps.logged = []
+    observer = TrackingObserver(Observer(), [Broken(), keeps])
+    cfg = SimpleNamespace(run_key="k")
+    observer.cell_start(cfg, 0)
+    observer.round_end(cfg, 0, {"acc_global": 0.25, "loss_train": 2.0})
+    observer.round_end(cfg, 1, {})  # not evaluated: nothing logged
+    observer.cell_end(SimpleNamespace(cfg=cfg, status="done"))
+    assert keeps.logged == [(1, {"acc_global": 25.0, "loss_train": 2.0}), "done"]
+    assert "stopped logging to Broken: OSError: disk full" in caplog.text
