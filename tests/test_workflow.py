@@ -18,8 +18,10 @@ from typer.testing import CliRunner
 
 from fpbench.cli import app
 from fpbench.cli.common import parse_sets
-from fpbench.engine.artifacts import params_path, read_npz
+from fpbench.engine.artifacts import load_params, params_path, read_npz, rescore
+from fpbench.engine.task import load_dataset
 from fpbench.errors import FpbenchError
+from fpbench.partition import make_clients
 from fpbench.report.compare import compare_methods, paired_test
 from fpbench.report.tables import t_interval
 from fpbench.store import Store
@@ -423,6 +425,17 @@ def test_kept_state_exports_and_rescores_to_the_stored_numbers(workdir):
         assert re.search(r"(\d+) of \1 stored values .* all\s+equal", again.output), again.output
         # every client's local (and held-out) accuracy and the aggregates over them
         assert int(re.search(r"(\d+) of", again.output)[1]) >= 10
+    on_train = invoke("evaluate", "1", "--split", "train")
+    assert on_train.exit_code == 0 and "(train split)" in on_train.output
+    assert "stored" not in on_train.output
+    cells = load_suite("tiny", {"train.rounds": 1}).cells
+    cfg = next(c for c in cells if c.method.name == "fedrep")
+    cpu, url = torch.device("cpu"), "sqlite:///results/fpbench.db"
+    state = load_params(url, Path("results/checkpoints"), cfg.run_key, cpu)
+    rows = rescore(cfg, state, cpu, "train")  # each client scored on its own train samples
+    clients = make_clients(cfg.partition.name, cfg.partition.args, load_dataset(cfg.dataset), 0)
+    local = {c: n for c, name, _, n in rows if name == "acc_local"}
+    assert local and local == {c.id: len(c.train_idx) for c in clients if c.id in local}
     other = invoke("evaluate", "1", "--set", "dataset.args.seed=1")
     assert other.exit_code == 0 and "stored" not in other.output and "re-scored" in other.output
     out = workdir / "fedrep.npz"

@@ -196,6 +196,11 @@ def compare(
     print_wide(table)
 
 
+class SplitChoice(str, Enum):
+    test = "test"
+    train = "train"
+
+
 CheckpointOpt = Annotated[
     Path, typer.Option(help="the run's --checkpoint-dir (where a database server's runs keep it)")
 ]
@@ -250,14 +255,19 @@ def evaluate_cmd(
             help="change the dataset's config, e.g. dataset.args.seed=1 (repeatable)",
         ),
     ] = None,
+    split: Annotated[
+        SplitChoice,
+        typer.Option(help="test (as evaluated in training) or train (the data it trained on)"),
+    ] = SplitChoice.test,
     device: Annotated[str | None, typer.Option(help="auto, cpu, cuda (default: the run's)")] = None,
     checkpoint_dir: CheckpointOpt = Path("results/checkpoints"),
     db: DbOpt = DEFAULT_DB,
 ) -> None:
-    """Score a finished run's trained state again on its own test split, each client on its
-    local test set as in training; on the run's own data it gives the stored last-round
-    values, bit for bit, on the machine and software that ran it. With --dataset or --set
-    dataset.args.*, on other data: the run's partition rules on that dataset."""
+    """Score a finished run's trained state again, each client on its local test set as in
+    training: on the run's own test split it gives the stored last-round values, bit for bit,
+    on the machine and software that ran it. --split train scores each client on its own train
+    samples (acc_global: the whole train split). With --dataset or --set dataset.args.*, on
+    other data: the run's partition rules on that dataset."""
     from fpbench.engine.artifacts import load_params, rescore
     from fpbench.engine.build import resolve_device
 
@@ -267,10 +277,11 @@ def evaluate_cmd(
         dev = resolve_device(device or cfg.runtime.device)
         ckpt = load_params(store.url, checkpoint_dir, record.run_key, dev)
         stored = store.metrics(run_ids=[record.id], aggregate_only=False)
-    rows = rescore(cfg, ckpt, dev)
+    rows = rescore(cfg, ckpt, dev, split.value)
     own = cfg.dataset == _scored_config(record.config, None, None).dataset
+    own = own and split is SplitChoice.test
     stored = stored[stored["round"] == ckpt.round] if own else stored.iloc[0:0]
-    _print_rescore(record, cfg, rows, stored)
+    _print_rescore(record, cfg, rows, stored, split.value)
 
 
 def _scored_config(config: dict, dataset: str | None, sets: list[str] | None):
@@ -304,11 +315,12 @@ def _scored_config(config: dict, dataset: str | None, sets: list[str] | None):
     return cfg
 
 
-def _print_rescore(record, cfg, rows: list, stored) -> None:
+def _print_rescore(record, cfg, rows: list, stored, split: str) -> None:
     from fpbench.report.tables import is_percent
 
     compare = not stored.empty
     title = f"run {record.id} ({record.method} / seed {record.seed}) on {cfg.dataset.label}"
+    title += f" ({split} split)"
     table = Table(title=title + (": stored vs re-scored" if compare else ""))
     for col in ["metric", *(["stored"] if compare else []), "re-scored"]:
         table.add_column(col, justify="left" if col == "metric" else "right")

@@ -97,10 +97,16 @@ def read_npz(path: Path) -> tuple[ServerState, dict[str, Any]]:
         return ServerState.from_state_dict(parts), json.loads(str(data["meta"]))
 
 
-def rescore(cfg: RunConfig, ckpt: ckpt_io.Checkpoint, device: torch.device) -> list:
+def rescore(
+    cfg: RunConfig, ckpt: ckpt_io.Checkpoint, device: torch.device, split: str = "test"
+) -> list:
     """Evaluate a kept state as the run's last round did: the per-client and aggregate metric
     rows (client_id or None, name, value, count) of `evaluate_populations`, computed in the
-    cell's numerics (deterministic mode, threads, CPU linear backend)."""
+    cell's numerics (deterministic mode, threads, CPU linear backend).
+
+    `split = "train"` scores the train split instead: each client on its own train samples
+    (`acc_local`), and the whole train split where the test split would be (`acc_global`).
+    """
     from fpbench.engine.build import build_populations, resolve_precision
     from fpbench.engine.executor import derive_seed
     from fpbench.engine.populations import unpack
@@ -111,6 +117,10 @@ def rescore(cfg: RunConfig, ckpt: ckpt_io.Checkpoint, device: torch.device) -> l
     with cell_numerics(cfg):
         torch.manual_seed(derive_seed(cfg.seed, "torch"))
         task = build_task(cfg, device)
+        if split == "train":
+            task = on_train_split(task)
+        elif split != "test":
+            raise FpbenchError(f"--split must be test or train, got {split!r}")
         populations = build_populations(cfg, task, device)
         servers = unpack(ckpt.server.to(device), [pop.key for pop in populations])
         schedule = sampling_schedule(
@@ -119,3 +129,18 @@ def rescore(cfg: RunConfig, ckpt: ckpt_io.Checkpoint, device: torch.device) -> l
         seen = sorted({c for ids in schedule[: ckpt.round + 1] for c in ids})
         precision = resolve_precision(cfg.runtime.precision, device)
         return evaluate_populations(populations, servers, task, cfg, precision, [], -1, seen)
+
+
+def on_train_split(task):
+    """The task with its train split in the test split's place (and each client's train
+    samples as its local test set), for scoring a trained state on the data it trained on."""
+    import dataclasses
+
+    data = task.data
+    swapped = dataclasses.replace(
+        data,
+        test_images=data.train_images,
+        test_labels=data.train_labels,
+        test_domains=data.train_domains,
+    )
+    return dataclasses.replace(task, data=swapped, test_idx=list(task.train_idx))
