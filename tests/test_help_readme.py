@@ -79,3 +79,25 @@ def test_readme_command_parses(line):
         command.make_context(" ".join(["fpbench", *path]), list(args), resilient_parsing=False)
     except click_errors.UsageError as e:
         pytest.fail(f"README line `{line}` does not parse: {e.format_message()}")
+
+
+def runnable(line: str) -> bool:
+    """README lines that run here in seconds, offline, writing nothing: listings, dry runs and
+    the papers' tables."""
+    args = shlex.split(line)[1:]
+    return (
+        args[:1] == ["list"]
+        or args[:2] == ["data", "status"]
+        or "--dry-run" in args
+        or "--dry" in args
+        or (args[:1] == ["table"] and "--paper" in args)
+    )
+
+
+@pytest.mark.parametrize("line", [line for line in readme_commands() if runnable(line)])
+def test_readme_command_runs(line, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FPBENCH_DATA", str(tmp_path / "data"))
+    result = CliRunner().invoke(app, shlex.split(line)[1:])
+    assert result.exit_code == 0, result.output
+    assert not list(tmp_path.iterdir())  # writes nothing
