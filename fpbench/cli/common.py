@@ -46,7 +46,7 @@ SetOpt = Annotated[
         "--set",
         metavar="PATH=VALUE",
         help="set a config path in every cell, e.g. train.rounds=2 or method.args.prompt_len=5 "
-        "(repeatable; VALUE as in a suite file; part of the run key)",
+        "(repeatable; VALUE as in a suite file; part of the run key, except runtime.*)",
     ),
 ]
 
