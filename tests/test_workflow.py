@@ -321,6 +321,10 @@ def test_compare_pairs_by_seed_and_prints_the_test(workdir):
     assert "+2.50 +3.00 +3.50" in local  # half the global values
     bad = invoke("compare", "fedavg", "nope", "--suite", "s", "--db", "r.db")
     assert bad.exit_code == 2 and "no runs of method 'nope'" in bad.output
+    same = invoke("compare", "sgpt", "sgpt", "--suite", "s", "--db", "r.db")
+    assert same.exit_code == 2 and "two different methods" in same.output
+    alpha = invoke("compare", "fedavg", "sgpt", "--suite", "s", "--db", "r.db", "--alpha", "1.5")
+    assert alpha.exit_code == 2 and "--alpha must be between 0 and 1" in alpha.output
 
 
 def test_table_ci_and_term_format(workdir):

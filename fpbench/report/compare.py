@@ -44,6 +44,8 @@ def compare_methods(
     Raises:
         FpbenchError: a method has no runs, or the two share no seed of any cell.
     """
+    if a == b:
+        raise FpbenchError(f"compare needs two different methods, got {a} twice")
     if not 0 < alpha < 1:
         raise FpbenchError(f"--alpha must be between 0 and 1, got {alpha}")
     values = final_values(metrics, metric_names, suite=suite)

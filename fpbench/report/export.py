@@ -24,6 +24,7 @@ from pathlib import Path
 import pandas as pd
 
 from fpbench.errors import FpbenchError
+from fpbench.store.repo import ROUND_COLUMNS
 
 TABLES = ("runs", "rounds", "clients")
 FORMATS = ("csv", "parquet")
@@ -44,7 +45,7 @@ def export_tables(store, run_ids: Sequence[int]) -> dict[str, pd.DataFrame]:
     wide = _wide(aggregate, ["run_id", "round"], counts=False)
     wide = wide.drop(columns=["loss_train"], errors="ignore")  # as in `rounds` (every round)
     if rounds.empty:
-        rounds = pd.DataFrame(columns=["run_id", "round"])
+        rounds = pd.DataFrame(columns=ROUND_COLUMNS)
     per_round = rounds.merge(wide, on=["run_id", "round"], how="outer")
     per_client = _wide(metrics[metrics["client_id"].notna()], ["run_id", "round", "client_id"])
     return {
