@@ -113,6 +113,7 @@ def test_next_commands_name_the_suite_and_db():
         "fpbench table --suite smoke --db results/x.db",
         "fpbench plot tradeoff --suite smoke --db results/x.db --out results/smoke-tradeoff.png",
         "fpbench report --suite smoke --db results/x.db --out results/smoke-report",
+        "fpbench runs --suite smoke --db results/x.db",
     ]
     assert (
         next_commands("my dir/s.toml", "a.db")[0]
