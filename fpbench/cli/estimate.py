@@ -53,9 +53,10 @@ def estimate_cmd(
         Path | None, typer.Option("--json", help="also write the estimates here")
     ] = None,
 ) -> None:
-    """What a suite will cost on this device: each distinct cell shape runs a round or two
-    on fake data of the real shape with random weights of the real backbone (nothing
-    downloads), projected to the suite's device-hours."""
+    """What a suite will cost on this device, in device-hours.
+
+    Each distinct cell shape runs a round or two on fake data of the real shape with random
+    weights of the real backbone (nothing downloads), projected to the suite's device-hours."""
     from fpbench.engine.build import resolve_device
     from fpbench.estimate import ASSUMPTIONS, as_dict, estimate
 

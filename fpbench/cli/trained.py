@@ -42,9 +42,10 @@ def export_params(
     checkpoint_dir: CheckpointOpt = Path("results/checkpoints"),
     db: DbOpt = DEFAULT_DB,
 ) -> None:
-    """Write a finished run's trained state as a NumPy .npz: params/NAME (shared),
-    personal/NAME (one row per client id), buffers/NAME, and meta (JSON: format, run_key,
-    last round from 0, the run's config)."""
+    """Write a finished run's trained state as a NumPy .npz.
+
+    params/NAME (shared), personal/NAME (one row per client id), buffers/NAME, and meta
+    (JSON: format, run_key, last round from 0, the run's config)."""
     import torch
 
     from fpbench.engine.artifacts import load_params, write_npz
@@ -83,11 +84,13 @@ def evaluate_cmd(
     checkpoint_dir: CheckpointOpt = Path("results/checkpoints"),
     db: DbOpt = DEFAULT_DB,
 ) -> None:
-    """Score a finished run's trained state again, each client on its local test set as in
-    training: on the run's own test split it gives the stored last-round values, bit for bit,
-    on the machine and software that ran it. --split train scores each client on its own train
-    samples (acc_global: the whole train split). With --dataset or --set dataset.args.*, on
-    other data: the run's partition rules on that dataset."""
+    """Score a finished run's trained state again (and compare with the stored values).
+
+    Each client on its local test set as in training: on the run's own test split it gives
+    the stored last-round values, bit for bit, on the machine and software that ran it.
+    --split train scores each client on its own train samples (acc_global: the whole train
+    split). With --dataset or --set dataset.args.*, on other data: the run's partition rules
+    on that dataset."""
     from fpbench.engine.artifacts import load_params, rescore
     from fpbench.engine.build import resolve_device
 

@@ -43,8 +43,10 @@ def runs(
     ] = None,
     db: DbOpt = DEFAULT_DB,
 ) -> None:
-    """List the runs stored in a database: id, key, cell, status, rounds and headline
-    accuracies (final values, %); `fpbench show RUN` shows one."""
+    """List the runs stored in a database, with their headline accuracies.
+
+    Per run: id, key, cell, status, rounds stored and the final global / local-mean / worst
+    accuracy (%); `fpbench show RUN` shows one."""
     import pandas as pd
 
     from fpbench.report.listing import HEADLINE, run_listing
@@ -120,10 +122,11 @@ def export(
     force: Annotated[bool, typer.Option("--force", help="overwrite an earlier export")] = False,
     db: DbOpt = DEFAULT_DB,
 ) -> None:
-    """Write the selected runs' per-round and per-client metrics as flat tables: runs.*,
-    rounds.* (round scalars and aggregate metrics) and clients.* (per-client metrics).
+    """Write runs' per-round and per-client metrics as CSV or Parquet tables.
 
-    Values are the database's: accuracies as fractions, rounds counted from 0."""
+    runs.* (one row per run), rounds.* (round scalars and aggregate metrics) and clients.*
+    (per-client metrics). Values are the database's: accuracies as fractions, rounds counted
+    from 0."""
     from fpbench.report.export import export_tables, write_tables
     from fpbench.report.listing import run_listing
 
@@ -152,9 +155,11 @@ def compare(
     alpha: Annotated[float, typer.Option(help="level of the paired t-test")] = 0.05,
     db: DbOpt = DEFAULT_DB,
 ) -> None:
-    """Two methods on the same cells: per-seed differences B - A of each run's final value,
-    their mean with its Student-t interval, a paired two-sided t-test (scipy) and whether the
-    gap exceeds seed noise (p < alpha). Accuracies in percentage points."""
+    """Compare two methods on the same cells, seed by seed (paired t-test).
+
+    Per-seed differences B - A of each run's final value, their mean with its Student-t
+    interval, a paired two-sided t-test (scipy) and whether the gap exceeds seed noise
+    (p < alpha). Accuracies in percentage points."""
     import pandas as pd
 
     from fpbench.report.compare import compare_methods
