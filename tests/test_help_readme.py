@@ -101,3 +101,10 @@ def test_readme_command_runs(line, tmp_path, monkeypatch):
     result = CliRunner().invoke(app, shlex.split(line)[1:])
     assert result.exit_code == 0, result.output
     assert not list(tmp_path.iterdir())  # writes nothing
+
+
+@pytest.mark.parametrize("path", [p for p, _ in ALL if p], ids=" ".join)
+def test_every_command_summary_is_one_line(path):
+    """The first paragraph is what `fpbench --help` lists: one line, not a wrapped sentence."""
+    summary = (dict(ALL)[path].help or "").strip().split("\n\n")[0]
+    assert summary and "\n" not in summary, (path, summary)
