@@ -104,7 +104,7 @@ class Registry(Generic[T]):
         if name not in self._items and colon and prefix in self._resolvers:
             return self._resolvers[prefix](rest)
         if name not in self._items:
-            close = difflib.get_close_matches(name, list(self._items), n=3)
+            close = suggestions(name, list(self._items))
             hint = f" Did you mean {', '.join(close)}?" if close else ""
             more = "".join(f", or {p}:NAME" for p in self._resolvers)
             raise UnknownNameError(
@@ -135,3 +135,12 @@ ENTRY_POINT_GROUPS: dict[str, Registry] = {
     "fpbench.partitions": PARTITIONS,
     "fpbench.backbones": BACKBONES,
 }
+
+
+def suggestions(name: str, known: list[str], n: int = 3) -> list[str]:
+    """Names `name` may have meant: those it begins (a shortened name, `patho` for
+    `pathological`) first, then difflib's close matches."""
+    low = name.lower()
+    prefixed = sorted(k for k in known if low and k.lower().startswith(low))
+    close = difflib.get_close_matches(name, known, n=n)
+    return list(dict.fromkeys([*prefixed, *close]))[:n]

@@ -25,14 +25,22 @@ validated by that component's own ``Config`` so the stored config carries all de
 A suite whose datasets need different partitions lists several grids: each ``[[grids]]`` entry
 has its own axes (an axis it omits is the suite's) and ``defaults`` merged over the suite's; the
 cells are the union of the grids' cells.
+
+``fpbench run --set PATH=VALUE`` (`load_suite`'s ``sets``) sets a path of every cell's resolved
+config (``train.rounds``, ``method.args.prompt_len``) after everything else is merged, validated
+like the file's own values. Such cells are other cells (other run keys), so a suite loaded with
+sets that change results is stored under its own name, ``NAME+PATH=VALUE,...`` (`sets_name`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import math
 import os
 import re
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +85,19 @@ def list_suites() -> list[str]:
     return sorted({p.stem for d in suite_dirs() for p in d.glob("*.toml")})
 
 
-def load_suite(name_or_path: str) -> Suite:
-    """Read, expand and validate a suite; raises FpbenchError with file and field on bad input."""
+def load_suite(
+    name_or_path: str,
+    sets: Mapping[str, Any] | None = None,
+    methods: Collection[str] | None = None,
+) -> Suite:
+    """Read, expand and validate a suite; raises FpbenchError with file and field on bad input.
+
+    Args:
+        sets: config path -> value, set in every cell last (see `set_overrides`); the suite
+            is then named `sets_name(name, sets)`.
+        methods: only the cells of these methods (labels or names) are resolved, so that a
+            set path only they have (`method.args.prompt_len`) does not fail on the others.
+    """
     path = find_suite(name_or_path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -90,10 +109,77 @@ def load_suite(name_or_path: str) -> Suite:
         ) from None
     except OSError as e:
         raise FpbenchError(f"cannot read suite file {path}: {e.strerror or e}") from None
-    return expand_suite(raw, name=raw.get("name", path.stem), path=str(path))
+    name = raw.get("name", path.stem)
+    if sets:
+        check_label(name, "suite name", str(path))
+        name = sets_name(name, sets)
+    return expand_suite(raw, name=name, path=str(path), sets=sets, methods=methods)
 
 
-def expand_suite(raw: dict[str, Any], *, name: str, path: str = "<memory>") -> Suite:
+# where --set may write: a RunConfig section, or a component's args
+SET_SECTIONS = ("train", "backbone", "runtime", "model_het")
+SET_COMPONENTS = ("dataset", "partition", "method")
+
+
+def set_overrides(sets: Mapping[str, Any]) -> dict[str, Any]:
+    """`--set` paths and values as one nested table, merged over every cell's config.
+
+    A path names a field of the resolved config, as stored: `train.rounds`,
+    `backbone.name`, `runtime.device`, `method.args.prompt_len` (a component's own
+    settings are under `.args`).
+
+    Raises:
+        FpbenchError: a path outside those sections, or two paths that overlap.
+    """
+    out: dict[str, Any] = {}
+    sections = [f"{s}." for s in SET_SECTIONS] + [f"{c}.args." for c in SET_COMPONENTS]
+    for path, value in sets.items():
+        keys = path.split(".")
+        in_args = keys[0] in SET_COMPONENTS and len(keys) >= 3 and keys[1] == "args"
+        if not all(keys) or not (in_args or (keys[0] in SET_SECTIONS and len(keys) >= 2)):
+            raise FpbenchError(
+                f"--set {path}: not a settable path; it starts with one of "
+                f"{', '.join(sections)} (e.g. train.rounds=2, method.args.prompt_len=5)"
+            )
+        node = out
+        for depth, key in enumerate(keys[:-1]):
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise FpbenchError(f"--set {path}: {'.'.join(keys[: depth + 1])} is set too")
+        if keys[-1] in node:
+            raise FpbenchError(f"--set {path}: given twice or inside another --set")
+        node[keys[-1]] = value
+    return out
+
+
+def sets_name(suite: str, sets: Mapping[str, Any]) -> str:
+    """The name a suite's cells are stored under with `sets`: `suite+path=value,...`.
+
+    `runtime.*` paths leave the name alone (they do not change results). A name that would
+    be too long or hold a path separator ends in a hash of the sets instead.
+    """
+    shown = {
+        k: v if isinstance(v, str) else json.dumps(v, separators=(",", ":"))
+        for k, v in sets.items()
+        if not k.startswith("runtime.")
+    }
+    if not shown:
+        return suite
+    name = f"{suite}+" + ",".join(f"{k}={v}" for k, v in shown.items())
+    if len(name) <= MAX_LABEL and _LABEL.fullmatch(name):
+        return name
+    blob = json.dumps(shown, sort_keys=True).encode()
+    return f"{suite[: MAX_LABEL - 14]}+set-{hashlib.sha256(blob).hexdigest()[:8]}"
+
+
+def expand_suite(
+    raw: dict[str, Any],
+    *,
+    name: str,
+    path: str = "<memory>",
+    sets: Mapping[str, Any] | None = None,
+    methods: Collection[str] | None = None,
+) -> Suite:
     known = {"name", "description", "seeds", "defaults", "grids", *AXES}
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -102,6 +188,7 @@ def expand_suite(raw: dict[str, Any], *, name: str, path: str = "<memory>") -> S
     if not isinstance(raw.get("description", ""), str):
         raise FpbenchError(f"{path}: description must be a string")
     seeds = _seeds(raw.get("seeds", [0]), path)
+    forced = set_overrides(sets or {})
     plans = [_grid_plan(raw, grid, seeds, path) for grid in _grids(raw, path)]
     total = sum(math.prod(map(len, axes.values())) * len(s) for _, axes, s in plans)
     if total > MAX_CELLS:
@@ -112,10 +199,19 @@ def expand_suite(raw: dict[str, Any], *, name: str, path: str = "<memory>") -> S
     cells = []
     for defaults, axes, grid_seeds in plans:
         for ds, part, meth, seed in itertools.product(*axes.values(), grid_seeds):
-            cells.append(resolve_cell(defaults, (ds, part, meth), suite=name, seed=seed, path=path))
+            if methods and not {meth["name"], meth.get("label", meth["name"])} & set(methods):
+                continue
+            cells.append(
+                resolve_cell(
+                    defaults, (ds, part, meth), suite=name, seed=seed, path=path, sets=forced
+                )
+            )
+    if not cells:
+        raise FpbenchError(f"{path}: no cells of methods {sorted(methods or [])}")
     keys = [c.run_key for c in cells]
     if len(set(keys)) != len(keys):
-        raise FpbenchError(f"{path}: two cells resolve to the same config; remove the duplicate")
+        why = "--set makes them equal" if forced else "remove the duplicate"
+        raise FpbenchError(f"{path}: two cells resolve to the same config; {why}")
     return Suite(name=name, description=raw.get("description", ""), path=path, cells=tuple(cells))
 
 
@@ -223,8 +319,10 @@ def resolve_cell(
     suite: str,
     seed: int,
     path: str = "<memory>",
+    sets: dict[str, Any] | None = None,
 ) -> RunConfig:
-    """Merge defaults and one entry per axis into a validated RunConfig."""
+    """Merge defaults and one entry per axis (then `sets`, see `set_overrides`) into a
+    validated RunConfig."""
     merged = _deep_merge({}, defaults)
     for axis_key, entry in zip(AXES.values(), entries, strict=True):
         args = {k: v for k, v in entry.items() if k not in ("name", "label", "overrides")}
@@ -238,7 +336,10 @@ def resolve_cell(
         }
     for entry in entries:
         merged = _deep_merge(merged, entry.get("overrides", {}))
+    merged = _deep_merge(merged, sets or {})
     where = f"{path} [{'/'.join(e.get('label', e['name']) for e in entries)}, seed {seed}]"
+    if sets:
+        where += " with --set"
     try:
         cfg = RunConfig(suite=suite, seed=seed, **merged)
     except ValidationError as e:

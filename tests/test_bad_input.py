@@ -289,7 +289,7 @@ def failed_suite(tmp_path_factory) -> Path:
         _poison(mp)
         code, stdout, stderr = _run("results/f.db")
     assert code == 1, stderr
-    assert "1 run, 0 already done, 2 failed" in stdout
+    assert "1 cell ran, 0 already done, 2 failed" in stdout
     assert re.search(r"failed: fedvpt .*NonFiniteLoss: training loss is nan", stderr), stderr
     assert "RuntimeError: CUDA out of memory (simulated)" in stderr
     return folder
@@ -357,7 +357,7 @@ def test_retry_failed_reruns_only_failed_cells_resuming_from_checkpoints(
     code, stdout, stderr = _cli("run", "--suite", "tiny", "--db", str(db), "--retry-failed")
     assert code == 0, stderr
     assert "retrying 2 failed cell(s) of suite tiny; 4 skipped" in stdout  # 6 cells: 2 seeds
-    assert "2 run, 0 already done, 0 failed" in stdout
+    assert "2 cells ran, 0 already done, 0 failed" in stdout
     after = _by_method(db)
     assert len(after) == 3  # seed 1 was never run and still is not
     assert set(after["status"]) == {"done"} and after["error"].isna().all()

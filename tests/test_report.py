@@ -110,13 +110,15 @@ def test_summary_table_one_seed_order_and_missing_cells(two_panels: pd.DataFrame
 def test_summary_stats_numbers(metrics: pd.DataFrame) -> None:
     stats = summary_stats(metrics, ["acc_local_worst", "acc_global"])
     assert stats.columns.tolist() == [
-        "method", "dataset", "partition", "metric", "mean", "std", "n",
+        "method", "dataset", "partition", "metric", "mean", "std", "n", "ci_low", "ci_high",
     ]  # fmt: skip
     assert stats["metric"].tolist()[:2] == ["acc_local_worst", "acc_global"]  # given order
     sgpt = stats[(stats["method"] == "sgpt") & (stats["metric"] == "acc_global")].iloc[0]
     assert sgpt["mean"] == pytest.approx(0.81)
     assert sgpt["std"] == pytest.approx(np.std([0.80, 0.82], ddof=1))
     assert sgpt["n"] == 2
+    # 95% t-interval: 0.81 ± t(0.975, 1) * 0.01414 / sqrt(2) = 0.81 ± 12.7062 * 0.01
+    assert (sgpt["ci_low"], sgpt["ci_high"]) == pytest.approx((0.682938, 0.937062), abs=1e-6)
     pop = summary_stats(metrics, ["acc_global"], ddof=0)
     assert pop.loc[pop["method"] == "sgpt", "std"].item() == pytest.approx(0.01)
 
@@ -229,10 +231,12 @@ def test_curves(two_panels: pd.DataFrame, tmp_path: Path) -> None:
     first, second = fig.axes
     assert [line.get_label() for line in first.lines] == ["fedavg", "sgpt"]
     fedavg = first.lines[0].get_xydata()
-    assert fedavg == pytest.approx(np.array([[10, 99.0], [20, 72.5]]))  # mean over seeds
-    assert first.lines[1].get_xydata() == pytest.approx(np.array([[20, 15.0]]))  # no client row
+    # rounds 10 and 20 of the database are rounds 11 and 21 of every view (numbered from 1)
+    assert fedavg == pytest.approx(np.array([[11, 99.0], [21, 72.5]]))  # mean over seeds
+    assert first.lines[1].get_xydata() == pytest.approx(np.array([[21, 15.0]]))  # no client row
     assert (len(first.collections), len(second.collections)) == (2, 0)  # std bands: 2 seeds only
-    assert second.lines[0].get_xydata() == pytest.approx(np.array([[5, 40.0], [10, 60.0]]))
+    assert second.lines[0].get_xydata() == pytest.approx(np.array([[6, 40.0], [11, 60.0]]))
+    assert first.get_xlabel() == "round (1 = the first)"
     assert first.get_ylabel() == "global accuracy (%)"
     saved_png(fig, tmp_path / "curves.png")
     with pytest.raises(FpbenchError, match="no rows for metric 'acc_pooled'"):

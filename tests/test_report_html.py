@@ -124,13 +124,14 @@ def test_summary_tables_values_std_and_missing_cell(report):
     assert "synthetic / dir-0.3" in glob and "synthetic / path-s4" in glob
     # fedavg on dir-0.3: mean(70, 80) = 75, sample std = 7.07; on path-s4: no run
     row = glob.index("fedavg")
-    assert glob[row + 1 : row + 3] == ["75.00 ± 7.07", "-"]
+    # with the 95% t-interval: 75 ± t(0.975, 1) 12.706 * 7.07 / sqrt(2) = 75 ± 63.53
+    assert glob[row + 1 : row + 3] == ["75.00 ± 7.07 [11.47, 138.53]", "-"]
     row = glob.index("sgpt")
     assert glob[row + 1 : row + 3] == ["85.00", "90.00"]
     row = worst.index("fedavg")
-    assert worst[row + 1 : row + 3] == ["37.50 ± 3.54", "-"]  # halves of the above
+    assert worst[row + 1 : row + 3] == ["37.50 ± 3.54 [5.73, 69.27]", "-"]  # halves of the above
     row = domain.index("fedavg")
-    assert domain[row + 1 : row + 3] == ["70.00 ± 7.07", "-"]  # final - 5 points
+    assert domain[row + 1 : row + 3] == ["70.00 ± 7.07 [6.47, 133.53]", "-"]  # final - 5 points
     assert "acc domain real-world (%)" in report.html
 
 
@@ -213,6 +214,6 @@ def test_counts_print_as_integers_under_one_header_row(db):
     heading = next(i for i, part in enumerate(html_tables) if "param" in part.lower())
     last = _parse(html_tables[heading + 1]).tables[0]
     assert last[:3] == ["method", "synthetic / dir-0.3", "synthetic / path-s4"]
-    assert last[3:] == ["fedavg", "1290 ± 0", "-", "sgpt", "2580", "2580"]
+    assert last[3:] == ["fedavg", "1290 ± 0 [1290, 1290]", "-", "sgpt", "2580", "2580"]
     for table in re.findall(r"<thead>.*?</thead>", page, flags=re.S):
         assert table.count("<tr") == 1  # no second header row holding only `method`

@@ -113,6 +113,7 @@ def test_next_commands_name_the_suite_and_db():
         "fpbench table --suite smoke --db results/x.db",
         "fpbench plot tradeoff --suite smoke --db results/x.db --out results/smoke-tradeoff.png",
         "fpbench report --suite smoke --db results/x.db --out results/smoke-report",
+        "fpbench runs --suite smoke --db results/x.db",
     ]
     assert (
         next_commands("my dir/s.toml", "a.db")[0]
@@ -164,7 +165,7 @@ def test_run_piped_to_a_file_in_a_subprocess(tmp_path):
         )
     text = log.read_text()
     assert re.search(STAMP + r"round 2/2  fedvpt / synthetic / pathological / seed 0  global", text)
-    assert "suite tiny: 1 run, 0 already done, 0 failed" in text
+    assert "suite tiny: 1 cell ran, 0 already done, 0 failed" in text
     assert "fpbench table --suite tiny --db results/fpbench.db" in text
 
 

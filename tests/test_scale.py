@@ -316,13 +316,13 @@ def test_jobs_2_runs_cells_in_worker_processes_like_a_serial_run(workdir, serial
     runner = CliRunner()
     result = runner.invoke(app, ["run", "--suite", "tiny", "--jobs", "2", "--db", "p.db"])
     assert result.exit_code == 0, result.output
-    assert "2 run, 0 already done, 0 failed" in result.output
+    assert "2 cells ran, 0 already done, 0 failed" in result.output
     store = _sqlite(workdir / "p.db")
     pd.testing.assert_frame_equal(_results(store), serial[1], check_exact=True)
     assert set(store.runs()["status"]) == {"done"}
     assert not list((workdir / "results" / "checkpoints").glob("*.pt"))
     again = runner.invoke(app, ["run", "--suite", "tiny", "--jobs", "2", "--db", "p.db"])
-    assert again.exit_code == 0 and "0 run, 2 already done" in again.output
+    assert again.exit_code == 0 and "0 cells ran, 2 already done" in again.output
 
 
 def test_per_cell_databases_hold_one_run_each(tmp_path, serial):

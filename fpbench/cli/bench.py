@@ -32,8 +32,10 @@ def bench_cmd(
         Path | None, typer.Option("--json", help="also write the figures here")
     ] = None,
 ) -> None:
-    """Throughput of the executors, the feature and hidden-state caches and evaluation (random
-    weights)."""
+    """Throughput of the executors, caches and evaluation on this machine.
+
+    The reference and lockstep executors, the feature and hidden-state caches and evaluation,
+    with random weights."""
     from fpbench.bench import bench
     from fpbench.registry import BACKBONES
 

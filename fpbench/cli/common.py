@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -36,6 +37,46 @@ DEFAULT_DB = "results/fpbench.db"
 DEFAULT_METRICS = ["acc_global", "acc_local_mean", "acc_local_worst"]  # the summary table's
 DbOpt = Annotated[str, typer.Option("--db", help="results database: a path or SQLAlchemy URL")]
 SuiteOpt = Annotated[str, typer.Option("--suite", "-s", help="suite name or path to a .toml")]
+PlotOutOpt = Annotated[
+    Path, typer.Option(help="output image (.png also writes a .pdf beside it; .pdf, .svg)")
+]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        metavar="PATH=VALUE",
+        help="set a config path in every cell, e.g. train.rounds=2 or method.args.prompt_len=5 "
+        "(repeatable; VALUE as in a suite file; part of the run key, except runtime.*)",
+    ),
+]
+
+
+def parse_sets(items: list[str] | None) -> dict[str, Any]:
+    """PATH=VALUE pairs. VALUE is read as a TOML value, as in a suite file (2, 0.1, true,
+    "x", [1, 2], { a = 1 }), else as JSON (null), else taken as a bare string (adam)."""
+    import tomllib
+
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise FpbenchError(f"--set expects KEY=VALUE, got {item!r}")
+        if key in out:
+            raise FpbenchError(f"--set {key} given twice")
+        try:
+            out[key] = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            try:
+                out[key] = json.loads(text)
+            except json.JSONDecodeError:
+                out[key] = text
+    return out
+
+
+def plural(n: int, noun: str) -> str:
+    """'1 cell', '5 cells' (nouns whose plural adds an s)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def sqlite_missing(db: str) -> bool:
@@ -87,6 +128,23 @@ def write_or_print(text: str, out: Path | None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     console.print(f"wrote {out}")
+
+
+def load_cells(
+    suite: str, sets: list[str] | None, methods: list[str] | None, seeds: list[int] | None = None
+) -> tuple[Any, list]:
+    """The suite (with `--set`s applied) and its cells of these methods and seeds.
+
+    With both sets and methods, only those methods' cells take the sets (a path only they
+    have, such as `method.args.prompt_len`, would not validate on the others).
+    """
+    from fpbench.suites import load_suite
+
+    values = parse_sets(sets)
+    if values and methods:
+        select_cells(load_suite(suite), methods)  # an unknown method is named as without sets
+    loaded = load_suite(suite, values, methods if values else None)
+    return loaded, select_cells(loaded, methods, seeds)
 
 
 def select_cells(suite, methods: list[str] | None, seeds: list[int] | None = None) -> list:

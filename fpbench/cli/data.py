@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -12,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fpbench.cli.apps import data_app
-from fpbench.cli.common import console, err, user_errors
+from fpbench.cli.common import console, err, parse_sets, user_errors
 from fpbench.errors import FpbenchError
 
 RootOpt = Annotated[
@@ -58,20 +57,6 @@ def status(root: RootOpt = None) -> None:
     console.print(table)
 
 
-def _parse_sets(sets: list[str] | None) -> dict[str, Any]:
-    """KEY=VALUE pairs; VALUE is read as JSON when it parses (numbers, lists), else a string."""
-    out: dict[str, Any] = {}
-    for item in sets or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise FpbenchError(f"--set expects KEY=VALUE, got {item!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
-
-
 def _config(cls: Any, args: dict[str, Any]) -> Any:
     from pydantic import ValidationError
 
@@ -103,7 +88,7 @@ def prepare(
     cls = real_dataset(name)
     if cls is None:
         raise FpbenchError(f"dataset {name!r} is generated on the fly; nothing to prepare")
-    cfg = _config(cls, _parse_sets(sets))
+    cfg = _config(cls, parse_sets(sets))
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -151,6 +136,6 @@ def generate_gpt_fl(
 
     require_text_to_image(model)
     cls = DATASETS.get(name)
-    classes = cls.load(_config(cls, _parse_sets(sets)), data_root(root)).class_names
+    classes = cls.load(_config(cls, parse_sets(sets)), data_root(root)).class_names
     written = generate_images(classes, out, model, per_class, seed=seed, steps=steps, device=device)
     console.print(f"wrote {written} images for {len(classes)} classes to {out}")

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from fpbench.cli.apps import db_app
-from fpbench.cli.common import console, user_errors
+from fpbench.cli.common import console, plural, user_errors
 from fpbench.errors import FpbenchError
 
 
@@ -42,10 +42,35 @@ def merge(
         for db, url in zip(inputs, urls, strict=True):
             with Store(url) as src:
                 stats = merge_into(target, src)
-            console.print(f"{db}: {stats}", highlight=False, soft_wrap=True)
+            copied = _copy_params(url, target.url)
+            more = f", {copied} trained state(s) copied" if copied else ""
+            console.print(f"{db}: {stats}{more}", highlight=False, soft_wrap=True)
             for field in ("added", "replaced", "unchanged"):
                 setattr(total, field, getattr(total, field) + getattr(stats, field))
     console.print(f"[bold]{out}[/]: {total} (runs)", highlight=False, soft_wrap=True)
+
+
+def _copy_params(src_url: str, out_url: str) -> int:
+    """Copy the kept trained states beside a SQLite input to beside a SQLite OUT (those OUT
+    lacks); how many were copied."""
+    import shutil
+
+    from fpbench.engine.artifacts import params_path
+    from fpbench.store import Store
+
+    src, out = Store.sqlite_file(src_url), Store.sqlite_file(out_url)
+    if src is None or out is None:
+        return 0
+    folder = params_path(src_url, src.parent, "x").parent
+    copied = 0
+    for kept in sorted(folder.glob("*.pt")) if folder.is_dir() else []:
+        target = params_path(out_url, out.parent, kept.stem)
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(kept, target.with_suffix(".tmp"))
+            target.with_suffix(".tmp").replace(target)
+            copied += 1
+    return copied
 
 
 @db_app.command("check")
@@ -64,9 +89,11 @@ def check(
         problems = find_problems(store)
         n_runs = len(store.runs())
     if not problems:
-        console.print(f"{db}: {n_runs} runs, no problems", highlight=False, soft_wrap=True)
+        line = f"{db}: {plural(n_runs, 'run')}, no problems"
+        console.print(line, highlight=False, soft_wrap=True)
         return
-    console.print(f"{db}: {len(problems)} problems in {n_runs} runs", highlight=False)
+    line = f"{db}: {plural(len(problems), 'problem')} in {plural(n_runs, 'run')}"
+    console.print(line, highlight=False)
     for p in problems:
         line = f"  run {p.run_id} {p.run_key} ({p.status}): {p.message}"
         console.print(line, highlight=False, soft_wrap=True, markup=False)

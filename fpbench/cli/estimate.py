@@ -12,10 +12,12 @@ from rich.table import Table
 from fpbench import stages
 from fpbench.cli.apps import app
 from fpbench.cli.common import (
+    SetOpt,
     SuiteOpt,
     console,
     err,
-    select_cells,
+    load_cells,
+    plural,
     user_errors,
     write_or_print,
 )
@@ -37,6 +39,7 @@ def estimate_cmd(
     method: Annotated[
         list[str] | None, typer.Option(help="only these methods' shapes (repeatable)")
     ] = None,
+    sets: SetOpt = None,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
     precision: Annotated[str, typer.Option(help="auto, fp32, bf16 or bf16-frozen")] = "auto",
     rounds: Annotated[int, typer.Option(min=1, help="rounds measured per shape")] = 2,
@@ -50,21 +53,21 @@ def estimate_cmd(
         Path | None, typer.Option("--json", help="also write the estimates here")
     ] = None,
 ) -> None:
-    """What a suite will cost on this device: each distinct cell shape runs a round or two
-    on fake data of the real shape with random weights of the real backbone (nothing
-    downloads), projected to the suite's device-hours."""
+    """What a suite will cost on this device, in device-hours.
+
+    Each distinct cell shape runs a round or two on fake data of the real shape with random
+    weights of the real backbone (nothing downloads), projected to the suite's device-hours."""
     from fpbench.engine.build import resolve_device
     from fpbench.estimate import ASSUMPTIONS, as_dict, estimate
-    from fpbench.suites import load_suite
     from fpbench.units import human_bytes
 
     if precision not in ("auto", "fp32", "bf16", "bf16-frozen"):
         raise FpbenchError(
             f"--precision must be auto, fp32, bf16 or bf16-frozen, got {precision!r}"
         )
-    loaded = load_suite(suite)
+    loaded, cells = load_cells(suite, sets, method)
     if method:
-        loaded = loaded.model_copy(update={"cells": tuple(select_cells(loaded, method))})
+        loaded = loaded.model_copy(update={"cells": tuple(cells)})
     dev = None if dry else resolve_device(device)
     with err.status("") as status:  # a spinner on a terminal; in a log, lines as stages end
         shown = [""]
@@ -105,7 +108,7 @@ def estimate_cmd(
 def _table(suite: str, found: list, where: str) -> Table:
     from fpbench.units import human_bytes
 
-    table = Table(title=f"fpbench estimate: {suite} ({len(found)} shapes, {where})")
+    table = Table(title=f"fpbench estimate: {suite} ({plural(len(found), 'shape')}, {where})")
     table.add_column("shape")
     for name in ("cells", "s/round", "s/eval", "frozen s", "peak mem", "h/cell", "h total"):
         table.add_column(name, justify="right")

@@ -17,6 +17,7 @@ from fpbench.cli.common import (
     DbOpt,
     SuiteOpt,
     console,
+    err,
     open_store,
     save_figure,
     sqlite_missing,
@@ -58,6 +59,13 @@ def show_paper_tables(db: str, paper: str, table: int | None, fmt: str, out: Pat
 
     target = Console(record=True, width=220) if out else console
     parts = paper_renderables(db, paper, table, fmt, target.width)  # term: fit the terminal
+    if sqlite_missing(db):
+        err.print(
+            f"no results database at {db}: the paper's values only (fpbench run fills it; "
+            "--db names another)",
+            highlight=False,
+            soft_wrap=True,
+        )
     if fmt != "term":
         write_or_print("\n".join(parts), out)
         return
@@ -142,8 +150,12 @@ def _load(db: str, suite: str):
 def plot_heldout(
     suite: SuiteOpt,
     out: OutOpt,
-    x: MetricOpt = "acc_local_mean",
-    y: MetricOpt = "acc_heldout_mean",
+    x: Annotated[
+        str, typer.Option(help="metric on the x axis: the participating clients' accuracy")
+    ] = "acc_local_mean",
+    y: Annotated[
+        str, typer.Option(help="metric on the y axis: the held-out clients' accuracy")
+    ] = "acc_heldout_mean",
     db: DbOpt = DEFAULT_DB,
 ) -> None:
     """Participating-client vs held-out-client accuracy, one marker per method."""

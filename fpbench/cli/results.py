@@ -18,6 +18,7 @@ from fpbench.cli.common import (
     DEFAULT_DB,
     DEFAULT_METRICS,
     DbOpt,
+    PlotOutOpt,
     SuiteOpt,
     console,
     err,
@@ -51,8 +52,11 @@ def list_(what: Annotated[Listable, typer.Argument(help="what to list")]) -> Non
     table = Table(title=what.value)
     table.add_column("name")
     if what is Listable.suites:
+        table.add_column("cells", justify="right")
+        table.add_column("needs")
+        table.add_column("description")
         for name in list_suites():
-            table.add_row(name)
+            table.add_row(name, *suite_row(name))
         console.print(table)
         return
     registry = {
@@ -79,6 +83,34 @@ def list_(what: Annotated[Listable, typer.Argument(help="what to list")]) -> Non
     for row in rows:
         table.add_row(*row)
     console.print(table)
+
+
+def suite_row(name: str) -> tuple[str, str, str]:
+    """(cells, what it needs, description) of a suite: "offline" when every dataset is
+    generated and every backbone is built without downloaded weights, else the datasets whose
+    files and the backbones whose weights it needs (`fpbench data status`)."""
+    from fpbench.data.prepared import real_dataset
+    from fpbench.registry import BACKBONES
+    from fpbench.suites import load_suite
+
+    try:
+        suite = load_suite(name)
+    except FpbenchError as e:
+        return "-", f"[red]invalid[/]: {escape(str(e))}", ""
+    data = sorted({c.dataset.name for c in suite.cells if real_dataset(c.dataset.name)})
+    refs = {c.backbone for c in suite.cells} | {
+        p.backbone for c in suite.cells if c.model_het for p in c.model_het.profiles if p.backbone
+    }
+    weights = sorted(
+        {r.name for r in refs if r.weights or BACKBONES.get(r.name).pretrained not in OFFLINE}
+    )
+    needs = [*(f"data {', '.join(data)}" for _ in data[:1])]
+    needs += [f"weights {', '.join(weights)}" for _ in weights[:1]]
+    first = suite.description.strip().splitlines()[0] if suite.description.strip() else ""
+    return str(len(suite.cells)), "; ".join(needs) or "[green]offline[/]", escape(first)
+
+
+OFFLINE = ("none", "smoke", "seeded")  # built without downloaded weights (catalog `pretrained`)
 
 
 def _summary_line(obj: Any) -> str:
@@ -121,12 +153,17 @@ def show(
     console.print_json(json.dumps(record.config))
     metrics = store.metrics(run_ids=[record.id])
     if not metrics.empty:
+        from fpbench.report.tables import is_percent
+
         last = metrics[metrics["round"] == metrics["round"].max()]
-        table = Table(title=f"aggregates at round {int(last['round'].iloc[0])}")
+        total = record.config.get("train", {}).get("rounds")
+        done = int(last["round"].iloc[0]) + 1  # views number rounds from 1
+        table = Table(title=f"aggregates at round {done}" + (f"/{total}" if total else ""))
         table.add_column("metric")
         table.add_column("value", justify="right")
         for name, value in sorted(zip(last["name"], last["value"], strict=True)):
-            table.add_row(name, f"{value:.4f}")
+            shown = f"{100 * value:.2f}%" if is_percent(name) else f"{value:.4g}"
+            table.add_row(name, shown)
         console.print(table)
 
 
@@ -134,7 +171,7 @@ class TableFormat(str, Enum):
     md = "md"
     csv = "csv"
     latex = "latex"
-    term = "term"  # --paper only
+    term = "term"
 
 
 @app.command()
@@ -142,7 +179,15 @@ class TableFormat(str, Enum):
 def table(
     suite: Annotated[str | None, typer.Option("--suite", "-s", help="suite name or .toml")] = None,
     metric: Annotated[list[str] | None, typer.Option(help="metric(s) (repeatable)")] = None,
-    fmt: Annotated[TableFormat, typer.Option("--format", help="output format")] = TableFormat.md,
+    fmt: Annotated[
+        TableFormat, typer.Option("--format", help="md, csv, latex, or term (a terminal table)")
+    ] = TableFormat.md,
+    ci: Annotated[
+        bool,
+        typer.Option(
+            "--ci", help="also the 95% Student-t confidence interval of the mean over seeds"
+        ),
+    ] = False,
     out: Annotated[Path | None, typer.Option(help="write to this file instead of stdout")] = None,
     db: DbOpt = DEFAULT_DB,
     paper: Annotated[
@@ -158,8 +203,11 @@ def table(
         ),
     ] = False,
 ) -> None:
-    """Mean +- std over seeds of each method's final metrics (mean of the last 10 evals).
+    """Mean ± std over seeds of each method's final metrics, accuracies in percent.
 
+    A run's final value is its mean over the last train.summary_window evaluations (10 by
+    default; the smoke suites use 3), else its last evaluation. --ci adds the 95% Student-t
+    confidence interval of the mean over seeds, [low, high] (two or more seeds).
     With --paper: the paper's tables in its layout, fpbench's values beside the paper's.
     With --paper --deviations: every declared deviation from the paper's protocol (table(s),
     cells, config path, the paper's value and source, what fpbench runs, and why).
@@ -180,8 +228,34 @@ def table(
         return
     if suite is None:
         raise FpbenchError("give --suite NAME (a suite's summary) or --paper NAME (its tables)")
-    _, frame = _suite_metrics(db, suite)
-    write_or_print(render(summary_table(frame, metric or DEFAULT_METRICS), fmt.value), out)
+    name, frame = _suite_metrics(db, suite)
+    summary = summary_table(frame, metric or DEFAULT_METRICS, suite=name, ci=ci)
+    if fmt is TableFormat.term:
+        _print_term(
+            summary,
+            f"suite {name}: mean ± std over seeds" + (", [95% t-interval]" if ci else ""),
+            out,
+        )
+        return
+    write_or_print(render(summary, fmt.value), out)
+
+
+def _print_term(summary: Any, title: str, out: Path | None) -> None:
+    """A summary table as a rich terminal table (recorded to `out` when given)."""
+    from rich.console import Console
+
+    from fpbench.report.tables import flat_parts
+
+    index_names, headers, rows = flat_parts(summary)
+    table = Table(title=title)
+    for i, head in enumerate([*index_names, *headers]):
+        table.add_column(head, justify="left" if i < len(index_names) else "right")
+    for row in rows:
+        table.add_row(*row)
+    target = Console(record=True, width=220) if out else console
+    target.print(table)
+    if out:
+        write_or_print(target.export_text(), out)
 
 
 def _suite_metrics(db: str, suite: str) -> tuple[str, Any]:
@@ -195,21 +269,23 @@ def _suite_metrics(db: str, suite: str) -> tuple[str, Any]:
 @user_errors
 def plot_tradeoff(
     suite: SuiteOpt,
-    out: Annotated[Path, typer.Option(help="output image (png, pdf, svg)")],
+    out: PlotOutOpt,
+    x: Annotated[str, typer.Option(help="metric on the x axis")] = "acc_global",
+    y: Annotated[str, typer.Option(help="metric on the y axis")] = "acc_local_worst",
     db: DbOpt = DEFAULT_DB,
 ) -> None:
     """Global accuracy (x) vs worst local accuracy (y), one marker per method (SGPT Fig. 1)."""
     from fpbench.report.plots import tradeoff
 
     name, frame = _suite_metrics(db, suite)
-    save_figure(tradeoff(frame, suite=name), out)
+    save_figure(tradeoff(frame, x=x, y=y, suite=name), out, pdf_beside=True)
 
 
 @plot_app.command("curves")
 @user_errors
 def plot_curves(
     suite: SuiteOpt,
-    out: Annotated[Path, typer.Option(help="output image (png, pdf, svg)")],
+    out: PlotOutOpt,
     metric: Annotated[str, typer.Option(help="metric to plot against rounds")] = "acc_global",
     db: DbOpt = DEFAULT_DB,
 ) -> None:
@@ -217,4 +293,4 @@ def plot_curves(
     from fpbench.report.plots import curves
 
     name, frame = _suite_metrics(db, suite)
-    save_figure(curves(frame, metric, suite=name), out)
+    save_figure(curves(frame, metric, suite=name), out, pdf_beside=True)

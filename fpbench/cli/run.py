@@ -17,11 +17,13 @@ from fpbench.cli.common import (
     DEFAULT_DB,
     DEFAULT_METRICS,
     DbOpt,
+    SetOpt,
     SuiteOpt,
     console,
     err,
+    load_cells,
     open_store,
-    select_cells,
+    plural,
     sqlite_missing,
     user_errors,
 )
@@ -74,6 +76,7 @@ def run(
         list[str] | None, typer.Option(help="only these methods (repeatable)")
     ] = None,
     seed: Annotated[list[int] | None, typer.Option(help="only these seeds (repeatable)")] = None,
+    sets: SetOpt = None,
     db: DbOpt = DEFAULT_DB,
     device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N")] = None,
     launcher: Annotated[
@@ -123,6 +126,17 @@ def run(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="list the cells and their status")
     ] = False,
+    log: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--log",
+            help="also log each cell's curves to tensorboard, wandb or mlflow (repeatable; "
+            "optional extras; local launcher)",
+        ),
+    ] = None,
+    log_dir: Annotated[
+        Path, typer.Option(help="where --log writes (TensorBoard events, W&B files, mlruns)")
+    ] = Path("results/logs"),
     retry_failed: Annotated[
         bool,
         typer.Option(
@@ -135,15 +149,15 @@ def run(
     """Run (or resume) every cell of a suite; finished cells are skipped.
 
     A --db containing {run_key} gives every cell its own SQLite file (see `fpbench db merge`).
+    With --set, the cells are stored under the suite name NAME+PATH=VALUE,... (runtime.*
+    paths excepted), so tables never mix them with the suite's own cells.
     """
     from fpbench.data.prepared import data_root as data_root_of
     from fpbench.data.prepared import require_present
     from fpbench.methods.gpt_fl import require_generated
     from fpbench.store import Store
-    from fpbench.suites import load_suite
 
-    loaded = load_suite(suite)
-    cells = select_cells(loaded, method, seed)
+    loaded, cells = load_cells(suite, sets, method, seed)
     if data_root is not None:  # read by every worker through the environment
         os.environ["FPBENCH_DATA"] = str(data_root.expanduser().absolute())
     if launcher in ("lockstep", "reference"):  # --executor's meaning before cell launchers
@@ -158,6 +172,9 @@ def run(
     if dry_run:
         _print_cells(loaded.name, cells, db)
         return
+    from fpbench.trackers import TrackingObserver, make_trackers
+
+    trackers = make_trackers(log or [], log_dir)  # a missing package: before anything runs
     from fpbench.engine.dispatch import CELL_KEY, Dispatch, run_cells, validate  # imports torch
 
     require_present([c.dataset.name for c in cells], data_root_of())  # before anything is written
@@ -188,6 +205,8 @@ def run(
             if live
             else LineObserver(sys.stdout, len(cells))
         )
+        if trackers:
+            observer = TrackingObserver(observer, trackers)
         _pretrain_smoke_backbone(cells, observer)
         results = run_cells(
             cells,
@@ -196,7 +215,7 @@ def run(
             dispatch=dispatch,
             observer=observer,
         )
-    _report_results(loaded.name, results, suite, db)
+    _report_results(loaded.name, results, loaded.name if sets else suite, db)
 
 
 def _retry_selection(suite: str, cells: list, url: str) -> list:
@@ -233,8 +252,8 @@ def _report_results(suite: str, results, suite_arg: str, db: str) -> None:
     counts = {s: sum(r.status == s for r in results) for s in ("done", "skipped", "failed")}
     busy = sum(r.status == "skipped" and r.error is not None for r in results)
     console.print(
-        f"suite [bold]{suite}[/]: {counts['done']} run, {counts['skipped'] - busy} already "
-        f"done, {counts['failed']} failed"
+        f"suite [bold]{suite}[/]: {plural(counts['done'], 'cell')} ran, "
+        f"{counts['skipped'] - busy} already done, {counts['failed']} failed"
         + (f", {busy} skipped (claimed by another driver)" if busy else "")
     )
     for r in results:
@@ -270,7 +289,7 @@ def _print_cells(suite: str, cells, db: str) -> None:
 
     # no database yet: every cell is new, and a dry run creates nothing
     store = None if sqlite_missing(db) else open_store(db)
-    table = Table(title=f"suite {suite}: {len(cells)} cells")
+    table = Table(title=f"suite {suite}: {plural(len(cells), 'cell')}")
     for col in ("run_key", "method", "dataset", "partition", "seed", "status", "data"):
         table.add_column(col)
     root = data_root()

@@ -64,7 +64,8 @@ class LineObserver:
     def cell_start(self, cfg: Any, start_round: int) -> None:
         self.started[cfg.run_key] = (self.now(), start_round)
         resumed = f", resuming at round {start_round + 1}" if start_round else ""
-        self._line(f"start  {cell_label(cfg)} ({cfg.train.rounds} rounds{resumed})")
+        rounds = f"{cfg.train.rounds} round{'s' if cfg.train.rounds != 1 else ''}"
+        self._line(f"start  {cell_label(cfg)} ({rounds}{resumed})")
 
     def round_end(self, cfg: Any, round_idx: int, metrics: dict[str, float]) -> None:
         if not metrics:

@@ -7,13 +7,15 @@ from collections.abc import Sequence
 
 
 def next_commands(suite: str, db: str) -> list[str]:
-    """The table, plot and report commands for `suite`'s results in `db`, ready to paste."""
+    """The table, plot, report and runs commands for `suite`'s results in `db`, ready to
+    paste."""
     s, d = shlex.quote(suite), shlex.quote(db)
     stem = shlex.quote(f"results/{suite.rsplit('/', 1)[-1].removesuffix('.toml')}")
     return [
         f"fpbench table --suite {s} --db {d}",
         f"fpbench plot tradeoff --suite {s} --db {d} --out {stem}-tradeoff.png",
         f"fpbench report --suite {s} --db {d} --out {stem}-report",
+        f"fpbench runs --suite {s} --db {d}",
     ]
 
 

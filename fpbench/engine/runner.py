@@ -17,7 +17,7 @@ import fpbench
 from fpbench import stages
 from fpbench.backbones.frozen_linear import cpu_linear
 from fpbench.determinism import deterministic
-from fpbench.engine import checkpoint as ckpt_io
+from fpbench.engine.artifacts import keep_params
 from fpbench.engine.build import build_populations, resolve_device, resolve_precision
 from fpbench.engine.cost import PeakMemory
 from fpbench.engine.executor import derive_seed
@@ -147,7 +147,7 @@ def _run_cell(
         return CellResult(cfg, "skipped", str(e))
     if not store.finish_run(record.id, owner, "done", wall_s=elapsed):
         return CellResult(cfg, "skipped", "claim taken over by another driver")
-    ckpt_io.checkpoint_path(checkpoint_dir, cfg.run_key).unlink(missing_ok=True)
+    keep_params(store.url, checkpoint_dir, cfg.run_key)  # the trained state, beside the db
     return CellResult(cfg, "done")
 
 

@@ -2,10 +2,10 @@
 
 The page carries a header naming the runs behind it (their keys, status, cost, fpbench / torch
 versions and devices), one summary table per metric (mean ± std over seeds of each run's final
-value, as `fpbench table` prints it) and the trade-off and learning-curve plots. Plots are
-embedded as base64 PNGs, so the page is a single file that can be mailed or attached; the same
-PNGs are also written beside it for reuse. `build_report` is pure (DataFrames in, text and
-bytes out); `write_report` writes the files.
+value and the 95% Student-t interval of the mean, as `fpbench table --ci` prints it) and the
+trade-off and learning-curve plots. Plots are embedded as base64 PNGs, so the page is a single
+file that can be mailed or attached; the same PNGs are also written beside it for reuse.
+`build_report` is pure (DataFrames in, text and bytes out); `write_report` writes the files.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ TABLE_METRICS = (
 DOMAIN_METRIC = r"acc_domain_[0-9a-z-]+"  # fpbench.engine.metrics.domain_accuracies
 CURVE_METRICS = ("acc_global", "acc_local_mean", "acc_local_worst", "loss_train")
 RUN_COLUMNS = [
-    "id", "run_key", "method", "dataset", "partition", "seed", "status", "last_round", "wall_s",
+    "id", "run_key", "method", "dataset", "partition", "seed", "status", "rounds", "wall_s",
     "peak_mem_bytes", "round_flops", "fpbench_version", "torch_version", "device",
 ]  # fmt: skip
 COST_HEADERS = {"peak_mem_bytes": "peak memory", "round_flops": "FLOPs / round"}
@@ -81,7 +81,8 @@ def build_report(
         "<h2>Summary tables</h2>",
         _note(
             "Mean ± std over seeds of each run's final value (the mean over the last evaluated "
-            "rounds); accuracies in percent."
+            "rounds), then in brackets the 95% confidence interval of the mean over seeds "
+            "(Student t, two or more seeds); accuracies in percent."
         ),
         *_tables(metrics, suite),
         "<h2>Plots</h2>",
@@ -126,9 +127,10 @@ def _header(runs: pd.DataFrame, suite: str, now: dt.datetime) -> str:
     """Title, provenance (versions, devices, status counts) and the table of runs."""
     status = runs["status"].value_counts() if len(runs) else pd.Series(dtype=int)
     counts = ", ".join(f"{n} {s}" for s, n in status.items()) or "none"
+    n_runs = f"{len(runs)} run{'s' if len(runs) != 1 else ''}"
     lines = [
         f"<h1>fpbench report: suite {_esc(suite)}</h1>",
-        _note(f"generated {now:%Y-%m-%d %H:%M} UTC from {len(runs)} runs ({counts})"),
+        _note(f"generated {now:%Y-%m-%d %H:%M} UTC from {n_runs} ({counts})"),
         '<ul class="provenance">',
         f"<li>fpbench: {_esc(_distinct(runs, 'fpbench_version'))}</li>",
         f"<li>torch: {_esc(_distinct(runs, 'torch_version'))}</li>",
@@ -142,6 +144,9 @@ def _header(runs: pd.DataFrame, suite: str, now: dt.datetime) -> str:
 
 
 def _runs_table(runs: pd.DataFrame) -> str:
+    """The runs, `rounds` being how many are stored (the last is round `rounds`, from 1)."""
+    if "last_round" in runs:
+        runs = runs.assign(rounds=(runs["last_round"] + 1).astype("Int64"))
     shown = runs.reindex(columns=[c for c in RUN_COLUMNS if c in runs.columns])
     if "wall_s" in shown:
         shown = shown.assign(wall_s=shown["wall_s"].map(lambda v: "" if pd.isna(v) else f"{v:.1f}"))
@@ -160,7 +165,7 @@ def _tables(metrics: pd.DataFrame, suite: str) -> list[str]:
     for metric in [*TABLE_METRICS, *domains]:
         if metric not in stored and not any(n.startswith(f"{metric}_last") for n in stored):
             continue
-        table = summary_table(metrics, [metric], suite=suite)
+        table = summary_table(metrics, [metric], suite=suite, ci=True)
         table.columns = [" / ".join(str(x) for x in col[:-1]) for col in table.columns]
         parts.append(f"<h3>{_esc(plots.axis_label(metric))}</h3>")
         # the row labels as a first column: one header row, as in the terminal table

@@ -140,12 +140,16 @@ def _tradeoff_panel(
     ax.margins(0.15)
 
 
+ROUND_AXIS = "round (1 = the first)"
+
+
 def curves(
     metrics: pd.DataFrame, metric: str = "acc_global", *, suite: str | None = None
 ) -> Figure:
     """`metric` against round: one line per method (mean over seeds, std shaded).
 
-    One subplot per (dataset, partition).
+    One subplot per (dataset, partition). Rounds are numbered from 1, as in every view (the
+    database's `round` counts from 0).
 
     Raises:
         FpbenchError: no rows, or no rows for `metric`.
@@ -172,14 +176,14 @@ def _curves_panel(
     for method, part in rows.groupby("method", sort=False):
         color, marker = styles[str(method)]
         stats = part.groupby("round")["value"].agg(["mean", "std", "count"]).sort_index()
-        rounds, mean = stats.index.to_numpy(), stats["mean"].to_numpy() * scale
+        rounds, mean = stats.index.to_numpy() + 1, stats["mean"].to_numpy() * scale
         few = len(rounds) <= FEW_POINTS  # markers only where they do not clutter the line
         ax.plot(rounds, mean, color=color, marker=marker if few else None, label=str(method))
         std = stats["std"].where(stats["count"] > 1).fillna(0.0).to_numpy() * scale
         if (std > 0).any():
             ax.fill_between(rounds, mean - std, mean + std, color=color, alpha=0.2)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("round")
+    ax.set_xlabel(ROUND_AXIS)
     ax.set_ylabel(axis_label(metric))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")

@@ -1,4 +1,5 @@
-"""Summary tables from the metric table: mean +- std over seeds, rendered to Markdown, CSV, LaTeX.
+"""Summary tables from the metric table: mean +- std over seeds (optionally with the 95%
+Student-t confidence interval of the mean), rendered to Markdown, CSV, LaTeX.
 
 Pure functions on DataFrames shaped like `Store.metrics()`; nothing here opens the database or
 writes files. A run's figure for a metric is its `<name>_last<N>` summary row (mean over the last
@@ -78,6 +79,22 @@ def _last_row_per_run(df: pd.DataFrame) -> pd.DataFrame:
 Order = Mapping[str, Sequence[object]]
 
 
+CI_LEVEL = 0.95
+
+
+def t_interval(
+    mean: float, std: float, n: int, level: float = CI_LEVEL
+) -> tuple[float, float] | None:
+    """The Student-t confidence interval of a mean over `n` seeds with sample std `std`:
+    mean ± t_{(1+level)/2, n-1} * std / sqrt(n). None for fewer than two seeds."""
+    from scipy import stats
+
+    if n < 2 or pd.isna(std) or pd.isna(mean):
+        return None
+    half = float(stats.t.ppf((1 + level) / 2, n - 1)) * float(std) / float(n) ** 0.5
+    return float(mean) - half, float(mean) + half
+
+
 def summary_stats(
     metrics: pd.DataFrame,
     metric_names: Sequence[str],
@@ -95,13 +112,20 @@ def summary_stats(
             labels follow in first-seen order. Metrics follow `metric_names`.
 
     Returns:
-        Long frame with the `index` and `columns` labels, metric, mean, std, n (fractions, not
+        Long frame with the `index` and `columns` labels, metric, mean, std, n, ci_low and
+        ci_high (the 95% Student-t interval of the mean, NaN under two seeds; fractions, not
         percent).
     """
     values = final_values(metrics, metric_names, suite=suite)
     keys = [*index, *columns]
     codes = _codes(values, keys, metric_names, order or {})
-    return _stats(values, [*keys, "metric"], ddof, codes)
+    stats = _stats(values, [*keys, "metric"], ddof, codes)
+    ci = [t_interval(m, s, n) or (float("nan"),) * 2 for m, s, n in _msn(stats)]
+    return stats.assign(ci_low=[c[0] for c in ci], ci_high=[c[1] for c in ci])
+
+
+def _msn(stats: pd.DataFrame):
+    return zip(stats["mean"], stats["std"], stats["n"], strict=True)
 
 
 def _codes(
@@ -133,10 +157,12 @@ def _stats(
     return _sorted(stats, codes)
 
 
-def format_cell(mean: float, std: float, n: int, metric: str) -> str:
+def format_cell(mean: float, std: float, n: int, metric: str, *, ci: bool = False) -> str:
     """'83.41 ± 0.52' for accuracies (percent); the std is omitted for a single run.
 
-    Other metrics print whole numbers as integers (`params_trainable` 2580, not 2580.00).
+    With `ci`, the 95% Student-t interval of the mean follows: '83.41 ± 0.52 [82.12, 84.70]'
+    (two or more seeds). Other metrics print whole numbers as integers (`params_trainable`
+    2580, not 2580.00).
     """
     if pd.isna(mean):
         return MISSING
@@ -145,6 +171,9 @@ def format_cell(mean: float, std: float, n: int, metric: str) -> str:
     text = _number(mean * scale, percent)
     if n > 1 and not pd.isna(std):
         text += f" ± {_number(std * scale, percent)}"
+    if ci and (interval := t_interval(mean, std, n)) is not None:
+        low, high = (_number(v * scale, percent) for v in interval)
+        text += f" [{low}, {high}]"
     return text
 
 
@@ -163,8 +192,10 @@ def summary_table(
     order: Order | None = None,
     ddof: int = 1,
     suite: str | None = None,
+    ci: bool = False,
 ) -> pd.DataFrame:
-    """Paper-style table of "mean ± std" strings (percent for accuracies) over seeds.
+    """Paper-style table of "mean ± std" strings (percent for accuracies) over seeds; with
+    `ci`, each followed by the 95% Student-t confidence interval of the mean, "[low, high]".
 
     Rows: the `index` labels (methods), in `order` or first-seen order. Columns: a MultiIndex
     of the `columns` labels plus the metric, e.g. (dataset, partition, metric), metrics in the
@@ -175,7 +206,7 @@ def summary_table(
     col_keys = [*columns, "metric"]
     stats = _stats(values, [*index, *col_keys], ddof, codes)
     cells = [
-        format_cell(m, s, n, name)
+        format_cell(m, s, n, name, ci=ci)
         for m, s, n, name in zip(
             stats["mean"], stats["std"], stats["n"], stats["metric"], strict=True
         )
@@ -226,6 +257,12 @@ def _parts(table: pd.DataFrame) -> tuple[list[str], list[tuple[str, ...]], list[
         keys = list(key) if isinstance(key, tuple) else [key]
         rows.append([_cell(k) for k in keys][: len(index_names)] + [_cell(v) for v in row])
     return index_names, columns, rows
+
+
+def flat_parts(table: pd.DataFrame) -> tuple[list[str], list[str], list[list[str]]]:
+    """(index names, column headers joined by " / ", body rows) for a terminal table."""
+    index_names, columns, rows = _parts(table)
+    return index_names, [" / ".join(c) for c in columns], rows
 
 
 def _to_csv(table: pd.DataFrame) -> str:

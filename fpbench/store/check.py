@@ -75,7 +75,7 @@ def _run_problems(run, rounds, losses, evaluated, claim_timeout: float) -> list[
     if no_loss := sorted(have - losses.get(run.id, set())):
         out.append(f"rounds {_span(no_loss)} have no loss_train metric")
     if expected and max(expected) not in evaluated.get(run.id, set()):
-        out.append(f"the final round {max(expected)} has no evaluation metrics")
+        out.append(f"the final round {max(expected) + 1} has no evaluation metrics")
     return out
 
 
@@ -89,5 +89,6 @@ def _stale(run, claim_timeout: float) -> list[str]:
 
 
 def _span(rounds: list[int]) -> str:
-    shown = ", ".join(map(str, rounds[:8]))
+    """Stored rounds as every view numbers them, from 1."""
+    shown = ", ".join(str(r + 1) for r in rounds[:8])
     return shown + (f", ... ({len(rounds)} in all)" if len(rounds) > 8 else "")

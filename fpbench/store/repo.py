@@ -81,6 +81,22 @@ def _reason(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
+def _driver_hint(url: str, exc: BaseException) -> str:
+    """What to install when the URL's database driver is missing."""
+    if not isinstance(exc, ImportError):
+        return ""
+    try:
+        backend = make_url(url).get_backend_name()
+    except ArgumentError:
+        return ""
+    if backend == "postgresql":
+        return (
+            "; install fpbench's PostgreSQL driver with pip install 'fpbench[postgres]' and "
+            "name it in the URL: postgresql+psycopg://USER:PASSWORD@HOST/DB"
+        )
+    return f"; install the Python driver of {backend} that this URL names"
+
+
 def _safe_url(url: str) -> str:
     try:
         return make_url(url).render_as_string(hide_password=True)
@@ -187,6 +203,7 @@ class Store(ClaimMixin):
         except (SQLAlchemyError, OSError, ValueError, ImportError) as exc:
             raise FpbenchError(
                 f"cannot open results database {_safe_url(url)}: {_reason(exc)}"
+                + _driver_hint(url, exc)
             ) from exc
         self._session = sessionmaker(self._engine, expire_on_commit=False)
 
@@ -271,7 +288,7 @@ class Store(ClaimMixin):
     def _get(s: Session, run_id: int) -> Run:
         run = s.get(Run, run_id)
         if run is None:
-            raise FpbenchError(f"no run with id {run_id}; see `fpbench list`")
+            raise FpbenchError(f"no run with id {run_id}; see `fpbench runs`")
         return run
 
     def runs(self, suite: str | None = None) -> pd.DataFrame:
@@ -305,12 +322,12 @@ class Store(ClaimMixin):
             if len(ref) < MIN_KEY_PREFIX:
                 raise FpbenchError(
                     f"no run {ref!r}: give a run id or at least {MIN_KEY_PREFIX} characters "
-                    "of a run key (see `fpbench list`)"
+                    "of a run key (see `fpbench runs`)"
                 )
             stmt = select(Run).where(Run.run_key.startswith(ref, autoescape=True)).limit(6)
             found = s.scalars(stmt).all()
         if not found:
-            raise FpbenchError(f"no run with id or key prefix {ref!r}; see `fpbench list`")
+            raise FpbenchError(f"no run with id or key prefix {ref!r}; see `fpbench runs`")
         if len(found) > 1:
             keys = ", ".join(r.run_key for r in found[:5])
             raise FpbenchError(f"run key prefix {ref!r} is ambiguous ({keys}, ...): give more")
