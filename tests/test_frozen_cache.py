@@ -272,3 +272,16 @@ def test_cache_clear_of_another_frozen_folder(tmp_path) -> None:
     result = CliRunner().invoke(app, ["cache", "clear", "--frozen-dir", str(elsewhere)])
     assert "removed 1 files" in result.output
     assert elsewhere.is_dir() and not list(elsewhere.iterdir())  # the folder itself stays
+
+
+def test_a_run_with_bf16_frozen_passes_says_so_and_keys_them(tmp_path) -> None:
+    cfg = tiny_config("sgpt", rounds=1)
+    cfg = cfg.model_copy(
+        update={"runtime": cfg.runtime.model_copy(update={"frozen_precision": "bf16"})}
+    )
+    store = Store(f"sqlite:///{tmp_path}/r.db")
+    assert run_cell(cfg, store, checkpoint_dir=tmp_path).status == "done"
+    assert store.find_run(cfg.run_key).device.endswith(" (fp32, frozen bf16)")
+    entries = list((cache_dir() / FROZEN).glob("*/*.pt"))
+    keys = [torch.load(p, weights_only=True)["key"] for p in entries]
+    assert keys and all('"precision":"bf16"' in k for k in keys)
