@@ -248,3 +248,28 @@ def test_frozen_features_in_memory_are_not_in_the_round_count(tmp_path) -> None:
         run_cell(cfg, store, checkpoint_dir=tmp_path, cache=shared)
         totals.append(store.find_run(cfg.run_key).round_flops)
     assert totals[0] == totals[1] > 0
+
+
+def test_counting_changes_no_stored_value(tmp_path, monkeypatch) -> None:
+    """Round 0 under the FLOP counter stores what it stores without it, bit for bit."""
+    from contextlib import contextmanager
+
+    cfg = tiny_config("sgpt", rounds=2)
+
+    def stored(name: str) -> list:
+        db = tmp_path / f"{name}.db"
+        with Store(f"sqlite:///{db}") as store:
+            assert run_cell(cfg, store, checkpoint_dir=tmp_path / name).status == "done"
+        with sqlite3.connect(db) as con:
+            return con.execute(
+                "SELECT round, client_id, name, value FROM metrics ORDER BY round, client_id, name"
+            ).fetchall()
+
+    counted = stored("counted")
+
+    @contextmanager
+    def nothing():
+        yield None
+
+    monkeypatch.setattr("fpbench.engine.rounds.count_flops", nothing)
+    assert stored("plain") == counted
