@@ -285,3 +285,19 @@ def test_a_run_with_bf16_frozen_passes_says_so_and_keys_them(tmp_path) -> None:
     entries = list((cache_dir() / FROZEN).glob("*/*.pt"))
     keys = [torch.load(p, weights_only=True)["key"] for p in entries]
     assert keys and all('"precision":"bf16"' in k for k in keys)
+
+
+def test_fpbench_run_sets_the_frozen_precision(tmp_path) -> None:
+    from tests.conftest import TINY_SUITE_TOML
+
+    suite = tmp_path / "tiny.toml"
+    suite.write_text(TINY_SUITE_TOML)
+    db = str(tmp_path / "r.db")
+    args = ["run", "--suite", str(suite), "--db", db, "--method", "head-tune"]
+    args += ["--checkpoint-dir", str(tmp_path / "ck")]
+    bad = CliRunner().invoke(app, [*args, "--frozen-precision", "fp8"])
+    assert bad.exit_code == 2 and "--frozen-precision must be fp32, tf32 or bf16" in bad.output
+    result = CliRunner().invoke(app, [*args, "--frozen-precision", "bf16"])
+    assert result.exit_code == 0, result.output
+    with Store(f"sqlite:///{db}") as store:
+        assert store.get_run(1).device.endswith("(fp32, frozen bf16)")
