@@ -239,6 +239,10 @@ def _populate(root: Path) -> None:
     (root / "open_clip_configs" / "clip-tiny.json").write_text("{}")
     (root / "notes.txt").write_text("mine")
     (root / FROZEN / "vit-test--query-x" / "keep.me").write_text("mine too")
+    deep = root / "project" / "frozen" / "kind"  # fpbench's names, but not where it writes
+    deep.mkdir(parents=True)
+    (deep / "0123456789abcdef0123456789abcdef.pt").write_text("x")
+    (root / "project" / "vit-smoke-0123456789.pth").write_text("y")
 
 
 def test_cache_info_shows_sizes_per_kind_and_clear_removes_only_fpbench_s(tmp_path) -> None:
@@ -253,14 +257,19 @@ def test_cache_info_shows_sizes_per_kind_and_clear_removes_only_fpbench_s(tmp_pa
     assert "│     1 │" in lines["frozen vit-test--query-x"]
     assert f"{entry_size / 1024:.2f} KiB" in lines["frozen vit-test--query-x"]  # 1-2 KiB
     assert "100 B" in lines["backbone weights"] and "2 B" in lines["open_clip configs"]
-    assert "│     2 │" in lines["not fpbench's (kept)"]
+    assert "│     4 │" in lines["not fpbench's (kept)"]
     result = CliRunner().invoke(app, ["cache", "clear", "--frozen-only"])
     assert result.exit_code == 0 and "removed 1 frozen values" in result.output
     assert (root / "vit-smoke-0123456789.pth").exists()
     result = CliRunner().invoke(app, ["cache", "clear"])
     assert result.exit_code == 0 and "removed 2 files (102 B)" in result.output
     left = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
-    assert left == ["frozen/vit-test--query-x/keep.me", "notes.txt"]
+    assert left == [
+        "frozen/vit-test--query-x/keep.me",
+        "notes.txt",
+        "project/frozen/kind/0123456789abcdef0123456789abcdef.pt",
+        "project/vit-smoke-0123456789.pth",
+    ]
     assert not (root / "open_clip_configs").exists()  # emptied folders go too
 
 
