@@ -9,8 +9,8 @@ The folder is `$FPBENCH_CACHE`, else `~/.cache/fpbench`. fpbench writes there:
 * `open_clip_configs/<name>.json`: the tiny CLIPs' model configs.
 
 Only files of those names, in those places, are counted as fpbench's and removed by `clear`
-(which looks nowhere else); anything else in the
-folder is listed as not fpbench's and left alone.
+(which looks nowhere else); anything else in the folder is listed as not fpbench's and left
+alone.
 """
 
 from __future__ import annotations
