@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from fpbench.cli import app
 from fpbench.engine import cost, runner
 from fpbench.engine.cost import PeakMemory, count_flops, uncounted
+from fpbench.engine.inputs import FeatureCache
 from fpbench.engine.rounds import sampling_schedule
 from fpbench.engine.runner import run_cell
 from fpbench.engine.task import build_task
@@ -260,3 +261,23 @@ def test_counting_changes_no_stored_value(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr("fpbench.engine.rounds.count_flops", nothing)
     assert stored("plain") == counted
+
+
+def test_the_count_equals_pytorch_s_flop_counter_on_a_round(tiny) -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fpbench.engine.build import build_populations
+    from fpbench.engine.rounds import play_round
+    from fpbench.engine.runner import cell_numerics
+
+    cfg, task, _ = tiny("sgpt")
+    with cell_numerics(cfg):
+        pops = build_populations(cfg, task, torch.device("cpu"), FeatureCache())
+        server = pops[0].method.init_server(torch.Generator().manual_seed(0))
+        ids = task.trainable_clients()
+        play_round(pops, server, task, cfg, 0, ids, [], ids)  # the frozen passes, first
+        with count_flops() as ours:
+            play_round(pops, server, task, cfg, 1, ids, [], ids)
+        with FlopCounterMode(display=False) as theirs:
+            play_round(pops, server, task, cfg, 1, ids, [], ids)
+    assert ours.total == theirs.get_total_flops() > 0
