@@ -145,17 +145,22 @@ def test_a_damaged_entry_is_recomputed(tmp_path, damage) -> None:
     assert calls == [1] and torch.equal(read_entry(path, "key"), _values())  # rewritten
 
 
-def test_writes_are_atomic_and_an_unwritable_folder_only_warns(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "error",
+    [OSError(28, "No space left on device"), RuntimeError("file write failed: No space left")],
+)
+def test_writes_are_atomic_and_a_failed_write_only_warns(tmp_path, monkeypatch, error) -> None:
     path = entry_path(tmp_path, "key", "k")
     assert write_entry(path, "key", _values())
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
 
-    def fail(*args, **kwargs):
-        raise OSError(28, "No space left on device")
+    def fail(obj, f, *args, **kwargs):
+        Path(f).write_bytes(b"half an entry")  # what a full disk leaves
+        raise error
 
     monkeypatch.setattr(torch, "save", fail)
     other = entry_path(tmp_path, "other", "k")
-    with pytest.warns(UserWarning, match="No space left on device"):
+    with pytest.warns(UserWarning, match="No space left"):
         assert not write_entry(other, "other", _values())
     assert not other.exists() and [p.name for p in path.parent.iterdir()] == [path.name]
     assert torch.equal(FeatureCache(tmp_path).unit("key", _values, CPU, "k"), _values())
