@@ -7,7 +7,8 @@ with random weights of the backbone.
     python benchmarks/cost_overhead.py --backbone vit-b16-in21k --image-size 32 --device cuda
 
 Frozen work is done before the timing (a warm-up round), so each timed round is training,
-aggregation and an evaluation. Prints each repetition and the ratio of the medians.
+aggregation and an evaluation. Prints each repetition and the ratio of the medians; with
+`--flop-counter-mode`, PyTorch's own `FlopCounterMode` is timed beside them.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from contextlib import nullcontext
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from fpbench.engine.build import build_populations, resolve_device
 from fpbench.engine.cost import count_flops
@@ -59,6 +62,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--flop-counter-mode", action="store_true", help="also time FlopCounterMode")
     args = ap.parse_args()
     cfg = cell(args)
     device = resolve_device(args.device)
@@ -69,26 +73,29 @@ def main() -> None:
         server = pops[0].method.init_server(torch.Generator().manual_seed(0)).to(device)
         ids = task.trainable_clients()
         play_round(pops, server, task, cfg, 0, ids, [], ids)  # warm-up: the frozen passes
-        times: dict[bool, list[float]] = {False: [], True: []}
+        ways = {"plain": nullcontext, "counted": count_flops}
+        if args.flop_counter_mode:
+            ways["FlopCounterMode"] = lambda: FlopCounterMode(display=False)
+        times: dict[str, list[float]] = {way: [] for way in ways}
         flops = 0
         for rep in range(args.reps):
-            for counted in (False, True):
+            for way, mode in ways.items():
                 sync()
                 start = time.perf_counter()
-                if counted:
-                    with count_flops() as found:
-                        play_round(pops, server, task, cfg, 1, ids, [], ids)
-                    flops = found.total
-                else:
+                with mode() as found:
                     play_round(pops, server, task, cfg, 1, ids, [], ids)
                 sync()
-                times[counted].append(time.perf_counter() - start)
-                print(f"rep {rep} {'counted' if counted else 'plain  '} {times[counted][-1]:.3f} s")
-    plain, counted = (statistics.median(times[k]) for k in (False, True))
+                times[way].append(time.perf_counter() - start)
+                flops = found.total if way == "counted" else flops
+                print(f"rep {rep} {way}: {times[way][-1]:.3f} s")
+    median = {way: statistics.median(t) for way, t in times.items()}
+    shown = ", ".join(
+        f"{m:.3f} s {way}" + ("" if way == "plain" else f" ({m / median['plain']:.2f}x)")
+        for way, m in median.items()
+    )
     print(
-        f"{args.method} on {args.backbone} ({args.image_size}px, {device}): a round "
-        f"{plain:.3f} s plain, {counted:.3f} s counted ({counted / plain:.2f}x), "
-        f"{flops / 1e9:,.2f} GFLOP"
+        f"{args.method} on {args.backbone} ({args.image_size}px, {device}), medians of "
+        f"{args.reps}: a round {shown}; {flops / 1e9:,.2f} GFLOP"
     )
 
 

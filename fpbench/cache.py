@@ -8,8 +8,9 @@ The folder is `$FPBENCH_CACHE`, else `~/.cache/fpbench`. fpbench writes there:
   pretraining, the seeded tiny CLIPs),
 * `open_clip_configs/<name>.json`: the tiny CLIPs' model configs.
 
-Only files of those names are counted as fpbench's and removed by `clear`; anything else in the
-folder is listed as not fpbench's and left alone.
+Only files of those names, in those places, are counted as fpbench's and removed by `clear`
+(which looks nowhere else); anything else in the folder is listed as not fpbench's and left
+alone.
 """
 
 from __future__ import annotations
@@ -105,21 +106,35 @@ def clear(root: Path | None = None, frozen: Path | None = None, only_frozen: boo
     frozen = frozen or root / FROZEN
     files = size = 0
     emptied: set[Path] = {root / FROZEN, root / _CLIP_CONFIGS}  # folders fpbench makes
-    for folder in dict.fromkeys([frozen] if only_frozen else [root, frozen]):
-        if not folder.is_dir():
+    for path in _candidates(root, frozen, only_frozen):
+        kind = _kind(path, root, frozen)
+        if kind == OTHER or (only_frozen and not kind.startswith("frozen ")):
             continue
-        for path in list(_files(folder)):
-            kind = _kind(path, root, frozen)
-            if kind == OTHER or (only_frozen and not kind.startswith("frozen ")):
-                continue
-            try:
-                n = path.lstat().st_size
-                path.unlink()
-            except FileNotFoundError:
-                continue
-            files, size = files + 1, size + n
-            emptied.add(path.parent)
+        try:
+            n = path.lstat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        files, size = files + 1, size + n
+        emptied.add(path.parent)
     for folder in sorted(emptied, key=lambda p: len(p.parts), reverse=True):  # deepest first
         with contextlib.suppress(OSError):
             folder.rmdir()  # only where empty
     return Usage("removed", files, size)
+
+
+def _candidates(root: Path, frozen: Path, only_frozen: bool) -> list[Path]:
+    """The only places fpbench writes: files in `frozen`'s kind folders and, unless
+    `only_frozen`, `root`'s own files and its `open_clip_configs` (nothing else is walked)."""
+    folders = _dirs(frozen)
+    if not only_frozen:
+        folders += [root, root / _CLIP_CONFIGS]
+    return [p for folder in dict.fromkeys(folders) for p in _dirs(folder, files=True)]
+
+
+def _dirs(folder: Path, files: bool = False) -> list[Path]:
+    """The sub-folders (or with `files`, the files) directly in `folder`."""
+    try:
+        return [p for p in folder.iterdir() if (p.is_file() or p.is_symlink()) == files]
+    except OSError:
+        return []

@@ -27,6 +27,7 @@ as busy as during the measurement.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -240,6 +241,7 @@ def measure(
     from fpbench.engine.task import task_of
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: the hub is never needed
+    gc.collect()  # what an earlier shape left is not this shape's peak
     peak = PeakMemory(device)
     peak.start()
     part = {"num_clients": shape.num_clients, "heldout_frac": shape.heldout_frac}

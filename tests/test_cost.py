@@ -238,13 +238,46 @@ def _rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def test_frozen_features_in_memory_are_not_in_the_round_count(tmp_path) -> None:
-    """The same count whether round 0 computed the frozen features or found them cached."""
-    cfg = _reference("sgpt", rounds=1)
-    shared = FeatureCache()
-    totals = []
-    for name in ("cold", "warm"):
-        store = Store(f"sqlite:///{tmp_path}/{name}.db")
-        run_cell(cfg, store, checkpoint_dir=tmp_path, cache=shared)
-        totals.append(store.find_run(cfg.run_key).round_flops)
-    assert totals[0] == totals[1] > 0
+def test_counting_changes_no_stored_value(tmp_path, monkeypatch) -> None:
+    """Round 0 under the FLOP counter stores what it stores without it, bit for bit."""
+    from contextlib import contextmanager
+
+    cfg = tiny_config("sgpt", rounds=1)
+
+    def stored(name: str) -> list:
+        db = tmp_path / f"{name}.db"
+        with Store(f"sqlite:///{db}") as store:
+            assert run_cell(cfg, store, checkpoint_dir=tmp_path / name).status == "done"
+        with sqlite3.connect(db) as con:
+            return con.execute(
+                "SELECT round, client_id, name, value FROM metrics ORDER BY round, client_id, name"
+            ).fetchall()
+
+    counted = stored("counted")
+
+    @contextmanager
+    def nothing():
+        yield None
+
+    monkeypatch.setattr("fpbench.engine.rounds.count_flops", nothing)
+    assert stored("plain") == counted
+
+
+def test_the_count_equals_pytorch_s_flop_counter_on_a_round(tiny) -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fpbench.engine.build import build_populations
+    from fpbench.engine.rounds import play_round
+    from fpbench.engine.runner import cell_numerics
+
+    cfg, task, _ = tiny("sgpt")
+    with cell_numerics(cfg):
+        pops = build_populations(cfg, task, torch.device("cpu"), FeatureCache())
+        server = pops[0].method.init_server(torch.Generator().manual_seed(0))
+        ids = task.trainable_clients()
+        play_round(pops, server, task, cfg, 0, ids, [], ids)  # the frozen passes, first
+        with count_flops() as ours:
+            play_round(pops, server, task, cfg, 1, ids, [], ids)
+        with FlopCounterMode(display=False) as theirs:
+            play_round(pops, server, task, cfg, 1, ids, [], ids)
+    assert ours.total == theirs.get_total_flops() > 0

@@ -145,17 +145,22 @@ def test_a_damaged_entry_is_recomputed(tmp_path, damage) -> None:
     assert calls == [1] and torch.equal(read_entry(path, "key"), _values())  # rewritten
 
 
-def test_writes_are_atomic_and_an_unwritable_folder_only_warns(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "error",
+    [OSError(28, "No space left on device"), RuntimeError("file write failed: No space left")],
+)
+def test_writes_are_atomic_and_a_failed_write_only_warns(tmp_path, monkeypatch, error) -> None:
     path = entry_path(tmp_path, "key", "k")
     assert write_entry(path, "key", _values())
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
 
-    def fail(*args, **kwargs):
-        raise OSError(28, "No space left on device")
+    def fail(obj, f, *args, **kwargs):
+        Path(f).write_bytes(b"half an entry")  # what a full disk leaves
+        raise error
 
     monkeypatch.setattr(torch, "save", fail)
     other = entry_path(tmp_path, "other", "k")
-    with pytest.warns(UserWarning, match="No space left on device"):
+    with pytest.warns(UserWarning, match="No space left"):
         assert not write_entry(other, "other", _values())
     assert not other.exists() and [p.name for p in path.parent.iterdir()] == [path.name]
     assert torch.equal(FeatureCache(tmp_path).unit("key", _values, CPU, "k"), _values())
@@ -239,6 +244,10 @@ def _populate(root: Path) -> None:
     (root / "open_clip_configs" / "clip-tiny.json").write_text("{}")
     (root / "notes.txt").write_text("mine")
     (root / FROZEN / "vit-test--query-x" / "keep.me").write_text("mine too")
+    deep = root / "project" / "frozen" / "kind"  # fpbench's names, but not where it writes
+    deep.mkdir(parents=True)
+    (deep / "0123456789abcdef0123456789abcdef.pt").write_text("x")
+    (root / "project" / "vit-smoke-0123456789.pth").write_text("y")
 
 
 def test_cache_info_shows_sizes_per_kind_and_clear_removes_only_fpbench_s(tmp_path) -> None:
@@ -253,14 +262,19 @@ def test_cache_info_shows_sizes_per_kind_and_clear_removes_only_fpbench_s(tmp_pa
     assert "│     1 │" in lines["frozen vit-test--query-x"]
     assert f"{entry_size / 1024:.2f} KiB" in lines["frozen vit-test--query-x"]  # 1-2 KiB
     assert "100 B" in lines["backbone weights"] and "2 B" in lines["open_clip configs"]
-    assert "│     2 │" in lines["not fpbench's (kept)"]
+    assert "│     4 │" in lines["not fpbench's (kept)"]
     result = CliRunner().invoke(app, ["cache", "clear", "--frozen-only"])
     assert result.exit_code == 0 and "removed 1 frozen values" in result.output
     assert (root / "vit-smoke-0123456789.pth").exists()
     result = CliRunner().invoke(app, ["cache", "clear"])
     assert result.exit_code == 0 and "removed 2 files (102 B)" in result.output
     left = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
-    assert left == ["frozen/vit-test--query-x/keep.me", "notes.txt"]
+    assert left == [
+        "frozen/vit-test--query-x/keep.me",
+        "notes.txt",
+        "project/frozen/kind/0123456789abcdef0123456789abcdef.pt",
+        "project/vit-smoke-0123456789.pth",
+    ]
     assert not (root / "open_clip_configs").exists()  # emptied folders go too
 
 
@@ -272,3 +286,32 @@ def test_cache_clear_of_another_frozen_folder(tmp_path) -> None:
     result = CliRunner().invoke(app, ["cache", "clear", "--frozen-dir", str(elsewhere)])
     assert "removed 1 files" in result.output
     assert elsewhere.is_dir() and not list(elsewhere.iterdir())  # the folder itself stays
+
+
+def test_a_run_with_bf16_frozen_passes_says_so_and_keys_them(tmp_path) -> None:
+    cfg = tiny_config("sgpt", rounds=1)
+    cfg = cfg.model_copy(
+        update={"runtime": cfg.runtime.model_copy(update={"frozen_precision": "bf16"})}
+    )
+    store = Store(f"sqlite:///{tmp_path}/r.db")
+    assert run_cell(cfg, store, checkpoint_dir=tmp_path).status == "done"
+    assert store.find_run(cfg.run_key).device.endswith(" (fp32, frozen bf16)")
+    entries = list((cache_dir() / FROZEN).glob("*/*.pt"))
+    keys = [torch.load(p, weights_only=True)["key"] for p in entries]
+    assert keys and all('"precision":"bf16"' in k for k in keys)
+
+
+def test_fpbench_run_sets_the_frozen_precision(tmp_path) -> None:
+    from tests.conftest import TINY_SUITE_TOML
+
+    suite = tmp_path / "tiny.toml"
+    suite.write_text(TINY_SUITE_TOML)
+    db = str(tmp_path / "r.db")
+    args = ["run", "--suite", str(suite), "--db", db, "--method", "head-tune"]
+    args += ["--checkpoint-dir", str(tmp_path / "ck")]
+    bad = CliRunner().invoke(app, [*args, "--frozen-precision", "fp8"])
+    assert bad.exit_code == 2 and "--frozen-precision must be fp32, tf32 or bf16" in bad.output
+    result = CliRunner().invoke(app, [*args, "--frozen-precision", "bf16"])
+    assert result.exit_code == 0, result.output
+    with Store(f"sqlite:///{db}") as store:
+        assert store.get_run(1).device.endswith("(fp32, frozen bf16)")

@@ -99,6 +99,10 @@ def run(
             "bit-identical results across processes, resumes and executors; off is faster",
         ),
     ] = None,
+    frozen_precision: Annotated[
+        str | None,
+        typer.Option(help="frozen passes in fp32, tf32 or bf16 (runtime.frozen_precision)"),
+    ] = None,
     jobs: Annotated[
         int, typer.Option(min=1, help="cells at once (worker processes; SLURM array parallelism)")
     ] = 1,
@@ -162,8 +166,17 @@ def run(
         os.environ["FPBENCH_DATA"] = str(data_root.expanduser().absolute())
     if launcher in ("lockstep", "reference"):  # --executor's meaning before cell launchers
         launcher, client_executor = "local", client_executor or launcher
-    given = {"device": device, "executor": client_executor, "deterministic": deterministic}
+    given = {
+        "device": device,
+        "executor": client_executor,
+        "deterministic": deterministic,
+        "frozen_precision": frozen_precision,
+    }
     runtime = {k: v for k, v in given.items() if v is not None}
+    if frozen_precision not in (None, "fp32", "tf32", "bf16"):
+        raise FpbenchError(
+            f"--frozen-precision must be fp32, tf32 or bf16, got {frozen_precision!r}"
+        )
     if client_executor and client_executor not in ("lockstep", "reference"):
         raise FpbenchError(
             f"--client-executor must be lockstep or reference, got {client_executor!r}"

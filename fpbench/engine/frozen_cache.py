@@ -16,6 +16,7 @@ hash to the stored digest is ignored (and recomputed and rewritten by the caller
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -200,11 +201,13 @@ def write_entry(path: Path, key: str, values: Tensor) -> bool:
         torch.save(entry, tmp)
         tmp.replace(path)
         return True
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as RuntimeError
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        why = (e.strerror if isinstance(e, OSError) else None) or str(e).splitlines()[0]
         warnings.warn(
-            f"cannot keep frozen values in {str(path.parent)!r} ({e.strerror or e}); they stay in "
-            "memory for this process only",
+            f"cannot keep frozen values in {str(path.parent)!r} ({why}); they stay in memory "
+            "for this process only",
             stacklevel=2,
         )
         return False

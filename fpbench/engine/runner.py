@@ -21,6 +21,7 @@ from fpbench.engine.artifacts import keep_params
 from fpbench.engine.build import build_populations, resolve_device, resolve_precision
 from fpbench.engine.cost import PeakMemory
 from fpbench.engine.executor import derive_seed
+from fpbench.engine.frozen_cache import effective_precision
 from fpbench.engine.inputs import FeatureCache
 from fpbench.engine.rounds import Observer, run_rounds
 from fpbench.engine.task import build_task
@@ -188,10 +189,13 @@ def stored_config(cfg: RunConfig, device: torch.device) -> dict:
 
 
 def _device_name(device: torch.device, cfg: RunConfig) -> str:
-    """The device and the numerics it ran with, e.g. 'NVIDIA H200 (bf16)'."""
+    """The device and the numerics it ran with, e.g. 'NVIDIA H200 (bf16)', or with frozen
+    passes not in fp32 'NVIDIA H200 (bf16, frozen tf32)'."""
     name = (
         torch.cuda.get_device_name(device)
         if device.type == "cuda"
         else f"cpu ({platform.processor() or platform.machine()})"
     )
-    return f"{name} ({resolve_precision(cfg.runtime.precision, device)})"
+    numerics = resolve_precision(cfg.runtime.precision, device)
+    frozen = effective_precision(cfg.runtime.frozen_precision, device)
+    return f"{name} ({numerics}{'' if frozen == 'fp32' else f', frozen {frozen}'})"
