@@ -7,11 +7,11 @@ import fpbench
 
 # Each top-level module or package of fpbench, lowest first; a unit imports only lower ones.
 LAYERS = [
-    {"fpbench", "errors", "lazy", "stages", "shipped"},
+    {"fpbench", "errors", "lazy", "stages", "shipped", "units"},
     {"registry", "determinism", "store", "specs"},
     {"data", "suites"},
     {"partition", "backbones"},
-    {"methods"},
+    {"methods", "cache"},
     {"engine"},
     {"estimate", "bench", "report"},
     {"cli"},

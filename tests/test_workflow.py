@@ -589,8 +589,8 @@ def test_wandb_offline_run_holds_the_stored_rounds(workdir, monkeypatch):
 def test_a_failing_tracker_is_dropped_and_the_run_goes_on(caplog):
     from types import SimpleNamespace
 
+    from fpbench.cli.trackers import TrackingObserver
     from fpbench.engine.rounds import Observer
-    from fpbench.trackers import TrackingObserver
 
     class Broken:
         logged: list = []

@@ -185,7 +185,7 @@ def run(
     if dry_run:
         _print_cells(loaded.name, cells, db)
         return
-    from fpbench.trackers import TrackingObserver, make_trackers
+    from fpbench.cli.trackers import TrackingObserver, make_trackers
 
     trackers = make_trackers(log or [], log_dir)  # a missing package: before anything runs
     from fpbench.engine.dispatch import CELL_KEY, Dispatch, run_cells, validate  # imports torch
