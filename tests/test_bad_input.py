@@ -384,7 +384,9 @@ def test_a_corrupt_checkpoint_is_ignored_with_a_warning_and_the_cell_restarts(
 ):
     db = failed / "results" / "f.db"
     fedvpt = _by_method(db).loc["fedvpt"]
-    checkpoint = checkpoint_path(failed / "results" / "checkpoints", fedvpt["run_key"])
+    with Store(f"sqlite:///{db}") as store:  # checkpoints live under their database's identity
+        folder = failed / "results" / "checkpoints" / store.database_id
+    checkpoint = checkpoint_path(folder, fedvpt["run_key"])
     assert checkpoint.is_file()
     checkpoint.write_bytes(b"\x00truncated by a full disk")
     with Store(f"sqlite:///{db}") as store:

@@ -109,6 +109,9 @@ def _run_cell(
         return CellResult(cfg, "skipped")
     if record is not None and claim_is_live(record, claim_timeout):  # before building anything
         return CellResult(cfg, "skipped", "claimed by another driver")
+    folder = ckpt_io.folder_for(checkpoint_dir, store.database_id)
+    if record is not None:
+        check_resumable(cfg, store, record.id, folder)
     device = resolve_device(cfg.runtime.device)
     torch.manual_seed(derive_seed(cfg.seed, "torch"))
     try:  # reports reach the observer's `stage` (run_cell); so do the frozen passes' later
@@ -127,9 +130,7 @@ def _run_cell(
         return CellResult(cfg, "skipped", "claimed by another driver")
     try:
         with store.keep_alive(record.id, owner, claim_timeout / 4):
-            elapsed = run_rounds(
-                cfg, populations, task, store, record.id, checkpoint_dir, observer, owner
-            )
+            elapsed = run_rounds(cfg, populations, task, store, record.id, folder, observer, owner)
     except ClaimLost as e:
         return CellResult(cfg, "skipped", str(e))
     except BaseException as e:
@@ -137,8 +138,38 @@ def _run_cell(
         raise
     if not store.finish_run(record.id, owner, "done", wall_s=elapsed):
         return CellResult(cfg, "skipped", "claim taken over by another driver")
-    ckpt_io.checkpoint_path(checkpoint_dir, cfg.run_key).unlink(missing_ok=True)
+    ckpt_io.checkpoint_path(folder, cfg.run_key).unlink(missing_ok=True)
     return CellResult(cfg, "done")
+
+
+def check_resumable(cfg: RunConfig, store: Store, run_id: int, folder: Path) -> None:
+    """Refuse to resume from a checkpoint whose earlier rounds the database does not hold.
+
+    Raises:
+        FpbenchError: the cell's checkpoint is at round k but rounds 0..k are not all stored.
+    """
+    path = ckpt_io.checkpoint_path(folder, cfg.run_key)
+    found = ckpt_io.saved_round(path)
+    if found is None or found[1] not in (None, ckpt_io.binding(store.database_id, run_id)):
+        return  # none, unreadable or another run's: `load` ignores it and the cell restarts
+    missing = sorted(set(range(found[0] + 1)) - set(store.round_numbers(run_id)))
+    if missing:
+        raise FpbenchError(
+            f"cannot resume cell {cell_label(cfg)} ({cfg.run_key}): its checkpoint {path} is at "
+            f"round {found[0]} but the database lacks rounds {_span(missing)}; delete the "
+            "checkpoint to run the cell again from round 0"
+        )
+
+
+def cell_label(cfg: RunConfig) -> str:
+    """'method / dataset / partition / seed N', as progress and errors name a cell."""
+    return f"{cfg.method.label} / {cfg.dataset.label} / {cfg.partition.label} / seed {cfg.seed}"
+
+
+def _span(rounds: list[int]) -> str:
+    if len(rounds) > 1 and rounds == list(range(rounds[0], rounds[-1] + 1)):
+        return f"{rounds[0]}-{rounds[-1]}"
+    return ", ".join(map(str, rounds))
 
 
 def error_text(e: BaseException) -> str:

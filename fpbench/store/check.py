@@ -1,4 +1,5 @@
-"""`fpbench db check`: every done run has all its rounds and metrics; nothing is stuck."""
+"""`fpbench db check`: every run's rounds are contiguous, every done run has all its rounds and
+metrics, and nothing is stuck. `db merge` refuses inputs with broken runs (`Problem.broken`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class Problem:
     run_key: str
     status: str
     message: str
+    broken: bool = False  # stored rows are missing or out of place (not only unfinished)
 
 
 def check(store: Store, *, claim_timeout: float = CLAIM_TIMEOUT_S) -> list[Problem]:
@@ -47,7 +49,16 @@ def check(store: Store, *, claim_timeout: float = CLAIM_TIMEOUT_S) -> list[Probl
     for run in runs:
         for message in _run_problems(run, rounds, losses, evaluated, claim_timeout):
             problems.append(Problem(run.id, run.run_key, run.status, message))
+        problems += [
+            Problem(run.id, run.run_key, run.status, message, broken=True)
+            for message in _broken(run, rounds, losses, evaluated)
+        ]
     return problems
+
+
+def broken_runs(store: Store) -> list[Problem]:
+    """Runs whose stored rows are wrong (gaps, missing or extra rounds), not merely unfinished."""
+    return [p for p in check(store) if p.broken]
 
 
 def _by_run(rows) -> dict[int, set[int]]:
@@ -64,10 +75,17 @@ def _run_problems(run, rounds, losses, evaluated, claim_timeout: float) -> list[
         ]
     if run.status == "running":
         return _stale(run, claim_timeout)
-    if run.status != "done":
-        return []
-    expected = set(range(int(json.loads(run.config_json)["train"]["rounds"])))
+    return []
+
+
+def _broken(run, rounds, losses, evaluated) -> list[str]:
+    """What is wrong with a run's stored rounds: gaps at any status; a done run's completeness."""
     have, out = rounds.get(run.id, set()), []
+    if run.status != "done":
+        if have and (gaps := sorted(set(range(max(have))) - have)):
+            out.append(f"rounds {_span(gaps)} are missing below stored round {max(have)}")
+        return out
+    expected = set(range(int(json.loads(run.config_json)["train"]["rounds"])))
     if missing := sorted(expected - have):
         out.append(f"done but rounds {_span(missing)} are missing")
     if extra := sorted(have - expected):

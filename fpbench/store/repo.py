@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from fpbench.errors import FpbenchError
 from fpbench.store.claims import ClaimMixin, touch_or_raise
 from fpbench.store.models import Base, Metric, Round, Run
-from fpbench.store.schema import check_version, upgrade
+from fpbench.store.schema import check_version, database_id, upgrade
 
 MIN_KEY_PREFIX = 4
 RUN_COLUMNS = [
@@ -200,6 +200,13 @@ class Store(ClaimMixin):
     def __repr__(self) -> str:
         return f"Store({_safe_url(self.url)!r})"
 
+    @property
+    def database_id(self) -> str:
+        """This database's identity (a uuid in `meta`), to which checkpoints are bound."""
+        if getattr(self, "_database_id", None) is None:
+            self._database_id = database_id(self._engine)
+        return self._database_id
+
     @staticmethod
     def url_from_path_or_url(s: str | os.PathLike[str]) -> str:
         """Turn a file path into a SQLite URL; a string containing '://' passes through."""
@@ -365,6 +372,12 @@ class Store(ClaimMixin):
         """The highest round written for this run, or None."""
         with self._session() as s:
             return s.scalar(select(func.max(Round.round)).where(Round.run_id == run_id))
+
+    def round_numbers(self, run_id: int) -> list[int]:
+        """The rounds stored for this run, ascending."""
+        stmt = select(Round.round).where(Round.run_id == run_id).order_by(Round.round)
+        with self._session() as s:
+            return list(s.scalars(stmt))
 
     def rounds(self, run_id: int) -> pd.DataFrame:
         """Per-round scalars of one run, ordered by round."""

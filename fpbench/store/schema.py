@@ -2,12 +2,16 @@
 
 Version 1 had `runs`, `rounds` and `metrics` only. Version 2 adds the claim columns (`owner`,
 `heartbeat_at`) and `traceback` to `runs`, and the `meta` table that records the version.
+`meta` also holds the database's identity (`database_id`, a random uuid written once), to which
+checkpoints are bound: a checkpoint is only ever resumed into the database it was written for.
 Opening a database upgrades an older one in place (columns are only ever added, so older fpbench
 versions can still read it); a newer one is refused before anything is written, because this
 fpbench would not know what its extra tables and columns mean.
 """
 
 from __future__ import annotations
+
+import uuid
 
 from sqlalchemy import Engine, insert, inspect, select, text, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
@@ -17,6 +21,7 @@ from fpbench.store.models import Meta, Run
 
 SCHEMA_VERSION = 2
 VERSION_KEY = "schema_version"
+DATABASE_ID_KEY = "database_id"
 ADDED_COLUMNS = ("owner", "heartbeat_at", "traceback")  # runs columns newer than version 1
 
 
@@ -61,6 +66,21 @@ def upgrade(engine: Engine) -> None:
             if name not in _run_columns(engine):  # not a concurrent upgrade by another process
                 raise
     _stamp(engine)
+
+
+def database_id(engine: Engine) -> str:
+    """The database's identity; one is stamped first if it has none (an older fpbench's)."""
+    with engine.connect() as con:
+        found = con.scalar(select(Meta.value).where(Meta.key == DATABASE_ID_KEY))
+    if found is not None:
+        return found
+    try:
+        with engine.begin() as con:
+            con.execute(insert(Meta).values(key=DATABASE_ID_KEY, value=uuid.uuid4().hex))
+    except IntegrityError:
+        pass  # another process stamped it first: theirs is the identity
+    with engine.connect() as con:
+        return con.scalar(select(Meta.value).where(Meta.key == DATABASE_ID_KEY))
 
 
 def _stamp(engine: Engine) -> None:

@@ -1,0 +1,145 @@
+"""Never store a wrong result: checkpoints bound to their database, rounds without gaps."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fpbench.cli import app
+from fpbench.engine import checkpoint as ckpt_io
+from fpbench.engine.rounds import Observer
+from fpbench.engine.runner import run_cell
+from fpbench.errors import FpbenchError
+from fpbench.store import Store
+from tests.conftest import tiny_config
+
+ROUNDS = 3
+
+
+class _Stop(Exception):
+    pass
+
+
+class _StopAfter(Observer):
+    """Stops the cell once round `k` is stored and checkpointed."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def round_end(self, cfg, round_idx, metrics):
+        if round_idx == self.k:
+            raise _Stop
+
+
+def _store(path: Path) -> Store:
+    return Store(f"sqlite:///{path}")
+
+
+def rows(db: Path) -> list[tuple]:
+    """Every stored metric and round scalar of every run, keyed by run key, never by id."""
+    with sqlite3.connect(db) as con:
+        metrics = con.execute(
+            "select run_key, round, coalesce(client_id, -1), name, value, count from metrics "
+            "join runs on runs.id = metrics.run_id order by 1, 2, 3, 4"
+        ).fetchall()
+        scalars = con.execute(
+            "select run_key, round, loss_train, bytes_up, bytes_down from rounds "
+            "join runs on runs.id = rounds.run_id order by 1, 2"
+        ).fetchall()
+    return metrics + scalars
+
+
+def _rounds(db: Path) -> list[int]:
+    with sqlite3.connect(db) as con:
+        return [r[0] for r in con.execute("select round from rounds order by 1")]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> Path:
+    """The cell run once, uninterrupted."""
+    folder = tmp_path_factory.mktemp("whole")
+    with _store(folder / "whole.db") as store:
+        cfg = tiny_config(rounds=ROUNDS)
+        assert run_cell(cfg, store, checkpoint_dir=folder / "ck").status == "done"
+    return folder / "whole.db"
+
+
+def _stopped(db: Path, ck: Path, k: int = 1) -> None:
+    with _store(db) as store, pytest.raises(_Stop):
+        run_cell(tiny_config(rounds=ROUNDS), store, checkpoint_dir=ck, observer=_StopAfter(k))
+
+
+def test_a_checkpoint_never_crosses_databases(tmp_path, whole):
+    """The issue's case: a stopped into a.db, then the same cell into b.db from the same folder."""
+    ck = tmp_path / "ck"
+    _stopped(tmp_path / "a.db", ck)
+    with _store(tmp_path / "b.db") as b:
+        assert run_cell(tiny_config(rounds=ROUNDS), b, checkpoint_dir=ck).status == "done"
+    assert _rounds(tmp_path / "b.db") == [0, 1, 2]  # all rounds: not resumed from a's round 1
+    assert rows(tmp_path / "b.db") == rows(whole)
+    with _store(tmp_path / "a.db") as a:  # a resumes from its own checkpoint
+        assert run_cell(tiny_config(rounds=ROUNDS), a, checkpoint_dir=ck).status == "done"
+    assert rows(tmp_path / "a.db") == rows(whole)
+
+
+def test_checkpoints_live_under_their_databases_identity(tmp_path):
+    ck = tmp_path / "ck"
+    _stopped(tmp_path / "a.db", ck)
+    with _store(tmp_path / "a.db") as a:
+        identity = a.database_id
+        run_id = a.find_run(tiny_config(rounds=ROUNDS).run_key).id
+    assert len(identity) == 32 and int(identity, 16) >= 0
+    path = ckpt_io.checkpoint_path(ck / identity, tiny_config(rounds=ROUNDS).run_key)
+    assert [p.relative_to(ck) for p in ck.rglob("*.pt")] == [path.relative_to(ck)]
+    assert ckpt_io.saved_round(path) == (1, f"{identity}:{run_id}")
+    with _store(tmp_path / "a.db") as again:  # the identity is stored: it survives reopening
+        assert again.database_id == identity
+
+
+def test_a_resume_refuses_a_checkpoint_ahead_of_the_database(tmp_path):
+    db, ck = tmp_path / "a.db", tmp_path / "ck"
+    _stopped(db, ck)
+    with sqlite3.connect(db) as con:  # the database lost round 0 (restored from a backup, say)
+        con.execute("delete from metrics where round = 0")
+        con.execute("delete from rounds where round = 0")
+    with _store(db) as store, pytest.raises(FpbenchError) as info:
+        run_cell(tiny_config(rounds=ROUNDS), store, checkpoint_dir=ck)
+    message = str(info.value)
+    assert message.startswith("cannot resume cell fedvpt / synthetic / ")
+    assert "is at round 1 but the database lacks rounds 0; delete the checkpoint" in message
+    assert _rounds(db) == [1]  # nothing written
+
+
+def test_a_checkpoint_of_an_earlier_run_of_the_key_is_ignored(tmp_path, whole, caplog):
+    """The run's row deleted and the cell run again: the old run's checkpoint is not its own."""
+    db, ck = tmp_path / "a.db", tmp_path / "ck"
+    _stopped(db, ck)
+    with sqlite3.connect(db) as con:  # the run's rows deleted, its id taken by another run
+        con.execute("delete from metrics")
+        con.execute("delete from rounds")
+        con.execute("update runs set run_key = 'another'")
+    with _store(db) as store:
+        assert run_cell(tiny_config(rounds=ROUNDS), store, checkpoint_dir=ck).status == "done"
+    assert rows(db) == rows(whole)
+    assert "was written for" in caplog.text and "the run restarts" in caplog.text
+
+
+def test_db_check_finds_gaps_and_merge_refuses_them(tmp_path):
+    db, ck = tmp_path / "a.db", tmp_path / "ck"
+    _stopped(db, ck)
+    with sqlite3.connect(db) as con:
+        con.execute("delete from metrics where round = 0")
+        con.execute("delete from rounds where round = 0")
+    runner = CliRunner()
+    check = runner.invoke(app, ["db", "check", str(db)])
+    assert check.exit_code == 1
+    assert "rounds 0 are missing below stored round 1" in check.output
+    before = db.read_bytes()
+    out = tmp_path / "out.db"
+    merged = runner.invoke(app, ["db", "merge", str(out), str(db)])
+    assert merged.exit_code == 2, merged.output
+    assert "rounds 0 are missing below stored round 1; nothing merged" in merged.output
+    assert not out.exists() and db.read_bytes() == before
