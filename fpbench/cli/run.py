@@ -177,7 +177,7 @@ def run(
     if retry_failed and not (cells := _retry_selection(loaded.name, cells, url)):
         return
     if CELL_KEY not in url:
-        open_store(db).close()  # creates the tables once; an unreachable database fails here
+        open_store(db).close()  # an unreachable or foreign database fails here; creates nothing
     live = console.is_terminal  # off a terminal (cluster logs, tee): plain lines, no bars
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     with Progress(

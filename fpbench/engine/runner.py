@@ -109,8 +109,8 @@ def _run_cell(
         return CellResult(cfg, "skipped")
     if record is not None and claim_is_live(record, claim_timeout):  # before building anything
         return CellResult(cfg, "skipped", "claimed by another driver")
-    folder = ckpt_io.folder_for(checkpoint_dir, store.database_id)
-    if record is not None:
+    if record is not None:  # a record means the database exists: its identity creates nothing
+        folder = ckpt_io.folder_for(checkpoint_dir, store.database_id)
         check_resumable(cfg, store, record.id, folder)
     device = resolve_device(cfg.runtime.device)
     torch.manual_seed(derive_seed(cfg.seed, "torch"))
@@ -124,7 +124,8 @@ def _run_cell(
             record = record or _create_record(cfg, store, device)
             _record_failure(store, record.id, e, claim_timeout)
         raise
-    record = record or _create_record(cfg, store, device)
+    record = record or _create_record(cfg, store, device)  # the first write: creates the database
+    folder = ckpt_io.folder_for(checkpoint_dir, store.database_id)
     owner = new_owner()
     if not store.claim_run(record.id, owner, timeout_s=claim_timeout):
         return CellResult(cfg, "skipped", "claimed by another driver")

@@ -27,6 +27,8 @@ class Problem:
 
 def check(store: Store, *, claim_timeout: float = CLAIM_TIMEOUT_S) -> list[Problem]:
     """Problems of every run: incomplete done runs, failed runs, running runs without heartbeat."""
+    if not store.has_schema():
+        return []
     with store._session() as s:
         runs = s.execute(select(Run.id, Run.run_key, Run.status, Run.config_json, Run.error,
                                 Run.heartbeat_at).order_by(Run.id)).all()  # fmt: skip

@@ -91,6 +91,8 @@ class ClaimMixin:
 
     _session: sessionmaker[Session]
 
+    def has_schema(self, *, create_now: bool = False) -> bool: ...  # `Store.has_schema`
+
     def ensure_run(self, **fields: Any) -> Any:
         """`create_run(**fields)`, or the existing run when another driver created it first."""
         try:
@@ -110,6 +112,8 @@ class ClaimMixin:
         `timeout_s` (or missing), and running runs whose owner is gone (`owner_is_gone`).
         A done run is never claimed; `owner` re-claiming its own run succeeds.
         """
+        if not self.has_schema():
+            return False
         now = _now()
         stale = or_(
             Run.status.in_(("pending", "failed")),
@@ -145,6 +149,8 @@ class ClaimMixin:
 
     def heartbeat(self, run_id: int, owner: str) -> bool:
         """Refresh the claim's heartbeat; False if `owner` no longer holds the claim."""
+        if not self.has_schema():
+            return False
         with self._session.begin() as s:
             return _touch(s, run_id, owner)
 
@@ -159,6 +165,8 @@ class ClaimMixin:
         traceback: str | None = None,
     ) -> bool:
         """End `owner`'s claim with a final status ('done'/'failed'); False if it was lost."""
+        if not self.has_schema():
+            return False
         values: dict[str, Any] = {
             "status": status,
             "error": error,

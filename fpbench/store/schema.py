@@ -14,10 +14,10 @@ from __future__ import annotations
 import uuid
 
 from sqlalchemy import Engine, insert, inspect, select, text, update
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 
 from fpbench.errors import FpbenchError
-from fpbench.store.models import Meta, Run
+from fpbench.store.models import Base, Meta, Run
 
 SCHEMA_VERSION = 2
 VERSION_KEY = "schema_version"
@@ -55,7 +55,8 @@ def check_version(engine: Engine) -> None:
 
 
 def upgrade(engine: Engine) -> None:
-    """Add the columns an older `runs` table lacks, then record the current version."""
+    """Add the tables and columns an older fpbench database lacks; record the current version."""
+    _create_missing_tables(engine)
     for name in [c for c in ADDED_COLUMNS if c not in _run_columns(engine)]:
         column = Run.__table__.c[name]
         ddl = f"ALTER TABLE runs ADD COLUMN {name} {column.type.compile(dialect=engine.dialect)}"
@@ -81,6 +82,19 @@ def database_id(engine: Engine) -> str:
         pass  # another process stamped it first: theirs is the identity
     with engine.connect() as con:
         return con.scalar(select(Meta.value).where(Meta.key == DATABASE_ID_KEY))
+
+
+def _create_missing_tables(engine: Engine, attempts: int = 3) -> None:
+    """create_all, retried: several workers may upgrade one database at once."""
+    if {t.name for t in Base.metadata.sorted_tables} <= set(inspect(engine).get_table_names()):
+        return
+    for attempt in range(attempts):
+        try:
+            Base.metadata.create_all(engine)
+            return
+        except (IntegrityError, DBAPIError):
+            if attempt == attempts - 1:
+                raise
 
 
 def _stamp(engine: Engine) -> None:
