@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import re
+import socket
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,11 +15,13 @@ from typer.testing import CliRunner
 
 from fpbench.cli import app
 from fpbench.engine import checkpoint as ckpt_io
+from fpbench.engine import rounds
 from fpbench.engine.rounds import Observer
 from fpbench.engine.runner import run_cell
 from fpbench.errors import FpbenchError
 from fpbench.store import Store
-from tests.conftest import tiny_config
+from fpbench.suites import load_suite
+from tests.conftest import TINY_SUITE_TOML, tiny_config
 
 ROUNDS = 3
 
@@ -143,3 +150,130 @@ def test_db_check_finds_gaps_and_merge_refuses_them(tmp_path):
     assert merged.exit_code == 2, merged.output
     assert "rounds 0 are missing below stored round 1; nothing merged" in merged.output
     assert not out.exists() and db.read_bytes() == before
+
+
+# -- interruptions: Ctrl-C, a dead process ------------------------------------------------------
+
+
+def _cli(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(app, list(args))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FPBENCH_DATA", str(tmp_path / "data"))
+    (tmp_path / "tiny.toml").write_text(TINY_SUITE_TOML)
+    return tmp_path
+
+
+def _ctrl_c_in_round(monkeypatch, k: int) -> None:
+    play = rounds.play_round
+
+    def play_round(populations, server, task, cfg, r, *args, **kwargs):
+        if r == k:
+            raise KeyboardInterrupt
+        return play(populations, server, task, cfg, r, *args, **kwargs)
+
+    monkeypatch.setattr(rounds, "play_round", play_round)
+
+
+def test_ctrl_c_says_where_stores_interrupted_and_exits_130_then_a_rerun_resumes(
+    workdir, monkeypatch
+):
+    run = ("run", "--suite", "tiny.toml", "--method", "fedvpt", "--checkpoint-dir", "ck")
+    code, _, stderr = _cli(*run, "--db", "whole.db")
+    assert code == 0, stderr
+    with monkeypatch.context() as patched:
+        _ctrl_c_in_round(patched, 1)
+        code, _, stderr = _cli(*run, "--db", "x.db")
+    assert code == 130, stderr
+    key = load_suite("tiny.toml").cells[1].run_key
+    said = (
+        f"interrupted at round 1 of cell fedvpt / synthetic / pathological / seed 0 ({key}); "
+        "rerun the same command to resume"
+    )
+    assert [line for line in stderr.splitlines() if line.strip()][-1] == said, stderr
+    assert "Traceback" not in stderr
+    with _store(workdir / "x.db") as store:
+        record = store.find_run(key)
+    assert (record.status, record.error, record.traceback) == (
+        "interrupted",
+        "interrupted at round 1 (Ctrl-C)",
+        None,
+    )
+    assert _rounds(workdir / "x.db") == [0]
+    code, stdout, _ = _cli(*run, "--db", "x.db", "--dry-run")
+    assert re.search(r"│ interrupt… +│", stdout) and "interrupted: stopped by Ctrl-C" in stdout
+    check = CliRunner().invoke(app, ["db", "check", "x.db"])
+    assert (
+        check.exit_code == 1 and "interrupted at round 1 (Ctrl-C); rerun the suite" in check.output
+    )
+    code, stdout, stderr = _cli(*run, "--db", "x.db")
+    assert code == 0, stderr
+    assert rows(workdir / "x.db") == rows(workdir / "whole.db")
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_run_whose_process_died_shows_as_stale_and_is_taken_over(workdir):
+    """What kill -9 leaves: a 'running' run with a fresh heartbeat whose process is gone."""
+    code, _, stderr = _cli("run", "--suite", "tiny.toml", "--method", "fedvpt", "--db", "x.db")
+    assert code == 0, stderr
+    dead = f"{socket.gethostname()}:{_dead_pid()}:deadbeef"
+    with sqlite3.connect(workdir / "x.db") as con:
+        con.execute("delete from metrics where round = 1")
+        con.execute("delete from rounds where round = 1")
+        con.execute(
+            "update runs set status = 'running', owner = ?, heartbeat_at = ?",
+            (dead, dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)),
+        )
+    check = CliRunner().invoke(app, ["db", "check", "x.db"])
+    assert check.exit_code == 1
+    assert f"stale: running, but its process ({dead}) is gone" in check.output
+    _, stdout, _ = _cli("run", "--suite", "tiny.toml", "--db", "x.db", "--dry-run")
+    assert re.search(r"│ stale +│", stdout) and "stale: running, but its process is gone" in stdout
+    code, stdout, stderr = _cli("run", "--suite", "tiny.toml", "--method", "fedvpt", "--db", "x.db")
+    assert code == 0 and "1 run, 0 already done" in stdout, stdout + stderr
+    assert _rounds(workdir / "x.db") == [0, 1]
+
+
+def test_a_version_2_database_is_upgraded_to_admit_interrupted(tmp_path):
+    db = tmp_path / "v2.db"
+    with _store(db) as store:
+        fields = dict(suite="s", method="m", dataset="d", partition="p", seed=0)
+        versions = dict(fpbench_version="0", torch_version="0", device="cpu")
+        store.create_run(run_key="k" * 16, config={}, **fields, **versions)
+    con = sqlite3.connect(db)  # what version 2 made: the narrower CHECK
+    version = con.execute("pragma schema_version").fetchone()[0]
+    con.execute("pragma writable_schema = on")
+    con.execute(
+        "update sqlite_master set sql = replace(sql, ', ''interrupted''', '') where name = 'runs'"
+    )
+    con.execute(f"pragma schema_version = {version + 1}")
+    con.execute("update meta set value = '2' where key = 'schema_version'")
+    con.commit()
+    con.close()
+    con = sqlite3.connect(db)
+    with pytest.raises(sqlite3.IntegrityError, match="CHECK"):
+        con.execute("update runs set status = 'interrupted'")
+    con.close()
+    with _store(db) as store:
+        assert store.claim_run(1, "me")
+        assert store.finish_run(1, "me", "interrupted", error="interrupted at round 0 (Ctrl-C)")
+        assert store.find_run("k" * 16).status == "interrupted"
+        assert store.claim_run(1, "another")  # an interrupted run is resumed by the next driver
+    with sqlite3.connect(db) as con:
+        assert con.execute("pragma integrity_check").fetchall() == [("ok",)]
+        assert con.execute("select value from meta where key = 'schema_version'").fetchone() == (
+            "3",
+        )
+        with pytest.raises(sqlite3.IntegrityError, match="CHECK"):
+            con.execute("update runs set status = 'bogus'")

@@ -180,22 +180,27 @@ def run(
         open_store(db).close()  # an unreachable or foreign database fails here; creates nothing
     live = console.is_terminal  # off a terminal (cluster logs, tee): plain lines, no bars
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
-    with Progress(
-        *columns, TimeElapsedColumn(), console=err, transient=False, disable=not live
-    ) as progress:
-        observer = (
-            _ProgressObserver(progress, len(cells))
-            if live
-            else LineObserver(sys.stdout, len(cells))
-        )
-        _pretrain_smoke_backbone(cells, observer)
-        results = run_cells(
-            cells,
-            url,
-            checkpoint_dir=checkpoint_dir.absolute(),
-            dispatch=dispatch,
-            observer=observer,
-        )
+    try:
+        with Progress(
+            *columns, TimeElapsedColumn(), console=err, transient=False, disable=not live
+        ) as progress:
+            observer = (
+                _ProgressObserver(progress, len(cells))
+                if live
+                else LineObserver(sys.stdout, len(cells))
+            )
+            _pretrain_smoke_backbone(cells, observer)
+            results = run_cells(
+                cells,
+                url,
+                checkpoint_dir=checkpoint_dir.absolute(),
+                dispatch=dispatch,
+                observer=observer,
+            )
+    except KeyboardInterrupt as e:  # Ctrl-C: the cell is stored as interrupted (runner.py)
+        said = str(e) if e.args else "interrupted; rerun the same command to resume"
+        err.print(said, highlight=False, soft_wrap=True, markup=False)
+        raise typer.Exit(130) from None
     _report_results(loaded.name, results, suite, db)
 
 
@@ -275,9 +280,11 @@ def _print_cells(suite: str, cells, db: str) -> None:
         table.add_column(col)
     root = data_root()
     data = {name: dataset_state(name, root) for name in {c.dataset.name for c in cells}}
+    statuses = set()
     for c in cells:
         record = store.find_run(c.run_key) if store else None
-        status = record.status if record else "new"
+        status = _status_text(record)
+        statuses.add(status)
         table.add_row(
             c.run_key,
             c.method.label,
@@ -288,5 +295,23 @@ def _print_cells(suite: str, cells, db: str) -> None:
             data[c.dataset.name],
         )
     console.print(table)
+    if "stale" in statuses:
+        console.print(
+            "stale: running, but its process is gone or its heartbeat stopped; a rerun takes "
+            "it over and resumes it (see `fpbench db check`)"
+        )
+    if "interrupted" in statuses:
+        console.print("interrupted: stopped by Ctrl-C; a rerun resumes it")
     if "missing" in data.values():
         console.print(f"data missing under {root}: see `fpbench data status`")
+
+
+def _status_text(record) -> str:
+    """A run's status for --dry-run: 'stale' for a running run whose process died."""
+    from fpbench.store.claims import CLAIM_TIMEOUT_S, stale_reason
+
+    if record is None:
+        return "new"
+    if stale_reason(record.status, record.owner, record.heartbeat_at, CLAIM_TIMEOUT_S):
+        return "stale"
+    return record.status

@@ -27,6 +27,21 @@ from fpbench.specs import RunConfig
 from fpbench.store import CLAIM_TIMEOUT_S, ClaimLost, Store, claim_is_live, new_owner
 
 
+class CellInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a cell; it is stored as 'interrupted' and a rerun resumes it."""
+
+    def __init__(self, cfg: RunConfig, round_idx: int | None) -> None:
+        super().__init__(cfg.run_key)
+        self.cfg, self.round = cfg, round_idx  # round None: while the cell was being prepared
+
+    def __str__(self) -> str:
+        where = "while preparing" if self.round is None else f"at round {self.round} of"
+        return (
+            f"interrupted {where} cell {cell_label(self.cfg)} ({self.cfg.run_key}); "
+            "rerun the same command to resume"
+        )
+
+
 @dataclass(frozen=True)
 class CellResult:
     cfg: RunConfig
@@ -81,8 +96,13 @@ def run_cell(
     observer = observer or Observer()
     on_stage = getattr(observer, "stage", Observer().stage)  # duck-typed observers may lack it
     stage = lambda what, done, total: on_stage(cfg, what, done, total)  # noqa: E731
-    with cell_numerics(cfg), stages.reporting(stage):
-        return _run_cell(cfg, store, checkpoint_dir, observer, cache, claim_timeout)
+    try:
+        with cell_numerics(cfg), stages.reporting(stage):
+            return _run_cell(cfg, store, checkpoint_dir, observer, cache, claim_timeout)
+    except CellInterrupted:
+        raise
+    except KeyboardInterrupt:
+        raise CellInterrupted(cfg, None) from None
 
 
 @contextmanager
@@ -134,6 +154,12 @@ def _run_cell(
             elapsed = run_rounds(cfg, populations, task, store, record.id, folder, observer, owner)
     except ClaimLost as e:
         return CellResult(cfg, "skipped", str(e))
+    except KeyboardInterrupt:
+        last = store.last_round(record.id)
+        interrupted = CellInterrupted(cfg, 0 if last is None else last + 1)
+        message = f"interrupted at round {interrupted.round} (Ctrl-C)"
+        store.finish_run(record.id, owner, "interrupted", error=message)
+        raise interrupted from None
     except BaseException as e:
         store.finish_run(record.id, owner, "failed", error=error_text(e), traceback=format_exc())
         raise

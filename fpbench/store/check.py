@@ -3,13 +3,12 @@ metrics, and nothing is stuck. `db merge` refuses inputs with broken runs (`Prob
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 from dataclasses import dataclass
 
 from sqlalchemy import select
 
-from fpbench.store.claims import CLAIM_TIMEOUT_S
+from fpbench.store.claims import CLAIM_TIMEOUT_S, stale_reason
 from fpbench.store.models import Metric, Round, Run
 from fpbench.store.repo import Store
 
@@ -31,7 +30,7 @@ def check(store: Store, *, claim_timeout: float = CLAIM_TIMEOUT_S) -> list[Probl
         return []
     with store._session() as s:
         runs = s.execute(select(Run.id, Run.run_key, Run.status, Run.config_json, Run.error,
-                                Run.heartbeat_at).order_by(Run.id)).all()  # fmt: skip
+                                Run.owner, Run.heartbeat_at).order_by(Run.id)).all()  # fmt: skip
         rounds = _by_run(s.execute(select(Round.run_id, Round.round)).all())
         losses = _by_run(
             s.execute(
@@ -77,6 +76,8 @@ def _run_problems(run, rounds, losses, evaluated, claim_timeout: float) -> list[
         ]
     if run.status == "running":
         return _stale(run, claim_timeout)
+    if run.status == "interrupted":
+        return [f"{run.error or 'interrupted'}; rerun the suite to resume it"]
     return []
 
 
@@ -100,12 +101,10 @@ def _broken(run, rounds, losses, evaluated) -> list[str]:
 
 
 def _stale(run, claim_timeout: float) -> list[str]:
-    beat = run.heartbeat_at
-    now = dt.datetime.now(dt.timezone.utc)
-    if beat is not None and (now - beat).total_seconds() <= claim_timeout:
+    why = stale_reason(run.status, run.owner, run.heartbeat_at, claim_timeout)
+    if why is None:
         return []
-    since = "never" if beat is None else f"{(now - beat).total_seconds():.0f} s ago"
-    return [f"running, but its last heartbeat was {since}; rerun the suite to resume it"]
+    return [f"stale: running, but {why}; rerun the suite to take it over and resume it"]
 
 
 def _span(rounds: list[int]) -> str:

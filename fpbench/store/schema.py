@@ -2,11 +2,13 @@
 
 Version 1 had `runs`, `rounds` and `metrics` only. Version 2 adds the claim columns (`owner`,
 `heartbeat_at`) and `traceback` to `runs`, and the `meta` table that records the version.
-`meta` also holds the database's identity (`database_id`, a random uuid written once), to which
-checkpoints are bound: a checkpoint is only ever resumed into the database it was written for.
-Opening a database upgrades an older one in place (columns are only ever added, so older fpbench
-versions can still read it); a newer one is refused before anything is written, because this
-fpbench would not know what its extra tables and columns mean.
+Version 3 admits the status `interrupted` (a cell stopped by Ctrl-C, resumed by a rerun): the
+only change is the wider CHECK constraint on `runs.status`. `meta` also holds the database's
+identity (`database_id`, a random uuid written once), to which checkpoints are bound: a
+checkpoint is only ever resumed into the database it was written for.
+Opening a database upgrades an older one in place (columns are only ever added, a constraint
+only widened); a newer one is refused before anything is written, because this fpbench would
+not know what its extra tables, columns and statuses mean.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from sqlalchemy import Engine, insert, inspect, select, text, update
 from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 
 from fpbench.errors import FpbenchError
-from fpbench.store.models import Base, Meta, Run
+from fpbench.store.models import STATUS_CHECK, Base, Meta, Run
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 VERSION_KEY = "schema_version"
 DATABASE_ID_KEY = "database_id"
 ADDED_COLUMNS = ("owner", "heartbeat_at", "traceback")  # runs columns newer than version 1
@@ -66,7 +68,40 @@ def upgrade(engine: Engine) -> None:
         except SQLAlchemyError:
             if name not in _run_columns(engine):  # not a concurrent upgrade by another process
                 raise
+    _admit_interrupted(engine)
     _stamp(engine)
+
+
+def _admit_interrupted(engine: Engine) -> None:
+    """Widen the CHECK on `runs.status` of a version 1 or 2 database to admit 'interrupted'.
+
+    SQLite cannot alter a constraint; its documented way for a change that leaves every stored
+    row valid is to edit the table's SQL in `sqlite_schema` and bump the schema version
+    (https://www.sqlite.org/lang_altertable.html, "making other kinds of table schema changes").
+    """
+    version = stored_version(engine)
+    if version is None or version >= 3:
+        return
+    if engine.dialect.name == "sqlite":
+        with engine.begin() as con:
+            sql = con.scalar(text("SELECT sql FROM sqlite_master WHERE name = 'runs'"))
+            wider = sql.replace("'failed')", "'failed', 'interrupted')", 1)
+            if "'interrupted'" in sql or wider == sql:
+                return  # done by another process meanwhile, or not the constraint fpbench made
+            schema_version = con.scalar(text("PRAGMA schema_version"))
+            con.exec_driver_sql("PRAGMA writable_schema = ON")
+            try:
+                update_sql = (
+                    "UPDATE sqlite_master SET sql = :sql WHERE type = 'table' AND name = 'runs'"
+                )
+                con.execute(text(update_sql), {"sql": wider})
+                con.exec_driver_sql(f"PRAGMA schema_version = {int(schema_version) + 1}")
+            finally:
+                con.exec_driver_sql("PRAGMA writable_schema = OFF")
+        return
+    with engine.begin() as con:
+        con.execute(text("ALTER TABLE runs DROP CONSTRAINT IF EXISTS ck_runs_status"))
+        con.execute(text(f"ALTER TABLE runs ADD CONSTRAINT ck_runs_status CHECK ({STATUS_CHECK})"))
 
 
 def database_id(engine: Engine) -> str:
