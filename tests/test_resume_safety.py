@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
@@ -19,6 +20,8 @@ from fpbench.engine import rounds
 from fpbench.engine.rounds import Observer
 from fpbench.engine.runner import run_cell
 from fpbench.errors import FpbenchError
+from fpbench.report.html import build_report
+from fpbench.report.tables import finished_only, seeds_note, summary_table, unfinished_note
 from fpbench.store import Store
 from fpbench.suites import load_suite
 from tests.conftest import TINY_SUITE_TOML, tiny_config
@@ -277,3 +280,77 @@ def test_a_version_2_database_is_upgraded_to_admit_interrupted(tmp_path):
         )
         with pytest.raises(sqlite3.IntegrityError, match="CHECK"):
             con.execute("update runs set status = 'bogus'")
+
+
+# -- tables: unfinished runs left out, saying so; how many seeds a cell averages ---------------
+
+
+def _frames() -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Runs 1-3 of fedvpt (seeds 0-2) and run 4 of sgpt (seed 0); run 3 stopped at round 1."""
+    runs = pd.DataFrame(
+        {
+            "id": [1, 2, 3, 4, 5],
+            "method": ["fedvpt", "fedvpt", "fedvpt", "sgpt", "sgpt"],
+            "dataset": ["syn"] * 5,
+            "partition": ["dir"] * 5,
+            "seed": [0, 1, 2, 0, 1],
+            "status": ["done", "done", "interrupted", "done", "pending"],
+            "last_round": pd.array([9, 9, 1, 9, None], dtype="Int64"),
+        }
+    )
+    metrics = pd.DataFrame(
+        {
+            "run_id": [1, 2, 3, 4],
+            "method": ["fedvpt", "fedvpt", "fedvpt", "sgpt"],
+            "dataset": ["syn"] * 4,
+            "partition": ["dir"] * 4,
+            "seed": [0, 1, 2, 0],
+            "round": [9, 9, 1, 9],
+            "client_id": pd.array([None] * 4, dtype="Int64"),
+            "name": ["acc_global"] * 4,
+            "value": [0.5, 0.7, 0.1, 0.8],
+            "count": pd.array([None] * 4, dtype="Int64"),
+        }
+    )
+    return metrics, runs
+
+
+def test_unfinished_runs_are_left_out_of_tables_saying_so():
+    metrics, runs = _frames()
+    kept, left_out = finished_only(metrics, runs)
+    assert kept["run_id"].tolist() == [1, 2, 4] and left_out["id"].tolist() == [3]
+    table = summary_table(kept, ["acc_global"])
+    assert table.loc["fedvpt"].tolist() == ["60.00 ± 14.14"]  # seeds 0 and 1, not seed 2's 10%
+    assert unfinished_note(left_out) == (
+        "left out 1 unfinished run: fedvpt / syn / dir / seed 2 (interrupted, rounds 0-1 stored)"
+    )
+    assert unfinished_note(left_out.iloc[:0]) is None
+    assert seeds_note(kept, ["acc_global"]) == (
+        "each cell: mean ± std over 2 seeds, except sgpt / syn / dir (acc_global): 1"
+    )
+    assert seeds_note(kept[kept["method"] == "fedvpt"], ["acc_global"]) == (
+        "each cell: mean ± std over 2 seeds"
+    )
+
+
+def test_table_of_a_suite_with_an_interrupted_seed_shows_the_finished_ones(workdir, monkeypatch):
+    suite = TINY_SUITE_TOML.replace("seeds = [0]", "seeds = [0, 1]")
+    (workdir / "tiny.toml").write_text(suite)
+    run = ("run", "--suite", "tiny.toml", "--method", "fedvpt")
+    assert _cli(*run, "--seed", "0", "--db", "x.db")[0] == 0
+    assert _cli(*run, "--seed", "0", "--db", "seed0.db")[0] == 0
+    with monkeypatch.context() as patched:
+        _ctrl_c_in_round(patched, 1)
+        assert _cli(*run, "--seed", "1", "--db", "x.db")[0] == 130
+    code, stdout, stderr = _cli("table", "--suite", "tiny.toml", "--db", "x.db")
+    assert code == 0, stderr
+    assert stdout == _cli("table", "--suite", "tiny.toml", "--db", "seed0.db")[1]
+    assert stderr.splitlines() == [
+        "each cell: mean ± std over 1 seed",
+        "left out 1 unfinished run: fedvpt / synthetic / pathological / seed 1 (interrupted, "
+        "rounds 0-0 stored)",
+    ]
+    with _store(workdir / "x.db") as store:
+        page = build_report(store.metrics(suite="tiny"), store.runs(suite="tiny"), "tiny").html
+    assert "left out 1 unfinished run: fedvpt / synthetic / pathological / seed 1" in page
+    assert "each cell: mean ± std over 1 seed" in page

@@ -174,8 +174,17 @@ def table(
         return
     if suite is None:
         raise FpbenchError("give --suite NAME (a suite's summary) or --paper NAME (its tables)")
-    _, frame = _suite_metrics(db, suite)
+    from fpbench.cli.summary import finished_results
+
+    frame, notes = finished_results(db, suite, metric or DEFAULT_METRICS)
+    if frame.empty and notes:  # runs stored, none done yet
+        raise FpbenchError(
+            f"no finished runs of suite {suite} yet ({notes[-1]}); "
+            f"`fpbench run --suite {suite}` finishes them"
+        )
     write_or_print(render(summary_table(frame, metric or DEFAULT_METRICS), fmt.value), out)
+    for note in notes:  # on stderr: the table itself stays clean to redirect or paste
+        err.print(note, highlight=False, soft_wrap=True, markup=False)
 
 
 def _suite_metrics(db: str, suite: str) -> tuple[str, Any]:

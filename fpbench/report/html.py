@@ -24,7 +24,13 @@ from matplotlib.figure import Figure
 
 from fpbench.errors import FpbenchError
 from fpbench.report import plots
-from fpbench.report.tables import no_results_error, summary_table
+from fpbench.report.tables import (
+    finished_only,
+    no_results_error,
+    seeds_note,
+    summary_table,
+    unfinished_note,
+)
 
 TABLE_METRICS = (
     "acc_global",
@@ -72,6 +78,10 @@ def build_report(
     """
     if metrics.empty:
         raise no_results_error(suite)
+    metrics, left_out = finished_only(metrics, runs)  # tables and plots: done runs only
+    unfinished = unfinished_note(left_out)
+    if metrics.empty:
+        raise FpbenchError(f"no finished runs of suite {suite} yet ({unfinished})")
     now = now or dt.datetime.now(dt.UTC)
     images: dict[str, bytes] = {}
     body = [
@@ -79,8 +89,9 @@ def build_report(
         "<h2>Summary tables</h2>",
         _note(
             "Mean ± std over seeds of each run's final value (the mean over the last evaluated "
-            "rounds); accuracies in percent."
+            "rounds); accuracies in percent; unfinished runs left out."
         ),
+        *([_note(unfinished, "missing")] if unfinished else []),
         *_tables(metrics, suite),
         "<h2>Plots</h2>",
         '<div class="plots">',
@@ -159,6 +170,7 @@ def _tables(metrics: pd.DataFrame, suite: str) -> list[str]:
         parts.append(f"<h3>{_esc(plots.axis_label(metric))}</h3>")
         # the row labels as a first column: one header row, as in the terminal table
         parts.append(table.reset_index().to_html(index=False, classes="summary", border=0))
+        parts.append(_note(seeds_note(metrics, [metric])))
     return parts or [_note("no summary metrics stored", "missing")]
 
 
