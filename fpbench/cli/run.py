@@ -99,6 +99,14 @@ def run(
     jobs: Annotated[
         int, typer.Option(min=1, help="cells at once (worker processes; SLURM array parallelism)")
     ] = 1,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="CPU threads each cell computes with (runtime.threads; default: the suite's, "
+            "else all cores). Stored values are bit-identical among runs of one count",
+        ),
+    ] = None,
     address: Annotated[
         str | None, typer.Option(help="Ray cluster address (--launcher ray); default: local Ray")
     ] = None,
@@ -136,6 +144,7 @@ def run(
 
     A --db containing {run_key} gives every cell its own SQLite file (see `fpbench db merge`).
     """
+    _passive_waits()  # before torch is imported
     from fpbench.data.prepared import data_root as data_root_of
     from fpbench.data.prepared import require_present
     from fpbench.methods.gpt_fl import require_generated
@@ -148,7 +157,12 @@ def run(
         os.environ["FPBENCH_DATA"] = str(data_root.expanduser().absolute())
     if launcher in ("lockstep", "reference"):  # --executor's meaning before cell launchers
         launcher, client_executor = "local", client_executor or launcher
-    given = {"device": device, "executor": client_executor, "deterministic": deterministic}
+    given = {
+        "device": device,
+        "executor": client_executor,
+        "deterministic": deterministic,
+        "threads": threads,
+    }
     runtime = {k: v for k, v in given.items() if v is not None}
     if client_executor and client_executor not in ("lockstep", "reference"):
         raise FpbenchError(
@@ -178,6 +192,7 @@ def run(
         return
     if CELL_KEY not in url:
         open_store(db).close()  # an unreachable or foreign database fails here; creates nothing
+    warn_if_oversubscribed(threads)
     live = console.is_terminal  # off a terminal (cluster logs, tee): plain lines, no bars
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     try:
@@ -202,6 +217,40 @@ def run(
         err.print(said, highlight=False, soft_wrap=True, markup=False)
         raise typer.Exit(130) from None
     _report_results(loaded.name, results, suite, db)
+
+
+def _passive_waits() -> None:
+    """Threads waiting for work sleep instead of spinning (OpenMP reads this when torch loads).
+
+    On a machine whose other load leaves fewer cores than a cell's threads, spinning threads
+    take the cores from the ones with work: a round ran 8 to 25 times slower. Sleeping costs
+    about 3% on an idle machine (`engine.dispatch._passive_omp_waits`) and changes no value. A
+    value you set is kept; in a process that already loaded torch it is too late to matter.
+    """
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def warn_if_oversubscribed(threads: int | None) -> None:
+    """Warn when the machine's load average exceeds its cores: every thread then waits."""
+    import torch
+
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):  # not available on this platform
+        return
+    cores = os.cpu_count() or 1
+    if load <= cores:
+        return
+    count = threads or torch.get_num_threads()
+    console.print(  # on stdout, with the run's log: stderr is kept for the one error line
+        f"[yellow]warning:[/] this machine is oversubscribed (load average {load:.1f} on {cores} "
+        f"cores): each cell computes with {count} thread(s), which wait on each other, so rounds "
+        "may run several times slower. Fewer threads (--threads 1) help; runs store bit-identical "
+        "values only among runs of one thread count",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def _retry_selection(suite: str, cells: list, url: str) -> list:
@@ -231,7 +280,15 @@ def _pretrain_smoke_backbone(cells, observer) -> None:
     def show(step: int, total: int, loss: float) -> None:
         observer.stage(None, "pretraining vit-smoke (once)", step, total)
 
-    ensure_pretrained(progress=show)
+    import torch
+
+    # with the cells' thread count: the weights' bits depend on it, and so does their cache key
+    own = torch.get_num_threads()
+    torch.set_num_threads(next((c.runtime.threads for c in cells if c.runtime.threads), own))
+    try:
+        ensure_pretrained(progress=show)
+    finally:
+        torch.set_num_threads(own)
 
 
 def _report_results(suite: str, results, suite_arg: str, db: str) -> None:
