@@ -77,3 +77,23 @@ def test_threads_wait_asleep_unless_told_otherwise():
 def test_the_threads_option_rejects_zero(workdir):
     result = CliRunner().invoke(app, ["run", "--suite", "tiny.toml", "--threads", "0"])
     assert result.exit_code == 2 and not (workdir / "results").exists()
+
+
+@pytest.mark.slow
+def test_the_wait_policy_changes_no_stored_value(tmp_path):
+    """Spinning (ACTIVE) and sleeping (PASSIVE, fpbench's default) threads store the same bits."""
+    (tmp_path / "tiny.toml").write_text(TINY_SUITE_TOML)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    for policy, db in ((None, "passive.db"), ("ACTIVE", "active.db")):
+        run = [sys.executable, "-m", "fpbench", "run", "--suite", "tiny.toml", "--threads", "2"]
+        done = subprocess.run(
+            [*run, "--db", db],
+            cwd=tmp_path,
+            env={**env, "OMP_WAIT_POLICY": policy} if policy else env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr
+    assert rows(tmp_path / "passive.db") == rows(tmp_path / "active.db")

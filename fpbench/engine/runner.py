@@ -165,7 +165,9 @@ def _run_cell(
         raise
     if not store.finish_run(record.id, owner, "done", wall_s=elapsed):
         return CellResult(cfg, "skipped", "claim taken over by another driver")
-    ckpt_io.checkpoint_path(folder, cfg.run_key).unlink(missing_ok=True)
+    done = ckpt_io.checkpoint_path(folder, cfg.run_key)
+    for leftover in (done, done.with_suffix(".tmp")):  # .tmp: a write cut short by a kill
+        leftover.unlink(missing_ok=True)
     return CellResult(cfg, "done")
 
 

@@ -165,11 +165,20 @@ def _create_in_place(engine: Engine, attempts: int = 3) -> None:
                 raise
 
 
+def _remove_abandoned(path: Path) -> None:
+    """Delete what a process killed while creating `path` left beside it (its pid is gone)."""
+    for leftover in path.parent.glob(f".{path.name}.*.creating*"):
+        pid = leftover.name[len(path.name) + 2 :].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists() and Path("/proc/self").exists():
+            leftover.unlink(missing_ok=True)
+
+
 def _create_file(engine: Engine, path: Path) -> None:
     """Build the new file beside `path`, then link it into place unless one appeared there."""
     from fpbench.store.repo import configure_sqlite  # the same pragmas as the store's own
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.creating")
     try:
         building = configure_sqlite(create_engine(f"sqlite:///{tmp}"))

@@ -117,9 +117,10 @@ def _open_engine(url: str) -> tuple[Engine, State]:
     """The engine and what the database holds; a database that is not fpbench's is refused and
     a missing one is not created (see `fpbench.store.ownership`)."""
     parsed = make_url(url)
-    engine = create_engine(parsed)
     if parsed.get_backend_name() == "sqlite":
-        configure_sqlite(engine)
+        engine = configure_sqlite(create_engine(parsed))
+    else:  # a server restarted between two transactions: reconnect instead of failing the cell
+        engine = create_engine(parsed, pool_pre_ping=True)
     try:
         state = probe(engine)  # reads only
         if state is State.FPBENCH:
