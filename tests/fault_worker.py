@@ -59,6 +59,7 @@ def _patch_checkpoint_save(k: int, then) -> None:
         scratch = Path(tempfile.mkdtemp()) / path.name
         save(scratch, ckpt, *bound)
         whole = scratch.read_bytes()
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_suffix(".tmp"), "wb") as out:
             out.write(whole[: len(whole) // 2])
             out.flush()

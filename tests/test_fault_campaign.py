@@ -229,8 +229,11 @@ def test_a_corrupted_checkpoint_restarts_the_cell(folder, reference, fedvpt_key)
 
 
 LOCKER = """
-import sqlite3, sys, time
-con = sqlite3.connect(sys.argv[1], timeout=60, isolation_level=None)
+import os, pathlib, sqlite3, sys, time
+while not os.path.exists(sys.argv[1]):  # connecting first would create an empty file
+    time.sleep(0.05)
+uri = pathlib.Path(sys.argv[1]).as_uri() + "?mode=rw"
+con = sqlite3.connect(uri, uri=True, timeout=60, isolation_level=None)
 while True:
     try:
         if con.execute("select count(*) from rounds").fetchone()[0] >= 1:

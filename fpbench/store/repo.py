@@ -190,6 +190,8 @@ class Store(ClaimMixin):
         if self._state is State.ABSENT:
             with self._errors():
                 self._state = probe(self._engine)
+                if self._state is State.FPBENCH:  # made by another process meanwhile
+                    check_version(self._engine)
                 if self._state is State.ABSENT and create_now:
                     create(self._engine)
                     self._state = State.FPBENCH
