@@ -127,7 +127,7 @@ def test_db_check_passes_complete_runs_and_names_each_problem(tmp_path, cells):
     assert bad.exit_code == 1, bad.output
     assert "done but rounds 2 are missing" in bad.output  # rounds numbered from 1
     assert "the final round 2 has no evaluation metrics" in bad.output
-    assert "last heartbeat was never" in bad.output
+    assert "stale: running, but it never sent a heartbeat" in bad.output
     partial = runner.invoke(app, ["db", "check", str(cells["vpt-partial"])])
     assert partial.exit_code == 1 and "failed: _Stop" in partial.output
     missing = runner.invoke(app, ["db", "check", str(tmp_path / "none.db")])

@@ -83,9 +83,10 @@ def test_killed_run_resumes_where_it_stopped_with_identical_results(tmp_path):
         run_cell(cfg, split, checkpoint_dir=tmp_path / "ck2", observer=_CrashAfter(1))
     record = split.find_run(cfg.run_key)
     assert record.status == "failed" and split.last_round(record.id) == 1
-    assert (tmp_path / "ck2" / f"{cfg.run_key}.pt").exists()
+    checkpoint = tmp_path / "ck2" / split.database_id / f"{cfg.run_key}.pt"  # its database's
+    assert checkpoint.exists()
     assert run_cell(cfg, split, checkpoint_dir=tmp_path / "ck2").status == "done"
-    assert not (tmp_path / "ck2" / f"{cfg.run_key}.pt").exists()
+    assert not checkpoint.exists()
 
     a, b = _table(whole), _table(split)
     pd.testing.assert_frame_equal(a.drop(columns="run_id"), b.drop(columns="run_id"))

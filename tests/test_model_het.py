@@ -219,7 +219,11 @@ def test_heterogeneous_backbones_train_share_text_prompts_and_resume(tmp_path):
         def round_end(self, cfg, r, metrics):
             if r == 1:
                 server = ckpt_io.load(
-                    ckpt_io.checkpoint_path(folder, cfg.run_key), cfg.run_key, CPU
+                    ckpt_io.checkpoint_path(
+                        ckpt_io.folder_for(folder, store.database_id), cfg.run_key
+                    ),
+                    cfg.run_key,
+                    CPU,
                 )
                 groups = unpack(server.server, ["0-clip-test", "1-clip-test-rn"])
                 vit, rn = groups["0-clip-test"], groups["1-clip-test-rn"]

@@ -147,7 +147,7 @@ def test_piped_run_prints_rounds_summary_and_next_commands(tmp_path, monkeypatch
     assert "frozen cls (train): started" in out
     assert "preparing data: done" in out
     table = CliRunner().invoke(app, ["table", "--suite", "tiny", "--db", "r.db"])
-    assert table.output.strip() in out  # the same table as `fpbench table --suite`
+    assert table.stdout.strip() in out  # the same table as `fpbench table --suite`
     assert "next:\n  fpbench table --suite tiny --db r.db\n" in out
     assert "fpbench report --suite tiny --db r.db --out results/tiny-report" in out
 

@@ -241,7 +241,7 @@ def _killed_child(db: str, ckpt: str, point: str, k: int) -> None:
         observer = _KillAt(k)
     elif point == "before-checkpoint":  # round k stored, its checkpoint not yet written
         save = ckpt_io.save
-        ckpt_io.save = lambda path, c: _die() if c.round == k else save(path, c)
+        ckpt_io.save = lambda path, c, *bound: _die() if c.round == k else save(path, c, *bound)
     elif point == "mid-transaction":  # round k's rows sent, the commit never happens
         write = store.write_round
         armed = threading.Event()
@@ -320,7 +320,7 @@ def test_jobs_2_runs_cells_in_worker_processes_like_a_serial_run(workdir, serial
     store = _sqlite(workdir / "p.db")
     pd.testing.assert_frame_equal(_results(store), serial[1], check_exact=True)
     assert set(store.runs()["status"]) == {"done"}
-    assert not list((workdir / "results" / "checkpoints").glob("*.pt"))
+    assert not list((workdir / "results" / "checkpoints").rglob("*.pt"))
     again = runner.invoke(app, ["run", "--suite", "tiny", "--jobs", "2", "--db", "p.db"])
     assert again.exit_code == 0 and "0 cells ran, 2 already done" in again.output
 

@@ -68,8 +68,18 @@ def test_url_from_path_or_url() -> None:
     assert Store.url_from_path_or_url(pg) == pg
 
 
-def test_creates_parent_folder_tables_and_wal(store: Store, db_path: Path) -> None:
+def test_creates_parent_folder_tables_and_wal_with_the_first_run(
+    store: Store, db_path: Path
+) -> None:
+    assert store.find_run("abcd1234ef") is None and store.runs().empty and store.metrics().empty
+    assert not db_path.parent.parent.exists()  # opening and reading create nothing
+    make_run(store)
     assert db_path.exists()
+    assert sorted(p.name for p in db_path.parent.iterdir()) == [
+        "results.db",
+        "results.db-shm",
+        "results.db-wal",
+    ]  # no temporary file left
     tables = {r[0] for r in raw(db_path, "SELECT name FROM sqlite_master WHERE type='table'")}
     assert {"runs", "rounds", "metrics"} <= tables
     assert raw(db_path, "PRAGMA journal_mode") == [("wal",)]

@@ -357,7 +357,7 @@ def test_pretraining_is_deterministic() -> None:
 
 def test_vit_smoke_loads_its_cached_weights(tmp_path, monkeypatch) -> None:
     fake = smoke_sized().vit.state_dict()
-    monkeypatch.setattr(smoke, "pretrain", lambda recipe, progress=None: fake)
+    monkeypatch.setattr(smoke, "pretrain", lambda recipe, progress=None, **_: fake)
     vit = create_backbone("vit-smoke", cache_dir=tmp_path)
     assert (vit.img_size, vit.depth, vit.embed_dim, vit.patch_size) == (32, 4, 128, 8)
     assert all(torch.equal(vit.vit.state_dict()[k], v) for k, v in fake.items())

@@ -15,10 +15,17 @@ seed, no augmentation (every synthetic sample already draws its own nuisances), 
 100 images. Only the backbone weights are kept: a timm state_dict without the head, saved as
 `.pth`, which timm's file loader (`pretrained_cfg_overlay=dict(file=...)`) reads.
 
-Cache: `<cache_dir>/vit-smoke-<hash>.pth`, where cache_dir defaults to `$FPBENCH_CACHE` or
-`~/.cache/fpbench` and the hash covers the whole recipe (architecture, data, optimisation), so a
-recipe change retrains. The file is written atomically (temporary file + `os.replace`) under an
+Cache: `<cache_dir>/vit-smoke-<recipe>-<numerics>.pth`, where cache_dir defaults to
+`$FPBENCH_CACHE` or `~/.cache/fpbench`, the first hash covers the whole recipe (architecture,
+data, optimisation) and the second everything else that decides the weights' bits: the thread
+count, the CPU's kernel set, the torch, timm and numpy versions and this module's format
+(`PRETRAIN_FORMAT`). So weights trained differently are never reused silently: the backbone is
+trained for them. The file is written atomically (temporary file + `os.replace`) under an
 exclusive `fcntl.flock` on `<file>.lock`, so concurrent processes train it once.
+
+Pretraining resumes after an interruption (Ctrl-C, kill -9): every `SAVE_EVERY` steps the
+model, optimiser, schedule and random state go to `<file>.partial` (atomically), which the next
+attempt continues from; the result is tensor-identical to an uninterrupted pretraining.
 
 Training always runs on the CPU and is deterministic for a given recipe and thread count
 (tensor-identical across runs). Measured on 2 CPU cores: about 35 s. On new classes (synthetic
@@ -57,6 +64,8 @@ SMOKE_ARCH: dict[str, Any] = dict(
     mlp_ratio=2.0,
     dynamic_img_size=False,
 )
+PRETRAIN_FORMAT = 2  # bump when the pretraining code changes its result for the same recipe
+SAVE_EVERY = 100  # steps between the partial states a pretraining resumes from
 SMOKE_MEAN = (0.5, 0.5, 0.5)
 SMOKE_STD = (0.5, 0.5, 0.5)
 
@@ -128,20 +137,44 @@ def ensure_pretrained(
     """
     recipe = recipe or SmokeRecipe()
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    path = folder / f"vit-smoke-{recipe.digest()}.pth"
+    path = folder / f"vit-smoke-{recipe.digest()}-{numerics_digest()}.pth"
     if path.is_file():
         return path
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with _locked(path.with_name(path.name + ".lock")):
             if not path.is_file():  # another process may have finished while we waited
-                _save_atomic(pretrain(recipe, progress), path)
+                partial = path.with_name(path.name + ".partial")
+                _save_atomic(pretrain(recipe, progress, partial=partial), path)
+                partial.unlink(missing_ok=True)
     except OSError as err:
         raise FpbenchError(
             f"cannot write the vit-smoke weights cache {str(folder)!r} ({err.strerror or err}); "
             "set FPBENCH_CACHE to a writable folder"
         ) from err
     return path
+
+
+def numerics(threads: int | None = None) -> dict[str, Any]:
+    """What besides the recipe decides the pretrained weights' bits (`threads`: the count the
+    pretraining computes with, default this process's)."""
+    import numpy
+    import timm
+
+    return {
+        "threads": threads or torch.get_num_threads(),
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "timm": timm.__version__,
+        "numpy": numpy.__version__,
+        "format": PRETRAIN_FORMAT,
+    }
+
+
+def numerics_digest(threads: int | None = None) -> str:
+    """A short stable hash of `numerics(threads)`."""
+    text = json.dumps(numerics(threads), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
 @contextlib.contextmanager
@@ -154,7 +187,7 @@ def _locked(lock_path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _save_atomic(state_dict: dict[str, torch.Tensor], path: Path) -> None:
+def _save_atomic(state_dict: dict[str, Any], path: Path) -> None:
     buffer = io.BytesIO()  # saving to a buffer keeps the bytes independent of the tmp name
     torch.save(state_dict, buffer)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
@@ -167,15 +200,25 @@ def _save_atomic(state_dict: dict[str, torch.Tensor], path: Path) -> None:
             os.remove(tmp)
 
 
-def pretrain(recipe: SmokeRecipe, progress: Progress | None = None) -> dict[str, torch.Tensor]:
-    """Train the recipe's ViT + linear head; return the backbone state_dict (no head)."""
+def pretrain(
+    recipe: SmokeRecipe,
+    progress: Progress | None = None,
+    *,
+    partial: Path | None = None,
+    save_every: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Train the recipe's ViT + linear head; return the backbone state_dict (no head).
+
+    `partial`: where the state is saved every `save_every` steps (default `SAVE_EVERY`) and
+    resumed from.
+    """
     import timm
 
     images, labels = _pretraining_data(recipe)
     with torch.random.fork_rng(devices=[]), deterministic(True):  # the same file everywhere
         torch.manual_seed(recipe.torch_seed)
         model = timm.create_model(recipe.timm_name, num_classes=recipe.num_classes, **recipe.arch)
-        _train(model, images, labels, recipe, progress)
+        _train(model, images, labels, recipe, progress, partial, save_every or SAVE_EVERY)
     model.reset_classifier(0)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -208,12 +251,26 @@ def _train(
     labels: torch.Tensor,
     recipe: SmokeRecipe,
     progress: Progress | None,
+    partial: Path | None = None,
+    save_every: int = SAVE_EVERY,
 ) -> None:
-    """AdamW with warm-up + cosine decay on seeded random batches (global RNG already seeded)."""
+    """AdamW with warm-up + cosine decay on seeded random batches (global RNG already seeded),
+    from the state in `partial` where there is one, saving it there every `save_every` steps."""
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: _lr_factor(step, recipe))
+    start = _resume(partial, model, opt, sched, recipe)
     model.train()
-    for step in range(recipe.steps):
+    for step in range(start, recipe.steps):
+        if partial is not None and step > start and step % save_every == 0:
+            state = {
+                "recipe": recipe.digest(),
+                "step": step,
+                "model": model.state_dict(),
+                "opt": opt.state_dict(),
+                "sched": sched.state_dict(),
+                "rng": torch.get_rng_state(),
+            }
+            _save_atomic(state, partial)
         idx = torch.randint(0, labels.shape[0], (recipe.batch_size,))  # (b,)
         loss = F.cross_entropy(model(images[idx]), labels[idx])
         opt.zero_grad(set_to_none=True)
@@ -223,6 +280,31 @@ def _train(
         if progress is not None:
             progress(step + 1, recipe.steps, loss.item())
     model.eval()
+
+
+def _resume(
+    partial: Path | None,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: torch.optim.lr_scheduler.LRScheduler,
+    recipe: SmokeRecipe,
+) -> int:
+    """Load the saved state into the training objects; the step to go on from (0: none)."""
+    if partial is None or not partial.is_file():
+        return 0
+    try:
+        state = torch.load(partial, weights_only=True)
+        step = int(state["step"])
+        parts = state["model"], state["opt"], state["sched"], state["rng"]
+    except Exception:  # noqa: BLE001 - unreadable (cut short by a full disk): start over
+        return 0
+    if state.get("recipe") != recipe.digest():
+        return 0
+    model.load_state_dict(parts[0])
+    opt.load_state_dict(parts[1])
+    sched.load_state_dict(parts[2])
+    torch.set_rng_state(parts[3])
+    return step
 
 
 def _lr_factor(step: int, recipe: SmokeRecipe) -> float:

@@ -30,13 +30,22 @@ def merge(
     """Fold databases into OUT (created if missing); merging again changes nothing.
 
     A run OUT already has is replaced only by a more complete copy (done, then more rounds).
+    Inputs holding a broken run (see `fpbench db check`) are refused before anything is written.
     """
     from fpbench.store import Store
+    from fpbench.store.check import broken_runs
     from fpbench.store.merge import MergeStats, merge_into
 
     urls = [_existing(db) for db in inputs]  # every input checked before OUT is touched
-    for url in urls:
-        Store(url).close()  # readable, and not of a newer schema version
+    for db, url in zip(inputs, urls, strict=True):
+        with Store(url) as src:  # readable, not of a newer schema version, no broken runs
+            if broken := broken_runs(src):
+                p = broken[0]
+                more = f" (and {len(broken) - 1} more problems)" if len(broken) > 1 else ""
+                raise FpbenchError(
+                    f"{db}: run {p.run_id} {p.run_key} ({p.status}): {p.message}{more}; "
+                    f"nothing merged (see `fpbench db check {db}`)"
+                )
     total = MergeStats()
     with Store(Store.url_from_path_or_url(out)) as target:
         for db, url in zip(inputs, urls, strict=True):
@@ -78,7 +87,8 @@ def _copy_params(src_url: str, out_url: str) -> int:
 def check(
     db: Annotated[str, typer.Argument(help="database to check: a path or SQLAlchemy URL")],
 ) -> None:
-    """Verify every done run has all its rounds and metrics; list failed and stuck runs.
+    """Verify rounds have no gaps and every done run has all its rounds and metrics; list
+    failed, interrupted and stale runs.
 
     Exit code 1 when there are problems.
     """

@@ -228,7 +228,15 @@ def table(
         return
     if suite is None:
         raise FpbenchError("give --suite NAME (a suite's summary) or --paper NAME (its tables)")
-    name, frame = _suite_metrics(db, suite)
+    from fpbench.cli.summary import finished_results
+
+    name = suite_name(suite)
+    frame, notes = finished_results(db, suite, metric or DEFAULT_METRICS)
+    if frame.empty and notes:  # runs stored, none done yet
+        raise FpbenchError(
+            f"no finished runs of suite {suite} yet ({notes[-1]}); "
+            f"`fpbench run --suite {suite}` finishes them"
+        )
     summary = summary_table(frame, metric or DEFAULT_METRICS, suite=name, ci=ci)
     if fmt is TableFormat.term:
         _print_term(
@@ -236,8 +244,10 @@ def table(
             f"suite {name}: mean ± std over seeds" + (", [95% t-interval]" if ci else ""),
             out,
         )
-        return
-    write_or_print(render(summary, fmt.value), out)
+    else:
+        write_or_print(render(summary, fmt.value), out)
+    for note in notes:  # on stderr: the table itself stays clean to redirect or paste
+        err.print(note, highlight=False, soft_wrap=True, markup=False)
 
 
 def _print_term(summary: Any, title: str, out: Path | None) -> None:

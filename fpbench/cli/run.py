@@ -106,6 +106,14 @@ def run(
     jobs: Annotated[
         int, typer.Option(min=1, help="cells at once (worker processes; SLURM array parallelism)")
     ] = 1,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="CPU threads each cell computes with (runtime.threads; default: the suite's, "
+            "else all cores). Stored values are bit-identical among runs of one count",
+        ),
+    ] = None,
     address: Annotated[
         str | None, typer.Option(help="Ray cluster address (--launcher ray); default: local Ray")
     ] = None,
@@ -156,6 +164,7 @@ def run(
     With --set, the cells are stored under the suite name NAME+PATH=VALUE,... (runtime.*
     paths excepted), so tables never mix them with the suite's own cells.
     """
+    _passive_waits()  # before torch is imported
     from fpbench.data.prepared import data_root as data_root_of
     from fpbench.data.prepared import require_present
     from fpbench.methods.gpt_fl import require_generated
@@ -171,6 +180,7 @@ def run(
         "executor": client_executor,
         "deterministic": deterministic,
         "frozen_precision": frozen_precision,
+        "threads": threads,
     }
     runtime = {k: v for k, v in given.items() if v is not None}
     if frozen_precision not in (None, "fp32", "tf32", "bf16"):
@@ -207,28 +217,68 @@ def run(
     if retry_failed and not (cells := _retry_selection(loaded.name, cells, url)):
         return
     if CELL_KEY not in url:
-        open_store(db).close()  # creates the tables once; an unreachable database fails here
+        open_store(db).close()  # an unreachable or foreign database fails here; creates nothing
+    warn_if_oversubscribed(threads)
     live = console.is_terminal  # off a terminal (cluster logs, tee): plain lines, no bars
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
-    with Progress(
-        *columns, TimeElapsedColumn(), console=err, transient=False, disable=not live
-    ) as progress:
-        observer = (
-            _ProgressObserver(progress, len(cells))
-            if live
-            else LineObserver(sys.stdout, len(cells))
-        )
-        if trackers:
-            observer = TrackingObserver(observer, trackers)
-        _pretrain_smoke_backbone(cells, observer)
-        results = run_cells(
-            cells,
-            url,
-            checkpoint_dir=checkpoint_dir.absolute(),
-            dispatch=dispatch,
-            observer=observer,
-        )
+    try:
+        with Progress(
+            *columns, TimeElapsedColumn(), console=err, transient=False, disable=not live
+        ) as progress:
+            observer = (
+                _ProgressObserver(progress, len(cells))
+                if live
+                else LineObserver(sys.stdout, len(cells))
+            )
+            if trackers:
+                observer = TrackingObserver(observer, trackers)
+            _pretrain_smoke_backbone(cells, observer)
+            results = run_cells(
+                cells,
+                url,
+                checkpoint_dir=checkpoint_dir.absolute(),
+                dispatch=dispatch,
+                observer=observer,
+            )
+    except KeyboardInterrupt as e:  # Ctrl-C: the cell is stored as interrupted (runner.py)
+        said = str(e) if e.args else "interrupted; rerun the same command to resume"
+        err.print(said, highlight=False, soft_wrap=True, markup=False)
+        raise typer.Exit(130) from None
     _report_results(loaded.name, results, loaded.name if sets else suite, db)
+
+
+def _passive_waits() -> None:
+    """Threads waiting for work sleep instead of spinning (OpenMP reads this when torch loads).
+
+    On a machine whose other load leaves fewer cores than a cell's threads, spinning threads
+    take the cores from the ones with work: a round ran 8 to 25 times slower. Sleeping costs
+    about 3% on an idle machine (`engine.dispatch._passive_omp_waits`) and changes no value. A
+    value you set is kept; in a process that already loaded torch it is too late to matter.
+    """
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def warn_if_oversubscribed(threads: int | None) -> None:
+    """Warn when the machine's load average exceeds its cores: every thread then waits."""
+    import torch
+
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):  # not available on this platform
+        return
+    cores = os.cpu_count() or 1
+    if load <= cores:
+        return
+    count = threads or torch.get_num_threads()
+    console.print(  # on stdout, with the run's log: stderr is kept for the one error line
+        f"[yellow]warning:[/] this machine is oversubscribed (load average {load:.1f} on {cores} "
+        f"cores): each cell computes with {count} thread(s), which wait on each other, so rounds "
+        "may run several times slower. Fewer threads (--threads 1) help; runs store bit-identical "
+        "values only among runs of one thread count",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def _retry_selection(suite: str, cells: list, url: str) -> list:
@@ -258,7 +308,15 @@ def _pretrain_smoke_backbone(cells, observer) -> None:
     def show(step: int, total: int, loss: float) -> None:
         observer.stage(None, "pretraining vit-smoke (once)", step, total)
 
-    ensure_pretrained(progress=show)
+    import torch
+
+    # with the cells' thread count: the weights' bits depend on it, and so does their cache key
+    own = torch.get_num_threads()
+    torch.set_num_threads(next((c.runtime.threads for c in cells if c.runtime.threads), own))
+    try:
+        ensure_pretrained(progress=show)
+    finally:
+        torch.set_num_threads(own)
 
 
 def _report_results(suite: str, results, suite_arg: str, db: str) -> None:
@@ -307,9 +365,11 @@ def _print_cells(suite: str, cells, db: str) -> None:
         table.add_column(col)
     root = data_root()
     data = {name: dataset_state(name, root) for name in {c.dataset.name for c in cells}}
+    statuses = set()
     for c in cells:
         record = store.find_run(c.run_key) if store else None
-        status = record.status if record else "new"
+        status = _status_text(record)
+        statuses.add(status)
         table.add_row(
             c.run_key,
             c.method.label,
@@ -320,5 +380,23 @@ def _print_cells(suite: str, cells, db: str) -> None:
             data[c.dataset.name],
         )
     console.print(table)
+    if "stale" in statuses:
+        console.print(
+            "stale: running, but its process is gone or its heartbeat stopped; a rerun takes "
+            "it over and resumes it (see `fpbench db check`)"
+        )
+    if "interrupted" in statuses:
+        console.print("interrupted: stopped by Ctrl-C; a rerun resumes it")
     if "missing" in data.values():
         console.print(f"data missing under {root}: see `fpbench data status`")
+
+
+def _status_text(record) -> str:
+    """A run's status for --dry-run: 'stale' for a running run whose process died."""
+    from fpbench.store.claims import CLAIM_TIMEOUT_S, stale_reason
+
+    if record is None:
+        return "new"
+    if stale_reason(record.status, record.owner, record.heartbeat_at, CLAIM_TIMEOUT_S):
+        return "stale"
+    return record.status

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Sequence
+from typing import Any
 
 
 def next_commands(suite: str, db: str) -> list[str]:
@@ -20,12 +21,24 @@ def next_commands(suite: str, db: str) -> list[str]:
 
 
 def summary_text(db: str, suite: str, metrics: Sequence[str]) -> str | None:
-    """The suite's summary table as `fpbench table --suite` prints it (None: nothing stored)."""
-    from fpbench.cli.common import open_store, suite_name
+    """The suite's summary table as `fpbench table --suite` prints it, with its notes (how many
+    seeds each cell averages, which unfinished runs are left out); None: no run is done."""
     from fpbench.report.tables import render, summary_table
 
-    with open_store(db, must_exist=True) as store:
-        frame = store.metrics(suite=suite_name(suite))
+    frame, notes = finished_results(db, suite, metrics)
     if frame.empty:
         return None
-    return render(summary_table(frame, list(metrics)), "md")
+    return render(summary_table(frame, list(metrics)), "md") + "".join(f"{n}\n" for n in notes)
+
+
+def finished_results(db: str, suite: str, metrics: Sequence[str]) -> tuple[Any, list[str]]:
+    """The metric rows of the suite's done runs (maybe none) and the notes a table of them needs:
+    how many seeds each cell averages, and which unfinished runs are left out."""
+    from fpbench.cli.common import open_store, suite_name
+    from fpbench.report.tables import finished_only, seeds_note, unfinished_note
+
+    name = suite_name(suite)
+    with open_store(db, must_exist=True) as store:
+        frame, left_out = finished_only(store.metrics(suite=name), store.runs(suite=name))
+    notes = [seeds_note(frame, list(metrics))] if not frame.empty else []
+    return frame, notes + ([unfinished] if (unfinished := unfinished_note(left_out)) else [])

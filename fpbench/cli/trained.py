@@ -49,12 +49,14 @@ def export_params(
     import torch
 
     from fpbench.engine.artifacts import load_params, write_npz
+    from fpbench.engine.checkpoint import folder_for
 
     if out.exists() and not force:
         raise FpbenchError(f"{out} already there; --force overwrites")
     with open_store(db, must_exist=True) as store:
         record = _finished(store, run_ref)
-        ckpt = load_params(store.url, checkpoint_dir, record.run_key, torch.device("cpu"))
+        folder = folder_for(checkpoint_dir, store.database_id)
+        ckpt = load_params(store.url, folder, record.run_key, torch.device("cpu"))
     write_npz(ckpt, record.config, out)
     n = sum(len(d) for d in ckpt.server.state_dict().values())
     console.print(f"wrote {out} (run {record.id}, {n} tensors)", highlight=False)
@@ -93,12 +95,15 @@ def evaluate_cmd(
     on that dataset."""
     from fpbench.engine.artifacts import load_params, rescore
     from fpbench.engine.build import resolve_device
+    from fpbench.engine.checkpoint import folder_for
 
     with open_store(db, must_exist=True) as store:
         record = _finished(store, run_ref)
         cfg = _scored_config(record.config, dataset, sets)
         dev = resolve_device(device or cfg.runtime.device)
-        ckpt = load_params(store.url, checkpoint_dir, record.run_key, dev)
+        ckpt = load_params(
+            store.url, folder_for(checkpoint_dir, store.database_id), record.run_key, dev
+        )
         stored = store.metrics(run_ids=[record.id], aggregate_only=False)
     rows = rescore(cfg, ckpt, dev, split.value)
     own = cfg.dataset == _scored_config(record.config, None, None).dataset

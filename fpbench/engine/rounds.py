@@ -97,10 +97,13 @@ def run_rounds(
     """The round loop, from the last checkpoint on; returns the run's total training time.
 
     The first round played while the run has no FLOPs stored is counted (`fpbench.engine.cost`;
-    the counter's overhead is in that round's `wall_s`)."""
+    the counter's overhead is in that round's `wall_s`). `checkpoint_dir`: this database's
+    checkpoint folder (`checkpoint.folder_for`).
+    """
     device = task.priors.device
     path = ckpt_io.checkpoint_path(checkpoint_dir, cfg.run_key)
-    ckpt = ckpt_io.load(path, cfg.run_key, device)
+    bound_to = ckpt_io.binding(store.database_id, run_id)
+    ckpt = ckpt_io.load(path, cfg.run_key, device, bound_to)
     if ckpt is None:
         servers = {
             pop.key: pop.method.init_server(
@@ -130,7 +133,7 @@ def run_rounds(
             store.record_cost(run_id, round_flops=flops.total, owner=owner)
             count = False
         ckpt = ckpt_io.Checkpoint(cfg.run_key, r, server, ckpt.history, ckpt.elapsed_s + wall)
-        ckpt_io.save(path, ckpt)
+        ckpt_io.save(path, ckpt, bound_to)
         evaluated = should_eval(r, cfg.train)
         metrics = {**ckpt.history[-1], "loss_train": scalars["loss_train"]} if evaluated else {}
         observer.round_end(cfg, r, metrics)

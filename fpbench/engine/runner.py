@@ -17,6 +17,7 @@ import fpbench
 from fpbench import stages
 from fpbench.backbones.frozen_linear import cpu_linear
 from fpbench.determinism import deterministic
+from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.artifacts import keep_params
 from fpbench.engine.build import build_populations, resolve_device, resolve_precision
 from fpbench.engine.cost import PeakMemory
@@ -28,6 +29,21 @@ from fpbench.engine.task import build_task
 from fpbench.errors import FpbenchError
 from fpbench.specs import RunConfig
 from fpbench.store import CLAIM_TIMEOUT_S, ClaimLost, Store, claim_is_live, new_owner
+
+
+class CellInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a cell; it is stored as 'interrupted' and a rerun resumes it."""
+
+    def __init__(self, cfg: RunConfig, round_idx: int | None) -> None:
+        super().__init__(cfg.run_key)
+        self.cfg, self.round = cfg, round_idx  # round None: while the cell was being prepared
+
+    def __str__(self) -> str:
+        where = "while preparing" if self.round is None else f"at round {self.round} of"
+        return (
+            f"interrupted {where} cell {cell_label(self.cfg)} ({self.cfg.run_key}); "
+            "rerun the same command to resume"
+        )
 
 
 @dataclass(frozen=True)
@@ -84,8 +100,13 @@ def run_cell(
     observer = observer or Observer()
     on_stage = getattr(observer, "stage", Observer().stage)  # duck-typed observers may lack it
     stage = lambda what, done, total: on_stage(cfg, what, done, total)  # noqa: E731
-    with cell_numerics(cfg), stages.reporting(stage):
-        return _run_cell(cfg, store, checkpoint_dir, observer, cache, claim_timeout)
+    try:
+        with cell_numerics(cfg), stages.reporting(stage):
+            return _run_cell(cfg, store, checkpoint_dir, observer, cache, claim_timeout)
+    except CellInterrupted:
+        raise
+    except KeyboardInterrupt:
+        raise CellInterrupted(cfg, None) from None
 
 
 @contextmanager
@@ -112,6 +133,9 @@ def _run_cell(
         return CellResult(cfg, "skipped")
     if record is not None and claim_is_live(record, claim_timeout):  # before building anything
         return CellResult(cfg, "skipped", "claimed by another driver")
+    if record is not None:  # a record means the database exists: its identity creates nothing
+        folder = ckpt_io.folder_for(checkpoint_dir, store.database_id)
+        check_resumable(cfg, store, record.id, folder)
     device = resolve_device(cfg.runtime.device)
     peak = PeakMemory(device)
     peak.start()
@@ -126,17 +150,22 @@ def _run_cell(
             record = record or _create_record(cfg, store, device)
             _record_failure(store, record.id, e, claim_timeout)
         raise
-    record = record or _create_record(cfg, store, device)
+    record = record or _create_record(cfg, store, device)  # the first write: creates the database
+    folder = ckpt_io.folder_for(checkpoint_dir, store.database_id)
     owner = new_owner()
     if not store.claim_run(record.id, owner, timeout_s=claim_timeout):
         return CellResult(cfg, "skipped", "claimed by another driver")
     try:
         with store.keep_alive(record.id, owner, claim_timeout / 4):
-            elapsed = run_rounds(
-                cfg, populations, task, store, record.id, checkpoint_dir, observer, owner
-            )
+            elapsed = run_rounds(cfg, populations, task, store, record.id, folder, observer, owner)
     except ClaimLost as e:
         return CellResult(cfg, "skipped", str(e))
+    except KeyboardInterrupt:
+        last = store.last_round(record.id)
+        interrupted = CellInterrupted(cfg, 0 if last is None else last + 1)
+        message = f"interrupted at round {interrupted.round} (Ctrl-C)"
+        store.finish_run(record.id, owner, "interrupted", error=message)
+        raise interrupted from None
     except BaseException as e:
         with contextlib.suppress(Exception):  # never masking what ended the cell
             store.record_cost(record.id, peak_mem_bytes=peak.read(), owner=owner)
@@ -148,8 +177,40 @@ def _run_cell(
         return CellResult(cfg, "skipped", str(e))
     if not store.finish_run(record.id, owner, "done", wall_s=elapsed):
         return CellResult(cfg, "skipped", "claim taken over by another driver")
-    keep_params(store.url, checkpoint_dir, cfg.run_key)  # the trained state, beside the db
+    keep_params(store.url, folder, cfg.run_key)  # the trained state, beside the db
+    torn = ckpt_io.checkpoint_path(folder, cfg.run_key).with_suffix(".tmp")
+    torn.unlink(missing_ok=True)  # a checkpoint write cut short by a kill
     return CellResult(cfg, "done")
+
+
+def check_resumable(cfg: RunConfig, store: Store, run_id: int, folder: Path) -> None:
+    """Refuse to resume from a checkpoint whose earlier rounds the database does not hold.
+
+    Raises:
+        FpbenchError: the cell's checkpoint is at round k but rounds 0..k are not all stored.
+    """
+    path = ckpt_io.checkpoint_path(folder, cfg.run_key)
+    found = ckpt_io.saved_round(path)
+    if found is None or found[1] not in (None, ckpt_io.binding(store.database_id, run_id)):
+        return  # none, unreadable or another run's: `load` ignores it and the cell restarts
+    missing = sorted(set(range(found[0] + 1)) - set(store.round_numbers(run_id)))
+    if missing:
+        raise FpbenchError(
+            f"cannot resume cell {cell_label(cfg)} ({cfg.run_key}): its checkpoint {path} is at "
+            f"round {found[0]} but the database lacks rounds {_span(missing)}; delete the "
+            "checkpoint to run the cell again from round 0"
+        )
+
+
+def cell_label(cfg: RunConfig) -> str:
+    """'method / dataset / partition / seed N', as progress and errors name a cell."""
+    return f"{cfg.method.label} / {cfg.dataset.label} / {cfg.partition.label} / seed {cfg.seed}"
+
+
+def _span(rounds: list[int]) -> str:
+    if len(rounds) > 1 and rounds == list(range(rounds[0], rounds[-1] + 1)):
+        return f"{rounds[0]}-{rounds[-1]}"
+    return ", ".join(map(str, rounds))
 
 
 def error_text(e: BaseException) -> str:

@@ -24,7 +24,13 @@ from matplotlib.figure import Figure
 
 from fpbench.errors import FpbenchError
 from fpbench.report import plots
-from fpbench.report.tables import no_results_error, summary_table
+from fpbench.report.tables import (
+    finished_only,
+    no_results_error,
+    seeds_note,
+    summary_table,
+    unfinished_note,
+)
 from fpbench.units import human_bytes, human_flops
 
 TABLE_METRICS = (
@@ -74,6 +80,10 @@ def build_report(
     """
     if metrics.empty:
         raise no_results_error(suite)
+    metrics, left_out = finished_only(metrics, runs)  # tables and plots: done runs only
+    unfinished = unfinished_note(left_out)
+    if metrics.empty:
+        raise FpbenchError(f"no finished runs of suite {suite} yet ({unfinished})")
     now = now or dt.datetime.now(dt.UTC)
     images: dict[str, bytes] = {}
     body = [
@@ -82,8 +92,9 @@ def build_report(
         _note(
             "Mean ± std over seeds of each run's final value (the mean over the last evaluated "
             "rounds), then in brackets the 95% confidence interval of the mean over seeds "
-            "(Student t, two or more seeds); accuracies in percent."
+            "(Student t, two or more seeds); accuracies in percent; unfinished runs left out."
         ),
+        *([_note(unfinished, "missing")] if unfinished else []),
         *_tables(metrics, suite),
         "<h2>Plots</h2>",
         '<div class="plots">',
@@ -170,6 +181,7 @@ def _tables(metrics: pd.DataFrame, suite: str) -> list[str]:
         parts.append(f"<h3>{_esc(plots.axis_label(metric))}</h3>")
         # the row labels as a first column: one header row, as in the terminal table
         parts.append(table.reset_index().to_html(index=False, classes="summary", border=0))
+        parts.append(_note(seeds_note(metrics, [metric])))
     return parts or [_note("no summary metrics stored", "missing")]
 
 

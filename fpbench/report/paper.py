@@ -198,9 +198,14 @@ class Results:
 
 
 def load_results(store: Any, suites: list[str] | None = None) -> Results:
-    """Aggregate metric rows, configs and rounds of the runs of `suites` (all when None)."""
+    """Aggregate metric rows, configs and rounds of the runs of `suites` (all when None); a run
+    still going, failed or interrupted fills no cell (`tables.finished_only`)."""
+    from fpbench.report.tables import finished_only
+
     parts = [store.metrics(suite=s) for s in suites] if suites else [store.metrics()]
     metrics = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+    if len(metrics):
+        metrics = finished_only(metrics, store.runs())[0]
     ids = sorted(set(metrics["run_id"])) if len(metrics) else []
     configs = {i: store.get_run(i).config for i in ids}
     rounds = [store.rounds(i).assign(run_id=i) for i in ids]

@@ -31,6 +31,54 @@ def no_results_error(suite: str | None = None) -> FpbenchError:
     return FpbenchError("no results in the database; run `fpbench run --suite <name>` first")
 
 
+UNFINISHED = ("running", "failed", "interrupted")  # started, not done (pending: no rows yet)
+
+
+def finished_only(metrics: pd.DataFrame, runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(the metric rows without those of unfinished runs, the unfinished runs with rows): a
+    table never shows a cell's value while its run is still at round 2 of 10. `runs` is shaped
+    like `Store.runs()`; a run fpbench started writes rows only once it is 'running'."""
+    unfinished = runs[runs["status"].isin(UNFINISHED) & runs["last_round"].notna()]
+    return metrics[~metrics["run_id"].isin(unfinished["id"])], unfinished
+
+
+def unfinished_note(left_out: pd.DataFrame, shown: int = 4) -> str | None:
+    """'left out 2 unfinished runs: fedvpt / synthetic / dir / seed 1 (running, rounds 0-2
+    stored), ...', or None when every run is done."""
+    if left_out.empty:
+        return None
+    parts = []
+    for r in left_out.head(shown).itertuples():
+        stored = "no rounds" if pd.isna(r.last_round) else f"rounds 0-{r.last_round}"
+        cell = f"{r.method} / {r.dataset} / {r.partition} / seed {r.seed}"
+        parts.append(f"{cell} ({r.status}, {stored} stored)")
+    more = f", and {len(left_out) - shown} more" if len(left_out) > shown else ""
+    noun = "run" if len(left_out) == 1 else "runs"
+    return f"left out {len(left_out)} unfinished {noun}: {'; '.join(parts)}{more}"
+
+
+def seeds_note(
+    metrics: pd.DataFrame,
+    metric_names: Sequence[str],
+    *,
+    index: Sequence[str] = ("method",),
+    columns: Sequence[str] = ("dataset", "partition"),
+) -> str:
+    """How many seeds (runs) each cell averages: 'each cell: mean ± std over 3 seeds', or the
+    cells whose count differs from the most common one."""
+    values = final_values(metrics, metric_names)
+    keys = [k for k in (*index, *columns) if k in values.columns]
+    n = values.groupby([*keys, "metric"], sort=False)["run_id"].nunique()
+    usual = int(n.mode().max())  # the most common count; of a tie, the larger
+    odd = n[n != usual]
+    text = f"each cell: mean ± std over {usual} seed{'s' if usual != 1 else ''}"
+    if odd.empty:
+        return text
+    cells = [f"{' / '.join(map(str, k[:-1]))} ({k[-1]}): {count}" for k, count in odd.items()]
+    shown = "; ".join(cells[:6]) + (f"; and {len(cells) - 6} more" if len(cells) > 6 else "")
+    return f"{text}, except {shown}"
+
+
 def is_percent(metric: str) -> bool:
     """Accuracies are stored as fractions and shown as percent; other metrics as they are."""
     return metric.startswith("acc")

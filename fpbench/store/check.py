@@ -1,14 +1,14 @@
-"""`fpbench db check`: every done run has all its rounds and metrics; nothing is stuck."""
+"""`fpbench db check`: every run's rounds are contiguous, every done run has all its rounds and
+metrics, and nothing is stuck. `db merge` refuses inputs with broken runs (`Problem.broken`)."""
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 from dataclasses import dataclass
 
 from sqlalchemy import select
 
-from fpbench.store.claims import CLAIM_TIMEOUT_S
+from fpbench.store.claims import CLAIM_TIMEOUT_S, stale_reason
 from fpbench.store.models import Metric, Round, Run
 from fpbench.store.repo import Store
 
@@ -21,13 +21,16 @@ class Problem:
     run_key: str
     status: str
     message: str
+    broken: bool = False  # stored rows are missing or out of place (not only unfinished)
 
 
 def check(store: Store, *, claim_timeout: float = CLAIM_TIMEOUT_S) -> list[Problem]:
     """Problems of every run: incomplete done runs, failed runs, running runs without heartbeat."""
+    if not store.has_schema():
+        return []
     with store._session() as s:
         runs = s.execute(select(Run.id, Run.run_key, Run.status, Run.config_json, Run.error,
-                                Run.heartbeat_at).order_by(Run.id)).all()  # fmt: skip
+                                Run.owner, Run.heartbeat_at).order_by(Run.id)).all()  # fmt: skip
         rounds = _by_run(s.execute(select(Round.run_id, Round.round)).all())
         losses = _by_run(
             s.execute(
@@ -47,7 +50,16 @@ def check(store: Store, *, claim_timeout: float = CLAIM_TIMEOUT_S) -> list[Probl
     for run in runs:
         for message in _run_problems(run, rounds, losses, evaluated, claim_timeout):
             problems.append(Problem(run.id, run.run_key, run.status, message))
+        problems += [
+            Problem(run.id, run.run_key, run.status, message, broken=True)
+            for message in _broken(run, rounds, losses, evaluated)
+        ]
     return problems
+
+
+def broken_runs(store: Store) -> list[Problem]:
+    """Runs whose stored rows are wrong (gaps, missing or extra rounds), not merely unfinished."""
+    return [p for p in check(store) if p.broken]
 
 
 def _by_run(rows) -> dict[int, set[int]]:
@@ -64,10 +76,19 @@ def _run_problems(run, rounds, losses, evaluated, claim_timeout: float) -> list[
         ]
     if run.status == "running":
         return _stale(run, claim_timeout)
-    if run.status != "done":
-        return []
-    expected = set(range(int(json.loads(run.config_json)["train"]["rounds"])))
+    if run.status == "interrupted":
+        return [f"{run.error or 'interrupted'}; rerun the suite to resume it"]
+    return []
+
+
+def _broken(run, rounds, losses, evaluated) -> list[str]:
+    """What is wrong with a run's stored rounds: gaps at any status; a done run's completeness."""
     have, out = rounds.get(run.id, set()), []
+    if run.status != "done":
+        if have and (gaps := sorted(set(range(max(have))) - have)):
+            out.append(f"rounds {_span(gaps)} are missing below stored round {max(have)}")
+        return out
+    expected = set(range(int(json.loads(run.config_json)["train"]["rounds"])))
     if missing := sorted(expected - have):
         out.append(f"done but rounds {_span(missing)} are missing")
     if extra := sorted(have - expected):
@@ -80,12 +101,10 @@ def _run_problems(run, rounds, losses, evaluated, claim_timeout: float) -> list[
 
 
 def _stale(run, claim_timeout: float) -> list[str]:
-    beat = run.heartbeat_at
-    now = dt.datetime.now(dt.timezone.utc)
-    if beat is not None and (now - beat).total_seconds() <= claim_timeout:
+    why = stale_reason(run.status, run.owner, run.heartbeat_at, claim_timeout)
+    if why is None:
         return []
-    since = "never" if beat is None else f"{(now - beat).total_seconds():.0f} s ago"
-    return [f"running, but its last heartbeat was {since}; rerun the suite to resume it"]
+    return [f"stale: running, but {why}; rerun the suite to take it over and resume it"]
 
 
 def _span(rounds: list[int]) -> str:

@@ -82,6 +82,22 @@ def claim_is_live(record: Any, timeout_s: float = CLAIM_TIMEOUT_S) -> bool:
     return fresh and not owner_is_gone(record.owner)
 
 
+def stale_reason(
+    status: str, owner: str | None, heartbeat_at: dt.datetime | None, timeout_s: float
+) -> str | None:
+    """Why a 'running' run is stale (its process died, or its heartbeat stopped), else None."""
+    if status != "running":
+        return None
+    if owner_is_gone(owner):
+        return f"its process ({owner}) is gone"
+    if heartbeat_at is None:
+        return "it never sent a heartbeat"
+    age = (_now() - heartbeat_at).total_seconds()
+    if age > timeout_s:
+        return f"its last heartbeat was {age:.0f} s ago"
+    return None
+
+
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
@@ -90,6 +106,8 @@ class ClaimMixin:
     """Claim methods of `Store` (which provides `_session`, `create_run` and `find_run`)."""
 
     _session: sessionmaker[Session]
+
+    def has_schema(self, *, create_now: bool = False) -> bool: ...  # `Store.has_schema`
 
     def ensure_run(self, **fields: Any) -> Any:
         """`create_run(**fields)`, or the existing run when another driver created it first."""
@@ -106,13 +124,15 @@ class ClaimMixin:
     def claim_run(self, run_id: int, owner: str, *, timeout_s: float = CLAIM_TIMEOUT_S) -> bool:
         """Atomically mark a run 'running' for `owner`; False if someone else holds it.
 
-        Claimable: pending or failed runs, running runs whose heartbeat is older than
+        Claimable: pending, failed or interrupted runs, running runs whose heartbeat is older than
         `timeout_s` (or missing), and running runs whose owner is gone (`owner_is_gone`).
         A done run is never claimed; `owner` re-claiming its own run succeeds.
         """
+        if not self.has_schema():
+            return False
         now = _now()
         stale = or_(
-            Run.status.in_(("pending", "failed")),
+            Run.status.in_(("pending", "failed", "interrupted")),
             Run.heartbeat_at.is_(None),
             Run.heartbeat_at < now - dt.timedelta(seconds=timeout_s),
             Run.owner == owner,
@@ -145,6 +165,8 @@ class ClaimMixin:
 
     def heartbeat(self, run_id: int, owner: str) -> bool:
         """Refresh the claim's heartbeat; False if `owner` no longer holds the claim."""
+        if not self.has_schema():
+            return False
         with self._session.begin() as s:
             return _touch(s, run_id, owner)
 
@@ -159,6 +181,8 @@ class ClaimMixin:
         traceback: str | None = None,
     ) -> bool:
         """End `owner`'s claim with a final status ('done'/'failed'); False if it was lost."""
+        if not self.has_schema():
+            return False
         values: dict[str, Any] = {
             "status": status,
             "error": error,

@@ -52,11 +52,14 @@ def merge_into(out: Store, src: Store) -> MergeStats:
     if out.url == src.url:
         raise FpbenchError(f"cannot merge {src!r} into itself; name another output")
     stats = MergeStats()
+    if not src.has_schema():
+        return stats
     with src._session() as s:
         ids = s.scalars(select(Run.id).order_by(Run.id)).all()
     for run_id in ids:  # one short transaction per run on each side
         with src._session() as s:
             copy = _read(s, run_id)
+        out.ensure_schema()  # a new output is created with its first run
         with out._session.begin() as s:
             outcome = _write(s, copy)
         setattr(stats, outcome, getattr(stats, outcome) + 1)

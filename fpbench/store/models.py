@@ -64,15 +64,16 @@ class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 
+STATUSES = ("pending", "running", "done", "failed", "interrupted")  # interrupted: by Ctrl-C
+STATUS_CHECK = f"status IN ({', '.join(repr(s) for s in STATUSES)})"
+
+
 class Run(Base):
     """One (suite, method, dataset, partition, seed) cell with its fully resolved config."""
 
     __tablename__ = "runs"
     __table_args__ = (
-        CheckConstraint(
-            "status IN ('pending', 'running', 'done', 'failed')",
-            name="status",
-        ),
+        CheckConstraint(STATUS_CHECK, name="status"),
         Index(None, "suite", "method"),
     )
 

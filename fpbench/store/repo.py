@@ -6,25 +6,28 @@ pandas DataFrames, never ORM rows, so callers never hold a session.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import math
 import os
-from collections.abc import Iterable, Sequence
+import sqlite3
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 from sqlalchemy import Engine, create_engine, delete, event, func, insert, select
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from fpbench.errors import FpbenchError
 from fpbench.store.claims import ClaimMixin, touch_or_raise
-from fpbench.store.models import Base, Metric, Round, Run
-from fpbench.store.schema import check_version, upgrade
+from fpbench.store.models import Metric, Round, Run
+from fpbench.store.ownership import State, create, probe
+from fpbench.store.schema import check_version, database_id, upgrade
 
 MIN_KEY_PREFIX = 4
 RUN_COLUMNS = [
@@ -104,14 +107,6 @@ def _safe_url(url: str) -> str:
         return url
 
 
-def _prepare_sqlite_path(url: URL) -> None:
-    """Create the parent folder of a file-backed SQLite database."""
-    database = url.database
-    if not database or database == ":memory:" or database.startswith("file:"):
-        return
-    Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
-
-
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
     dbapi_connection.isolation_level = None  # transactions begin in _sqlite_on_begin
     cursor = dbapi_connection.cursor()
@@ -130,34 +125,30 @@ def _sqlite_on_begin(conn: Any) -> None:
     conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
-def _open_engine(url: str) -> Engine:
-    parsed = make_url(url)
-    is_sqlite = parsed.get_backend_name() == "sqlite"
-    if is_sqlite:
-        _prepare_sqlite_path(parsed)
-    engine = create_engine(parsed)
-    if is_sqlite:
-        event.listen(engine, "connect", _sqlite_on_connect)
-        event.listen(engine, "begin", _sqlite_on_begin)
-    try:
-        check_version(engine)  # a newer database is refused before anything is written
-        _create_tables(engine)
-        upgrade(engine)
-    except BaseException:
-        engine.dispose()
-        raise
+def configure_sqlite(engine: Engine) -> Engine:
+    """WAL mode, a busy timeout, foreign keys and write-locking transactions on every connection."""
+    event.listen(engine, "connect", _sqlite_on_connect)
+    event.listen(engine, "begin", _sqlite_on_begin)
     return engine
 
 
-def _create_tables(engine: Engine, attempts: int = 3) -> None:
-    """create_all, retried: several workers may create the tables of a new database at once."""
-    for attempt in range(attempts):
-        try:
-            Base.metadata.create_all(engine)
-            return
-        except (IntegrityError, DBAPIError):
-            if attempt == attempts - 1:
-                raise
+def _open_engine(url: str) -> tuple[Engine, State]:
+    """The engine and what the database holds; a database that is not fpbench's is refused and
+    a missing one is not created (see `fpbench.store.ownership`)."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        engine = configure_sqlite(create_engine(parsed))
+    else:  # a server restarted between two transactions: reconnect instead of failing the cell
+        engine = create_engine(parsed, pool_pre_ping=True)
+    try:
+        state = probe(engine)  # reads only
+        if state is State.FPBENCH:
+            check_version(engine)  # a newer database is refused before anything is written
+            upgrade(engine)
+    except BaseException:
+        engine.dispose()
+        raise
+    return engine, state
 
 
 def _metric_dicts(run_id: int, round_: int, rows: Iterable[MetricRow]) -> list[dict[str, Any]]:
@@ -187,25 +178,48 @@ class Store(ClaimMixin):
     """Results database: runs, per-round scalars and long-format metrics.
 
     Args:
-        url: any SQLAlchemy URL; SQLite files get WAL mode and foreign keys, and their parent
-            folder is created. Tables are created when missing.
+        url: any SQLAlchemy URL; SQLite files get WAL mode and foreign keys. A database that is
+            not fpbench's is refused unchanged; a new one (a missing SQLite file and its parent
+            folder, or an empty server database) is created only when the first run is written.
 
     Raises:
-        FpbenchError: the database cannot be opened or created.
+        FpbenchError: the database cannot be opened, or is not fpbench's.
     """
 
     def __init__(self, url: str):
         self.url = url
-        try:
-            self._engine = _open_engine(url)
-        except FpbenchError as exc:
-            raise FpbenchError(f"results database {_safe_url(url)}: {exc}") from exc
-        except (SQLAlchemyError, OSError, ValueError, ImportError) as exc:
-            raise FpbenchError(
-                f"cannot open results database {_safe_url(url)}: {_reason(exc)}"
-                + _driver_hint(url, exc)
-            ) from exc
+        with self._errors():
+            self._engine, self._state = _open_engine(url)
         self._session = sessionmaker(self._engine, expire_on_commit=False)
+
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        try:
+            yield
+        except FpbenchError as exc:
+            raise FpbenchError(f"results database {_safe_url(self.url)}: {exc}") from exc
+        except (SQLAlchemyError, sqlite3.Error, OSError, ValueError, ImportError) as exc:
+            raise FpbenchError(
+                f"cannot open results database {_safe_url(self.url)}: {_reason(exc)}"
+                + _driver_hint(self.url, exc)
+            ) from exc
+
+    def has_schema(self, *, create_now: bool = False) -> bool:
+        """Whether fpbench's tables exist (made by another process meanwhile, or, with
+        `create_now`, by this call: only a write about to happen may create the database)."""
+        if self._state is State.ABSENT:
+            with self._errors():
+                self._state = probe(self._engine)
+                if self._state is State.FPBENCH:  # made by another process meanwhile
+                    check_version(self._engine)
+                if self._state is State.ABSENT and create_now:
+                    create(self._engine)
+                    self._state = State.FPBENCH
+        return self._state is State.FPBENCH
+
+    def ensure_schema(self) -> None:
+        """Create the database now if it does not exist yet (just before a first write)."""
+        self.has_schema(create_now=True)
 
     def close(self) -> None:
         """Release pooled connections (the Store is unusable afterwards)."""
@@ -219,6 +233,14 @@ class Store(ClaimMixin):
 
     def __repr__(self) -> str:
         return f"Store({_safe_url(self.url)!r})"
+
+    @property
+    def database_id(self) -> str:
+        """This database's identity (a uuid in `meta`), to which checkpoints are bound."""
+        self.ensure_schema()
+        if getattr(self, "_database_id", None) is None:
+            self._database_id = database_id(self._engine)
+        return self._database_id
 
     @staticmethod
     def url_from_path_or_url(s: str | os.PathLike[str]) -> str:
@@ -238,6 +260,8 @@ class Store(ClaimMixin):
 
     def find_run(self, run_key: str) -> RunRecord | None:
         """The run with exactly this key, or None."""
+        if not self.has_schema():
+            return None
         with self._session() as s:
             run = s.scalar(select(Run).where(Run.run_key == run_key))
             return None if run is None else _record(run)
@@ -261,6 +285,7 @@ class Store(ClaimMixin):
         Raises:
             FpbenchError: a run with this key already exists.
         """
+        self.ensure_schema()
         run = Run(
             run_key=run_key,
             suite=suite,
@@ -293,6 +318,9 @@ class Store(ClaimMixin):
 
     def runs(self, suite: str | None = None) -> pd.DataFrame:
         """One row per run (config omitted) plus `last_round` (None before any round)."""
+        if not self.has_schema():
+            empty = pd.DataFrame(columns=[*RUN_COLUMNS, "last_round"])
+            return empty.astype({"last_round": "Int64"})
         last = (
             select(Round.run_id, func.max(Round.round).label("last_round"))
             .group_by(Round.run_id)
@@ -316,6 +344,8 @@ class Store(ClaimMixin):
             FpbenchError: no run matches, or the prefix matches several runs.
         """
         ref = str(ref).strip()
+        if not self.has_schema():
+            raise FpbenchError(f"no run {ref!r}: the database holds no runs yet")
         with self._session() as s:
             if ref.isdigit() and (run := s.get(Run, int(ref))) is not None:
                 return _record(run)
@@ -374,6 +404,7 @@ class Store(ClaimMixin):
                 while that claim holds (ClaimLost otherwise) and its heartbeat is refreshed.
         """
         metric_rows = _metric_dicts(int(run_id), int(round), metrics)
+        self.ensure_schema()
         loss = None if loss_train is None or math.isnan(loss_train) else float(loss_train)
         with self._session.begin() as s:
             self._get(s, run_id)
@@ -396,17 +427,31 @@ class Store(ClaimMixin):
 
     def truncate_after(self, run_id: int, round: int) -> None:
         """Delete rounds and metrics with round > `round` (before resuming from a checkpoint)."""
+        if not self.has_schema():
+            return
         with self._session.begin() as s:
             s.execute(delete(Metric).where(Metric.run_id == run_id, Metric.round > round))
             s.execute(delete(Round).where(Round.run_id == run_id, Round.round > round))
 
     def last_round(self, run_id: int) -> int | None:
         """The highest round written for this run, or None."""
+        if not self.has_schema():
+            return None
         with self._session() as s:
             return s.scalar(select(func.max(Round.round)).where(Round.run_id == run_id))
 
+    def round_numbers(self, run_id: int) -> list[int]:
+        """The rounds stored for this run, ascending."""
+        if not self.has_schema():
+            return []
+        stmt = select(Round.round).where(Round.run_id == run_id).order_by(Round.round)
+        with self._session() as s:
+            return list(s.scalars(stmt))
+
     def rounds(self, run_id: int) -> pd.DataFrame:
         """Per-round scalars of one run, ordered by round."""
+        if not self.has_schema():
+            return pd.DataFrame(columns=ROUND_COLUMNS)
         stmt = select(*[getattr(Round, c) for c in ROUND_COLUMNS]).where(Round.run_id == run_id)
         with self._session() as s:
             rows = s.execute(stmt.order_by(Round.round)).all()
@@ -428,6 +473,8 @@ class Store(ClaimMixin):
             names: only these metric names (exact, e.g. "acc_global_last10").
             aggregate_only: only rows with client_id NULL (aggregates over clients).
         """
+        if not self.has_schema():
+            return _metric_frame([])
         run_cols = [Run.suite, Run.method, Run.dataset, Run.partition, Run.seed]
         metric_cols = [Metric.round, Metric.client_id, Metric.name, Metric.value, Metric.count]
         stmt = select(Metric.run_id, *run_cols, *metric_cols).join(Run, Run.id == Metric.run_id)
@@ -442,5 +489,9 @@ class Store(ClaimMixin):
         order = (Metric.run_id, Metric.round, Metric.client_id, Metric.name)
         with self._session() as s:
             rows = s.execute(stmt.order_by(*order)).all()
-        df = pd.DataFrame(rows, columns=METRIC_COLUMNS)
-        return df.astype({"client_id": "Int64", "count": "Int64", "value": "float64"})
+        return _metric_frame(rows)
+
+
+def _metric_frame(rows: Sequence[Any]) -> pd.DataFrame:
+    df = pd.DataFrame(rows, columns=METRIC_COLUMNS)
+    return df.astype({"client_id": "Int64", "count": "Int64", "value": "float64"})
