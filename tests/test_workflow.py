@@ -43,6 +43,11 @@ def workdir(tmp_path, monkeypatch):
     return tmp_path
 
 
+def fake_config(rounds: int) -> dict:
+    """What `db check` (and so `db merge`) reads of a run's config."""
+    return {"train": {"rounds": rounds}}
+
+
 def fake_db(path: Path, values: dict[tuple[str, int], list[float]], suite: str = "s") -> str:
     """A database of done runs: (method, seed) -> acc_global per round (rounds 0, 1, ...),
     with acc_local_mean = acc_global / 2 and client 0's acc_local = the same value."""
@@ -51,10 +56,12 @@ def fake_db(path: Path, values: dict[tuple[str, int], list[float]], suite: str =
         for i, ((method, seed), accs) in enumerate(values.items()):
             run = store.create_run(
                 run_key=f"{i:04d}abcd", suite=suite, method=method, dataset="d", partition="p",
-                seed=seed, config={}, fpbench_version="0", torch_version="0", device="cpu",
+                seed=seed, config=fake_config(len(accs)), fpbench_version="0", torch_version="0",
+                device="cpu",
             )  # fmt: skip
             for rnd, acc in enumerate(accs):
                 rows = [
+                    (None, "loss_train", 1.0 / (rnd + 1), None),
                     (None, "acc_global", acc, None),
                     (None, "acc_local_mean", acc / 2, None),
                     (0, "acc_local", acc, 10),
@@ -220,7 +227,7 @@ def test_export_csv_holds_every_round_and_client_value(workdir):
     rounds = pd.read_csv(workdir / "out" / "rounds.csv")
     clients = pd.read_csv(workdir / "out" / "clients.csv")
     assert list(runs["method"]) == ["sgpt", "fedavg"] and list(runs["last_round"]) == [1, 2]
-    assert json.loads(runs["config_json"][0]) == {}
+    assert json.loads(runs["config_json"][0]) == fake_config(2)
     assert list(rounds.columns) == [
         "run_id", "run_key", "suite", "method", "dataset", "partition", "seed", "round",
         "loss_train", "wall_s", "bytes_up", "bytes_down", "acc_global", "acc_local_mean",
