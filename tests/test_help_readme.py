@@ -40,7 +40,7 @@ ALL = list(commands())
 
 @pytest.mark.parametrize("path", [p for p, _ in ALL], ids=lambda p: " ".join(p) or "fpbench")
 def test_every_help_works_and_lists_every_option(path):
-    result = CliRunner().invoke(app, [*path, "--help"], terminal_width=200)
+    result = CliRunner().invoke(app, [*path, "--help"], terminal_width=200, env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     command = dict(ALL)[path]
     for param in command.params:

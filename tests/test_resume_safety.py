@@ -146,12 +146,12 @@ def test_db_check_finds_gaps_and_merge_refuses_them(tmp_path):
     runner = CliRunner()
     check = runner.invoke(app, ["db", "check", str(db)])
     assert check.exit_code == 1
-    assert "rounds 0 are missing below stored round 1" in check.output
+    assert "rounds 1 are missing below stored round 2"  # from 1 in check.output
     before = db.read_bytes()
     out = tmp_path / "out.db"
     merged = runner.invoke(app, ["db", "merge", str(out), str(db)])
     assert merged.exit_code == 2, merged.output
-    assert "rounds 0 are missing below stored round 1; nothing merged" in merged.output
+    assert "rounds 1 are missing below stored round 2; nothing merged" in merged.output
     assert not out.exists() and db.read_bytes() == before
 
 
@@ -244,7 +244,7 @@ def test_a_run_whose_process_died_shows_as_stale_and_is_taken_over(workdir):
     _, stdout, _ = _cli("run", "--suite", "tiny.toml", "--db", "x.db", "--dry-run")
     assert re.search(r"│ stale +│", stdout) and "stale: running, but its process is gone" in stdout
     code, stdout, stderr = _cli("run", "--suite", "tiny.toml", "--method", "fedvpt", "--db", "x.db")
-    assert code == 0 and "1 run, 0 already done" in stdout, stdout + stderr
+    assert code == 0 and "1 cell ran, 0 already done" in stdout, stdout + stderr
     assert _rounds(workdir / "x.db") == [0, 1]
 
 

@@ -87,8 +87,10 @@ def _copy_params(src_url: str, out_url: str) -> int:
 def check(
     db: Annotated[str, typer.Argument(help="database to check: a path or SQLAlchemy URL")],
 ) -> None:
-    """Verify rounds have no gaps and every done run has all its rounds and metrics; list
-    failed, interrupted and stale runs.
+    """Verify every run's rounds (no gaps; a done run complete) and list unfinished runs.
+
+    A done run must hold all its rounds, their losses and its final evaluation; failed,
+    interrupted and stale runs are listed.
 
     Exit code 1 when there are problems.
     """

@@ -86,7 +86,7 @@ def _broken(run, rounds, losses, evaluated) -> list[str]:
     have, out = rounds.get(run.id, set()), []
     if run.status != "done":
         if have and (gaps := sorted(set(range(max(have))) - have)):
-            out.append(f"rounds {_span(gaps)} are missing below stored round {max(have)}")
+            out.append(f"rounds {_span(gaps)} are missing below stored round {max(have) + 1}")
         return out
     expected = set(range(int(json.loads(run.config_json)["train"]["rounds"])))
     if missing := sorted(expected - have):
