@@ -9,16 +9,8 @@ import pytest
 import torch
 
 from fpbench.engine.inputs import FeatureCache, Inputs
-from fpbench.methods.base import (
-    Context,
-    Method,
-    Output,
-    ServerState,
-    Updates,
-    as_logits,
-    per_client_linear,
-    weighted_mean,
-)
+from fpbench.methods.base import Context, Method, Output, ServerState, Updates, as_logits
+from fpbench.methods.helpers import per_client_linear, weighted_mean
 from fpbench.registry import METHODS
 from fpbench.testing import (
     check_cached_frozen_work_changes_nothing,
@@ -151,3 +143,10 @@ def test_default_loss_is_cross_entropy_plus_the_forwards_aux_loss():
     torch.testing.assert_close(test, ce)
     logits = method.forward({}, None, rows, Context(training=True))
     assert torch.equal(as_logits(logits), logits.logits)
+
+
+def test_every_method_declares_its_backbone_family():
+    families = {name: METHODS.get(name).backbone_family for name in ALL}
+    assert Method.backbone_family == "vit"
+    assert set(families.values()) <= {"vit", "clip"}
+    assert families["promptfl"] == families["coop-local"] == "clip" and families["fedvpt"] == "vit"

@@ -19,22 +19,15 @@ per-client text features (K, C, E).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
 from fpbench.backbones.clip_prompts import PromptLayout, init_context, phrase_length
 from fpbench.errors import FpbenchError
 from fpbench.lazy import F, torch
-from fpbench.methods.base import (
-    Context,
-    Frozen,
-    Method,
-    MethodConfig,
-    ServerState,
-    TaskInfo,
-    per_client_linear,
-)
+from fpbench.methods.base import Context, Frozen, Method, MethodConfig, ServerState, TaskInfo
+from fpbench.methods.helpers import per_client_linear
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
@@ -56,7 +49,7 @@ class CoOpModel(Method):
     """CoOp text prompts on a frozen CLIP; subclasses choose how they are federated."""
 
     Config = CoOpConfig
-    backbone_family: ClassVar[str] = "clip"
+    backbone_family = "clip"
 
     def __init__(self, cfg: MethodConfig, backbone: PromptedCLIP, task: TaskInfo) -> None:
         from fpbench.backbones.clip import PromptedCLIP

@@ -14,14 +14,8 @@ from typing import TYPE_CHECKING
 from pydantic import Field
 
 from fpbench.lazy import torch
-from fpbench.methods.base import (
-    Context,
-    Method,
-    MethodConfig,
-    init_linear,
-    init_prompts,
-    per_client_linear,
-)
+from fpbench.methods.base import Context, Method, MethodConfig
+from fpbench.methods.helpers import init_linear, init_prompts, per_client_linear
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:

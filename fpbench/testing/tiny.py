@@ -74,7 +74,7 @@ def tiny_config(method: str = "fedvpt", **train) -> RunConfig:
     method whose `backbone_family` is "clip" gets the test-sized CLIP."""
     raw = {**TINY, "methods": [{"name": method, **OFFLINE_ARGS.get(method, {})}]}
     raw["defaults"] = {**TINY["defaults"], "train": {**TINY["defaults"]["train"], **train}}
-    if getattr(METHODS.get(method), "backbone_family", "vit") == "clip":
+    if METHODS.get(method).backbone_family == "clip":
         raw["defaults"]["backbone"] = {"name": "clip-test"}
     return expand_suite(raw, name="tiny").cells[0]
 
