@@ -235,8 +235,8 @@ def measure(
     through the engine's own round (`fpbench.engine.rounds.play_round`)."""
     from fpbench.engine.build import build_populations
     from fpbench.engine.cost import PeakMemory
-    from fpbench.engine.executor import derive_seed
     from fpbench.engine.rounds import evaluate_populations, play_round, sampling_schedule
+    from fpbench.engine.seeding import derive_seed
     from fpbench.engine.task import task_of
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: the hub is never needed

@@ -7,7 +7,6 @@ import contextlib
 import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from traceback import format_exc
 
@@ -20,20 +19,14 @@ from fpbench.determinism import deterministic
 from fpbench.engine.artifacts import keep_params
 from fpbench.engine.build import build_populations, resolve_device, resolve_precision
 from fpbench.engine.cost import PeakMemory
-from fpbench.engine.executor import derive_seed
 from fpbench.engine.inputs import FeatureCache
-from fpbench.engine.rounds import Observer, run_rounds
+from fpbench.engine.observer import CellResult, Observer
+from fpbench.engine.rounds import run_rounds
+from fpbench.engine.seeding import derive_seed
 from fpbench.engine.task import build_task
 from fpbench.errors import FpbenchError
 from fpbench.specs import RunConfig
 from fpbench.store import CLAIM_TIMEOUT_S, ClaimLost, Store, claim_is_live, new_owner
-
-
-@dataclass(frozen=True)
-class CellResult:
-    cfg: RunConfig
-    status: str  # done, skipped, failed
-    error: str | None = None
 
 
 def run_suite(
