@@ -14,7 +14,7 @@ built without loading weights: nothing downloads), split into the parts a run pa
 * one evaluation.
 
 Each part runs through the engine's own code (`fpbench.engine.rounds.play_round` and
-`evaluate_populations`) and as the cell computes (`fpbench.engine.runner.cell_numerics`).
+`evaluate_populations`) and as the cell computes (`fpbench.engine.numerics.cell_numerics`).
 
 `project` turns them into a cell's time: setup + rounds x train round + evaluations x evaluation
 + the frozen passes over the samples the run is expected to touch (the clients sampled at least
@@ -331,7 +331,7 @@ def estimate(
     `progress(i, n, shape)` is called before each measurement.
     """
     from fpbench.engine.build import resolve_precision
-    from fpbench.engine.runner import cell_numerics
+    from fpbench.engine.numerics import cell_numerics
 
     shapes = plan(suite)
     out = []

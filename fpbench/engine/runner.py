@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import platform
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from traceback import format_exc
 
@@ -14,12 +12,11 @@ import torch
 
 import fpbench
 from fpbench import stages
-from fpbench.backbones.frozen_linear import cpu_linear
-from fpbench.determinism import deterministic
 from fpbench.engine.artifacts import keep_params
 from fpbench.engine.build import build_populations, resolve_device, resolve_precision
 from fpbench.engine.cost import PeakMemory
 from fpbench.engine.inputs import FeatureCache
+from fpbench.engine.numerics import cell_numerics
 from fpbench.engine.observer import CellResult, Observer
 from fpbench.engine.rounds import run_rounds
 from fpbench.engine.seeding import derive_seed
@@ -78,17 +75,6 @@ def run_cell(
     stage = lambda what, done, total: on_stage(cfg, what, done, total)  # noqa: E731
     with cell_numerics(cfg), stages.reporting(stage):
         return _run_cell(cfg, store, checkpoint_dir, observer, cache, claim_timeout)
-
-
-@contextmanager
-def cell_numerics(cfg: RunConfig) -> Iterator[None]:
-    """How a cell computes (also where `fpbench estimate` times it): its deterministic mode and
-    thread count, and its CPU linear layers' backend."""
-    with (
-        deterministic(cfg.runtime.deterministic, cfg.runtime.threads),
-        cpu_linear(cfg.runtime.cpu_linear),
-    ):
-        yield
 
 
 def _run_cell(
