@@ -23,8 +23,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fpbench.engine.build import build_method, resolve_device, resolve_precision
 from fpbench.engine.evaluate import evaluate
-from fpbench.engine.executor import autocast, train_clients
+from fpbench.engine.executor import train_clients
 from fpbench.engine.inputs import FeatureCache, Inputs
+from fpbench.engine.precision import autocast
 from fpbench.engine.task import build_task
 from fpbench.suites import expand_suite
 

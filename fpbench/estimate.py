@@ -14,7 +14,7 @@ built without loading weights: nothing downloads), split into the parts a run pa
 * one evaluation.
 
 Each part runs through the engine's own code (`fpbench.engine.rounds.play_round` and
-`evaluate_populations`) and as the cell computes (`fpbench.engine.runner.cell_numerics`).
+`evaluate_populations`) and as the cell computes (`fpbench.engine.numerics.cell_numerics`).
 
 `project` turns them into a cell's time: setup + rounds x train round + evaluations x evaluation
 + the frozen passes over the samples the run is expected to touch (the clients sampled at least
@@ -236,8 +236,8 @@ def measure(
     through the engine's own round (`fpbench.engine.rounds.play_round`)."""
     from fpbench.engine.build import build_populations
     from fpbench.engine.cost import PeakMemory
-    from fpbench.engine.executor import derive_seed
     from fpbench.engine.rounds import evaluate_populations, play_round, sampling_schedule
+    from fpbench.engine.seeding import derive_seed
     from fpbench.engine.task import task_of
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: the hub is never needed
@@ -333,7 +333,7 @@ def estimate(
     `progress(i, n, shape)` is called before each measurement.
     """
     from fpbench.engine.build import resolve_precision
-    from fpbench.engine.runner import cell_numerics
+    from fpbench.engine.numerics import cell_numerics
 
     shapes = plan(suite)
     out = []

@@ -1,5 +1,6 @@
 """docs/adding-a-method.md, step by step: its method file installed as a package of its own (an
-entry point), its hand-checked test, its suite run through the CLI and rendered as a table."""
+entry point), its conformance and hand-checked tests run by pytest from a folder outside the
+checkout, its suite run through the CLI and rendered as a table."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from fpbench.registry import METHODS, load_plugins
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "adding-a-method.md"
 FPBENCH = [sys.executable, "-m", "fpbench"]
@@ -56,22 +55,35 @@ def test_the_installed_method_is_listed_with_its_package(site, tmp_path):
     assert "fpbench" in fedvpt and "my-fpbench-methods" not in fedvpt
 
 
-def test_the_doc_test_passes(site, tiny, monkeypatch):
-    load_plugins()  # the built-in ones first, without the folder below
-    monkeypatch.setattr(METHODS, "_items", dict(METHODS._items))  # registered for this test only
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.delitem(sys.modules, "trimmed_vpt", raising=False)
-    import trimmed_vpt  # noqa: F401  (registers trimmed-vpt)
-
-    namespace: dict = {}
-    exec(_blocks("python")[1], namespace)
-    namespace["test_trimmed_mean_drops_the_extremes"](tiny)
-    sys.modules.pop("trimmed_vpt")
+def test_the_doc_tests_pass_from_a_fresh_folder(site, tmp_path):
+    """Step 3 as a plugin author runs it: the page's conftest and test module in a folder
+    outside the checkout, fpbench and the method package installed, pytest run there."""
+    conftest, test_module = _blocks("python")[1:3]
+    (tmp_path / "conftest.py").write_text(conftest)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_trimmed_vpt.py").write_text(test_module)
+    command = shlex.split(_blocks("bash")[0].strip())
+    assert command[0] == "pytest"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(site), *sys.path]),
+        "FPBENCH_CACHE": str(tmp_path / "cache"),
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", *command, "-p", "no:cacheprovider"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # the four conformance checks (frozen work skipped: none declared) and the page's own test
+    assert re.search(r"\b4 passed, 1 skipped\b", out.stdout), out.stdout[-2000:]
 
 
 def test_the_suite_runs_and_gives_a_table_row(site, tmp_path):
     (tmp_path / "trimmed-demo.toml").write_text(_blocks("toml")[1])
-    commands = [shlex.split(line) for line in _blocks("bash")[0].splitlines()]
+    commands = [shlex.split(line) for line in _blocks("bash")[1].splitlines()]
     assert [c[:2] for c in commands] == [["fpbench", "run"], ["fpbench", "table"]]
     run = _cli(commands[0][1:], site, tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -180,3 +180,26 @@ def test_console_script_reports_errors_without_traceback(workdir):
     assert proc.returncode == 2
     assert "unknown suite" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_list_filters_by_pattern_and_lists_presets(monkeypatch):
+    from fpbench.methods.sgpt import SGPT_PRESETS
+
+    monkeypatch.setenv("COLUMNS", "250")  # one table row per line
+    sgpt = invoke("list", "methods", "sgpt*")
+    assert sgpt.exit_code == 0, sgpt.output
+    names = [line.split("│")[1].strip() for line in sgpt.output.splitlines() if "│" in line]
+    assert names == ["sgpt", *(f"sgpt preset={p}" for p in SGPT_PRESETS)]
+    office = next(line for line in sgpt.output.splitlines() if "sgpt preset=office " in line)
+    assert "num_groups=4" in office and "query_layer=5" in office
+    every = invoke("list", "methods", "--presets")
+    assert every.exit_code == 0
+    assert "fgpt preset=" in every.output and "pep-fedpt preset=" in every.output
+    plain = invoke("list", "methods")
+    assert "preset=" not in plain.output and "fedvpt-d" in plain.output
+    for args, needle in [
+        (("datasets", "--presets"), "--presets lists methods' presets"),
+        (("methods", "sgtp*"), "no methods match 'sgtp*'"),
+    ]:
+        bad = invoke("list", *args)
+        assert bad.exit_code == 2 and needle in bad.output, bad.output

@@ -13,7 +13,7 @@ LAYERS = [
     {"partition", "backbones"},
     {"methods", "cache"},
     {"engine"},
-    {"estimate", "bench", "report"},
+    {"estimate", "bench", "report", "testing"},
     {"cli"},
     {"__main__"},
 ]
@@ -47,6 +47,23 @@ def test_no_module_imports_a_layer_above_its_own():
             if target != unit and RANK[target] >= RANK[unit]:
                 upward.append(f"{path.relative_to(root)} imports {module}")
     assert upward == []
+
+
+def _module_name(root: Path, path: Path) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_two_modules_import_each_other():
+    """Each pair of modules depends one way (imports inside functions count too); a package's
+    `__init__` and its own modules are one unit."""
+    root = Path(fpbench.__file__).parent
+    graph = {_module_name(root, p): _imports(p) for p in root.rglob("*.py")}
+    pairs = sorted(
+        f"{a} <-> {b}" for a, deps in graph.items() for b in deps
+        if a < b and a in graph.get(b, set()) and not b.startswith(a + ".")
+    )  # fmt: skip
+    assert pairs == []
 
 
 def test_imports_inside_functions_are_found(tmp_path):

@@ -1,4 +1,5 @@
-"""Method conformance: every registered method, picked up automatically."""
+"""Method conformance: every registered method, picked up automatically (the checks are
+`fpbench.testing`'s, which plugin authors run on their own methods)."""
 
 from __future__ import annotations
 
@@ -7,102 +8,41 @@ import math
 import pytest
 import torch
 
-from fpbench.engine.executor import train_clients
 from fpbench.engine.inputs import FeatureCache, Inputs
-from fpbench.methods.base import (
-    Context,
-    Method,
-    Output,
-    ServerState,
-    Updates,
-    as_logits,
-    per_client_linear,
-    weighted_mean,
-)
+from fpbench.methods.base import Context, Method, Output, ServerState, Updates, as_logits
+from fpbench.methods.helpers import per_client_linear, weighted_mean
 from fpbench.registry import METHODS
-
-from .conftest import seeded_server
+from fpbench.testing import (
+    check_cached_frozen_work_changes_nothing,
+    check_executors_agree,
+    check_only_declared_tensors_are_communicated,
+    check_round,
+    declares_frozen_work,
+    seeded_server,
+)
 
 ALL = METHODS.names()
-WITH_FROZEN = [n for n in ALL if METHODS.get(n).frozen is not Method.frozen]
-
-
-def _round(method, task, cfg, executor, server=None):
-    server = server or seeded_server(method)
-    ids = task.trainable_clients()
-    local = train_clients(
-        method, server, task, ids, cfg.train, round_idx=0, seed=cfg.seed, executor=executor
-    )
-    return server, local
+WITH_FROZEN = [n for n in ALL if declares_frozen_work(n)]
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_reference_and_lockstep_executors_agree(tiny, name):
-    cfg, task, method = tiny(name, local_epochs=2, weight_decay=1e-3, grad_clip=1.0)
-    server, ref = _round(method, task, cfg, "reference")
-    _, lock = _round(method, task, cfg, "lockstep", server)
-    assert ref.client_ids.tolist() == lock.client_ids.tolist()
-    for k in ref.params:
-        torch.testing.assert_close(lock.params[k], ref.params[k], atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(lock.loss, ref.loss, atol=1e-5, rtol=1e-5)
-    assert ref.stats.keys() == lock.stats.keys()
+    check_executors_agree(tiny, name)
 
 
 @pytest.mark.parametrize("name", WITH_FROZEN)
 def test_cached_frozen_work_changes_nothing(tiny, name):
-    cfg, task, method = tiny(name)
-    frozen = method.frozen()
-    if frozen is None:
-        pytest.skip(f"{name} declares no frozen work (its subclass's override)")
-    server = seeded_server(method)
-    ids = task.trainable_clients()
-    cached = Inputs.of(method, task, FeatureCache(), batch_size=16)
-    assert set(cached.cached if frozen.as_input else cached.queries) == {"train", "test"}
-    runs = [
-        train_clients(
-            method, server, task, ids, cfg.train, round_idx=0, seed=0, inputs=inputs
-        ).params
-        for inputs in (Inputs.of(method, task), cached)
-    ]
-    for k in runs[0]:
-        torch.testing.assert_close(runs[1][k], runs[0][k], atol=1e-5, rtol=1e-4)
+    check_cached_frozen_work_changes_nothing(tiny, name)
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_a_round_trains_is_deterministic_and_keeps_the_backbone(tiny, name):
-    cfg, task, method = tiny(name)
-    before = {k: v.clone() for k, v in method.backbone.state_dict().items()}
-    server, local = _round(method, task, cfg, "lockstep")
-    for k, v in method.backbone.state_dict().items():
-        assert torch.equal(v, before[k]), f"backbone tensor {k} changed"
-    assert torch.isfinite(local.loss).all()
-    start = method.client_params(server, local.client_ids)
-    trainable = {n for phase in method.phases(cfg.train.local_epochs, tuple(start))
-                 for n in phase.trainable}  # fmt: skip
-    assert trainable, "no phase trains anything"
-    for k in start:  # each tensor a phase trains moves; every other one stays put
-        moved = not torch.equal(start[k], local.params[k])
-        assert moved == (k in trainable), f"{k}: trainable={k in trainable}, moved={moved}"
-    _, again = _round(method, task, cfg, "lockstep", server)  # same seed, same result
-    for k in local.params:
-        assert torch.equal(again.params[k], local.params[k])
-    weights = task.train_sizes[local.client_ids]
-    new = method.aggregate(server, Updates(local.params, local.client_ids, weights, local.stats))
-    for part in ("params", "personal", "buffers"):
-        old, cur = getattr(server, part), getattr(new, part)
-        assert {k: v.shape for k, v in old.items()} == {k: v.shape for k, v in cur.items()}
+    check_round(tiny, name)
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_only_declared_tensors_are_communicated(tiny, name):
-    cfg, task, method = tiny(name)
-    server = seeded_server(method)
-    down, up = method.communication(server)
-    # server state, or a non-personal tensor a client trains (e.g. generated prompts, their deltas)
-    trained = method.client_params(server, torch.tensor([0]))
-    declared = set(server.params) | set(server.buffers) | (set(trained) - method.personal)
-    assert set(down) <= declared and set(up) <= declared
-    assert not (set(down) | set(up)) & (set(server.personal) | method.personal)
+    check_only_declared_tensors_are_communicated(tiny, name)
 
 
 def test_fedavg_is_sample_weighted_mean(tiny):
@@ -203,3 +143,10 @@ def test_default_loss_is_cross_entropy_plus_the_forwards_aux_loss():
     torch.testing.assert_close(test, ce)
     logits = method.forward({}, None, rows, Context(training=True))
     assert torch.equal(as_logits(logits), logits.logits)
+
+
+def test_every_method_declares_its_backbone_family():
+    families = {name: METHODS.get(name).backbone_family for name in ALL}
+    assert Method.backbone_family == "vit"
+    assert set(families.values()) <= {"vit", "clip"}
+    assert families["promptfl"] == families["coop-local"] == "clip" and families["fedvpt"] == "vit"

@@ -3,6 +3,7 @@ stored."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import sys
 from enum import Enum
@@ -41,13 +42,25 @@ class Listable(str, Enum):
 
 @app.command("list")
 @user_errors
-def list_(what: Annotated[Listable, typer.Argument(help="what to list")]) -> None:
+def list_(
+    what: Annotated[Listable, typer.Argument(help="what to list")],
+    pattern: Annotated[
+        str, typer.Argument(help="only names matching this glob, e.g. 'sgpt*' (with presets)")
+    ] = "*",
+    presets: Annotated[
+        bool, typer.Option("--presets", help="methods: list each one's named presets too")
+    ] = False,
+) -> None:
     """List the registered suites, methods, datasets, partitions or backbones.
 
     Components of other installed packages (entry points `fpbench.methods`, ...) are listed
-    with the package they come from."""
+    with the package they come from. A method's presets (paper rows, `preset = "name"` in a
+    suite) are listed under it with `--presets`, or when a pattern narrows the list."""
     from fpbench.registry import BACKBONES, DATASETS, METHODS, PARTITIONS
     from fpbench.suites import list_suites
+
+    if presets and what is not Listable.methods:
+        raise FpbenchError(f"--presets lists methods' presets; {what.value} have none")
 
     table = Table(title=what.value)
     table.add_column("name")
@@ -55,7 +68,7 @@ def list_(what: Annotated[Listable, typer.Argument(help="what to list")]) -> Non
         table.add_column("cells", justify="right")
         table.add_column("needs")
         table.add_column("description")
-        for name in list_suites():
+        for name in _matching(list_suites(), pattern, what):
             table.add_row(name, *suite_row(name))
         console.print(table)
         return
@@ -67,8 +80,10 @@ def list_(what: Annotated[Listable, typer.Argument(help="what to list")]) -> Non
     }[what.value]
     rows = [
         (name, _summary_line(registry.get(name)), registry.source(name))
-        for name in registry.names()
+        for name in _matching(registry.names(), pattern, what)
     ]
+    if what is Listable.methods and (presets or pattern != "*"):
+        rows = [r for row in rows for r in [row, *preset_rows(row[0], row[2])]]
     if what is Listable.backbones:  # fpbench.backbones.custom
         rows += [
             ("timm:<model>", "any timm ViT, e.g. timm:deit_small_patch16_224.fb_in1k", "timm"),
@@ -83,6 +98,28 @@ def list_(what: Annotated[Listable, typer.Argument(help="what to list")]) -> Non
     for row in rows:
         table.add_row(*row)
     console.print(table)
+
+
+def _matching(names: list[str], pattern: str, what: Listable) -> list[str]:
+    """The names that match a glob; none is a user error (a typo, most likely)."""
+    found = fnmatch.filter(names, pattern)
+    if not found:
+        raise FpbenchError(
+            f"no {what.value} match {pattern!r}; `fpbench list {what.value}` lists all"
+        )
+    return found
+
+
+def preset_rows(method: str, source: str) -> list[tuple[str, str, str]]:
+    """One row per named preset of a method's config: `method preset=NAME` and its settings."""
+    from fpbench.registry import METHODS
+
+    table = getattr(METHODS.get(method).Config, "PRESETS", {})
+    return [
+        (f"{method} preset={name}", escape(", ".join(f"{k}={v!r}" for k, v in row.items())) or
+         "(the defaults)", source)
+        for name, row in table.items()
+    ]  # fmt: skip
 
 
 def suite_row(name: str) -> tuple[str, str, str]:

@@ -81,13 +81,11 @@ def run(
     device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N")] = None,
     launcher: Annotated[
         str,
-        typer.Option(
-            "--launcher",
-            "--executor",
-            help="where cells run: local, submitit-local, slurm or ray (--executor: its old "
-            "name; lockstep/reference there still select --client-executor)",
-        ),
+        typer.Option("--launcher", help="where cells run: local, submitit-local, slurm or ray"),
     ] = "local",
+    executor: Annotated[
+        str | None, typer.Option("--executor", hidden=True, help="removed: see --launcher")
+    ] = None,
     client_executor: Annotated[
         str | None, typer.Option(help="client training: lockstep or reference")
     ] = None,
@@ -170,11 +168,15 @@ def run(
     from fpbench.methods.gpt_fl import require_generated
     from fpbench.store import Store
 
+    if executor is not None:
+        raise FpbenchError(
+            f"--executor was removed: where cells run is --launcher (local, submitit-local, "
+            f"slurm, ray), how a round's clients train is --client-executor (lockstep, "
+            f"reference); got --executor {executor}"
+        )
     loaded, cells = load_cells(suite, sets, method, seed)
     if data_root is not None:  # read by every worker through the environment
         os.environ["FPBENCH_DATA"] = str(data_root.expanduser().absolute())
-    if launcher in ("lockstep", "reference"):  # --executor's meaning before cell launchers
-        launcher, client_executor = "local", client_executor or launcher
     given = {
         "device": device,
         "executor": client_executor,

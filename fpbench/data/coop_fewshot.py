@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from pydantic import Field
 
@@ -156,105 +156,78 @@ class CoopFewShot(RealDataset):
         )
 
 
-@DATASETS.register()
-class Caltech101(CoopFewShot):
-    """Caltech101 (CoOp split): 100 classes, 4,128 / 1,649 / 2,465 train / val / test."""
+class CoopRow(NamedTuple):
+    """One CoOp dataset: the constants its `CoopFewShot` class is made of."""
 
-    name = "caltech101"
-    sizes = (4_128, 1_649, 2_465)
-    folder = "caltech-101"
-    image_dir = "101_ObjectCategories"
-    split_file = "split_zhou_Caltech101.json"
-    num_classes = 100
-    images_from = "101_ObjectCategories.tar.gz from data.caltech.edu/records/mzrjq-6wc02"
-
-
-@DATASETS.register()
-class OxfordPets(CoopFewShot):
-    """Oxford-IIIT Pets (CoOp split): 37 classes, 2,944 / 736 / 3,669."""
-
-    name = "oxford-pets"
-    sizes = (2_944, 736, 3_669)
-    folder = "oxford_pets"
-    image_dir = "images"
-    split_file = "split_zhou_OxfordPets.json"
-    num_classes = 37
-    images_from = "images.tar.gz from www.robots.ox.ac.uk/~vgg/data/pets"
+    cls: str  # the class's name in this module
+    name: str  # registry name
+    sizes: tuple[int, int, int]  # train / val / test items of the split file
+    folder: str
+    image_dir: str  # "" when the split's paths are relative to `folder`
+    split_file: str
+    num_classes: int
+    images_from: str
+    doc: str  # one line for `fpbench list datasets`
 
 
-@DATASETS.register()
-class StanfordCars(CoopFewShot):
-    """Stanford Cars (CoOp split; paths include cars_train/ and cars_test/): 196 classes."""
-
-    name = "stanford-cars"
-    sizes = (6_509, 1_635, 8_041)
-    folder = "stanford_cars"
-    image_dir = ""
-    split_file = "split_zhou_StanfordCars.json"
-    num_classes = 196
-    images_from = "the cars_train/ and cars_test/ folders of Stanford Cars"
-
-
-@DATASETS.register()
-class Flowers102(CoopFewShot):
-    """Oxford Flowers-102 (CoOp's random 50/20/30 split): 102 classes, 4,093 / 1,633 / 2,463."""
-
-    name = "flowers102"
-    sizes = (4_093, 1_633, 2_463)
-    folder = "oxford_flowers"
-    image_dir = "jpg"
-    split_file = "split_zhou_OxfordFlowers.json"
-    num_classes = 102
-    images_from = "102flowers.tgz from www.robots.ox.ac.uk/~vgg/data/flowers/102"
-
-
-@DATASETS.register()
-class Food101(CoopFewShot):
-    """Food-101 (CoOp's random 50/20/30 split): 101 classes, 50,500 / 20,200 / 30,300."""
-
-    name = "food101"
-    sizes = (50_500, 20_200, 30_300)
-    folder = "food-101"
-    image_dir = "images"
-    split_file = "split_zhou_Food101.json"
-    num_classes = 101
-    images_from = "food-101.tar.gz from data.vision.ee.ethz.ch/cvl/datasets_extra/food-101"
-
-
-@DATASETS.register()
-class DTD(CoopFewShot):
-    """Describable Textures (CoOp's random 50/20/30 split): 47 classes, 2,820 / 1,128 / 1,692."""
-
-    name = "dtd"
-    sizes = (2_820, 1_128, 1_692)
-    folder = "dtd"
-    image_dir = "images"
-    split_file = "split_zhou_DescribableTextures.json"
-    num_classes = 47
-    images_from = "dtd-r1.0.1.tar.gz from www.robots.ox.ac.uk/~vgg/data/dtd"
+COOP_DATASETS = (
+    CoopRow(
+        "Caltech101", "caltech101", (4_128, 1_649, 2_465), "caltech-101", "101_ObjectCategories",
+        "split_zhou_Caltech101.json", 100,
+        "101_ObjectCategories.tar.gz from data.caltech.edu/records/mzrjq-6wc02",
+        "Caltech101 (CoOp split): 100 classes, 4,128 / 1,649 / 2,465 train / val / test.",
+    ),
+    CoopRow(
+        "OxfordPets", "oxford-pets", (2_944, 736, 3_669), "oxford_pets", "images",
+        "split_zhou_OxfordPets.json", 37, "images.tar.gz from www.robots.ox.ac.uk/~vgg/data/pets",
+        "Oxford-IIIT Pets (CoOp split): 37 classes, 2,944 / 736 / 3,669.",
+    ),
+    CoopRow(
+        "StanfordCars", "stanford-cars", (6_509, 1_635, 8_041), "stanford_cars", "",
+        "split_zhou_StanfordCars.json", 196,
+        "the cars_train/ and cars_test/ folders of Stanford Cars",
+        "Stanford Cars (CoOp split; paths include cars_train/ and cars_test/): 196 classes.",
+    ),
+    CoopRow(
+        "Flowers102", "flowers102", (4_093, 1_633, 2_463), "oxford_flowers", "jpg",
+        "split_zhou_OxfordFlowers.json", 102,
+        "102flowers.tgz from www.robots.ox.ac.uk/~vgg/data/flowers/102",
+        "Oxford Flowers-102 (CoOp's random 50/20/30 split): 102 classes, 4,093 / 1,633 / 2,463.",
+    ),
+    CoopRow(
+        "Food101", "food101", (50_500, 20_200, 30_300), "food-101", "images",
+        "split_zhou_Food101.json", 101,
+        "food-101.tar.gz from data.vision.ee.ethz.ch/cvl/datasets_extra/food-101",
+        "Food-101 (CoOp's random 50/20/30 split): 101 classes, 50,500 / 20,200 / 30,300.",
+    ),
+    CoopRow(
+        "DTD", "dtd", (2_820, 1_128, 1_692), "dtd", "images",
+        "split_zhou_DescribableTextures.json", 47,
+        "dtd-r1.0.1.tar.gz from www.robots.ox.ac.uk/~vgg/data/dtd",
+        "Describable Textures (CoOp's random 50/20/30 split): 47 classes, 2,820 / 1,128 / 1,692.",
+    ),
+    CoopRow(
+        "EuroSAT", "eurosat", (13_500, 5_400, 8_100), "eurosat", "2750",
+        "split_zhou_EuroSAT.json", 10,
+        "EuroSAT.zip (RGB) from github.com/phelber/EuroSAT, which extracts to 2750/",
+        "EuroSAT RGB (CoOp's random 50/20/30 split, CoOp's class names): 10 classes.",
+    ),
+    CoopRow(
+        "UCF101", "ucf101", (7_639, 1_898, 3_783), "ucf101", "UCF-101-midframes",
+        "split_zhou_UCF101.json", 101, f"UCF-101-midframes.zip, Google Drive link in {COOP_DOCS}",
+        "UCF101 middle frames (CoOp split of trainlist01 / testlist01): 101 classes.",
+    ),
+)  # fmt: skip
 
 
-@DATASETS.register()
-class EuroSAT(CoopFewShot):
-    """EuroSAT RGB (CoOp's random 50/20/30 split, CoOp's class names): 10 classes."""
-
-    name = "eurosat"
-    sizes = (13_500, 5_400, 8_100)
-    folder = "eurosat"
-    image_dir = "2750"
-    split_file = "split_zhou_EuroSAT.json"
-    num_classes = 10
-    images_from = "EuroSAT.zip (RGB) from github.com/phelber/EuroSAT, which extracts to 2750/"
+def _register(row: CoopRow) -> type[CoopFewShot]:
+    """The row's dataset class, registered and bound to its name in this module (pickling
+    finds it there)."""
+    attrs = {k: v for k, v in row._asdict().items() if k not in ("cls", "doc")}
+    cls = type(row.cls, (CoopFewShot,), {**attrs, "__doc__": row.doc, "__module__": __name__})
+    globals()[row.cls] = DATASETS.register()(cls)
+    return cls
 
 
-@DATASETS.register()
-class UCF101(CoopFewShot):
-    """UCF101 middle frames (CoOp split of trainlist01 / testlist01): 101 classes."""
-
-    name = "ucf101"
-    sizes = (7_639, 1_898, 3_783)
-    folder = "ucf101"
-    image_dir = "UCF-101-midframes"
-    split_file = "split_zhou_UCF101.json"
-    num_classes = 101
-    images_from = f"UCF-101-midframes.zip, Google Drive link in {COOP_DOCS}"
+for _row in COOP_DATASETS:
+    _register(_row)

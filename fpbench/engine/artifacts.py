@@ -108,10 +108,10 @@ def rescore(
     (`acc_local`), and the whole train split where the test split would be (`acc_global`).
     """
     from fpbench.engine.build import build_populations, resolve_precision
-    from fpbench.engine.executor import derive_seed
+    from fpbench.engine.numerics import cell_numerics
     from fpbench.engine.populations import unpack
     from fpbench.engine.rounds import evaluate_populations, sampling_schedule
-    from fpbench.engine.runner import cell_numerics
+    from fpbench.engine.seeding import derive_seed
     from fpbench.engine.task import build_task
 
     with cell_numerics(cfg):

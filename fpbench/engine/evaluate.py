@@ -18,9 +18,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fpbench.engine.executor import autocast, client_batches, derive_seed, start_params
 from fpbench.engine.inputs import Inputs
 from fpbench.engine.metrics import EvalCounts, macro_f1
+from fpbench.engine.precision import autocast, start_params
+from fpbench.engine.seeding import client_batches, derive_seed
 from fpbench.engine.task import Task
 from fpbench.methods.base import Context, Method, ServerState, as_logits
 

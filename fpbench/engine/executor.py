@@ -10,8 +10,6 @@ changes the data a client sees, and a resumed run replays exactly.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import math
 from dataclasses import dataclass
 
@@ -21,6 +19,8 @@ from torch import Tensor
 from fpbench.engine.augment import uniforms
 from fpbench.engine.inputs import HiddenCache, Inputs
 from fpbench.engine.optim import OptimizerGroup, make_optimizer
+from fpbench.engine.precision import autocast, start_params
+from fpbench.engine.seeding import client_batches, derive_seed
 from fpbench.engine.task import Task
 from fpbench.methods.base import Context, Method, Phase, ServerState
 from fpbench.specs import Augment, TrainConfig
@@ -34,40 +34,6 @@ class LocalResult:
     params: dict[str, Tensor]
     stats: dict[str, Tensor]
     loss: Tensor  # (K,) mean training loss of each client over its local steps
-
-
-def derive_seed(*parts: int | str) -> int:
-    """A 63-bit seed from any tuple of parts (stable across processes and platforms)."""
-    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """bf16 autocast where asked for (CUDA); parameters and optimiser stay fp32."""
-    if precision in ("bf16", "bf16-frozen"):
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def start_params(
-    method: Method,
-    server: ServerState,
-    client_ids: Tensor,
-    device: torch.device,
-    training: bool = True,
-) -> dict[str, Tensor]:
-    """`method.client_params` on `device`, computed outside autocast: it is server work (a
-    generated or mixed start prompt), and what a client trains must start in fp32."""
-    with torch.autocast(device.type, enabled=False):
-        start = method.client_params(server, client_ids, training=training)
-    return {n: p.to(device) for n, p in start.items()}
-
-
-def client_batches(indices: Tensor, batch_size: int, seed: int) -> list[Tensor]:
-    """One epoch of shuffled minibatches of a client's train indices (last one may be short)."""
-    gen = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(indices), generator=gen).to(indices.device)
-    return list(indices[order].split(batch_size))
 
 
 def train_clients(

@@ -48,7 +48,8 @@ from fpbench.engine.frozen_cache import (
     write_entry,
 )
 from fpbench.engine.task import Task
-from fpbench.methods.base import Frozen, Method, batched_queries
+from fpbench.methods.base import Frozen, Method
+from fpbench.methods.helpers import batched_queries
 from fpbench.specs import Augment
 from fpbench.stages import report
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fpbench.engine.dispatch import Dispatch, finish, run_one
-from fpbench.engine.rounds import Observer
-from fpbench.engine.runner import CellResult
+from fpbench.engine.cell_task import Dispatch, finish, run_one
+from fpbench.engine.observer import CellResult, Observer
 from fpbench.specs import RunConfig
 
 POLL_S = 1.0

@@ -8,7 +8,6 @@ import math
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,7 +16,7 @@ from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.build import resolve_precision
 from fpbench.engine.cost import count_flops
 from fpbench.engine.evaluate import evaluate
-from fpbench.engine.executor import LocalResult, concat_results, derive_seed, train_clients
+from fpbench.engine.executor import LocalResult, concat_results, train_clients
 from fpbench.engine.metrics import (
     EvalCounts,
     MetricRow,
@@ -27,6 +26,7 @@ from fpbench.engine.metrics import (
     params_trainable,
     summary,
 )
+from fpbench.engine.observer import Observer
 from fpbench.engine.populations import (
     Population,
     client_profiles,
@@ -37,30 +37,11 @@ from fpbench.engine.populations import (
     start_shared,
     unpack,
 )
+from fpbench.engine.seeding import derive_seed
 from fpbench.engine.task import Task
 from fpbench.methods.base import ServerState, TestSplit, Updates
 from fpbench.specs import RunConfig, TrainConfig
 from fpbench.store import Store
-
-if TYPE_CHECKING:
-    from fpbench.engine.runner import CellResult
-
-
-class Observer:
-    """Progress callbacks, no-ops here; the CLI's subclass shows rich progress bars."""
-
-    def cell_start(self, cfg: RunConfig, start_round: int) -> None:
-        """A cell starts training at `start_round` (> 0 when resumed)."""
-
-    def round_end(self, cfg: RunConfig, round_idx: int, metrics: dict[str, float]) -> None:
-        """A round is stored; `metrics` are its aggregates and `loss_train` if it was evaluated."""
-
-    def stage(self, cfg: RunConfig | None, what: str, done: int, total: int) -> None:
-        """Long work outside the rounds (data preparation, a frozen pass): `done` of `total`
-        steps, 0 when it starts and `total` when it ends; `cfg` None for suite-wide work."""
-
-    def cell_end(self, result: CellResult) -> None:
-        """A cell finished, was skipped or failed."""
 
 
 class NonFiniteLoss(RuntimeError):

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import platform
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from traceback import format_exc
 
@@ -15,16 +12,16 @@ import torch
 
 import fpbench
 from fpbench import stages
-from fpbench.backbones.frozen_linear import cpu_linear
-from fpbench.determinism import deterministic
 from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.artifacts import keep_params
 from fpbench.engine.build import build_populations, resolve_device, resolve_precision
 from fpbench.engine.cost import PeakMemory
-from fpbench.engine.executor import derive_seed
 from fpbench.engine.frozen_cache import effective_precision
 from fpbench.engine.inputs import FeatureCache
-from fpbench.engine.rounds import Observer, run_rounds
+from fpbench.engine.numerics import cell_numerics
+from fpbench.engine.observer import CellResult, Observer
+from fpbench.engine.rounds import run_rounds
+from fpbench.engine.seeding import derive_seed
 from fpbench.engine.task import build_task
 from fpbench.errors import FpbenchError
 from fpbench.specs import RunConfig
@@ -44,13 +41,6 @@ class CellInterrupted(KeyboardInterrupt):
             f"interrupted {where} cell {cell_label(self.cfg)} ({self.cfg.run_key}); "
             "rerun the same command to resume"
         )
-
-
-@dataclass(frozen=True)
-class CellResult:
-    cfg: RunConfig
-    status: str  # done, skipped, failed
-    error: str | None = None
 
 
 def run_suite(
@@ -107,17 +97,6 @@ def run_cell(
         raise
     except KeyboardInterrupt:
         raise CellInterrupted(cfg, None) from None
-
-
-@contextmanager
-def cell_numerics(cfg: RunConfig) -> Iterator[None]:
-    """How a cell computes (also where `fpbench estimate` times it): its deterministic mode and
-    thread count, and its CPU linear layers' backend."""
-    with (
-        deterministic(cfg.runtime.deterministic, cfg.runtime.threads),
-        cpu_linear(cfg.runtime.cpu_linear),
-    ):
-        yield
 
 
 def _run_cell(

@@ -15,9 +15,8 @@ from typing import Any
 
 import submitit  # optional extra; `dispatch.validate` checks it is installed
 
-from fpbench.engine.dispatch import Dispatch, Outcome, finish, run_one, visible_gpus
-from fpbench.engine.rounds import Observer
-from fpbench.engine.runner import CellResult
+from fpbench.engine.cell_task import Dispatch, Outcome, finish, run_one, visible_gpus
+from fpbench.engine.observer import CellResult, Observer
 from fpbench.errors import FpbenchError
 from fpbench.specs import RunConfig
 

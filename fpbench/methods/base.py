@@ -1,5 +1,9 @@
 """The method interface: stacked client parameters, one forward, a few hooks.
 
+`Method` below is the whole interface on one page: what a method must write, then each optional
+declaration and hook with its default. The types a hook takes or returns come first; the
+building blocks methods share (initialisers, per-client heads) are in `fpbench.methods.helpers`.
+
 Every trainable tensor carries a leading client axis K and every sample carries the index of its
 row (`client_index`). The same forward then serves K = 1 (the reference executor) and K = all
 clients of a round (the lockstep executor). The engine owns loops, optimisers, batching,
@@ -8,7 +12,6 @@ evaluation and storage; a method owns its parameters and its math.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
@@ -16,6 +19,16 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fpbench.lazy import F, torch
+
+# batched_queries, init_linear, init_prompts and per_client_linear moved to helpers; re-exported
+# only for code written before the move (import them from helpers): drop once none is left.
+from fpbench.methods.helpers import (  # noqa: F401
+    batched_queries,
+    init_linear,
+    init_prompts,
+    per_client_linear,
+    weighted_mean,
+)
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -194,10 +207,31 @@ class Context:
 
 
 class Method:
-    """Base class; subclasses set `name`, `Config`, `inference` and implement the hooks."""
+    """The interface a method implements; the engine calls its hooks.
 
-    name: ClassVar[str]
-    Config: ClassVar[type[MethodConfig]] = MethodConfig
+    Required: `name`, `init_params` and `forward`. Everything else is optional and has a default
+    below: declarations (class attributes), hooks for training, the server and evaluation, and
+    the frozen-work declarations that make a method fast. `self.cfg`, `self.backbone`,
+    `self.task` and `features` are provided; helpers live in
+    `fpbench.methods.helpers`.
+    """
+
+    # -- required: every method writes these -----------------------------------------------------
+    name: ClassVar[str]  # the registry name, e.g. "sgpt"
+
+    def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
+        """Initial values of every trainable tensor, without the client axis."""
+        raise NotImplementedError
+
+    def forward(
+        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
+    ) -> Tensor | Output:
+        """Logits (B, C) for inputs x (images, or see `frozen`); row of sample i: client_index[i].
+        In training it may return `Output(logits, aux_loss)` to add to the cross-entropy."""
+        raise NotImplementedError
+
+    # -- optional declarations, with their defaults ----------------------------------------------
+    Config: ClassVar[type[MethodConfig]] = MethodConfig  # the method's own settings
     inference: ClassVar[Inference] = "global"
     personal: ClassVar[frozenset[str]] = frozenset()  # parameter names kept per client
     # fpbench's readings where its paper and reference code leave a choice, one line each; a
@@ -210,6 +244,8 @@ class Method:
     # `client_params` of a client that never trained): held-out clients are then scored with it
     # instead of not applicable
     scores_new_clients: ClassVar[bool] = False
+    # the backbone its forward needs: a prompted ViT, or CLIP (image and text towers)
+    backbone_family: ClassVar[Literal["vit", "clip"]] = "vit"
 
     @classmethod
     def all_readings(cls) -> dict[str, str]:
@@ -219,27 +255,7 @@ class Method:
             out.update(vars(klass).get("readings", {}))
         return out
 
-    def __init__(self, cfg: MethodConfig, backbone: PromptedViT, task: TaskInfo) -> None:
-        self.cfg = cfg
-        self.backbone = backbone
-        self.task = task
-
-    # -- parameters -------------------------------------------------------------------------
-    def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
-        """Initial values of every trainable tensor, without the client axis."""
-        raise NotImplementedError
-
-    def init_server(self, gen: torch.Generator) -> ServerState:
-        params = self.init_params(gen)
-        n = self.task.num_clients
-        personal = {
-            k: v.unsqueeze(0).repeat(n, *[1] * v.dim())
-            for k, v in params.items()
-            if k in self.personal
-        }
-        shared = {k: v for k, v in params.items() if k not in self.personal}
-        return ServerState(shared, personal)
-
+    # -- optional hooks: local training ----------------------------------------------------------
     def client_params(
         self, server: ServerState, client_ids: Tensor, training: bool = True
     ) -> dict[str, Tensor]:
@@ -252,21 +268,13 @@ class Method:
         out.update({name: t[client_ids].clone() for name, t in server.personal.items()})
         return out
 
-    def optimizer_settings(self) -> dict[str, OptimizerSettings]:
-        """Parameters trained with their own optimiser (e.g. pixel prompts); others use `train`."""
-        return {}
-
     def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
         """The local schedule over the parameter `names`; default one phase training all."""
         return [Phase("local", names, local_epochs)]
 
-    # -- math -------------------------------------------------------------------------------
-    def forward(
-        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor | Output:
-        """Logits (B, C) for inputs x (images, or see `frozen`); row of sample i: client_index[i].
-        In training it may return `Output(logits, aux_loss)` to add to the cross-entropy."""
-        raise NotImplementedError
+    def optimizer_settings(self) -> dict[str, OptimizerSettings]:
+        """Parameters trained with their own optimiser (e.g. pixel prompts); others use `train`."""
+        return {}
 
     def loss(
         self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
@@ -279,23 +287,20 @@ class Method:
         ce = F.cross_entropy(out.logits, y, reduction="none")
         return ce if out.aux_loss is None else ce + out.aux_loss
 
-    def features(
-        self, x: Tensor, ctx: Context, prompts: dict[int, Tensor], style: str
-    ) -> ViTFeatures:
-        """The prompted backbone's features of x: preprocessed images, or, where
-        `ctx.resume_layer` is set, the cached hidden states entering that block."""
-        if ctx.resume_layer:
-            return self.backbone.forward_from(x, ctx.resume_layer, prompts, style)
-        return self.backbone.forward_features(x, prompts, style)
+    # -- optional hooks: the server --------------------------------------------------------------
+    def init_server(self, gen: torch.Generator) -> ServerState:
+        """The server's state before round 1: `init_params`, with the `personal` ones copied
+        into one row per client; override to add buffers or server-only tensors."""
+        params = self.init_params(gen)
+        n = self.task.num_clients
+        personal = {
+            k: v.unsqueeze(0).repeat(n, *[1] * v.dim())
+            for k, v in params.items()
+            if k in self.personal
+        }
+        shared = {k: v for k, v in params.items() if k not in self.personal}
+        return ServerState(shared, personal)
 
-    def prefix(
-        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, layer: int
-    ) -> Tensor:
-        """Hidden states (B, T, d) entering block `layer` for preprocessed images x; needed
-        by methods whose phases set `resume_layer` (their forward then takes these states)."""
-        raise NotImplementedError(f"{self.name} sets a phase's resume_layer but has no prefix")
-
-    # -- server -----------------------------------------------------------------------------
     def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
         """New server state from the round's `updates`; default FedAvg by their weights, with
         personal tensors written back to the clients' rows."""
@@ -312,21 +317,12 @@ class Method:
         """Tensors (down, up) exchanged per participating client (default: global params)."""
         return server.params, server.params
 
-    def frozen(self) -> Frozen | None:
-        """Per-sample work on the images that depends on nothing trained, or None.
-
-        E.g. the final cls features a head trains on (`as_input`: the forward's `x`), or a
-        prompt-selection query (handed over in `ctx.query`). The engine computes it once per
-        (backbone, dataset, split, name), when a batch first needs it, and keeps it.
-        """
-        return None
-
     def round_metrics(self, server: ServerState, test: TestSplit | None = None) -> dict[str, float]:
         """Method-specific scalars stored every round after aggregation (default: none); `test`
         is the engine's view of the test split, for diagnostics that score on it."""
         return {}
 
-    # -- optional local adaptation before evaluation (personal methods) ----------------------
+    # -- optional hooks: local adaptation before evaluation (personal methods) -------------------
     def adapt_samples(self) -> int:
         """Train samples per client that `adapt` needs before evaluation; 0: no adaptation."""
         return 0
@@ -341,52 +337,34 @@ class Method:
         """
         return params
 
+    # -- optional hooks: frozen work the engine computes once ------------------------------------
+    def frozen(self) -> Frozen | None:
+        """Per-sample work on the images that depends on nothing trained, or None.
 
-def weighted_mean(stacked: Tensor, w: Tensor) -> Tensor:
-    """sum_k w_k * stacked[k] for stacked (K, ...) and weights (K,)."""
-    return torch.tensordot(w, stacked.detach(), dims=1)
+        E.g. the final cls features a head trains on (`as_input`: the forward's `x`), or a
+        prompt-selection query (handed over in `ctx.query`). The engine computes it once per
+        (backbone, dataset, split, name), when a batch first needs it, and keeps it.
+        """
+        return None
 
+    def prefix(
+        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, layer: int
+    ) -> Tensor:
+        """Hidden states (B, T, d) entering block `layer` for preprocessed images x; needed
+        by methods whose phases set `resume_layer` (their forward then takes these states)."""
+        raise NotImplementedError(f"{self.name} sets a phase's resume_layer but has no prefix")
 
-# -- small building blocks shared by methods --------------------------------------------------
-def batched_queries(
-    query: Callable[[Tensor], Tensor],
-    backbone: PromptedViT,
-    images: Tensor,
-    idx: Tensor,
-    batch: int = 256,
-) -> Tensor:
-    """A frozen query (n, dq) of the uint8 images[idx], `batch` at a time, in float32."""
-    with torch.no_grad():
-        parts = [
-            query(backbone.preprocess(images[idx[i : i + batch]])).float()
-            for i in range(0, len(idx), batch)
-        ]
-    return torch.cat(parts)
+    # -- provided: what a method calls, never overrides ------------------------------------------
+    def __init__(self, cfg: MethodConfig, backbone: PromptedViT, task: TaskInfo) -> None:
+        self.cfg = cfg
+        self.backbone = backbone
+        self.task = task
 
-
-def init_linear(gen: torch.Generator, out_dim: int, in_dim: int) -> tuple[Tensor, Tensor]:
-    """PyTorch's default nn.Linear init: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias."""
-    bound = 1.0 / math.sqrt(in_dim)
-    w = (torch.rand(out_dim, in_dim, generator=gen) * 2 - 1) * bound
-    b = (torch.rand(out_dim, generator=gen) * 2 - 1) * bound
-    return w, b
-
-
-def init_prompts(gen: torch.Generator, length: int, dim: int, patch_size: int) -> Tensor:
-    """VPT's uniform init: U(-v, v), v = sqrt(6 / (3 * patch^2 + d))."""
-    v = math.sqrt(6.0 / (3 * patch_size**2 + dim))
-    return (torch.rand(length, dim, generator=gen) * 2 - 1) * v
-
-
-def per_client_linear(feats: Tensor, w: Tensor, b: Tensor, client_index: Tensor) -> Tensor:
-    """Apply each sample's client head: feats (B, d), w (K, C, d), b (K, C) -> (B, C).
-
-    All K heads are applied densely and each sample keeps its own row: for the few clients of
-    a round this is one matmul, much cheaper (forward and backward) than gathering a (B, C, d)
-    copy of the weights.
-    """
-    if w.shape[0] == 1:
-        return feats @ w[0].T + b[0]
-    k, c, d = w.shape
-    logits = (feats @ w.reshape(k * c, d).T).view(-1, k, c) + b  # (B, K, C)
-    return logits[torch.arange(len(feats), device=feats.device), client_index]
+    def features(
+        self, x: Tensor, ctx: Context, prompts: dict[int, Tensor], style: str
+    ) -> ViTFeatures:
+        """The prompted backbone's features of x: preprocessed images, or, where
+        `ctx.resume_layer` is set, the cached hidden states entering that block."""
+        if ctx.resume_layer:
+            return self.backbone.forward_from(x, ctx.resume_layer, prompts, style)
+        return self.backbone.forward_features(x, prompts, style)

@@ -26,15 +26,8 @@ from pydantic import Field
 from fpbench.backbones.clip_prompts import PromptLayout, init_context, phrase_length
 from fpbench.errors import FpbenchError
 from fpbench.lazy import F, torch
-from fpbench.methods.base import (
-    Context,
-    Frozen,
-    Method,
-    MethodConfig,
-    ServerState,
-    TaskInfo,
-    per_client_linear,
-)
+from fpbench.methods.base import Context, Frozen, Method, MethodConfig, ServerState, TaskInfo
+from fpbench.methods.helpers import per_client_linear
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:

@@ -45,15 +45,13 @@ from fpbench.methods.base import (
     TaskInfo,
     TestSplit,
     Updates,
-    init_linear,
-    init_prompts,
-    per_client_linear,
 )
 from fpbench.methods.fgpt import (
     SIMILARITIES,
     finite_similarities,
     prompt_similarities,
 )
+from fpbench.methods.helpers import init_linear, init_prompts, per_client_linear
 from fpbench.methods.keys import group_counts, key_cosines
 from fpbench.registry import METHODS
 

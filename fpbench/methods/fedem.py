@@ -25,17 +25,9 @@ from typing import TYPE_CHECKING
 from pydantic import Field
 
 from fpbench.lazy import F, torch
-from fpbench.methods.base import (
-    Context,
-    Method,
-    Phase,
-    ServerState,
-    Updates,
-    init_linear,
-    init_prompts,
-    per_client_linear,
-)
+from fpbench.methods.base import Context, Method, Phase, ServerState, Updates
 from fpbench.methods.fedvpt import VPTConfig
+from fpbench.methods.helpers import init_linear, init_prompts, per_client_linear
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:

@@ -29,15 +29,9 @@ from typing import TYPE_CHECKING
 from pydantic import Field
 
 from fpbench.lazy import F, torch
-from fpbench.methods.base import (
-    Context,
-    Output,
-    Phase,
-    ServerState,
-    Updates,
-    per_client_linear,
-)
+from fpbench.methods.base import Context, Output, Phase, ServerState, Updates
 from fpbench.methods.fedvpt import ShallowPromptModel, VPTConfig
+from fpbench.methods.helpers import per_client_linear
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:

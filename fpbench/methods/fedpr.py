@@ -45,7 +45,7 @@ from pydantic import Field
 
 from fpbench.lazy import torch
 from fpbench.methods.base import Context, OptimizerSettings, Phase, ServerState, Updates
-from fpbench.methods.fedvpt_d import DeepConfig, FedVPTDeep
+from fpbench.methods.fedvpt import DeepConfig, FedVPTDeep
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:

@@ -1,27 +1,26 @@
-"""FedVPT: VPT-shallow prompts plus a linear head, trained with FedAvg.
+"""FedVPT and FedVPT-D: VPT prompts plus a linear head, trained with FedAvg.
 
-Visual Prompt Tuning (Jia et al., ECCV 2022) in its shallow form, federated with FedAvg
-(McMahan et al., 2017), as the baseline "FedVPT" of SGPT (Deng et al., CVPR 2024) and
-PEP-FedPT. Client: `prompt_len` learnable tokens inserted after cls before block 0, and a linear
-head on the final cls token, trained with cross-entropy. Server: FedAvg of prompts and head,
-weighted by client train sizes. Default prompt length 5, FGPT's VPT-shallow setting.
+Visual Prompt Tuning (Jia et al., ECCV 2022), federated with FedAvg (McMahan et al., 2017), as
+the baselines "FedVPT" and "FedVPT-D" of SGPT (Deng et al., CVPR 2024) and PEP-FedPT. Client:
+learnable prompt tokens and a linear head on the final cls token, trained with cross-entropy.
+Server: FedAvg of prompts and head, weighted by client train sizes. The two differ only in the
+prompt style, so they are two rows of `VARIANTS`:
+
+- FedVPT (shallow): `prompt_len` tokens inserted after cls before block 0; default 5, FGPT's
+  VPT-shallow setting.
+- FedVPT-D (deep): `prompt_len` tokens per block, inserted after cls before every block and
+  replacing the previous block's prompt tokens; default one token per layer, SGPT's length.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple
 
 from pydantic import Field
 
 from fpbench.lazy import torch
-from fpbench.methods.base import (
-    Context,
-    Method,
-    MethodConfig,
-    init_linear,
-    init_prompts,
-    per_client_linear,
-)
+from fpbench.methods.base import Context, Method, MethodConfig
+from fpbench.methods.helpers import init_linear, init_prompts, per_client_linear
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
@@ -32,31 +31,76 @@ class VPTConfig(MethodConfig):
     prompt_len: int = Field(5, ge=1, description="number of VPT-shallow prompt tokens")
 
 
-class ShallowPromptModel(Method):
-    """VPT-shallow prompts + linear head; subclasses choose how they are federated."""
+class DeepConfig(MethodConfig):
+    prompt_len: int = Field(1, ge=1, description="prompt tokens per layer")
+
+
+class VPTModel(Method):
+    """VPT prompts (`style`: shallow, or deep: one set per block) + a linear head; subclasses
+    choose how they are federated."""
 
     Config = VPTConfig
+    style: ClassVar[Literal["shallow", "deep"]] = "shallow"
 
     def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
-        d = self.backbone.embed_dim
-        prompts = init_prompts(gen, self.cfg.prompt_len, d, self.backbone.patch_size)
+        d, patch = self.backbone.embed_dim, self.backbone.patch_size
+        if self.style == "shallow":
+            prompts = init_prompts(gen, self.cfg.prompt_len, d, patch)  # (p, d)
+        else:
+            layers = range(self.backbone.depth)
+            prompts = torch.stack(
+                [init_prompts(gen, self.cfg.prompt_len, d, patch) for _ in layers]
+            )
         w, b = init_linear(gen, self.task.num_classes, d)
         return {"prompts": prompts, "head_w": w, "head_b": b}
+
+    def _prompts(self, params: dict[str, Tensor], client_index: Tensor) -> dict[int, Tensor]:
+        """Each sample's prompts by the block they enter before: (B, p, d) each."""
+        prompts = params["prompts"][client_index]  # (B, p, d) or (B, L, p, d)
+        if self.style == "shallow":
+            return {0: prompts}
+        return {layer: prompts[:, layer] for layer in range(prompts.shape[1])}
 
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
     ) -> Tensor:
-        prompts = {0: params["prompts"][client_index]}  # (B, p, d)
-        feats = self.features(x, ctx, prompts, "shallow")
+        feats = self.features(x, ctx, self._prompts(params, client_index), self.style)
         return per_client_linear(feats.cls, params["head_w"], params["head_b"], client_index)
 
     def prefix(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, layer: int
     ) -> Tensor:
-        prompts = {0: params["prompts"][client_index]}  # (B, p, d)
-        return self.backbone.prefix(x, layer, prompts, style="shallow")
+        prompts = self._prompts(params, client_index)
+        return self.backbone.prefix(x, layer, prompts, style=self.style)
 
 
-@METHODS.register()
-class FedVPT(ShallowPromptModel):
-    name = "fedvpt"
+ShallowPromptModel = VPTModel  # the shallow style, which the FedVPT-based methods build on
+
+
+class Variant(NamedTuple):
+    cls: str  # the class's name in this module
+    name: str  # registry name
+    style: Literal["shallow", "deep"]
+    Config: type[MethodConfig]
+    doc: str  # one line for `fpbench list methods`
+
+
+VARIANTS = (
+    Variant(
+        "FedVPT", "fedvpt", "shallow", VPTConfig,
+        "FedVPT: VPT-shallow prompts plus a linear head, trained with FedAvg.",
+    ),
+    Variant(
+        "FedVPTDeep", "fedvpt-d", "deep", DeepConfig,
+        "FedVPT-D: VPT-deep prompts at every layer plus a linear head, trained with FedAvg.",
+    ),
+)  # fmt: skip
+
+
+def _register(row: Variant) -> type[VPTModel]:
+    """The row's method class, registered."""
+    attrs = {"name": row.name, "style": row.style, "Config": row.Config, "__doc__": row.doc}
+    return METHODS.register()(type(row.cls, (VPTModel,), {**attrs, "__module__": __name__}))
+
+
+FedVPT, FedVPTDeep = (_register(row) for row in VARIANTS)

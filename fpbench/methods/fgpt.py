@@ -39,10 +39,8 @@ from fpbench.methods.base import (
     TaskInfo,
     TestSplit,
     Updates,
-    init_linear,
-    init_prompts,
-    per_client_linear,
 )
+from fpbench.methods.helpers import init_linear, init_prompts, per_client_linear
 from fpbench.methods.keys import group_counts, select_groups
 from fpbench.registry import METHODS
 

@@ -11,14 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fpbench.lazy import torch
-from fpbench.methods.base import (
-    Context,
-    Frozen,
-    Method,
-    MethodConfig,
-    init_linear,
-    per_client_linear,
-)
+from fpbench.methods.base import Context, Frozen, Method, MethodConfig
+from fpbench.methods.helpers import init_linear, per_client_linear
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:

@@ -54,10 +54,8 @@ from fpbench.methods.base import (
     ServerState,
     TaskInfo,
     Updates,
-    init_linear,
-    init_prompts,
-    per_client_linear,
 )
+from fpbench.methods.helpers import init_linear, init_prompts, per_client_linear
 from fpbench.methods.numerics import fp32
 from fpbench.registry import METHODS
 from fpbench.stages import report

@@ -30,15 +30,8 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 from pydantic import Field
 
 from fpbench.lazy import F, torch
-from fpbench.methods.base import (
-    Context,
-    Method,
-    MethodConfig,
-    ServerState,
-    Updates,
-    init_linear,
-    per_client_linear,
-)
+from fpbench.methods.base import Context, Method, MethodConfig, ServerState, Updates
+from fpbench.methods.helpers import init_linear, per_client_linear
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:

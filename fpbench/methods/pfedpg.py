@@ -33,7 +33,8 @@ from pydantic import Field
 
 from fpbench.errors import FpbenchError
 from fpbench.lazy import torch
-from fpbench.methods.base import ServerState, Updates, init_linear, init_prompts
+from fpbench.methods.base import ServerState, Updates
+from fpbench.methods.helpers import init_linear, init_prompts
 from fpbench.methods.pfedhn import HypernetConfig, HypernetworkMethod
 from fpbench.registry import METHODS
 

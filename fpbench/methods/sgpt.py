@@ -65,12 +65,9 @@ from fpbench.methods.base import (
     TaskInfo,
     TestSplit,
     Updates,
-    batched_queries,
-    init_linear,
-    init_prompts,
-    per_client_linear,
 )
 from fpbench.methods.clustering import cluster_accuracy, congruence, kmeans, overlap
+from fpbench.methods.helpers import batched_queries, init_linear, init_prompts, per_client_linear
 from fpbench.methods.keys import group_counts, key_cosines, nearest_group
 from fpbench.methods.numerics import fp32
 from fpbench.registry import METHODS

@@ -10,45 +10,17 @@ underlined, for fpbench's values and for the paper's.
 from __future__ import annotations
 
 import io
-import re
 from typing import Any
 
 import pandas as pd
 
 from fpbench.errors import FpbenchError
 from fpbench.report.paper import Cell, FilledTable
-from fpbench.report.tables import _latex_header, _tex, is_percent
+from fpbench.report.paper_cells import DASH, diff_text, footer, ours_text, paper_text
+from fpbench.report.paper_term import to_terminal
+from fpbench.report.tables import _latex_header, _tex
 
 FORMATS = ("term", "md", "csv", "latex")
-DASH = "—"
-CLOSE = 1.0  # |difference| within which the terminal shows a value as reproduced
-
-
-def decimals(cell: Cell) -> int:
-    """As many decimals as the paper prints for this cell (2 when it prints none)."""
-    m = re.search(r"\d+\.(\d+)", cell.reported.text)
-    if m:
-        return len(m.group(1))
-    integer = cell.reported.value is not None and not is_percent(str(cell.spec.get("metric", "")))
-    return 0 if integer else 2  # counts (rounds, seconds) as integers; accuracies with 2
-
-
-def ours_text(cell: Cell) -> str:
-    """fpbench's 'mean ± std' (std only with several runs), or '—' without runs."""
-    if cell.mean is None:
-        return DASH
-    d = decimals(cell)
-    text = f"{cell.mean:.{d}f}"
-    return text + (f" ± {cell.std:.{d}f}" if cell.n > 1 and cell.std is not None else "")
-
-
-def diff_text(cell: Cell) -> str:
-    diff = cell.diff
-    return "" if diff is None else f"{diff:+.{decimals(cell)}f}"
-
-
-def paper_text(cell: Cell) -> str:
-    return DASH if cell.reported.empty else cell.reported.text
 
 
 def render(filled: FilledTable, fmt: str, width: int | None = None) -> Any:
@@ -69,23 +41,11 @@ def render(filled: FilledTable, fmt: str, width: int | None = None) -> Any:
     return renderers[fmt](filled)
 
 
-def footer(filled: FilledTable) -> list[str]:
-    """Notes under a table: the metric note, and how many cells still need runs."""
-    lines = [f"note: {filled.table.note}"] if filled.table.note else []
-    empty = [c for c in filled.cells if not c.n and c.spec.get("method") and c.spec.get("metric")]
-    if empty:
-        runs = " and ".join(f"`fpbench run --suite {s}`" for s in filled.missing_suites())
-        lines.append(f"{len(empty)} of {len(filled.cells)} cells have no runs yet; fill: {runs}")
-    return lines
-
-
 # -- terminal ------------------------------------------------------------------------------------
 
 
 def to_rich(filled: FilledTable, width: int | None = None) -> Any:
     """A rich renderable at most `width` columns wide (`fpbench.report.paper_term`)."""
-    from fpbench.report.paper_term import to_terminal
-
     return to_terminal(filled, width or 80)
 
 

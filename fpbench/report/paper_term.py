@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from fpbench.report.paper import Cell, FilledTable, Line
-from fpbench.report.paper_render import CLOSE, DASH, diff_text, footer, ours_text, paper_text
+from fpbench.report.paper_cells import CLOSE, DASH, diff_text, footer, ours_text, paper_text
 
 PADDING = 3  # rich's cell padding (1 + 1) and the column rule
 

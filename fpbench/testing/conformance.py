@@ -1,0 +1,126 @@
+"""The checks every method passes, as functions of the `tiny` fixture and a method name, and
+`MethodConformance`, a test class that runs them all on one method."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from fpbench.engine.executor import LocalResult, train_clients
+from fpbench.engine.inputs import FeatureCache, Inputs
+from fpbench.methods.base import Method, Updates
+from fpbench.testing.tiny import seeded_server
+
+Tiny = Callable  # the `tiny` fixture: tiny(method, **train) -> (cfg, task, method)
+
+
+def _round(method, task, cfg, executor: str, server=None) -> tuple:
+    server = server or seeded_server(method)
+    ids = task.trainable_clients()
+    local = train_clients(
+        method, server, task, ids, cfg.train, round_idx=0, seed=cfg.seed, executor=executor
+    )
+    return server, local
+
+
+def check_executors_agree(tiny: Tiny, name: str) -> None:
+    """The reference executor (one client at a time) and the lockstep one (all clients of the
+    round in one pass) give the same parameters, losses and statistics."""
+    cfg, task, method = tiny(name, local_epochs=2, weight_decay=1e-3, grad_clip=1.0)
+    server, ref = _round(method, task, cfg, "reference")
+    _, lock = _round(method, task, cfg, "lockstep", server)
+    assert ref.client_ids.tolist() == lock.client_ids.tolist()
+    for k in ref.params:
+        torch.testing.assert_close(lock.params[k], ref.params[k], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lock.loss, ref.loss, atol=1e-5, rtol=1e-5)
+    assert ref.stats.keys() == lock.stats.keys()
+
+
+def check_cached_frozen_work_changes_nothing(tiny: Tiny, name: str) -> None:
+    """A method's declared frozen work, cached, trains the same parameters as computed anew."""
+    cfg, task, method = tiny(name)
+    frozen = method.frozen()
+    if frozen is None:
+        pytest.skip(f"{name} declares no frozen work")
+    server = seeded_server(method)
+    ids = task.trainable_clients()
+    cached = Inputs.of(method, task, FeatureCache(), batch_size=16)
+    assert set(cached.cached if frozen.as_input else cached.queries) == {"train", "test"}
+    runs = [
+        train_clients(
+            method, server, task, ids, cfg.train, round_idx=0, seed=0, inputs=inputs
+        ).params
+        for inputs in (Inputs.of(method, task), cached)
+    ]
+    for k in runs[0]:
+        torch.testing.assert_close(runs[1][k], runs[0][k], atol=1e-5, rtol=1e-4)
+
+
+def check_round(tiny: Tiny, name: str) -> LocalResult:
+    """One lockstep round trains exactly the tensors its phases name, leaves the backbone
+    untouched and is deterministic; `aggregate` keeps the server state's shapes."""
+    cfg, task, method = tiny(name)
+    before = {k: v.clone() for k, v in method.backbone.state_dict().items()}
+    server, local = _round(method, task, cfg, "lockstep")
+    for k, v in method.backbone.state_dict().items():
+        assert torch.equal(v, before[k]), f"backbone tensor {k} changed"
+    assert torch.isfinite(local.loss).all()
+    start = method.client_params(server, local.client_ids)
+    trainable = {n for phase in method.phases(cfg.train.local_epochs, tuple(start))
+                 for n in phase.trainable}  # fmt: skip
+    assert trainable, "no phase trains anything"
+    for k in start:  # each tensor a phase trains moves; every other one stays put
+        moved = not torch.equal(start[k], local.params[k])
+        assert moved == (k in trainable), f"{k}: trainable={k in trainable}, moved={moved}"
+    _, again = _round(method, task, cfg, "lockstep", server)  # same seed, same result
+    for k in local.params:
+        assert torch.equal(again.params[k], local.params[k])
+    weights = task.train_sizes[local.client_ids]
+    new = method.aggregate(server, Updates(local.params, local.client_ids, weights, local.stats))
+    for part in ("params", "personal", "buffers"):
+        old, cur = getattr(server, part), getattr(new, part)
+        assert {k: v.shape for k, v in old.items()} == {k: v.shape for k, v in cur.items()}
+    return local
+
+
+def check_only_declared_tensors_are_communicated(tiny: Tiny, name: str) -> None:
+    """`communication` sends only server state or shared trained tensors, never personal ones."""
+    _, _, method = tiny(name)
+    server = seeded_server(method)
+    down, up = method.communication(server)
+    # server state, or a non-personal tensor a client trains (e.g. generated prompts, their deltas)
+    trained = method.client_params(server, torch.tensor([0]))
+    declared = set(server.params) | set(server.buffers) | (set(trained) - method.personal)
+    assert set(down) <= declared and set(up) <= declared
+    assert not (set(down) | set(up)) & (set(server.personal) | method.personal)
+
+
+def declares_frozen_work(name_or_cls: str | type[Method]) -> bool:
+    """Whether a method class overrides `Method.frozen`."""
+    from fpbench.registry import METHODS
+
+    cls = METHODS.get(name_or_cls) if isinstance(name_or_cls, str) else name_or_cls
+    return cls.frozen is not Method.frozen
+
+
+class MethodConformance:
+    """Every conformance check on the registered method `method`: subclass it as `Test...` in a
+    test module and set `method`; the `tiny` fixture comes from `fpbench.testing` (see there)."""
+
+    method: str
+
+    def test_executors_agree(self, tiny: Tiny) -> None:
+        check_executors_agree(tiny, self.method)
+
+    def test_cached_frozen_work_changes_nothing(self, tiny: Tiny) -> None:
+        if not declares_frozen_work(self.method):
+            pytest.skip(f"{self.method} declares no frozen work")
+        check_cached_frozen_work_changes_nothing(tiny, self.method)
+
+    def test_a_round_trains_is_deterministic_and_keeps_the_backbone(self, tiny: Tiny) -> None:
+        check_round(tiny, self.method)
+
+    def test_only_declared_tensors_are_communicated(self, tiny: Tiny) -> None:
+        check_only_declared_tensors_are_communicated(tiny, self.method)
