@@ -25,7 +25,8 @@ import fpbench.engine.task as task_module
 from fpbench.engine.executor import derive_seed, train_clients
 from fpbench.engine.rounds import sampling_schedule
 from fpbench.engine.runner import run_cell
-from fpbench.engine.task import load_dataset
+from fpbench.engine.task import aggregation_sizes, load_dataset
+from fpbench.errors import FpbenchError
 from fpbench.methods.base import Context, Method, ServerState, Updates
 from fpbench.methods.fedrep import FedRep
 from fpbench.methods.fedvpt import FedVPT
@@ -69,7 +70,7 @@ class Spied:
 
 @pytest.fixture(scope="module")
 def spied(tmp_path_factory):
-    """One fedvpt run (seed 3, 2 rounds, flips on, lr decay 0.5) with the engine's seams spied.
+    """One fedvpt run (seed 6, 2 rounds, flips on, lr decay 0.5) with the engine's seams spied.
 
     The spies call through, so the run is the real one: its stored rows are checked as well.
     """
@@ -118,6 +119,17 @@ def test_the_runs_seed_reaches_its_partition(spied):
     assert got == [c.train_idx.tolist() for c in mine]
     assert got != [c.train_idx.tolist() for c in other]  # the check can tell seeds apart
     assert seen.task.heldout.tolist() == [c.heldout for c in mine]
+
+
+def test_the_task_hands_on_float32_priors_and_weights(spied):
+    """What methods and FedAvg receive from the task: (N, C) float32 priors, float32 weights
+    and long indices. Catches a dtype dropped in `task_of` (float64 priors meet float32
+    parameters; integer weights)."""
+    _, seen, *_ = spied
+    task = seen.task
+    assert task.priors.dtype == task.train_sizes.dtype == torch.float32
+    assert all(updates.weights.dtype == torch.float32 for _, updates, _ in seen.calls)
+    assert {t.dtype for t in task.train_idx + task.test_idx} == {torch.long}
 
 
 def test_each_round_aggregates_its_sampled_clients_with_their_train_sizes(spied):
@@ -309,6 +321,28 @@ def test_domain_size_weights_reach_fedavg(tmp_path, monkeypatch):
     with Store(f"sqlite:///{tmp_path / 'r.db'}") as store:
         assert run_cell(_domain_cell(), store, checkpoint_dir=tmp_path).status == "done"
     assert weights == [{0: 50.0, 1: 50.0, 2: 15.0, 3: 15.0}]
+
+
+def test_domain_size_weights_refuse_what_they_cannot_weigh():
+    """The two errors of `aggregation_sizes`, word for word: they say what to do."""
+    data = load_dataset(_domain_cell().dataset)
+    clients = make_clients("domain-dirichlet", {"num_clients": 4, "min_size": 2}, data, 0)
+    with pytest.raises(FpbenchError) as info:
+        aggregation_sizes("domain_size", data, clients)
+    assert str(info.value) == (
+        "train.aggregation_weights = 'domain_size' needs a dataset that records its domains' "
+        f"full sizes; {data.name} does not (a file prepared before they were recorded: "
+        "delete it and prepare again)"
+    )
+    sized = dataclasses.replace(data, domain_train_sizes=torch.tensor([100, 30]))
+    no_domain = [dataclasses.replace(c, domain=None) for c in clients]
+    with pytest.raises(FpbenchError) as info:
+        aggregation_sizes("domain_size", sized, no_domain)
+    assert str(info.value) == (
+        "train.aggregation_weights = 'domain_size' needs a per-domain partition (domain, "
+        "domain-dirichlet)"
+    )
+    assert aggregation_sizes("domain_size", sized, clients).dtype == torch.float32
 
 
 def test_personal_metrics_count_every_client_sampled_so_far(tmp_path):
