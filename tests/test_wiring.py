@@ -418,8 +418,14 @@ def test_a_cell_trains_and_evaluates_in_its_numerics(tmp_path, monkeypatch, runt
 
     Catches: `cell_numerics` not entered by `run_cell` (or not passing `threads` or
     `cpu_linear`), and the precision not reaching `train_clients` or `evaluate`.
+
+    The thread count is recorded, not applied: a real second OpenMP thread in this process
+    would hang every process forked from it later (mutmut forks one per mutant).
     """
     own = torch.get_num_threads()
+    count = [own]
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: count.__setitem__(0, n))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: count[0])
     runtime = {**runtime, "threads": own + 1 if runtime["threads"] else None, "device": "cpu"}
     cfg = _with(tiny_config("fedvpt", rounds=1), runtime=runtime)
     before = (torch.are_deterministic_algorithms_enabled(), frozen_linear._backend)
