@@ -345,6 +345,15 @@ def test_domain_size_weights_refuse_what_they_cannot_weigh():
     assert aggregation_sizes("domain_size", sized, clients).dtype == torch.float32
 
 
+def test_a_task_made_without_a_rule_weighs_by_train_size():
+    """`task_of`'s default rule is "train_size" (`fpbench estimate` relies on it): no error on a
+    dataset without domain sizes, and FedAvg weighs by the train sizes."""
+    cfg = tiny_config("fedvpt")
+    task = task_module.task_of(load_dataset(cfg.dataset), cfg.partition, 0, torch.device("cpu"))
+    assert task.aggregation_sizes is None
+    assert task.aggregation_weights.tolist() == [float(len(c.train_idx)) for c in task.clients]
+
+
 def test_personal_metrics_count_every_client_sampled_so_far(tmp_path):
     """pFedPG, one of 3 clients a round: round r scores the clients sampled in rounds 0..r.
 
