@@ -64,7 +64,13 @@ def test_domain_means_average_to_local_mean_when_domains_are_equal_sized():
 
 @pytest.mark.parametrize(
     ("name", "key"),
-    [("Real World", "real-world"), ("real_world", "real-world"), ("DSLR", "dslr"), ("d0", "d0")],
+    [
+        ("Real World", "real-world"),
+        ("real_world", "real-world"),
+        ("DSLR", "dslr"),
+        ("d0", "d0"),
+        (" (Real World) ", "real-world"),
+    ],
 )
 def test_domain_key(name, key):
     assert domain_key(name) == key

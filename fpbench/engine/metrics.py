@@ -102,7 +102,7 @@ def aggregates(ev: EvalCounts) -> dict[str, float]:
     if glob.size:
         out["acc_global"] = float(glob.mean())
     if ev.f1_global is not None:
-        f1 = ev.f1_global if len(ev.f1_global) == 1 else ev.f1_global[~ev.heldout]
+        f1 = ev.f1_global if len(ev.f1_global) == 1 else ev.f1_global[~ev.heldout & ~skip]
         f1 = f1[~np.isnan(f1)]
         if f1.size:
             out["f1_macro_global"] = float(f1.mean())

@@ -1,0 +1,475 @@
+"""Wiring: what the engine hands from one unit to the next, checked in real tiny runs.
+
+Each unit (FedAvg, the partitions, the sampler, the metrics) is tested on its own elsewhere with
+inputs the test supplies. Here spies record what a real `run_cell` hands them (aggregation
+weights, client ids, learning rates, seeds, numerics, which clients a metric counts), and the
+expected values are computed independently: from the partition (re-made with the run's seed),
+from the documented formulas, or by hand. Every test names the planted bug it was seen to catch.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import fpbench.backbones.frozen_linear as frozen_linear
+import fpbench.engine.executor as executor
+import fpbench.engine.rounds as rounds
+import fpbench.engine.runner as runner
+import fpbench.engine.task as task_module
+from fpbench.engine.executor import derive_seed, train_clients
+from fpbench.engine.rounds import sampling_schedule
+from fpbench.engine.runner import run_cell
+from fpbench.engine.task import aggregation_sizes, load_dataset
+from fpbench.errors import FpbenchError
+from fpbench.methods.base import Context, Method, ServerState, Updates
+from fpbench.methods.fedrep import FedRep
+from fpbench.methods.fedvpt import FedVPT
+from fpbench.partition import make_clients
+from fpbench.store import Store
+from fpbench.suites import expand_suite
+from tests.conftest import tiny_config
+
+SEED = 6  # not 0 (a seed dropped for 0 shows); its rounds sample clients out of id order
+
+
+def _with(cfg, *, seed: int | None = None, runtime: dict | None = None):
+    update = {}
+    if seed is not None:
+        update["seed"] = seed
+    if runtime:
+        update["runtime"] = cfg.runtime.model_copy(update=runtime)
+    return cfg.model_copy(update=update)
+
+
+def _clients(cfg, seed: int):
+    """The run's partition, re-made outside the engine with `seed`."""
+    return make_clients(cfg.partition.name, cfg.partition.args, load_dataset(cfg.dataset), seed)
+
+
+def _clone(server: ServerState) -> ServerState:
+    parts = (server.params, server.personal, server.buffers)
+    return ServerState(*(copy.deepcopy(d) for d in parts))
+
+
+class Spied:
+    """What one spied run recorded."""
+
+    def __init__(self) -> None:
+        self.task = None
+        self.method: Method | None = None
+        self.calls: list[tuple[ServerState, Updates, ServerState]] = []  # aggregate: in, what, out
+        self.lrs: list[float] = []  # make_optimizer's lr, in call order
+        self.views: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (round, seeds, idx)
+
+
+@pytest.fixture(scope="module")
+def spied(tmp_path_factory):
+    """One fedvpt run (seed 6, 2 rounds, flips on, lr decay 0.5) with the engine's seams spied.
+
+    The spies call through, so the run is the real one: its stored rows are checked as well.
+    """
+    tmp = tmp_path_factory.mktemp("wiring")
+    cfg = tiny_config("fedvpt", rounds=2, lr_decay=0.5, augment={"hflip": True})
+    cfg = _with(cfg, seed=SEED, runtime={"device": "cpu"})
+    seen = Spied()
+    aggregate, build_task = FedVPT.aggregate, runner.build_task
+    make_optimizer, uniforms = executor.make_optimizer, executor.uniforms
+
+    def spy_aggregate(self, server, updates):
+        out = aggregate(self, server, updates)
+        seen.method = self
+        seen.calls.append((_clone(server), copy.deepcopy(updates), _clone(out)))
+        return out
+
+    def spy_optimizer(name, tensors, *, lr, **kw):
+        seen.lrs.append(lr)
+        return make_optimizer(name, tensors, lr=lr, **kw)
+
+    def spy_uniforms(seeds, idx, n):
+        seen.views.append((len(seen.calls), seeds.clone(), idx.clone()))
+        return uniforms(seeds, idx, n)
+
+    def spy_build_task(*args, **kwargs):
+        seen.task = build_task(*args, **kwargs)
+        return seen.task
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FedVPT, "aggregate", spy_aggregate)
+        mp.setattr(executor, "make_optimizer", spy_optimizer)
+        mp.setattr(executor, "uniforms", spy_uniforms)
+        mp.setattr(runner, "build_task", spy_build_task)
+        with Store(f"sqlite:///{tmp / 'r.db'}") as store:
+            assert run_cell(cfg, store, checkpoint_dir=tmp).status == "done"
+            rows = store.metrics(aggregate_only=False)
+            per_round = store.rounds(store.find_run(cfg.run_key).id)
+    return cfg, seen, rows, per_round
+
+
+def test_the_runs_seed_reaches_its_partition(spied):
+    """Catches `task_of(..., seed=0)` (or any seed but the run's) in `build_task`."""
+    cfg, seen, *_ = spied
+    mine, other = _clients(cfg, SEED), _clients(cfg, SEED + 1)
+    got = [c.train_idx.tolist() for c in seen.task.clients]
+    assert got == [c.train_idx.tolist() for c in mine]
+    assert got != [c.train_idx.tolist() for c in other]  # the check can tell seeds apart
+    assert seen.task.heldout.tolist() == [c.heldout for c in mine]
+
+
+def test_the_task_hands_on_float32_priors_and_weights(spied):
+    """What methods and FedAvg receive from the task: (N, C) float32 priors, float32 weights
+    and long indices. Catches a dtype dropped in `task_of` (float64 priors meet float32
+    parameters; integer weights)."""
+    _, seen, *_ = spied
+    task = seen.task
+    assert task.priors.dtype == task.train_sizes.dtype == torch.float32
+    assert all(updates.weights.dtype == torch.float32 for _, updates, _ in seen.calls)
+    assert {t.dtype for t in task.train_idx + task.test_idx} == {torch.long}
+
+
+def test_each_round_aggregates_its_sampled_clients_with_their_train_sizes(spied):
+    """FedAvg gets, row by row, the round's clients and their real train sizes.
+
+    Catches: weights of ones or of the wrong clients (`aggregation_weights[:K]`), weights not
+    in the order of `client_ids`, every round handed round 0's clients, the sampler seeded
+    with anything but the run's seed, and held-out clients sampled.
+    """
+    cfg, seen, *_ = spied
+    clients = _clients(cfg, SEED)
+    trainable = [c.id for c in clients if not c.heldout]
+    schedule = sampling_schedule(SEED, cfg.train.rounds, trainable, cfg.train.participation)
+    assert schedule != sampling_schedule(SEED + 1, 2, trainable, cfg.train.participation)
+    assert schedule[0] != schedule[1]  # round 1 handed round 0's clients would show
+    assert all(ids != sorted(ids) for ids in schedule)  # so would weights in id order
+    assert len(seen.calls) == cfg.train.rounds
+    for r, (_, updates, _) in enumerate(seen.calls):
+        ids = updates.client_ids.tolist()
+        assert ids == schedule[r]
+        assert len(ids) == math.floor(cfg.train.participation * len(trainable))
+        assert not any(clients[c].heldout for c in ids)
+        assert updates.weights.tolist() == [float(len(clients[c].train_idx)) for c in ids]
+        assert {n: t.shape[0] for n, t in updates.params.items()} == dict.fromkeys(
+            updates.params, len(ids)
+        )
+
+
+def test_round_zero_starts_from_the_seeded_init_and_each_round_from_the_last(spied):
+    """Catches: the init generator seeded without the run's seed (or with another tag), and a
+    round that aggregates onto the initial server instead of the previous round's result."""
+    cfg, seen, *_ = spied
+    method = seen.method
+    want = method.init_server(torch.Generator().manual_seed(derive_seed(SEED, "init-params")))
+    other = method.init_server(torch.Generator().manual_seed(derive_seed(SEED + 1, "init-params")))
+    first = seen.calls[0][0]
+    for name, t in want.params.items():
+        assert torch.equal(first.params[name], t)
+    assert not torch.equal(first.params["prompts"], other.params["prompts"])
+    for (_, _, out), (nxt, _, _) in zip(seen.calls, seen.calls[1:], strict=False):
+        for name, t in out.params.items():
+            assert torch.equal(nxt.params[name], t)
+
+
+def test_each_clients_row_is_what_it_trains_alone_in_that_round(spied):
+    """Row k of the update is client k trained alone by the reference executor from the round's
+    server, with the round's index, the run's seed and the round's lr.
+
+    Catches: `round_idx=0` (or the run's seed dropped) in the call to `train_clients` (another
+    batch order, another lr), and rows stacked in another order than `client_ids`.
+    """
+    cfg, seen, *_ = spied
+    for r, (server, updates, _) in enumerate(seen.calls):
+        for row, c in enumerate(updates.client_ids.tolist()):
+            alone = train_clients(
+                seen.method, server, seen.task, [c], cfg.train,
+                round_idx=r, seed=SEED, executor="reference",
+            )  # fmt: skip
+            for name, t in alone.params.items():
+                torch.testing.assert_close(updates.params[name][row], t[0], atol=1e-5, rtol=1e-4)
+
+
+def test_the_optimiser_gets_each_rounds_scheduled_lr(spied):
+    """lr * lr_decay**round, one optimiser per round (one lockstep pass, one phase).
+
+    Catches: the round index not reaching `round_lr` (every round at 0.05), or the base lr
+    handed over unscheduled."""
+    cfg, seen, *_ = spied
+    assert seen.lrs == pytest.approx([0.05, 0.025])
+
+
+def test_augmented_views_are_drawn_from_each_clients_epoch_seed(spied):
+    """A sample's flip draws come from derive_seed(run seed, round, its client, phase, epoch).
+
+    Catches: views seeded without the round (same flips every round), without the client, from
+    another row's seed (`seeds[0]` for every sample), or from a seed other than the run's.
+    """
+    cfg, seen, *_ = spied
+    owner = {}
+    for c in _clients(cfg, SEED):
+        owner.update(dict.fromkeys(c.train_idx.tolist(), c.id))
+    assert {r for r, *_ in seen.views} == {0, 1}
+    for r, seeds, idx in seen.views:
+        want = [derive_seed(SEED, r, owner[i], 0, 0) for i in idx.tolist()]
+        assert seeds.tolist() == want
+
+
+def test_stored_metrics_count_the_right_clients_with_the_right_values(spied):
+    """The last round's rows, recomputed from the final server by a plain forward per client.
+
+    Catches: held-out flags lost or inverted on the way to the counts (held-out clients then
+    counted in `acc_local_mean`), a client's count stored under another client's id, and the
+    aggregates taken over other clients than the stored per-client rows.
+    """
+    cfg, seen, rows, _ = spied
+    task, method, server = seen.task, seen.method, seen.calls[-1][2]
+    last = rows[rows["round"] == cfg.train.rounds - 1]
+    acc = {}
+    params = method.client_params(server, torch.tensor([0]), training=False)
+    with torch.no_grad():
+        for c, idx in enumerate(task.test_idx):
+            x = method.backbone.preprocess(task.data.test_images[idx])
+            rows_ = torch.zeros(len(idx), dtype=torch.long)
+            pred = method.forward(params, x, rows_, Context(training=False)).argmax(-1)
+            acc[c] = ((pred == task.data.test_labels[idx]).sum().item(), len(idx))
+    held = {c.id for c in _clients(cfg, SEED) if c.heldout}
+    assert len(held) == 1
+
+    def stored(name):
+        sel = last[last["name"] == name]
+        return {
+            int(c): (v, n)
+            for c, v, n in zip(sel["client_id"], sel["value"], sel["count"], strict=True)
+        }
+
+    local, heldout = stored("acc_local"), stored("acc_heldout")
+    assert set(heldout) == held and set(local) == set(acc) - held
+    for c, (v, n) in {**local, **heldout}.items():
+        assert (v, n) == (pytest.approx(acc[c][0] / acc[c][1]), acc[c][1])
+    agg = last[last["client_id"].isna()].set_index("name")["value"]
+    ratios = {c: k / n for c, (k, n) in acc.items()}
+    assert agg["acc_local_mean"] == pytest.approx(np.mean([ratios[c] for c in local]))
+    assert agg["acc_heldout_mean"] == pytest.approx(np.mean([ratios[c] for c in held]))
+    pooled = sum(acc[c][0] for c in local) / sum(acc[c][1] for c in local)
+    assert agg["acc_pooled"] == pytest.approx(pooled)
+
+
+def test_rounds_store_the_bytes_of_their_participants(spied):
+    """Up and down: each participant's global tensors, fp32. fedvpt on the test ViT: prompts
+    (5, d), head (6, d) and (6,). Catches bytes counted once per round, not per participant."""
+    cfg, seen, _, per_round = spied
+    d = seen.method.backbone.embed_dim
+    k = math.floor(cfg.train.participation * 3)
+    assert per_round["bytes_up"].tolist() == [k * 4 * (5 * d + 6 * d + 6)] * cfg.train.rounds
+    assert per_round["bytes_down"].tolist() == per_round["bytes_up"].tolist()
+
+
+def _domain_cell():
+    raw = {
+        "seeds": [0],
+        "defaults": {
+            "backbone": {"name": "vit-test"},
+            "train": {
+                "rounds": 1,
+                "participation": 1.0,
+                "batch_size": 8,
+                "aggregation_weights": "domain_size",
+            },
+            "dataset": {
+                "num_classes": 4,
+                "image_size": 16,
+                "train_per_class": 8,
+                "test_per_class": 4,
+                "num_domains": 2,
+            },
+            "partition": {"num_clients": 4, "heldout_frac": 0.0},
+            "runtime": {"device": "cpu"},
+        },
+        "datasets": [{"name": "synthetic"}],
+        "partitions": [{"name": "domain-dirichlet", "clients_per_domain": 2, "min_size": 2}],
+        "methods": [{"name": "fedvpt"}],
+    }
+    return expand_suite(raw, name="wiring").cells[0]
+
+
+def test_domain_size_weights_reach_fedavg(tmp_path, monkeypatch):
+    """`train.aggregation_weights = "domain_size"`: each client weighs its domain's full size
+    over the domain's clients; domains of 100 and 30 samples, 2 clients each: 50, 50, 15, 15.
+
+    Catches `build_task` dropping `cfg.train.aggregation_weights` (train sizes are used) and
+    `Task.aggregation_weights` ignoring `aggregation_sizes`.
+    """
+    load = task_module.load_dataset
+
+    def with_sizes(comp):
+        data = load(comp)
+        return dataclasses.replace(data, domain_train_sizes=torch.tensor([100, 30]))
+
+    monkeypatch.setattr(task_module, "load_dataset", with_sizes)
+    weights = []
+
+    def spy(self, server, updates):
+        weights.append(
+            dict(zip(updates.client_ids.tolist(), updates.weights.tolist(), strict=True))
+        )
+        return Method.aggregate(self, server, updates)
+
+    monkeypatch.setattr(FedVPT, "aggregate", spy)
+    with Store(f"sqlite:///{tmp_path / 'r.db'}") as store:
+        assert run_cell(_domain_cell(), store, checkpoint_dir=tmp_path).status == "done"
+    assert weights == [{0: 50.0, 1: 50.0, 2: 15.0, 3: 15.0}]
+
+
+def test_domain_size_weights_refuse_what_they_cannot_weigh():
+    """The two errors of `aggregation_sizes`, word for word: they say what to do."""
+    data = load_dataset(_domain_cell().dataset)
+    clients = make_clients("domain-dirichlet", {"num_clients": 4, "min_size": 2}, data, 0)
+    with pytest.raises(FpbenchError) as info:
+        aggregation_sizes("domain_size", data, clients)
+    assert str(info.value) == (
+        "train.aggregation_weights = 'domain_size' needs a dataset that records its domains' "
+        f"full sizes; {data.name} does not (a file prepared before they were recorded: "
+        "delete it and prepare again)"
+    )
+    sized = dataclasses.replace(data, domain_train_sizes=torch.tensor([100, 30]))
+    no_domain = [dataclasses.replace(c, domain=None) for c in clients]
+    with pytest.raises(FpbenchError) as info:
+        aggregation_sizes("domain_size", sized, no_domain)
+    assert str(info.value) == (
+        "train.aggregation_weights = 'domain_size' needs a per-domain partition (domain, "
+        "domain-dirichlet)"
+    )
+    assert aggregation_sizes("domain_size", sized, clients).dtype == torch.float32
+
+
+def test_a_task_made_without_a_rule_weighs_by_train_size():
+    """`task_of`'s default rule is "train_size" (`fpbench estimate` relies on it): no error on a
+    dataset without domain sizes, and FedAvg weighs by the train sizes."""
+    cfg = tiny_config("fedvpt")
+    task = task_module.task_of(load_dataset(cfg.dataset), cfg.partition, 0, torch.device("cpu"))
+    assert task.aggregation_sizes is None
+    assert task.aggregation_weights.tolist() == [float(len(c.train_idx)) for c in task.clients]
+
+
+def test_personal_metrics_count_every_client_sampled_so_far(tmp_path):
+    """pFedPG, one of 3 clients a round: round r scores the clients sampled in rounds 0..r.
+
+    Catches the round loop handing `mark_untrained` only this round's clients (a client trained
+    in round 0 would drop out of round 1's metrics), or no rounds' at all.
+    """
+    cfg = _with(tiny_config("pfedpg", rounds=2, participation=0.34), runtime={"device": "cpu"})
+    trainable = [c.id for c in _clients(cfg, cfg.seed) if not c.heldout]
+    schedule = sampling_schedule(cfg.seed, 2, trainable, 0.34)
+    assert len(trainable) == 3 and schedule[0] != schedule[1]  # else the check has no power
+    with Store(f"sqlite:///{tmp_path / 'r.db'}") as store:
+        assert run_cell(cfg, store, checkpoint_dir=tmp_path).status == "done"
+        rows = store.metrics(aggregate_only=False)
+    for r in (0, 1):
+        this = rows[rows["round"] == r]
+        so_far = sorted({c for ids in schedule[: r + 1] for c in ids})
+        assert sorted(this[this["name"] == "acc_local"]["client_id"].astype(int)) == so_far
+        untrained = this[this["name"] == "clients_untrained"]["value"].tolist()
+        assert untrained == [float(3 - len(so_far))]
+
+
+def test_phases_reach_the_loss_with_their_trainable_parameters(tiny):
+    """FedRep's local schedule as the method's loss sees it: `ctx.phase` is "head" while only
+    the head requires grad (from cached final states), then "representation" with the prompts.
+
+    Catches `ctx.phase` left unset (every step "eval"), the trainable set not following the phase
+    (`requires_grad_(True)` for all), and the cached states not used in the head phase.
+    """
+    cfg, task, method = tiny("fedrep")
+    steps = []
+    loss = FedRep.loss
+
+    def spy(self, params, x, y, client_index, ctx):
+        grad = sorted(n for n, t in params.items() if t.requires_grad)
+        steps.append((ctx.phase, tuple(grad), ctx.resume_layer))
+        return loss(self, params, x, y, client_index, ctx)
+
+    FedRep.loss = spy
+    try:
+        server = method.init_server(torch.Generator().manual_seed(0))
+        ids = task.trainable_clients()[:2]
+        train_clients(method, server, task, ids, cfg.train, round_idx=0, seed=0)
+    finally:
+        FedRep.loss = loss
+    depth = method.backbone.depth
+    head = [s for s in steps if s[0] == "head"]
+    rep = [s for s in steps if s[0] == "representation"]
+    assert head and rep and steps == head + rep
+    assert set(head) == {("head", ("head_b", "head_w"), depth)}
+    assert set(rep) == {("representation", ("prompts",), 0)}
+
+
+def _autocast_cpu() -> bool:
+    try:
+        return torch.is_autocast_enabled("cpu")
+    except TypeError:  # torch < 2.4
+        return torch.is_autocast_cpu_enabled()
+
+
+@pytest.mark.parametrize(
+    "runtime",
+    [
+        {"deterministic": True, "cpu_linear": "blas", "precision": "fp32", "threads": "more"},
+        {"deterministic": False, "cpu_linear": "onednn", "precision": "bf16", "threads": None},
+    ],
+)
+def test_a_cell_trains_and_evaluates_in_its_numerics(tmp_path, monkeypatch, runtime):
+    """Training and evaluation inside `run_cell` see the cell's deterministic mode, thread
+    count, CPU linear backend and precision (autocast on in the forward for bf16), and the
+    process's own state comes back after.
+
+    Catches: `cell_numerics` not entered by `run_cell` (or not passing `threads` or
+    `cpu_linear`), and the precision not reaching `train_clients` or `evaluate`.
+
+    The thread count is recorded, not applied: a real second OpenMP thread in this process
+    would hang every process forked from it later (mutmut forks one per mutant).
+    """
+    own = torch.get_num_threads()
+    count = [own]
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: count.__setitem__(0, n))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: count[0])
+    runtime = {**runtime, "threads": own + 1 if runtime["threads"] else None, "device": "cpu"}
+    cfg = _with(tiny_config("fedvpt", rounds=1), runtime=runtime)
+    before = (torch.are_deterministic_algorithms_enabled(), frozen_linear._backend)
+    seen = []
+
+    def state(where, precision):
+        det = torch.are_deterministic_algorithms_enabled()
+        seen.append((where, det, torch.get_num_threads(), frozen_linear._backend, precision))
+
+    def wrap(where, fn, precision_of):
+        def spy(*args, **kwargs):
+            state(where, precision_of(args, kwargs))
+            return fn(*args, **kwargs)
+
+        return spy
+
+    train, evaluate, forward = rounds.train_clients, rounds.evaluate, FedVPT.forward
+    monkeypatch.setattr(rounds, "train_clients", wrap("train", train, lambda a, k: k["precision"]))
+    monkeypatch.setattr(rounds, "evaluate", wrap("eval", evaluate, lambda a, k: a[5]))
+
+    def spy_forward(self, params, x, client_index, ctx):
+        state(f"forward-{ctx.training}", _autocast_cpu())
+        return forward(self, params, x, client_index, ctx)
+
+    monkeypatch.setattr(FedVPT, "forward", spy_forward)
+    with Store(f"sqlite:///{tmp_path / 'r.db'}") as store:
+        assert run_cell(cfg, store, checkpoint_dir=tmp_path).status == "done"
+    threads = runtime["threads"] or own
+    det, linear, bf16 = runtime["deterministic"], runtime["cpu_linear"], runtime["precision"]
+    want = {
+        ("train", det, threads, linear, bf16),
+        ("eval", det, threads, linear, bf16),
+        ("forward-True", det, threads, linear, bf16 == "bf16"),
+        ("forward-False", det, threads, linear, bf16 == "bf16"),
+    }
+    assert set(seen) == want
+    assert (torch.are_deterministic_algorithms_enabled(), frozen_linear._backend) == before
+    assert torch.get_num_threads() == own
