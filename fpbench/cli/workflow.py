@@ -28,15 +28,19 @@ def percent(value: float) -> str:
     return "-" if value != value else f"{100 * value:.2f}"  # NaN != NaN
 
 
+RunsSuiteOpt = Annotated[
+    str | None, typer.Option("--suite", "-s", help="only this suite's runs (name or .toml)")
+]
+RunsMethodOpt = Annotated[
+    list[str] | None, typer.Option(help="only these methods (labels; repeatable)")
+]
+
+
 @app.command("runs")
 @user_errors
 def runs(
-    suite: Annotated[
-        str | None, typer.Option("--suite", "-s", help="only this suite's runs (name or .toml)")
-    ] = None,
-    method: Annotated[
-        list[str] | None, typer.Option(help="only these methods (labels; repeatable)")
-    ] = None,
+    suite: RunsSuiteOpt = None,
+    method: RunsMethodOpt = None,
     status: Annotated[
         list[str] | None,
         typer.Option(help="only runs with this status: done, failed, running, ... (repeatable)"),
@@ -102,12 +106,8 @@ class ExportFormat(str, Enum):
 @user_errors
 def export(
     out: Annotated[Path, typer.Argument(help="folder for runs, rounds and clients .csv/.parquet")],
-    suite: Annotated[
-        str | None, typer.Option("--suite", "-s", help="only this suite's runs (name or .toml)")
-    ] = None,
-    method: Annotated[
-        list[str] | None, typer.Option(help="only these methods (labels; repeatable)")
-    ] = None,
+    suite: RunsSuiteOpt = None,
+    method: RunsMethodOpt = None,
     status: Annotated[
         list[str] | None, typer.Option(help="only runs with this status (repeatable)")
     ] = None,

@@ -23,6 +23,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from fpbench.errors import FpbenchError
 from fpbench.store.models import Base, Meta, Metric, Round, Run
 from fpbench.store.schema import ADDED_COLUMNS, DATABASE_ID_KEY, SCHEMA_VERSION, VERSION_KEY
+from fpbench.store.sqlite import configure_sqlite
 
 # what every fpbench database has had since version 1
 REQUIRED = {
@@ -175,8 +176,6 @@ def _remove_abandoned(path: Path) -> None:
 
 def _create_file(engine: Engine, path: Path) -> None:
     """Build the new file beside `path`, then link it into place unless one appeared there."""
-    from fpbench.store.repo import configure_sqlite  # the same pragmas as the store's own
-
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.creating")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import Engine, create_engine, delete, event, func, insert, select
+from sqlalchemy import Engine, create_engine, delete, func, insert, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -28,6 +28,7 @@ from fpbench.store.claims import ClaimMixin, touch_or_raise
 from fpbench.store.models import Metric, Round, Run
 from fpbench.store.ownership import State, create, probe
 from fpbench.store.schema import check_version, database_id, upgrade
+from fpbench.store.sqlite import configure_sqlite
 
 MIN_KEY_PREFIX = 4
 RUN_COLUMNS = [
@@ -105,31 +106,6 @@ def _safe_url(url: str) -> str:
         return make_url(url).render_as_string(hide_password=True)
     except ArgumentError:
         return url
-
-
-def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
-    dbapi_connection.isolation_level = None  # transactions begin in _sqlite_on_begin
-    cursor = dbapi_connection.cursor()
-    try:
-        cursor.execute("PRAGMA busy_timeout=30000")  # several processes may share one file
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA synchronous=NORMAL")
-        cursor.execute("PRAGMA foreign_keys=ON")
-    finally:
-        cursor.close()
-
-
-def _sqlite_on_begin(conn: Any) -> None:
-    # take the write lock up front: a deferred transaction that reads, then writes after another
-    # process wrote fails at once with "database is locked" instead of waiting for busy_timeout
-    conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-
-def configure_sqlite(engine: Engine) -> Engine:
-    """WAL mode, a busy timeout, foreign keys and write-locking transactions on every connection."""
-    event.listen(engine, "connect", _sqlite_on_connect)
-    event.listen(engine, "begin", _sqlite_on_begin)
-    return engine
 
 
 def _open_engine(url: str) -> tuple[Engine, State]:
