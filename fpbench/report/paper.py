@@ -136,6 +136,21 @@ def list_papers(root: Path = PAPERS_DIR) -> list[str]:
     return sorted(p.stem for p in root.glob("*.toml"))
 
 
+def paper_data(name: str, root: Path = PAPERS_DIR) -> dict[str, Any]:
+    """The parsed `<root>/<name>.toml` (tables, protocol and readings read from it).
+
+    Raises:
+        FpbenchError: unknown paper, or a file that is not valid TOML.
+    """
+    path = root / f"{name}.toml"
+    if not path.is_file():
+        raise FpbenchError(f"unknown paper {name!r}; choose one of {', '.join(list_papers(root))}")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise FpbenchError(f"{path} is not valid TOML: {exc}") from exc
+
+
 def load_paper(name: str, root: Path = PAPERS_DIR) -> Paper:
     """Read and check `<root>/<name>.toml`.
 
@@ -143,12 +158,7 @@ def load_paper(name: str, root: Path = PAPERS_DIR) -> Paper:
         FpbenchError: unknown paper, or a table whose rows do not match its columns.
     """
     path = root / f"{name}.toml"
-    if not path.is_file():
-        raise FpbenchError(f"unknown paper {name!r}; choose one of {', '.join(list_papers(root))}")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise FpbenchError(f"{path} is not valid TOML: {exc}") from exc
+    data = paper_data(name, root)
     tables = tuple(sorted((_table(name, path, t) for t in data.get("tables", [])),
                           key=lambda t: t.number))  # fmt: skip
     return Paper(name, data.get("title", name), data.get("source", ""), tables)

@@ -42,10 +42,16 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 from fpbench.errors import FpbenchError
-from fpbench.report.paper import PAPERS_DIR, SELECT, Paper, PaperTable, _contains, load_paper
+from fpbench.report.paper import (
+    PAPERS_DIR,
+    SELECT,
+    Paper,
+    PaperTable,
+    _contains,
+    load_paper,
+    paper_data,
+)
 
 UNSTATED = "unstated"
 NULL = "null"
@@ -158,10 +164,7 @@ def load_protocol(name: str, root: Path = PAPERS_DIR) -> list[Block]:
     Raises:
         FpbenchError: unknown paper, or a malformed block or rule.
     """
-    path = root / f"{name}.toml"
-    if not path.is_file():
-        load_paper(name, root)  # raises the "unknown paper" error
-    return parse_protocol(tomllib.loads(path.read_text()), path.name)
+    return parse_protocol(paper_data(name, root), f"{name}.toml")
 
 
 def parse_protocol(data: Mapping[str, Any], where: str = "<memory>") -> list[Block]:

@@ -16,10 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 from fpbench.errors import FpbenchError
-from fpbench.report.paper import PAPERS_DIR, Paper, load_paper
+from fpbench.report.paper import PAPERS_DIR, Paper, paper_data
 
 
 @dataclass(frozen=True)
@@ -50,10 +48,7 @@ def load_readings(name: str, root: Path = PAPERS_DIR) -> list[Reading]:
     Raises:
         FpbenchError: unknown paper, or a malformed block.
     """
-    path = root / f"{name}.toml"
-    if not path.is_file():
-        load_paper(name, root)  # raises the "unknown paper" error
-    return parse_readings(tomllib.loads(path.read_text()), path.name)
+    return parse_readings(paper_data(name, root), f"{name}.toml")
 
 
 def parse_readings(data: Mapping[str, Any], where: str = "<memory>") -> list[Reading]:
