@@ -4,7 +4,7 @@ The folder is `$FPBENCH_CACHE`, else `~/.cache/fpbench`. fpbench writes there:
 
 * `frozen/<backbone>--<feature>/<hash>.pt`: frozen features and queries
   (`fpbench.engine.frozen_cache`; `runtime.feature_cache_dir` may put them elsewhere),
-* `<backbone>-<hash>.pth` (and `.lock`): weights it made itself (`vit-smoke`'s offline
+* `<backbone>-<hash>[-<hash>].pth` (and `.lock`, `.partial`): weights it made itself (`vit-smoke`'s offline
   pretraining, the seeded tiny CLIPs),
 * `open_clip_configs/<name>.json`: the tiny CLIPs' model configs.
 
@@ -26,7 +26,10 @@ from fpbench.backbones.smoke import default_cache_dir
 
 FROZEN = "frozen"
 _FROZEN_FILE = re.compile(r"^[0-9a-f]{32}\.pt(\.\d+-[0-9a-f]{8}\.tmp)?$")
-_WEIGHTS_FILE = re.compile(r"^(?P<name>.+)-[0-9a-f]{10,12}\.pth(\.lock|\..+\.tmp)?$")
+# <backbone>-<hash>[-<hash>].pth: vit-smoke's name carries its recipe's and numerics' digests
+_WEIGHTS_FILE = re.compile(
+    r"^(?P<name>.+?)(?:-[0-9a-f]{10,12})+\.pth(\.lock|\.partial|\..+\.tmp)?$"
+)
 _CONFIG_FILE = re.compile(r"^[A-Za-z0-9_.-]+\.json(\.\d+\.tmp)?$")
 _CLIP_CONFIGS = "open_clip_configs"
 OTHER = "not fpbench's (kept)"

@@ -253,6 +253,7 @@ def _populate(root: Path) -> None:
 def test_cache_info_shows_sizes_per_kind_and_clear_removes_only_fpbench_s(tmp_path) -> None:
     root = cache_dir()
     root.mkdir(parents=True, exist_ok=True)
+    _unlink_linked_weights(root)
     _populate(root)
     entry_size = next((root / FROZEN).glob("*/*.pt")).stat().st_size
     result = CliRunner().invoke(app, ["cache", "info"])
@@ -278,7 +279,16 @@ def test_cache_info_shows_sizes_per_kind_and_clear_removes_only_fpbench_s(tmp_pa
     assert not (root / "open_clip_configs").exists()  # emptied folders go too
 
 
+def _unlink_linked_weights(root: Path) -> None:
+    """Leave out the real vit-smoke weights the `fpbench_cache` fixture links in (present only
+    where they were made before), so the counts are those of what the test writes."""
+    for linked in root.glob("vit-smoke-*.pth"):
+        if linked.is_symlink():
+            linked.unlink()
+
+
 def test_cache_clear_of_another_frozen_folder(tmp_path) -> None:
+    _unlink_linked_weights(cache_dir())
     elsewhere = tmp_path / "features"
     write_entry(entry_path(elsewhere, "key", "kind"), "key", _values())
     result = CliRunner().invoke(app, ["cache", "info", "--frozen-dir", str(elsewhere)])
