@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
+import socket
 import sqlite3
+import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import text, update
 
 from fpbench.errors import FpbenchError
-from fpbench.store import RunRecord, Store
+from fpbench.store import ClaimLost, RunRecord, Store, claim_is_live, claims, new_owner
+from fpbench.store.models import Run
 from fpbench.store.repo import METRIC_COLUMNS
 
 VERSIONS = {"fpbench_version": "0.1.0", "torch_version": "2.3.0", "device": "cpu"}
@@ -261,3 +267,199 @@ def test_data_survive_reopening(db_path: Path) -> None:
     with Store(url) as s:
         assert s.find_run(run.run_key) == run
         assert s.last_round(run.id) == 1
+
+
+# -- claims: who runs a cell, and when a claim is taken over ------------------------------------
+
+
+def _exited_child() -> int:
+    """The pid of a child that has exited and is not reaped yet (a zombie); reap it after."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    deadline = time.monotonic() + 10
+    while not claims._is_zombie(pid) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return pid
+
+
+def _set_claim(store: Store, run_id: int, **values: object) -> None:
+    with store._session.begin() as s:
+        s.execute(update(Run).where(Run.id == run_id).values(**values))
+
+
+def test_new_owner_names_host_pid_and_slurm_job(monkeypatch) -> None:
+    for name in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    host, pid, rand = new_owner().split(":")
+    assert (host, pid) == (socket.gethostname(), str(os.getpid()))
+    assert len(rand) == 8 and int(rand, 16) >= 0 and new_owner() != new_owner()
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    assert new_owner().endswith(":job=77") and new_owner().count(":") == 3
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "5")
+    assert new_owner().endswith(":job=5_")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    assert new_owner().endswith(":job=5_3")
+
+
+def test_owner_is_gone_only_for_a_dead_process_of_this_host_or_this_slurm_job(monkeypatch) -> None:
+    for name in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    host = socket.gethostname()
+    assert not claims.owner_is_gone(None) and not claims.owner_is_gone("")
+    assert not claims.owner_is_gone(f"{host}:{os.getpid()}:abcd")  # alive
+    assert not claims.owner_is_gone(f"{host}:x{os.getpid()}:abcd")  # no pid
+    zombie = _exited_child()
+    try:
+        assert claims._is_zombie(zombie)
+        assert claims.owner_is_gone(f"{host}:{zombie}:abcd")  # killed, not reaped yet
+        assert not claims.owner_is_gone(f"other-{host}:{zombie}:abcd")  # not this host's
+    finally:
+        os.waitpid(zombie, 0)
+    assert claims.owner_is_gone(f"{host}:{zombie}:abcd")  # reaped: no such process
+    assert not claims._is_zombie(os.getpid()) and not claims._is_zombie(zombie)
+    assert not claims.owner_is_gone(f"{host}:1:abcd")  # init lives (kill: permission or alive)
+    other_job = f"elsewhere:{os.getpid()}:abcd:job=9"
+    assert not claims.owner_is_gone(other_job)
+    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    assert claims.owner_is_gone(other_job)  # this job was requeued: its earlier run is gone
+    assert not claims.owner_is_gone(f"elsewhere:{os.getpid()}:abcd:job=91")
+
+
+def test_claim_is_live_and_stale_reason() -> None:
+    now = dt.datetime.now(dt.timezone.utc)
+    me = f"{socket.gethostname()}:{os.getpid()}:abcd"
+
+    def rec(status: str, age_s: float | None, owner: str = me) -> SimpleNamespace:
+        beat = None if age_s is None else now - dt.timedelta(seconds=age_s)
+        return SimpleNamespace(status=status, heartbeat_at=beat, owner=owner)
+
+    assert claim_is_live(rec("running", 5))
+    assert claim_is_live(rec("running", 595))
+    assert not claim_is_live(rec("running", 605))
+    assert claim_is_live(rec("running", 50), timeout_s=60)
+    assert not claim_is_live(rec("running", 70), timeout_s=60)
+    assert not claim_is_live(rec("running", None))
+    assert not claim_is_live(rec("done", 5)) and not claim_is_live(rec("pending", 5))
+    assert not claim_is_live(rec("running", 5, owner=f"{socket.gethostname()}:{2**22 + 7}:ab"))
+
+    def why(status: str, owner: str | None, age_s: float | None, timeout: float = 60):
+        return claims.stale_reason(status, owner, rec(status, age_s).heartbeat_at, timeout)
+
+    assert why("running", me, 5) is None and why("done", None, None) is None
+    assert why("running", me, None) == "it never sent a heartbeat"
+    assert why("running", me, 100) == "its last heartbeat was 100 s ago"
+    assert why("running", me, 100, timeout=200) is None
+    gone = f"{socket.gethostname()}:{2**22 + 7}:ab"
+    assert why("running", gone, 5) == f"its process ({gone}) is gone"
+
+
+def test_claims_are_exclusive_until_stale_or_the_owner_is_gone(store: Store) -> None:
+    assert not store.claim_run(1, "a")  # no database yet
+    run = make_run(store)
+    assert store.claim_run(run.id, "a")
+    rec = store.find_run(run.run_key)
+    assert (rec.status, rec.owner, rec.finished_at) == ("running", "a", None)
+    assert rec.heartbeat_at is not None
+    assert not store.claim_run(run.id, "b")  # held, fresh heartbeat
+    assert store.claim_run(run.id, "a")  # its owner re-claims it
+    old = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=100)
+    _set_claim(store, run.id, heartbeat_at=old)
+    assert not store.claim_run(run.id, "b", timeout_s=200)
+    assert store.claim_run(run.id, "b", timeout_s=50)  # stale: taken over
+    assert store.find_run(run.run_key).owner == "b"
+    _set_claim(store, run.id, heartbeat_at=None)
+    assert store.claim_run(run.id, "c")  # no heartbeat at all
+    dead = f"{socket.gethostname()}:{2**22 + 7}:ab"
+    _set_claim(store, run.id, owner=dead)  # fresh heartbeat, dead process
+    assert store.claim_run(run.id, "d")
+    assert store.find_run(run.run_key).owner == "d"
+    assert not store.claim_run(run.id + 1, "d")  # no such run
+    for status in ("failed", "interrupted", "pending"):
+        _set_claim(store, run.id, status=status, owner="x", error="boom", traceback="tb")
+        assert store.claim_run(run.id, "e")
+        rec = store.find_run(run.run_key)
+        assert (rec.status, rec.owner, rec.error, rec.traceback) == ("running", "e", None, None)
+    _set_claim(store, run.id, status="done", owner="e")
+    assert not store.claim_run(run.id, "e") and store.find_run(run.run_key).status == "done"
+
+
+def test_heartbeat_finish_and_writes_need_the_claim(store: Store) -> None:
+    assert not store.heartbeat(1, "a") and not store.finish_run(1, "a", "done")
+    run = make_run(store)
+    assert store.claim_run(run.id, "a")
+    old = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=100)
+    _set_claim(store, run.id, heartbeat_at=old)
+    assert not store.heartbeat(run.id, "b")
+    assert store.find_run(run.run_key).heartbeat_at == old
+    assert store.heartbeat(run.id, "a")
+    assert store.find_run(run.run_key).heartbeat_at > old + dt.timedelta(seconds=99)
+    store.write_round(run.id, 0, loss_train=1.0, wall_s=1.0, bytes_up=1, bytes_down=2,
+                      metrics=[], owner="a")  # fmt: skip
+    with pytest.raises(ClaimLost, match=f"run {run.id}: claim of b was taken over"):
+        store.write_round(run.id, 1, loss_train=1.0, wall_s=1.0, bytes_up=1, bytes_down=2,
+                          metrics=[], owner="b")  # fmt: skip
+    with pytest.raises(ClaimLost):
+        store.record_cost(run.id, peak_mem_bytes=5, owner="b")
+    assert store.round_numbers(run.id) == [0]
+    assert not store.finish_run(run.id, "b", "done")
+    assert store.finish_run(run.id, "a", "failed", error="boom", wall_s=3, traceback="tb")
+    rec = store.find_run(run.run_key)
+    assert (rec.status, rec.error, rec.traceback, rec.wall_s) == ("failed", "boom", "tb", 3.0)
+    assert rec.finished_at is not None and rec.owner == "a"
+    assert not store.finish_run(run.id, "a", "done")  # no longer running
+    assert not store.heartbeat(run.id, "a")
+    assert store.claim_run(run.id, "a")
+    assert store.finish_run(run.id, "a", "done")
+    rec = store.find_run(run.run_key)
+    assert (rec.status, rec.error, rec.traceback, rec.wall_s) == ("done", None, None, 3.0)
+
+
+def test_keep_alive_beats_until_the_block_ends(store: Store) -> None:
+    run = make_run(store)
+    assert store.claim_run(run.id, "a")
+    old = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=100)
+    _set_claim(store, run.id, heartbeat_at=old)
+    with store.keep_alive(run.id, "a", interval_s=0.01):
+        deadline = time.monotonic() + 10
+        while store.find_run(run.run_key).heartbeat_at == old and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert store.find_run(run.run_key).heartbeat_at > old
+    assert not any(t.name.startswith("fpbench-heartbeat") for t in threading.enumerate())
+    _set_claim(store, run.id, heartbeat_at=old)
+    with store.keep_alive(run.id, "a", interval_s=60):
+        pass  # ends at once, without waiting for the interval
+    assert store.find_run(run.run_key).heartbeat_at == old
+
+
+def test_ensure_run_returns_the_run_another_driver_created(store: Store) -> None:
+    first = make_run(store)
+    fields = {
+        "suite": "x", "method": "x", "dataset": "x", "partition": "x", "seed": 3,
+        "config": {}, **VERSIONS,
+    }  # fmt: skip
+    assert store.ensure_run(run_key=first.run_key, **fields) == first
+    made = store.ensure_run(run_key="beef0001", **fields)
+    assert (made.run_key, made.seed, made.status) == ("beef0001", 3, "pending")
+    with pytest.raises(TypeError):
+        store.ensure_run(run_key="beef0002", nonsense=1, **fields)
+
+
+def test_record_cost_keeps_the_peak_and_the_first_flops(store: Store) -> None:
+    run = make_run(store)
+    store.record_cost(run.id)
+    assert (
+        store.find_run(run.run_key).peak_mem_bytes,
+        store.find_run(run.run_key).round_flops,
+    ) == (
+        None,
+        None,
+    )
+    store.record_cost(run.id, peak_mem_bytes=500, round_flops=7)
+    store.record_cost(run.id, peak_mem_bytes=300, round_flops=9)
+    rec = store.find_run(run.run_key)
+    assert (rec.peak_mem_bytes, rec.round_flops) == (500, 7)
+    store.record_cost(run.id, peak_mem_bytes=800)
+    assert store.find_run(run.run_key).peak_mem_bytes == 800
+    with pytest.raises(FpbenchError, match="no run with id 99"):
+        store.record_cost(99, peak_mem_bytes=1)
