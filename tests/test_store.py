@@ -12,10 +12,19 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from sqlalchemy import text, update
+from sqlalchemy import create_engine, text, update
 
 from fpbench.errors import FpbenchError
-from fpbench.store import ClaimLost, RunRecord, Store, claim_is_live, claims, new_owner
+from fpbench.store import (
+    ClaimLost,
+    RunRecord,
+    Store,
+    claim_is_live,
+    claims,
+    new_owner,
+    ownership,
+    schema,
+)
 from fpbench.store.models import Run
 from fpbench.store.repo import METRIC_COLUMNS
 
@@ -463,3 +472,230 @@ def test_record_cost_keeps_the_peak_and_the_first_flops(store: Store) -> None:
     assert store.find_run(run.run_key).peak_mem_bytes == 800
     with pytest.raises(FpbenchError, match="no run with id 99"):
         store.record_cost(99, peak_mem_bytes=1)
+
+
+# -- schema versions and upgrades ----------------------------------------------------------------
+
+
+def _downgrade(db_path: Path, version: int) -> None:
+    """Make an fpbench database look as version 1 or 2 made it."""
+    con = sqlite3.connect(db_path)
+    try:
+        for column in schema.ADDED_COLUMNS:
+            if version == 1 or column in ("peak_mem_bytes", "round_flops"):
+                con.execute(f"ALTER TABLE runs DROP COLUMN {column}")
+        if version == 1:
+            con.execute("DROP TABLE meta")
+        else:
+            con.execute(f"UPDATE meta SET value = '{version}' WHERE key = 'schema_version'")
+        current = con.execute("PRAGMA schema_version").fetchone()[0]
+        con.execute("PRAGMA writable_schema = ON")
+        narrow = "UPDATE sqlite_master SET sql = replace(sql, ', ''interrupted''', '') WHERE name = 'runs'"  # noqa: E501
+        con.execute(narrow)
+        con.execute(f"PRAGMA schema_version = {current + 1}")
+        con.commit()
+    finally:
+        con.close()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_database_is_upgraded_in_place(db_path: Path, version: int) -> None:
+    url = Store.url_from_path_or_url(db_path)
+    with Store(url) as s:
+        run = make_run(s)
+        write(s, run.id, 1)
+        identity = s.database_id if version == 2 else None
+    _downgrade(db_path, version)
+    engine = create_engine(url)
+    try:
+        assert schema.stored_version(engine) == version
+    finally:
+        engine.dispose()
+    with pytest.raises(sqlite3.IntegrityError, match="CHECK"):
+        raw(db_path, "UPDATE runs SET status = 'interrupted'")
+    with Store(url) as s:
+        rec = s.find_run(run.run_key)
+        assert (rec.id, rec.owner, rec.peak_mem_bytes, rec.status) == (
+            run.id,
+            None,
+            None,
+            "pending",
+        )
+        assert s.claim_run(run.id, "me") and s.finish_run(run.id, "me", "interrupted")
+        s.record_cost(run.id, peak_mem_bytes=10, round_flops=20)
+        rec = s.find_run(run.run_key)
+        assert (rec.status, rec.owner, rec.peak_mem_bytes, rec.round_flops) == (
+            "interrupted", "me", 10, 20,
+        )  # fmt: skip
+        ident = s.database_id
+        assert len(ident) == 32 and int(ident, 16) >= 0
+        assert identity is None or ident == identity  # version 2 already had one
+        assert s.last_round(run.id) == 1
+    assert raw(db_path, "SELECT value FROM meta WHERE key = 'schema_version'") == [("3",)]
+    assert raw(db_path, "PRAGMA integrity_check") == [("ok",)]
+    with pytest.raises(sqlite3.IntegrityError, match="CHECK"):
+        raw(db_path, "UPDATE runs SET status = 'bogus'")
+    with Store(url) as s:
+        assert s.database_id == ident  # stamped once
+    sql = raw(db_path, "SELECT sql FROM sqlite_master WHERE name = 'runs'")[0][0]
+    assert sql.count("'interrupted'") == 1
+
+
+def test_stored_version_and_a_newer_database_is_refused(db_path: Path) -> None:
+    url = Store.url_from_path_or_url(db_path)
+    db_path.parent.mkdir(parents=True)
+    empty = create_engine("sqlite://")
+    assert schema.stored_version(empty) is None
+    schema.check_version(empty)  # nothing stored: nothing refused
+    empty.dispose()
+    with Store(url) as s:
+        make_run(s)
+    engine = create_engine(url)
+    try:
+        assert schema.stored_version(engine) == schema.SCHEMA_VERSION == 3
+        for value, expected in [("2", 2), ("4", 4)]:
+            raw(db_path, f"UPDATE meta SET value = '{value}' WHERE key = 'schema_version'")
+            assert schema.stored_version(engine) == expected
+        with pytest.raises(FpbenchError) as info:
+            Store(url)
+        assert str(info.value) == (
+            f"results database {url}: schema version 4 is newer than this fpbench's (3); "
+            "upgrade fpbench (pip install -U fpbench) to use it"
+        )
+        raw(db_path, "UPDATE meta SET value = 'x1' WHERE key = 'schema_version'")
+        with pytest.raises(FpbenchError, match="unreadable schema version 'x1' in its meta table"):
+            schema.stored_version(engine)
+        raw(db_path, "DELETE FROM meta WHERE key = 'schema_version'")
+        assert schema.stored_version(engine) == 1
+        raw(db_path, "UPDATE meta SET value = 'x' WHERE key = 'database_id'")
+        with Store(url) as s:  # upgraded: stamped again, its identity kept
+            assert s.database_id == "x"
+        assert schema.stored_version(engine) == 3
+        raw(db_path, "DELETE FROM meta WHERE key = 'database_id'")
+        with Store(url) as s:  # an older fpbench's database gets an identity once
+            ident = s.database_id
+            assert len(ident) == 32 and s.database_id == ident
+        assert raw(db_path, "SELECT value FROM meta WHERE key = 'database_id'") == [(ident,)]
+    finally:
+        engine.dispose()
+
+
+# -- whose database: refused, absent, created late ----------------------------------------------
+
+
+def test_sqlite_path_of_each_kind_of_url() -> None:
+    def path(url: str) -> Path | None:
+        engine = create_engine(url)
+        try:
+            return ownership.sqlite_path(engine)
+        finally:
+            engine.dispose()
+
+    assert path("sqlite:///a/b.db") == Path("a/b.db")
+    assert path("sqlite:///~/b.db") == Path.home() / "b.db"
+    assert path("sqlite://") is None and path("sqlite:///:memory:") is None
+    assert path("sqlite:///file:x.db?uri=true") is None
+
+
+def test_foreign_databases_are_refused_naming_their_tables(tmp_path: Path) -> None:
+    def refusal(name: str, *sql: str) -> str:
+        db = tmp_path / name
+        db.touch()
+        with sqlite3.connect(db) as con:
+            for statement in sql:
+                con.execute(statement)
+        before = db.read_bytes()
+        with pytest.raises(FpbenchError) as info:
+            Store(f"sqlite:///{db}")
+        assert db.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            names
+        )
+        return str(info.value).split(": ", 1)[1]
+
+    advice = ownership.ADVICE
+    names = ["empty.db"]
+    assert (
+        refusal("empty.db")
+        == f"{tmp_path / 'empty.db'} is an existing file without fpbench's tables; {advice}"
+    )  # noqa: E501
+    names.append("notes.db")
+    assert refusal("notes.db", "CREATE TABLE notes (x)") == (
+        f"{tmp_path / 'notes.db'} is not an fpbench results database (its tables: notes; "
+        f"it lacks runs, rounds, metrics); {advice}"
+    )
+    names.append("many.db")
+    many = [f"CREATE TABLE t{i} (x)" for i in range(7)] + ["CREATE TABLE rounds (run_id, round)"]
+    assert refusal("many.db", *many) == (
+        f"{tmp_path / 'many.db'} is not an fpbench results database (its tables: rounds, t0, t1, "
+        "t2, t3, t4, ...; it lacks runs, rounds (bytes_down, bytes_up, loss_train, wall_s), "
+        f"metrics); {advice}"
+    )
+    names.append("stamp.db")
+    # an unstamped database with every table and column since version 1 is fpbench's (version 1)
+    v1 = ownership.REQUIRED
+    tables = [f"CREATE TABLE {t} ({', '.join(sorted(cols))})" for t, cols in v1.items()]
+    db = tmp_path / "v1.db"
+    with sqlite3.connect(db) as con:
+        for statement in tables:
+            con.execute(statement)
+    assert ownership.probe(create_engine(f"sqlite:///{db}")) is ownership.State.FPBENCH
+    names.append("v1.db")
+    # a meta table with the version key makes a database fpbench's whatever else it lacks
+    stamped = ["CREATE TABLE runs (id)", "CREATE TABLE meta (key, value)"]
+    with sqlite3.connect(tmp_path / "stamp.db") as con:
+        for statement in stamped:
+            con.execute(statement)
+        con.execute("INSERT INTO meta VALUES ('schema_version', '3')")
+    assert ownership.probe(create_engine(f"sqlite:///{tmp_path / 'stamp.db'}")) is (
+        ownership.State.FPBENCH
+    )
+    unstamped = tmp_path / "unstamped.db"
+    with sqlite3.connect(unstamped) as con:
+        for statement in stamped:
+            con.execute(statement)
+        con.execute("INSERT INTO meta VALUES ('other', '3')")
+    with pytest.raises(FpbenchError, match=r"it lacks runs \(.*dataset.*\), rounds, metrics"):
+        ownership.probe(create_engine(f"sqlite:///{unstamped}"))
+
+
+def test_a_database_in_memory_or_on_a_server_is_probed_and_created_in_place() -> None:
+    engine = create_engine("sqlite://")  # no file: as a server database is reached
+    try:
+        assert ownership.probe(engine) is ownership.State.ABSENT
+        ownership.create(engine)
+        assert ownership.probe(engine) is ownership.State.FPBENCH
+        ownership.create(engine)  # made by another process first: nothing changes
+        with engine.connect() as con:
+            stamps = con.execute(text("SELECT key, value FROM meta ORDER BY key")).all()
+        assert [k for k, _ in stamps] == ["database_id", "schema_version"]
+        assert stamps[1][1] == "3"
+    finally:
+        engine.dispose()
+    foreign = create_engine("sqlite://")
+    try:
+        with foreign.begin() as con:
+            con.execute(text("CREATE TABLE notes (x)"))
+        with pytest.raises(FpbenchError, match=r"^the database is not an fpbench results"):
+            ownership.probe(foreign)
+    finally:
+        foreign.dispose()
+
+
+def test_creating_a_file_removes_only_what_dead_creators_left(db_path: Path) -> None:
+    db_path.parent.mkdir(parents=True)
+    dead = 2**22 + 7
+    left = [
+        db_path.parent / f".results.db.{dead}-abcd1234.creating",
+        db_path.parent / f".results.db.{dead}-abcd1234.creating-wal",
+        db_path.parent / f".results.db.{os.getpid()}-abcd1234.creating",  # alive: in progress
+        db_path.parent / f".other.db.{dead}-abcd1234.creating",  # another database's
+        db_path.parent / f".results.db.x{dead}-abcd1234.creating",  # no pid
+    ]
+    for path in left:
+        path.write_text("")
+    with Store(Store.url_from_path_or_url(db_path)) as s:
+        make_run(s)
+        kept = sorted(p.name for p in db_path.parent.iterdir())
+    assert kept == sorted(
+        [p.name for p in left[2:]] + ["results.db", "results.db-shm", "results.db-wal"]
+    )
