@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from fpbench.errors import FpbenchError
 from fpbench.report import plots
+from fpbench.report.compare import COLUMNS, compare_methods, paired_test
 from fpbench.report.tables import render, summary_stats, summary_table
 from fpbench.store import Store
 
@@ -258,3 +259,110 @@ def test_store_frames_feed_the_report(tmp_path: Path) -> None:
         df = store.metrics(suite="s")
     assert summary_table(df, ["acc_global"]).iloc[0, 0] == "65.00 ± 7.07"
     assert len(plots.curves(df).axes[0].lines) == 1
+
+
+# -- compare: two methods, paired by seed ----------------------------------------------------
+
+
+def test_paired_test_alpha_sign_and_interval_by_hand() -> None:
+    # differences -0.05, -0.06, -0.07: mean -0.06, sd 0.01, t = -10.392 (2 df), p = 0.00913;
+    # at alpha 0.01 the interval is -0.06 ± t(0.995, 2) 9.9248 * 0.01 / sqrt(3) = ± 0.0573011
+    got = paired_test([0.3, 0.2, 0.1], [0.25, 0.14, 0.03], 0.01)
+    assert got["mean_diff"] == pytest.approx(-0.06) and got["std_diff"] == pytest.approx(0.01)
+    assert got["t"] == pytest.approx(-10.3923, abs=1e-4)
+    assert got["p"] == pytest.approx(0.0091326, abs=1e-6)
+    assert (got["ci_low"], got["ci_high"]) == pytest.approx((-0.1173011, -0.0026989), abs=1e-6)
+    assert got["verdict"] == "exceeds seed noise"
+    # differences 0.1, 0.05, 0.15, 0.1: sd 0.040825, t = 4.899 (3 df), p = 0.016277
+    a, b = [0.1, 0.2, 0.3, 0.4], [0.2, 0.25, 0.45, 0.5]
+    loose = paired_test(a, b, 0.2)  # 0.1 ± t(0.9, 3) 1.6377 * 0.020412
+    assert (loose["ci_low"], loose["ci_high"]) == pytest.approx((0.0665697, 0.1334303), abs=1e-6)
+    assert loose["verdict"] == "exceeds seed noise"
+    strict = paired_test(a, b, 0.01)
+    assert strict["p"] == pytest.approx(0.0162766, abs=1e-6) and strict["t"] == pytest.approx(
+        4.89898
+    )
+    assert strict["verdict"] == "within seed noise"  # p above alpha
+    assert paired_test(a, b, 0.0162767)["verdict"] == "exceeds seed noise"
+    assert paired_test(a, b, 0.0162765)["verdict"] == "within seed noise"
+    down = paired_test([0.3, 0.2], [0.1, 0.0])  # equal negative differences
+    assert (down["t"], down["p"], down["std_diff"]) == (-np.inf, 0.0, 0.0)
+    assert (down["ci_low"], down["ci_high"], down["verdict"]) == (-0.2, -0.2, "exceeds seed noise")
+    up = paired_test([0.1, 0.2, 0.3], [0.2, 0.3, 0.4])  # 0.1 each, up to float rounding
+    assert (up["t"], up["p"], up["std_diff"]) == (np.inf, 0.0, 0.0)
+    none = paired_test([0.1, 0.2], [0.1, 0.2])
+    assert np.isnan(none["t"]) and none["p"] == 1.0 and none["verdict"] == "within seed noise"
+    one = paired_test([0.25], [0.5])
+    assert one["mean_diff"] == 0.25 and one["verdict"] == "one seed: no test"
+    assert all(np.isnan(one[k]) for k in ("std_diff", "ci_low", "ci_high", "t", "p"))
+    with pytest.raises(ValueError):
+        paired_test([0.1, 0.2], [0.1])
+
+
+def test_compare_methods_pairs_each_cell_by_seed_in_metric_order() -> None:
+    r = Rows()
+    cell2 = {"ds": "domainnet", "part": "domain"}
+    fedavg = {0: 0.9, 1: 0.1, 2: 0.2, 3: 0.3}  # seed 0 has no sgpt partner
+    sgpt = {1: 0.15, 2: 0.26, 3: 0.37, 4: 0.8}  # seed 4 has no fedavg partner
+    run = iter(range(1, 100))
+    for method, values in (("sgpt", sgpt), ("fedavg", fedavg)):  # sgpt seen first
+        for seed, v in values.items():
+            i = next(run)
+            r.add(i, method, seed, 9, "acc_global", v)
+            r.add(i, method, seed, 9, "loss", 1 - v)
+        for seed in (1, 0):
+            v = 0.5 + seed / 10 + (0.2 if method == "sgpt" else 0.0)
+            r.add(next(run), method, seed, 9, "acc_global", v, **cell2)
+    r.add(next(run), "other", 1, 9, "acc_global", 0.0)
+    found = compare_methods(r.frame(), "fedavg", "sgpt", ["loss", "acc_global"])
+    assert list(found.columns) == COLUMNS
+    assert found[["dataset", "partition", "metric", "n"]].values.tolist() == [
+        ["cifar100", "dir-0.1", "loss", 3],
+        ["cifar100", "dir-0.1", "acc_global", 3],
+        ["domainnet", "domain", "acc_global", 2],
+    ]
+    loss, acc, other = (found.iloc[i] for i in range(3))
+    assert acc["seeds"] == [1, 2, 3] and other["seeds"] == [0, 1]
+    assert acc["diffs"] == pytest.approx([0.05, 0.06, 0.07])
+    assert loss["diffs"] == pytest.approx([-0.05, -0.06, -0.07])
+    assert (acc["mean_a"], acc["mean_b"]) == pytest.approx((0.2, 0.26))
+    assert acc["mean_diff"] == pytest.approx(0.06) and acc["std_diff"] == pytest.approx(0.01)
+    assert (acc["t"], acc["p"]) == pytest.approx((10.3923, 0.0091326), abs=1e-4)
+    assert (acc["ci_low"], acc["ci_high"]) == pytest.approx((0.0351586, 0.0848414), abs=1e-6)
+    assert loss["t"] == pytest.approx(-10.3923, abs=1e-4)
+    assert other["diffs"] == pytest.approx([0.2, 0.2]) and other["p"] == 0.0
+    assert (other["mean_a"], other["mean_b"]) == pytest.approx((0.55, 0.75))
+    strict = compare_methods(r.frame(), "fedavg", "sgpt", ["acc_global"], alpha=0.005)
+    assert strict["verdict"].tolist() == ["within seed noise", "exceeds seed noise"]
+    assert (strict["ci_low"].iloc[0], strict["ci_high"].iloc[0]) == pytest.approx(
+        (0.06 - 0.0813432, 0.06 + 0.0813432), abs=1e-6
+    )  # t(0.9975, 2) 14.0890 * 0.01 / sqrt(3)
+    swapped = compare_methods(r.frame(), "sgpt", "fedavg", ["acc_global"])
+    assert swapped["diffs"].iloc[0] == pytest.approx([-0.05, -0.06, -0.07])
+    only = compare_methods(r.frame(), "fedavg", "sgpt", ["acc_global"], suite="label-het")
+    assert len(only) == 2
+
+
+def test_compare_methods_refuses_what_cannot_be_compared() -> None:
+    r = Rows()
+    r.add(1, "fedavg", 0, 9, "acc_global", 0.5)
+    r.add(2, "sgpt", 1, 9, "acc_global", 0.6)
+    r.add(3, "sgpt", 0, 9, "acc_global", 0.6, ds="domainnet")
+    frame = r.frame()
+    with pytest.raises(FpbenchError, match="^compare needs two different methods, got sgpt twice$"):
+        compare_methods(frame, "sgpt", "sgpt", ["acc_global"])
+    for alpha in (0.0, 1.0, -0.1, 1.5):
+        with pytest.raises(FpbenchError, match=f"^--alpha must be between 0 and 1, got {alpha}$"):
+            compare_methods(frame, "fedavg", "sgpt", ["acc_global"], alpha=alpha)
+    with pytest.raises(
+        FpbenchError, match="^no runs of method 'nope' with these metrics; stored: fedavg, sgpt$"
+    ):  # noqa: E501
+        compare_methods(frame, "nope", "sgpt", ["acc_global"])
+    with pytest.raises(FpbenchError, match="^no runs of method 'nope'"):
+        compare_methods(frame, "sgpt", "nope", ["acc_global"])
+    with pytest.raises(
+        FpbenchError, match=r"^fedavg and sgpt share no \(dataset, partition, seed\) to compare$"
+    ):  # noqa: E501
+        compare_methods(frame, "fedavg", "sgpt", ["acc_global"])
+    with pytest.raises(FpbenchError, match="no results for suite x"):
+        compare_methods(frame.iloc[:0], "fedavg", "sgpt", ["acc_global"], suite="x")
