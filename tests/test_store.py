@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 from sqlalchemy import create_engine, text, update
+from sqlalchemy.exc import OperationalError
 
 from fpbench.errors import FpbenchError
 from fpbench.store import (
@@ -23,6 +24,7 @@ from fpbench.store import (
     claims,
     new_owner,
     ownership,
+    repo,
     schema,
 )
 from fpbench.store.models import Run
@@ -699,3 +701,26 @@ def test_creating_a_file_removes_only_what_dead_creators_left(db_path: Path) -> 
     assert kept == sorted(
         [p.name for p in left[2:]] + ["results.db", "results.db-shm", "results.db-wal"]
     )
+
+
+def test_open_errors_name_the_driver_error_and_what_to_install(db_path: Path) -> None:
+    wrapped = OperationalError("SELECT 1", {}, sqlite3.OperationalError("disk I/O error\nmore"))
+    assert repo._reason(wrapped) == "disk I/O error"
+    assert repo._reason(ValueError("  two\nlines ")) == "two"
+    assert repo._reason(ValueError("")) == "ValueError"
+    missing = ImportError("No module named 'psycopg2'")
+    postgres = (
+        "; install fpbench's PostgreSQL driver with pip install 'fpbench[postgres]' and "
+        "name it in the URL: postgresql+psycopg://USER:PASSWORD@HOST/DB"
+    )
+    assert repo._driver_hint("postgresql://u@h/db", missing) == postgres
+    assert repo._driver_hint("postgresql+psycopg2://u@h/db", missing) == postgres
+    other = "; install the Python driver of mysql that this URL names"
+    assert repo._driver_hint("mysql://u@h/db", missing) == other
+    assert repo._driver_hint("mysql://u@h/db", ValueError("x")) == ""
+    assert repo._driver_hint("not a url", missing) == ""
+    url = Store.url_from_path_or_url(db_path)
+    with Store(url) as s:
+        assert repr(s) == f"Store({url!r})"
+    with Store("sqlite://") as s:
+        assert repr(s) == "Store('sqlite://')"
