@@ -12,8 +12,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from sqlalchemy import create_engine, text, update
-from sqlalchemy.exc import OperationalError
+from sqlalchemy import create_engine, func, select, text, update
+from sqlalchemy.exc import OperationalError, StatementError
 
 from fpbench.errors import FpbenchError
 from fpbench.store import (
@@ -22,6 +22,7 @@ from fpbench.store import (
     Store,
     claim_is_live,
     claims,
+    models,
     new_owner,
     ownership,
     repo,
@@ -724,3 +725,46 @@ def test_open_errors_name_the_driver_error_and_what_to_install(db_path: Path) ->
         assert repr(s) == f"Store({url!r})"
     with Store("sqlite://") as s:
         assert repr(s) == "Store('sqlite://')"
+
+
+def test_every_connection_waits_for_locks_and_takes_the_write_lock_up_front(
+    store: Store, db_path: Path
+) -> None:
+    make_run(store)
+    with store._engine.connect() as conn:
+        pragmas = [
+            conn.exec_driver_sql(f"PRAGMA {p}").scalar() for p in ("busy_timeout", "synchronous")
+        ]  # noqa: E501
+    assert pragmas == [30000, 1]  # 30 s; 1 is NORMAL
+    other = sqlite3.connect(db_path, timeout=0)
+    try:
+        with store._session.begin() as s:  # reads only, yet holds the write lock
+            assert s.scalar(select(func.count()).select_from(Run)) == 1
+            with pytest.raises(sqlite3.OperationalError, match="locked"):
+                other.execute("UPDATE runs SET error = 'x'")
+        other.execute("UPDATE runs SET error = 'x'")  # free again once it ends
+        other.commit()
+    finally:
+        other.close()
+    assert store.find_run("abcd1234ef").error == "x"
+
+
+def test_datetimes_are_stored_as_utc_and_naive_ones_refused(store: Store) -> None:
+    run = make_run(store)
+    plus2 = dt.timezone(dt.timedelta(hours=2))
+    beat = dt.datetime(2026, 1, 2, 12, 30, tzinfo=plus2)
+    _set_claim(store, run.id, heartbeat_at=beat)
+    got = store.find_run(run.run_key).heartbeat_at
+    assert got == beat and got.tzinfo == dt.timezone.utc and got.hour == 10
+    with store._engine.connect() as conn:  # stored naive, in UTC
+        stored = conn.execute(text("SELECT heartbeat_at FROM runs")).scalar()
+    assert str(stored).startswith("2026-01-02 10:30:00")
+    with pytest.raises(StatementError, match="naive datetime"):
+        _set_claim(store, run.id, heartbeat_at=dt.datetime(2026, 1, 2, 12, 30))
+    _set_claim(store, run.id, heartbeat_at=None)
+    assert store.find_run(run.run_key).heartbeat_at is None
+    utc = models.UTCDateTime()
+    aware = dt.datetime(2026, 1, 2, 12, 30, tzinfo=plus2)
+    assert utc.process_result_value(aware, None) == aware  # a server that keeps the zone
+    assert utc.process_result_value(aware, None).tzinfo == dt.timezone.utc
+    assert utc.process_bind_param(None, None) is None
