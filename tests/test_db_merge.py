@@ -183,6 +183,7 @@ def test_check_names_each_problem_of_each_run_in_order(tmp_path, monkeypatch):
     _round(store, lastless, 0, acc=True)
     _round(store, lastless, 1, client_acc=True)  # a loss and a client's metric: not evaluated
     many = _run(store, "many0000", 12, "done")
+    nine = _run(store, "nine0000", 9, "done")
     gap = _run(store, "gapr0000", 5, "running")
     _round(store, gap, 0)
     _round(store, gap, 2)
@@ -193,6 +194,8 @@ def test_check_names_each_problem_of_each_run_in_order(tmp_path, monkeypatch):
     _run(store, "pend0000", 2, "pending")
     me = f"{socket.gethostname()}:{os.getpid()}:ab"
     aging = _run(store, "aged0000", 2, "running", owner=me, heartbeat_at=now - dt.timedelta(0, 100))
+    dead = f"{socket.gethostname()}:{2**22 + 7}:ab"  # beyond any pid: a process that is gone
+    gone = _run(store, "gone0000", 2, "running", owner=dead, heartbeat_at=now)
     retry = "; `fpbench run --retry-failed` retries it"
     resume = "; rerun the suite to take it over and resume it"
     never = "it never sent a heartbeat"
@@ -205,6 +208,9 @@ def test_check_names_each_problem_of_each_run_in_order(tmp_path, monkeypatch):
         Problem(many, "many0000", "done",
                 "done but rounds 1, 2, 3, 4, 5, 6, 7, 8, ... (12 in all) are missing", True),
         Problem(many, "many0000", "done", "the final round 12 has no evaluation metrics", True),
+        Problem(nine, "nine0000", "done",
+                "done but rounds 1, 2, 3, 4, 5, 6, 7, 8, ... (9 in all) are missing", True),
+        Problem(nine, "nine0000", "done", "the final round 9 has no evaluation metrics", True),
         Problem(gap, "gapr0000", "running", f"stale: running, but {never}{resume}"),
         Problem(gap, "gapr0000", "running", "rounds 2 are missing below stored round 3", True),
         Problem(failed, "fail0000", "failed", f"failed: boom{retry}"),
@@ -213,11 +219,13 @@ def test_check_names_each_problem_of_each_run_in_order(tmp_path, monkeypatch):
                 "interrupted at round 1 (Ctrl-C); rerun the suite to resume it"),
         Problem(halted, "halt0000", "interrupted", "interrupted; rerun the suite to resume it"),
     ]  # fmt: skip
+    died = f"stale: running, but its process ({dead}) is gone{resume}"
+    expected.append(Problem(gone, "gone0000", "running", died))
     assert check(store) == expected
     assert broken_runs(store) == [p for p in expected if p.broken]
     stale = Problem(aging, "aged0000", "running",
                     f"stale: running, but its last heartbeat was 100 s ago{resume}")  # fmt: skip
-    assert check(store, claim_timeout=50) == [*expected, stale]
+    assert check(store, claim_timeout=50) == [*expected[:-1], stale, expected[-1]]
     assert fine not in {p.run_id for p in check(store, claim_timeout=50)}
 
 
