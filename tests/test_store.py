@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from sqlalchemy import create_engine, func, select, text, update
+from sqlalchemy import create_engine, func, inspect, select, text, update
 from sqlalchemy.exc import OperationalError, StatementError
 
 from fpbench.errors import FpbenchError
@@ -338,8 +338,9 @@ def test_owner_is_gone_only_for_a_dead_process_of_this_host_or_this_slurm_job(mo
     assert not claims.owner_is_gone(f"elsewhere:{os.getpid()}:abcd:job=91")
 
 
-def test_claim_is_live_and_stale_reason() -> None:
+def test_claim_is_live_and_stale_reason(monkeypatch) -> None:
     now = dt.datetime.now(dt.timezone.utc)
+    monkeypatch.setattr(claims, "_now", lambda: now)
     me = f"{socket.gethostname()}:{os.getpid()}:abcd"
 
     def rec(status: str, age_s: float | None, owner: str = me) -> SimpleNamespace:
@@ -362,6 +363,8 @@ def test_claim_is_live_and_stale_reason() -> None:
     assert why("running", me, None) == "it never sent a heartbeat"
     assert why("running", me, 100) == "its last heartbeat was 100 s ago"
     assert why("running", me, 100, timeout=200) is None
+    assert why("running", me, 60, timeout=60) is None  # as old as the timeout: still fresh
+    assert claim_is_live(rec("running", 60), timeout_s=60)
     gone = f"{socket.gethostname()}:{2**22 + 7}:ab"
     assert why("running", gone, 5) == f"its process ({gone}) is gone"
 
@@ -768,3 +771,87 @@ def test_datetimes_are_stored_as_utc_and_naive_ones_refused(store: Store) -> Non
     assert utc.process_result_value(aware, None) == aware  # a server that keeps the zone
     assert utc.process_result_value(aware, None).tzinfo == dt.timezone.utc
     assert utc.process_bind_param(None, None) is None
+
+
+def _zombie_named(name: str) -> int:
+    """A zombie child whose command name is `name` (it may hold ')' and spaces)."""
+    pid = os.fork()
+    if pid == 0:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name)
+        os._exit(0)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().startswith(f"{pid} ({name}) Z "):
+                break
+        time.sleep(0.001)
+    return pid
+
+
+def test_a_zombie_is_found_whatever_its_name() -> None:
+    pid = _zombie_named("x) y Q")
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            assert f.read().startswith(f"{pid} (x) y Q) Z ")
+        assert claims._is_zombie(pid)
+        assert claims.owner_is_gone(f"{socket.gethostname()}:{pid}:ab")
+    finally:
+        os.waitpid(pid, 0)
+
+
+@pytest.mark.parametrize("failures", [0, 2, 3])
+def test_creating_a_schema_in_place_retries_twice(monkeypatch, failures: int) -> None:
+    """Several workers creating one database at once: a failed attempt is retried, twice."""
+    calls = []
+
+    def flaky(real):
+        def attempt(*args, **kwargs):
+            calls.append(1)
+            if len(calls) <= failures:
+                raise OperationalError("CREATE TABLE", {}, sqlite3.OperationalError("locked"))
+            return real(*args, **kwargs)
+
+        return attempt
+
+    for module, name, target in [
+        (ownership, "_schema", ownership),
+        (schema.Base.metadata, "create_all", schema),
+    ]:
+        calls.clear()
+        monkeypatch.setattr(module, name, flaky(getattr(module, name)))
+        engine = create_engine("sqlite://")
+        try:
+            make = (
+                ownership._create_in_place if target is ownership else schema._create_missing_tables
+            )
+            if failures == 3:
+                with pytest.raises(OperationalError, match="locked"):
+                    make(engine)
+            else:
+                make(engine)
+                assert {"runs", "meta"} <= set(inspect(engine).get_table_names())
+            assert len(calls) == min(failures + 1, 3)
+        finally:
+            engine.dispose()
+            monkeypatch.undo()
+
+
+def test_a_server_database_is_fpbench_s_by_its_version_stamp() -> None:
+    def probe(*sql: str) -> ownership.State:
+        engine = create_engine("sqlite://")
+        try:
+            with engine.begin() as con:
+                for statement in sql:
+                    con.execute(text(statement))
+            return ownership.probe(engine)
+        finally:
+            engine.dispose()
+
+    stamped = ["CREATE TABLE runs (id)", "CREATE TABLE meta (key, value)"]
+    version = "INSERT INTO meta VALUES ('schema_version', '3')"
+    assert probe(*stamped, version) is ownership.State.FPBENCH
+    with pytest.raises(FpbenchError, match=r"lacks runs \(.*\), rounds, metrics"):
+        probe(*stamped, "INSERT INTO meta VALUES ('other', '3')")
+    with pytest.raises(FpbenchError, match="lacks"):
+        probe(*stamped)
