@@ -29,7 +29,7 @@ from fpbench.store import (
     schema,
 )
 from fpbench.store.models import Run
-from fpbench.store.repo import METRIC_COLUMNS
+from fpbench.store.repo import METRIC_COLUMNS, ROUND_COLUMNS, RUN_COLUMNS
 
 VERSIONS = {"fpbench_version": "0.1.0", "torch_version": "2.3.0", "device": "cpu"}
 
@@ -855,3 +855,12 @@ def test_a_server_database_is_fpbench_s_by_its_version_stamp() -> None:
         probe(*stamped, "INSERT INTO meta VALUES ('other', '3')")
     with pytest.raises(FpbenchError, match="lacks"):
         probe(*stamped)
+
+
+def test_frames_of_nothing_keep_their_columns(store: Store) -> None:
+    assert list(store.rounds(1).columns) == ROUND_COLUMNS  # no database yet
+    assert store.round_numbers(1) == [] and store.last_round(1) is None
+    run = make_run(store)
+    assert list(store.rounds(run.id).columns) == ROUND_COLUMNS and store.rounds(run.id).empty
+    assert list(store.runs().columns) == [*RUN_COLUMNS, "last_round"]
+    assert list(store.metrics().columns) == METRIC_COLUMNS
