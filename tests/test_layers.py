@@ -13,7 +13,7 @@ LAYERS = [
     {"partition", "backbones"},
     {"methods", "cache"},
     {"engine"},
-    {"estimate", "bench", "report", "testing"},
+    {"measure", "report", "testing"},
     {"cli"},
     {"__main__"},
 ]

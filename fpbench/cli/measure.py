@@ -1,4 +1,4 @@
-"""`fpbench estimate`: the thin command over `fpbench.estimate`."""
+"""`fpbench bench` and `fpbench estimate`: the thin commands over `fpbench.measure`."""
 
 from __future__ import annotations
 
@@ -22,6 +22,47 @@ from fpbench.cli.common import (
     write_or_print,
 )
 from fpbench.errors import FpbenchError
+
+
+@app.command("bench")
+@user_errors
+def bench_cmd(
+    backbone: Annotated[str, typer.Option(help="backbone to measure")] = "vit-smoke",
+    clients: Annotated[int, typer.Option(min=1, help="clients trained per round")] = 5,
+    batch: Annotated[int, typer.Option(min=1, help="minibatch size per client")] = 32,
+    steps: Annotated[int, typer.Option(min=1, help="minibatches per client per round")] = 4,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
+    precision: Annotated[str, typer.Option(help="auto, fp32, bf16 or bf16-frozen")] = "auto",
+    repeats: Annotated[int, typer.Option(min=1, help="timed repeats (median)")] = 3,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="also write the figures here")
+    ] = None,
+) -> None:
+    """Throughput of the executors, caches and evaluation on this machine.
+
+    The reference and lockstep executors, the feature and hidden-state caches and evaluation,
+    with random weights."""
+    from fpbench.measure.bench import bench
+    from fpbench.registry import BACKBONES
+
+    BACKBONES.get(backbone)
+    _check_precision(precision)
+    figures = bench(backbone, clients, batch, steps, device, precision, repeats)
+    table = Table(title=f"fpbench bench: {backbone}, {clients} clients x {batch} x {steps} steps")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, value in figures.items():
+        table.add_row(key, f"{value:,.3f}" if isinstance(value, float) else str(value))
+    console.print(table)
+    if json_out:
+        write_or_print(json.dumps(figures, indent=2), json_out)
+
+
+def _check_precision(precision: str) -> None:
+    if precision not in ("auto", "fp32", "bf16", "bf16-frozen"):
+        raise FpbenchError(
+            f"--precision must be auto, fp32, bf16 or bf16-frozen, got {precision!r}"
+        )
 
 
 def _h(seconds: float | None) -> str:
@@ -58,13 +99,10 @@ def estimate_cmd(
     Each distinct cell shape runs a round or two on fake data of the real shape with random
     weights of the real backbone (nothing downloads), projected to the suite's device-hours."""
     from fpbench.engine.build import resolve_device
-    from fpbench.estimate import ASSUMPTIONS, as_dict, estimate
+    from fpbench.measure.estimate import ASSUMPTIONS, as_dict, estimate
     from fpbench.units import human_bytes
 
-    if precision not in ("auto", "fp32", "bf16", "bf16-frozen"):
-        raise FpbenchError(
-            f"--precision must be auto, fp32, bf16 or bf16-frozen, got {precision!r}"
-        )
+    _check_precision(precision)
     loaded, cells = load_cells(suite, sets, method)
     if method:
         loaded = loaded.model_copy(update={"cells": tuple(cells)})
