@@ -34,6 +34,14 @@ def bench_cmd(
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
     precision: Annotated[str, typer.Option(help="auto, fp32, bf16 or bf16-frozen")] = "auto",
     repeats: Annotated[int, typer.Option(min=1, help="timed repeats (median)")] = 3,
+    methods: Annotated[
+        str | None,
+        typer.Option(
+            metavar="PATTERN",
+            help="instead: time a round and an evaluation of every registered method matching "
+            "PATTERN ('*': all) on the tiny test federation",
+        ),
+    ] = None,
     json_out: Annotated[
         Path | None, typer.Option("--json", help="also write the figures here")
     ] = None,
@@ -41,12 +49,21 @@ def bench_cmd(
     """Throughput of the executors, caches and evaluation on this machine.
 
     The reference and lockstep executors, the feature and hidden-state caches and evaluation,
-    with random weights."""
+    with random weights. With --methods PATTERN: seconds per round and per evaluation of each
+    matching method on the conformance tests' tiny federation (exit code 1 if one fails)."""
     from fpbench.measure.bench import bench
     from fpbench.registry import BACKBONES
 
     BACKBONES.get(backbone)
     _check_precision(precision)
+    if methods is not None:
+        if (backbone, clients, batch, steps) != ("vit-smoke", 5, 32, 4):
+            raise FpbenchError(
+                "--methods times the tiny test federation: --backbone, --clients, --batch and "
+                "--steps do not apply"
+            )
+        _bench_methods(methods, device, precision, repeats, json_out)
+        return
     figures = bench(backbone, clients, batch, steps, device, precision, repeats)
     table = Table(title=f"fpbench bench: {backbone}, {clients} clients x {batch} x {steps} steps")
     table.add_column("figure")
@@ -56,6 +73,48 @@ def bench_cmd(
     console.print(table)
     if json_out:
         write_or_print(json.dumps(figures, indent=2), json_out)
+
+
+def _bench_methods(
+    pattern: str, device: str, precision: str, repeats: int, json_out: Path | None
+) -> None:
+    from dataclasses import asdict
+
+    from fpbench.engine.build import resolve_device
+    from fpbench.measure.methods import method_times, total
+
+    dev = resolve_device(device)
+
+    def show(i: int, n: int, name: str) -> None:
+        err.print(f"timing method {i + 1}/{n}: {name}", highlight=False)
+
+    try:
+        found = method_times(pattern, dev, precision, repeats, show)
+    except ValueError as e:
+        raise FpbenchError(str(e)) from None
+    table = Table(title=f"fpbench bench --methods {pattern}: tiny federation on {dev}")
+    table.add_column("method")
+    table.add_column("backbone")
+    for name in ("s/round", "s/eval", "first round s", "first eval s"):
+        table.add_column(name, justify="right")
+    fields = ("round_s", "eval_s", "first_round_s", "first_eval_s")
+    for t in found:
+        table.add_row(t.method, t.backbone, *(_s3(getattr(t, f)) for f in fields))
+    ran = sum(t.error is None for t in found)
+    table.add_row(f"all ({ran})", "", *(_s3(total(found, f)) for f in fields), end_section=True)
+    console.print(table)
+    console.print(f"medians of {repeats} repeats after the first; first: frozen passes included")
+    failed = [t for t in found if t.error]
+    for t in failed:
+        err.print(f"method {t.method} not timed: {t.error}", highlight=False, markup=False)
+    if json_out:
+        write_or_print(json.dumps([asdict(t) for t in found], indent=2), json_out)
+    if failed:
+        raise typer.Exit(1)
+
+
+def _s3(seconds: float | None) -> str:
+    return "-" if seconds is None or seconds != seconds else f"{seconds:,.3f}"
 
 
 def _check_precision(precision: str) -> None:
