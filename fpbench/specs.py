@@ -104,7 +104,7 @@ class RuntimeConfig(_Strict):
         "Measured on an H100 (ViT-B/16, random weights, 8,192 fake CIFAR-100 queries, 20 keys): "
         "tf32 is 3.4x faster and changes the nearest key of 0.11% of the samples (SGPT's "
         "Select) and 0.05% (FGPT's key choice); bf16 is 6.2x faster and changes 1.2% and 0.7% "
-        "(benchmarks/gpu/step_probe.py)",
+        "(scripts/gpu/step_probe.py)",
     )
     deterministic: bool = Field(
         True,

@@ -82,7 +82,7 @@ def test_bf16_autocast_trains_close_to_fp32(tiny):
 
 
 def test_the_paper_sized_run_is_sgpt_table1s_cell_but_for_rounds_weights_and_device():
-    path = Path(__file__).parents[1] / "benchmarks/gpu/paper_run.py"
+    path = Path(__file__).parents[1] / "scripts/gpu/paper_run.py"
     spec = importlib.util.spec_from_file_location("paper_run", path)
     paper_run = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(paper_run)

@@ -2,7 +2,7 @@
 """Where a paper cell's training round spends its GPU time, and what the frozen passes' precision
 changes.
 
-    python benchmarks/gpu/step_probe.py --json probe.json [--profile-out ops.txt]
+    python scripts/gpu/step_probe.py --json probe.json [--profile-out ops.txt]
 
 On fake data of the real shape (`fpbench.measure.estimate.fake_dataset`) and random weights of
 the real backbone, for sgpt-table1's SGPT cell at s = 10 (and fgpt-table1's first FGPT cell for
