@@ -108,16 +108,16 @@ class RuntimeConfig(_Strict):
     )
     deterministic: bool = Field(
         True,
-        description="deterministic kernels: results bit-identical across processes, resumes and "
-        "executors on one machine; false is faster and may differ in the last bits, which "
-        "training amplifies (see fpbench.determinism)",
+        description="deterministic kernels: results bit-identical across processes, resumes, "
+        "launchers and client executors on one machine; false is faster and may differ in the "
+        "last bits, which training amplifies (see fpbench.determinism)",
     )
     threads: int | None = Field(
         None,
         ge=1,
         description="CPU threads a cell computes with; unset: in deterministic mode the count of "
-        "the `fpbench run` process for every executor on this machine (CPU matrix kernels split "
-        "their work by threads, which changes the last bits), else the executor's share",
+        "the `fpbench run` process for every launcher on this machine (CPU matrix kernels split "
+        "their work by threads, which changes the last bits), else the worker's share",
     )
     cpu_linear: Literal["onednn", "blas"] = Field(
         "onednn",
