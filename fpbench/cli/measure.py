@@ -95,15 +95,18 @@ def _bench_methods(
     table = Table(title=f"fpbench bench --methods {pattern}: tiny federation on {dev}")
     table.add_column("method")
     table.add_column("backbone")
-    for name in ("s/round", "s/eval", "first round s", "first eval s"):
+    for name in ("s/round", "CPU s/round", "s/eval", "first round s", "first eval s"):
         table.add_column(name, justify="right")
-    fields = ("round_s", "eval_s", "first_round_s", "first_eval_s")
+    fields = ("round_s", "round_cpu_s", "eval_s", "first_round_s", "first_eval_s")
     for t in found:
         table.add_row(t.method, t.backbone, *(_s3(getattr(t, f)) for f in fields))
     ran = sum(t.error is None for t in found)
     table.add_row(f"all ({ran})", "", *(_s3(total(found, f)) for f in fields), end_section=True)
     console.print(table)
-    console.print(f"medians of {repeats} repeats after the first; first: frozen passes included")
+    console.print(
+        f"medians of {plural(repeats, 'repeat')} after the first (wall and, for rounds, this "
+        "process's CPU seconds); first: with its frozen passes and warm-up"
+    )
     failed = [t for t in found if t.error]
     for t in failed:
         err.print(f"method {t.method} not timed: {t.error}", highlight=False, markup=False)

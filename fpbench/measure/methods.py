@@ -57,6 +57,7 @@ class MethodTime:
     method: str
     backbone: str
     round_s: float | None  # median of the repeated rounds (frozen values already kept)
+    round_cpu_s: float | None  # their median CPU seconds (all threads; steadier on a busy CPU)
     eval_s: float | None  # median of the repeated evaluations
     first_round_s: float | None  # the first round: its frozen passes and warm-up included
     first_eval_s: float | None  # the first evaluation: the test split's frozen passes included
@@ -97,23 +98,24 @@ def time_method(cfg: RunConfig, device: torch.device, repeats: int) -> MethodTim
         gen = torch.Generator().manual_seed(derive_seed(cfg.seed, "init-params"))
         server = populations[0].method.init_server(gen).to(device)
         ids = task.trainable_clients()
-        trained, first_round = _timed(
+        trained, first_round, _ = _timed(
             lambda: play_round(populations, server, task, cfg, 0, ids, [])[0], device
         )
         servers = {populations[0].key: trained}
         evaluate = lambda: evaluate_populations(  # noqa: E731
             populations, servers, task, cfg, precision, [], 0, ids
         )
-        _, first_eval = _timed(evaluate, device)
+        _, first_eval, _ = _timed(evaluate, device)
         rounds = [
-            _timed(lambda: play_round(populations, server, task, cfg, 0, ids, []), device)[1]
+            _timed(lambda: play_round(populations, server, task, cfg, 0, ids, []), device)[1:]
             for _ in range(repeats)
         ]
         evals = [_timed(evaluate, device)[1] for _ in range(repeats)]
     return MethodTime(
         method=cfg.method.name,
         backbone=cfg.backbone.name,
-        round_s=_median(rounds),
+        round_s=_median([wall for wall, _ in rounds]),
+        round_cpu_s=_median([cpu for _, cpu in rounds]),
         eval_s=_median(evals),
         first_round_s=first_round,
         first_eval_s=first_eval,
@@ -145,19 +147,19 @@ def method_times(
             out.append(time_method(tiny_cell(name, device, precision), device, repeats))
         except Exception as e:  # one method that cannot run here does not stop the others
             backbone = BACKBONES.get(METHODS.get(name).backbone_family, "vit-test")
-            out.append(
-                MethodTime(name, backbone, None, None, None, None, f"{type(e).__name__}: {e}")
-            )
+            error = f"{type(e).__name__}: {e}"
+            out.append(MethodTime(name, backbone, None, None, None, None, None, error))
     return out
 
 
-def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
-    """`fn()`'s result and its seconds, the device synchronised."""
-    start = time.perf_counter()
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float, float]:
+    """`fn()`'s result, its wall seconds and this process's CPU seconds, the device
+    synchronised."""
+    start, cpu = time.perf_counter(), time.process_time()
     out = fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return out, time.perf_counter() - start
+    return out, time.perf_counter() - start, time.process_time() - cpu
 
 
 def _median(values: list[float]) -> float:
