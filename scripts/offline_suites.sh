@@ -20,13 +20,13 @@ if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
 fi
 OUT=$1
 shift
+FPBENCH=$(command -v "${FPBENCH:-fpbench}") || { echo "no fpbench on PATH" >&2; exit 2; }
 if [ -e "$OUT" ] && [ -n "$(ls -A "$OUT")" ]; then
   echo "$OUT is not empty: give a new or empty folder" >&2
   exit 2
 fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-FPBENCH=$(command -v "${FPBENCH:-fpbench}") || { echo "no fpbench on PATH" >&2; exit 2; }
 PYTHON=$(head -1 "$FPBENCH" | sed -n 's/^#!//p')
 cd "$OUT"
 unset FPBENCH_SUITES

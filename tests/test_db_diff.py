@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,3 +134,30 @@ def test_missing_database_is_refused_and_nothing_is_created(tmp_path):
 )  # fmt: skip
 def test_same_bits(x, y, same):
     assert same_bits(x, y) is same
+
+
+@pytest.mark.slow  # one fpbench process per suite
+def test_offline_suites_script_runs_exactly_the_suites_that_need_no_download(tmp_path):
+    """scripts/offline_suites.sh picks suites by name (smoke*, *-smoke): that is every shipped
+    suite that `fpbench list suites` calls offline, and only those (here with --dry-run)."""
+    from fpbench.cli.results import suite_row
+    from fpbench.suites import list_suites
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "FPBENCH_SUITES"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [root / "scripts" / "offline_suites.sh", out, "--dry-run"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (line,) = [s for s in result.stdout.splitlines() if s.startswith("suites: ")]
+    offline = [s for s in list_suites() if suite_row(s)[1] == "[green]offline[/]"]
+    assert line.split()[1:] == offline
+    assert [s.removeprefix("== ") for s in result.stdout.splitlines() if s[:3] == "== "] == offline
+    refused = subprocess.run(
+        [root / "scripts" / "offline_suites.sh", root / "benchmarks"], capture_output=True,
+        text=True, env=env,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "is not empty" in refused.stderr
