@@ -1,6 +1,6 @@
 """Deterministic mode (`runtime.deterministic`): a cell's numbers follow from its config and seed.
 
-Every executor reaches `run_cell`, which trains inside `deterministic(cfg.runtime.deterministic)`.
+Every launcher reaches `run_cell`, which trains inside `deterministic(cfg.runtime.deterministic)`.
 On, it selects PyTorch's deterministic kernels and raises where an op has none (named in an
 `FpbenchError`); the CUDA settings those kernels need come with it. What the mode fixes here:
 the backward of per-sample gathers (`params[name][client_index]`, the seam every method uses) and
@@ -10,7 +10,7 @@ fixes `index_add_` / `scatter_add_`, cuBLAS's workspace split and cuDNN's algori
 
 CPU matrix kernels split their work by the number of threads, so the last bits of a product
 depend on it: a cell computes with `runtime.threads`, which `fpbench run` sets in deterministic
-mode to its own count for every executor on this machine (`--jobs` workers and Ray tasks would
+mode to its own count for every launcher on this machine (`--jobs` workers and Ray tasks would
 otherwise use fewer); see `fpbench.engine.dispatch.pin_threads`.
 
 PyTorch's deterministic mode also fills every new tensor with NaN, a guard against kernels that

@@ -104,20 +104,20 @@ class RuntimeConfig(_Strict):
         "Measured on an H100 (ViT-B/16, random weights, 8,192 fake CIFAR-100 queries, 20 keys): "
         "tf32 is 3.4x faster and changes the nearest key of 0.11% of the samples (SGPT's "
         "Select) and 0.05% (FGPT's key choice); bf16 is 6.2x faster and changes 1.2% and 0.7% "
-        "(benchmarks/gpu/step_probe.py)",
+        "(scripts/gpu/step_probe.py)",
     )
     deterministic: bool = Field(
         True,
-        description="deterministic kernels: results bit-identical across processes, resumes and "
-        "executors on one machine; false is faster and may differ in the last bits, which "
-        "training amplifies (see fpbench.determinism)",
+        description="deterministic kernels: results bit-identical across processes, resumes, "
+        "launchers and client executors on one machine; false is faster and may differ in the "
+        "last bits, which training amplifies (see fpbench.determinism)",
     )
     threads: int | None = Field(
         None,
         ge=1,
         description="CPU threads a cell computes with; unset: in deterministic mode the count of "
-        "the `fpbench run` process for every executor on this machine (CPU matrix kernels split "
-        "their work by threads, which changes the last bits), else the executor's share",
+        "the `fpbench run` process for every launcher on this machine (CPU matrix kernels split "
+        "their work by threads, which changes the last bits), else the worker's share",
     )
     cpu_linear: Literal["onednn", "blas"] = Field(
         "onednn",

@@ -11,6 +11,8 @@ from typer.testing import CliRunner
 
 from fpbench.cli import app
 from fpbench.engine.executor import train_clients
+from fpbench.engine.task import build_task
+from fpbench.testing.tiny import tiny_config
 
 KEYS = {
     "train_samples_per_s_reference",
@@ -80,7 +82,7 @@ def test_bf16_autocast_trains_close_to_fp32(tiny):
 
 
 def test_the_paper_sized_run_is_sgpt_table1s_cell_but_for_rounds_weights_and_device():
-    path = Path(__file__).parents[1] / "benchmarks/gpu/paper_run.py"
+    path = Path(__file__).parents[1] / "scripts/gpu/paper_run.py"
     spec = importlib.util.spec_from_file_location("paper_run", path)
     paper_run = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(paper_run)
@@ -93,3 +95,72 @@ def test_the_paper_sized_run_is_sgpt_table1s_cell_but_for_rounds_weights_and_dev
     assert (cfg.runtime.device, cfg.runtime.deterministic) == ("cuda", False)
     rest = {"train": {"rounds", "eval_last"}, "backbone": {"weights"}, "runtime": True}
     assert cfg.model_dump(exclude=rest) == full.model_dump(exclude=rest)
+
+
+def test_bench_methods_federation_is_the_conformance_tests_one():
+    from fpbench.measure import methods
+    from fpbench.testing.tiny import OFFLINE_ARGS, TINY
+
+    assert {k: v for k, v in TINY.items() if k != "methods"} == methods.TINY
+    assert methods.OFFLINE_ARGS == OFFLINE_ARGS
+    for name in ("fedvpt", "promptfl", "gpt-fl"):
+        cell = methods.tiny_cell(name, torch.device("cpu"), "fp32")
+        same = tiny_config(name)
+        rest = {"train": {"eval_every", "eval_last"}, "runtime": True, "suite": True}
+        assert cell.model_dump(exclude=rest) == same.model_dump(exclude=rest), name
+        assert (cell.train.eval_every, cell.train.eval_last) == (10**9, 0)
+        assert (cell.runtime.precision, cell.runtime.cache_features) == ("fp32", "memory")
+    assert methods.tiny_cell("promptfl", torch.device("cpu"), "auto").backbone.name == "clip-test"
+
+
+def test_bench_methods_times_the_engines_round_and_evaluation(tmp_path, monkeypatch, fpbench_cache):
+    """One round of every trainable client and one evaluation through the engine's own code,
+    1 + repeats times each, reported per method in the table and the JSON."""
+    import fpbench.engine.rounds as rounds
+
+    calls = []
+    for name in ("play_round", "evaluate_populations"):
+        real = getattr(rounds, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append((_name, args[5] if _name == "play_round" else args[-1]))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(rounds, name, spy)
+    out = tmp_path / "methods.json"
+    args = ["bench", "--methods", "fedvpt", "--device", "cpu", "--repeats", "2", "--json", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    clients = [1, 2, 3]  # the tiny federation's trainable clients (one of 4 held out)
+    assert build_task(tiny_config("fedvpt"), torch.device("cpu")).trainable_clients() == clients
+    assert (
+        calls
+        == [("play_round", clients), ("evaluate_populations", clients)]
+        + [("play_round", clients)] * 2
+        + [("evaluate_populations", clients)] * 2
+    )
+    (found,) = json.loads(out.read_text())
+    assert (found["method"], found["backbone"], found["error"]) == ("fedvpt", "vit-test", None)
+    fields = ("round_s", "round_cpu_s", "eval_s", "first_round_s", "first_eval_s")
+    times = [found[k] for k in fields]
+    assert all(t > 0 for t in times)
+    row = next(line for line in result.output.splitlines() if "│ fedvpt " in line)
+    assert row.split("│")[3].strip() == f"{found['round_s']:,.3f}"
+
+
+def test_bench_methods_reports_a_failing_method_and_bad_input(monkeypatch, fpbench_cache):
+    import fpbench.measure.methods as methods
+
+    def broken(cfg, device, repeats):
+        raise RuntimeError(f"{cfg.method.name} broke")
+
+    monkeypatch.setattr(methods, "time_method", broken)
+    result = CliRunner().invoke(app, ["bench", "--methods", "fedvpt*", "--device", "cpu"])
+    assert result.exit_code == 1
+    assert "method fedvpt not timed: RuntimeError: fedvpt broke" in result.output
+    assert "method fedvpt-d not timed: RuntimeError: fedvpt-d broke" in result.output
+    assert "all (0)" in result.output
+    none = CliRunner().invoke(app, ["bench", "--methods", "nope*", "--device", "cpu"])
+    assert none.exit_code == 2 and "no registered method matches 'nope*'" in none.output
+    mixed = CliRunner().invoke(app, ["bench", "--methods", "*", "--backbone", "vit-test"])
+    assert mixed.exit_code == 2 and "--backbone, --clients, --batch and --steps" in mixed.output

@@ -220,7 +220,7 @@ def test_estimate_reports_the_peak_memory_it_expects(tmp_path, monkeypatch) -> N
 
 
 def test_estimate_measures_peak_memory_over_its_fake_data(tmp_path) -> None:
-    from fpbench.estimate import estimate
+    from fpbench.measure.estimate import estimate
     from fpbench.suites import load_suite
     from tests.conftest import TINY_SUITE_TOML
 

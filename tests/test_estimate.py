@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from fpbench.cli import app
-from fpbench.estimate import Measurement, estimate, plan, project, shape_of
+from fpbench.measure.estimate import Measurement, estimate, plan, project, shape_of
 from fpbench.suites import load_suite
 from tests.conftest import TINY_SUITE_TOML
 
@@ -125,7 +125,7 @@ def test_estimate_of_one_method_and_an_unknown_one(tmp_path) -> None:
 
 
 def test_a_shape_whose_fake_images_do_not_fit_is_reported_not_allocated(monkeypatch) -> None:
-    import fpbench.estimate as est
+    import fpbench.measure.estimate as est
 
     suite = load_suite("inat")  # 155,941 images of 224px: 23.5 GB of fake uint8 images
     monkeypatch.setattr(est, "free_bytes", lambda device: 16 * 2**30)

@@ -44,6 +44,19 @@ def test_benchmarks_folder_is_mapped_as_package_data():
     assert cfg["package-data"]["fpbench.benchmarks.papers"] == ["*.toml"]
 
 
+def test_benchmarks_folder_holds_suite_and_paper_data_only():
+    """Scripts live in scripts/: the wheel ships only benchmarks/'s .toml files, and a suite is
+    any .toml there."""
+    files = {
+        p.relative_to(ROOT / "benchmarks").as_posix()
+        for p in (ROOT / "benchmarks").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+    suites = {f"{name}.toml" for name in list_suites()}
+    papers = {f"papers/{name}.toml" for name in list_papers()}
+    assert files == (suites & files) | papers
+
+
 def test_checkout_reads_the_top_level_benchmarks_folder():
     assert SUITE_DIR == ROOT / "benchmarks"
     assert PAPERS_DIR == ROOT / "benchmarks" / "papers"

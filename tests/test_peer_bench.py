@@ -19,9 +19,7 @@ SCRIPTS = ROOT.parent / "shared" / "peer-sgpt"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location(
-        "sbs", ROOT / "benchmarks/peer/sgpt_side_by_side.py"
-    )
+    spec = importlib.util.spec_from_file_location("sbs", ROOT / "scripts/peer/sgpt_side_by_side.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -82,7 +82,7 @@ def test_methods_checked_against_official_code_are_those_the_differential_test_r
 
     from fpbench.registry import METHODS
 
-    path = Path(__file__).parents[1] / "benchmarks/peer/official.py"
+    path = Path(__file__).parents[1] / "scripts/peer/official.py"
     spec = importlib.util.spec_from_file_location("official", path)
     official = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(official)

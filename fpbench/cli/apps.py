@@ -18,7 +18,7 @@ app = typer.Typer(
 )
 plot_app = typer.Typer(help="Draw plots from the results database.", no_args_is_help=True)
 
-db_app = typer.Typer(help="Maintain results databases (merge, check).", no_args_is_help=True)
+db_app = typer.Typer(help="Maintain results databases (merge, check, diff).", no_args_is_help=True)
 data_app = typer.Typer(
     help="Real datasets: where they are (status) and preparing them once (prepare).",
     no_args_is_help=True,

@@ -110,3 +110,45 @@ def check(
         line = f"  run {p.run_id} {p.run_key} ({p.status}): {p.message}"
         console.print(line, highlight=False, soft_wrap=True, markup=False)
     raise typer.Exit(1)
+
+
+@db_app.command("diff")
+@user_errors
+def diff(
+    a: Annotated[str, typer.Argument(help="first database: a path or SQLAlchemy URL")],
+    b: Annotated[str, typer.Argument(help="second database: a path or SQLAlchemy URL")],
+    show: Annotated[int, typer.Option(min=0, help="differences listed (the first N)")] = 20,
+) -> None:
+    """Whether two databases hold the same results, bit for bit.
+
+    Runs are matched by run key; of each pair the status, every round's loss and bytes and every
+    metric row (value and count) are compared exactly. Times, memory and FLOPs are not compared.
+
+    Exit code 1 when a run is in one database only or any value differs.
+    """
+    from fpbench.store import Store
+    from fpbench.store.diff import diff as compare
+
+    url_a, url_b = _existing(a), _existing(b)
+    with Store(url_a) as sa, Store(url_b) as sb:
+        found = compare(sa, sb, keep=show)
+    for line in (
+        f"runs in A ({a}): {found.runs_a:,}",
+        f"runs in B ({b}): {found.runs_b:,}",
+        f"runs matched: {found.matched:,}",
+        f"values compared: {found.compared:,}",
+        f"values different: {found.different:,}",
+    ):
+        console.print(line, highlight=False, soft_wrap=True, markup=False)
+    for side, keys in (("A", found.only_a), ("B", found.only_b)):
+        if keys:
+            console.print(f"runs only in {side}: {len(keys):,}", highlight=False)
+            for key in keys[:show]:
+                console.print(f"  {key}", highlight=False, soft_wrap=True, markup=False)
+    if found.first:
+        console.print(f"first {plural(len(found.first), 'difference')} (A != B):")
+        for d in found.first:
+            line = f"  {d.run_key} {d.what}: {d.a} != {d.b}"
+            console.print(line, highlight=False, soft_wrap=True, markup=False)
+    if not found.same:
+        raise typer.Exit(1)

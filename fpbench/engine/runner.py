@@ -82,7 +82,7 @@ def run_cell(
     The cell is claimed atomically first (see `fpbench.store`): a cell another live
     driver is running is skipped, and a claim silent for `claim_timeout` seconds is taken over.
     It computes in deterministic mode unless `runtime.deterministic` is off (see
-    `fpbench.determinism`); every executor comes through here.
+    `fpbench.determinism`); every launcher comes through here.
 
     Raises:
         FpbenchError: missing data or weights, or an op with no deterministic kernel.

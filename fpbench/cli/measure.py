@@ -1,4 +1,4 @@
-"""`fpbench estimate`: the thin command over `fpbench.estimate`."""
+"""`fpbench bench` and `fpbench estimate`: the thin commands over `fpbench.measure`."""
 
 from __future__ import annotations
 
@@ -22,6 +22,109 @@ from fpbench.cli.common import (
     write_or_print,
 )
 from fpbench.errors import FpbenchError
+
+
+@app.command("bench")
+@user_errors
+def bench_cmd(
+    backbone: Annotated[str, typer.Option(help="backbone to measure")] = "vit-smoke",
+    clients: Annotated[int, typer.Option(min=1, help="clients trained per round")] = 5,
+    batch: Annotated[int, typer.Option(min=1, help="minibatch size per client")] = 32,
+    steps: Annotated[int, typer.Option(min=1, help="minibatches per client per round")] = 4,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
+    precision: Annotated[str, typer.Option(help="auto, fp32, bf16 or bf16-frozen")] = "auto",
+    repeats: Annotated[int, typer.Option(min=1, help="timed repeats (median)")] = 3,
+    methods: Annotated[
+        str | None,
+        typer.Option(
+            metavar="PATTERN",
+            help="instead: time a round and an evaluation of every registered method matching "
+            "PATTERN ('*': all) on the tiny test federation",
+        ),
+    ] = None,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="also write the figures here")
+    ] = None,
+) -> None:
+    """Throughput of the executors, caches and evaluation on this machine.
+
+    The reference and lockstep executors, the feature and hidden-state caches and evaluation,
+    with random weights. With --methods PATTERN: seconds per round and per evaluation of each
+    matching method on the conformance tests' tiny federation (exit code 1 if one fails)."""
+    from fpbench.measure.bench import bench
+    from fpbench.registry import BACKBONES
+
+    BACKBONES.get(backbone)
+    _check_precision(precision)
+    if methods is not None:
+        if (backbone, clients, batch, steps) != ("vit-smoke", 5, 32, 4):
+            raise FpbenchError(
+                "--methods times the tiny test federation: --backbone, --clients, --batch and "
+                "--steps do not apply"
+            )
+        _bench_methods(methods, device, precision, repeats, json_out)
+        return
+    figures = bench(backbone, clients, batch, steps, device, precision, repeats)
+    table = Table(title=f"fpbench bench: {backbone}, {clients} clients x {batch} x {steps} steps")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, value in figures.items():
+        table.add_row(key, f"{value:,.3f}" if isinstance(value, float) else str(value))
+    console.print(table)
+    if json_out:
+        write_or_print(json.dumps(figures, indent=2), json_out)
+
+
+def _bench_methods(
+    pattern: str, device: str, precision: str, repeats: int, json_out: Path | None
+) -> None:
+    from dataclasses import asdict
+
+    from fpbench.engine.build import resolve_device
+    from fpbench.measure.methods import method_times, total
+
+    dev = resolve_device(device)
+
+    def show(i: int, n: int, name: str) -> None:
+        err.print(f"timing method {i + 1}/{n}: {name}", highlight=False)
+
+    try:
+        found = method_times(pattern, dev, precision, repeats, show)
+    except ValueError as e:
+        raise FpbenchError(str(e)) from None
+    table = Table(title=f"fpbench bench --methods {pattern}: tiny federation on {dev}")
+    table.add_column("method")
+    table.add_column("backbone")
+    for name in ("s/round", "CPU s/round", "s/eval", "first round s", "first eval s"):
+        table.add_column(name, justify="right")
+    fields = ("round_s", "round_cpu_s", "eval_s", "first_round_s", "first_eval_s")
+    for t in found:
+        table.add_row(t.method, t.backbone, *(_s3(getattr(t, f)) for f in fields))
+    ran = sum(t.error is None for t in found)
+    table.add_row(f"all ({ran})", "", *(_s3(total(found, f)) for f in fields), end_section=True)
+    console.print(table)
+    console.print(
+        f"medians of {plural(repeats, 'repeat')} after the first (wall and, for rounds, this "
+        "process's CPU seconds); first: with its frozen passes and warm-up"
+    )
+    failed = [t for t in found if t.error]
+    for t in failed:
+        err.print(f"method {t.method} not timed: {t.error}", highlight=False, markup=False)
+    if json_out:
+        write_or_print(json.dumps([asdict(t) for t in found], indent=2), json_out)
+    if failed:
+        raise typer.Exit(1)
+
+
+def _s3(seconds: float | None) -> str:
+    return "-" if seconds is None or seconds != seconds else f"{seconds:,.3f}"
+
+
+def _check_precision(precision: str) -> None:
+    if precision not in ("auto", "fp32", "bf16", "bf16-frozen"):
+        raise FpbenchError(
+            f"--precision must be auto, fp32, bf16 or bf16-frozen, got {precision!r}"
+        )
 
 
 def _h(seconds: float | None) -> str:
@@ -58,13 +161,10 @@ def estimate_cmd(
     Each distinct cell shape runs a round or two on fake data of the real shape with random
     weights of the real backbone (nothing downloads), projected to the suite's device-hours."""
     from fpbench.engine.build import resolve_device
-    from fpbench.estimate import ASSUMPTIONS, as_dict, estimate
+    from fpbench.measure.estimate import ASSUMPTIONS, as_dict, estimate
     from fpbench.units import human_bytes
 
-    if precision not in ("auto", "fp32", "bf16", "bf16-frozen"):
-        raise FpbenchError(
-            f"--precision must be auto, fp32, bf16 or bf16-frozen, got {precision!r}"
-        )
+    _check_precision(precision)
     loaded, cells = load_cells(suite, sets, method)
     if method:
         loaded = loaded.model_copy(update={"cells": tuple(cells)})

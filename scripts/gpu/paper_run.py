@@ -3,7 +3,7 @@
 the real shape (50,000 / 10,000 images in the release's pickle format) and random ViT-B/16
 weights (saved to a file and loaded through the real loading path).
 
-    python benchmarks/gpu/paper_run.py --rounds 10 --scratch /tmp/paper-run --json run.json
+    python scripts/gpu/paper_run.py --rounds 10 --scratch /tmp/paper-run --json run.json
 
 Everything but the weights, the data and the number of rounds is the suite's: 100 clients, 5 a
 round, 5 + 5 local epochs, batch 40, evaluation every 5th round and each of the last 10. The

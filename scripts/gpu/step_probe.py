@@ -2,11 +2,11 @@
 """Where a paper cell's training round spends its GPU time, and what the frozen passes' precision
 changes.
 
-    python benchmarks/gpu/step_probe.py --json probe.json [--profile-out ops.txt]
+    python scripts/gpu/step_probe.py --json probe.json [--profile-out ops.txt]
 
-On fake data of the real shape (`fpbench.estimate.fake_dataset`) and random weights of the real
-backbone, for sgpt-table1's SGPT cell at s = 10 (and fgpt-table1's first FGPT cell for the key
-choice), through the engine's own round (`play_round`):
+On fake data of the real shape (`fpbench.measure.estimate.fake_dataset`) and random weights of
+the real backbone, for sgpt-table1's SGPT cell at s = 10 (and fgpt-table1's first FGPT cell for
+the key choice), through the engine's own round (`play_round`):
 
 1. rounds of the cell, each timed (the round's new clients' frozen queries computed first, timed
    apart), one of them under torch.profiler: the device's busy fraction (kernel time / wall) and
@@ -32,7 +32,7 @@ from fpbench.engine.executor import derive_seed
 from fpbench.engine.rounds import play_round, sampling_schedule
 from fpbench.engine.runner import cell_numerics
 from fpbench.engine.task import task_of
-from fpbench.estimate import _offline_args, fake_dataset, shape_of
+from fpbench.measure.estimate import _offline_args, fake_dataset, shape_of
 from fpbench.methods.keys import select_groups
 from fpbench.specs import Component
 from fpbench.suites import load_suite

@@ -3,8 +3,8 @@
 `fpbench.engine.cost.count_flops` (PyTorch's FlopCounterMode), alternately, on synthetic data
 with random weights of the backbone.
 
-    python benchmarks/cost_overhead.py --backbone vit-test --image-size 16
-    python benchmarks/cost_overhead.py --backbone vit-b16-in21k --image-size 32 --device cuda
+    python scripts/cost_overhead.py --backbone vit-test --image-size 16
+    python scripts/cost_overhead.py --backbone vit-b16-in21k --image-size 32 --device cuda
 
 Frozen work is done before the timing (a warm-up round), so each timed round is training,
 aggregation and an evaluation. Prints each repetition and the ratio of the medians; with

@@ -4,11 +4,11 @@
 #      shards of two cores each, all at once (every test whose runtime.device is "auto" runs on
 #      CUDA in bf16);
 #   B. timings, one at a time: the bf16 matmul ceiling, `fpbench bench` at ViT-B/16, a
-#      paper-sized SGPT run (benchmarks/gpu/paper_run.py), the official SGPT code next to
-#      fpbench (benchmarks/peer/sgpt_side_by_side.py) and `fpbench estimate` of the paper run's
+#      paper-sized SGPT run (scripts/gpu/paper_run.py), the official SGPT code next to
+#      fpbench (scripts/peer/sgpt_side_by_side.py) and `fpbench estimate` of the paper run's
 #      cell and of one shape of each backbone family.
 # Usage, from the repository root, with CUDA:
-#   OUT=DIR BUDGET_S=520 PEER=path/to/SGPT PEER_SCRIPTS=path/to/peer-sgpt benchmarks/gpu/run_checks.sh
+#   OUT=DIR BUDGET_S=520 PEER=path/to/SGPT PEER_SCRIPTS=path/to/peer-sgpt scripts/gpu/run_checks.sh
 # STEPS="tests paper-run ..." runs only those steps (default: all); TESTS="tests/test_x.py -k y"
 # narrows step tests to what pytest collects from those arguments; PAPER_ROUNDS (default 10)
 # sets the paper run's rounds; ESTIMATE_SUITES and ESTIMATE_CAP_S (default 75) the suites whose
@@ -82,12 +82,12 @@ fi
 want matmul && step matmul 30 $PY -c "$MATMUL"
 want bench && step bench 100 $PY -m fpbench bench --backbone vit-b16-in21k --device cuda \
   --precision bf16 --clients 5 --batch 40 --steps 8 --json "$OUT/bench.json"
-want paper-run && step paper-run 140 $PY benchmarks/gpu/paper_run.py --rounds "${PAPER_ROUNDS:-10}" \
+want paper-run && step paper-run 140 $PY scripts/gpu/paper_run.py --rounds "${PAPER_ROUNDS:-10}" \
   --scratch /tmp/paper-run --json "$OUT/paper-run.json"
-want paper-run-nondet && step paper-run-nondet 80 $PY benchmarks/gpu/paper_run.py --rounds 6 \
+want paper-run-nondet && step paper-run-nondet 80 $PY scripts/gpu/paper_run.py --rounds 6 \
   --scratch /tmp/paper-run --no-deterministic --json "$OUT/paper-run-nondet.json"
 if want side-by-side && [[ -n ${PEER:-} ]]; then
-  step side-by-side 160 $PY benchmarks/peer/sgpt_side_by_side.py --peer "$PEER" \
+  step side-by-side 160 $PY scripts/peer/sgpt_side_by_side.py --peer "$PEER" \
     --peer-scripts "$PEER_SCRIPTS" --setting vit-b16 --rounds 5 --device cuda --precision bf16 fp32 \
     --scratch /tmp/side-by-side --json "$OUT/side-by-side.json"
 fi
