@@ -71,6 +71,12 @@ class TrainConfig(_Strict):
         "train-list size shared equally by the domain's clients (SGPT reference code on "
         "Office-Caltech10 / DomainNet, whose clients train on a subset)",
     )
+    centralized: bool = Field(
+        False,
+        description="the centralized reference row: one client holding the union of the "
+        "trainable clients' train data trains local_epochs over it every round (a global "
+        "method only); evaluated like the federated rows, on every client's test set",
+    )
 
 
 class RuntimeConfig(_Strict):
@@ -172,6 +178,7 @@ _LATER_FIELDS: dict[tuple[str, str], Any] = {
     ("train", "unseen_clients"): "score",  # the behaviour before the field existed
     ("train", "augment"): Augment().model_dump(mode="json"),
     ("train", "aggregation_weights"): "train_size",
+    ("train", "centralized"): False,
 }
 
 
