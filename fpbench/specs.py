@@ -7,7 +7,14 @@ import hashlib
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 MAX_LABEL = 100
 
@@ -77,6 +84,15 @@ class TrainConfig(_Strict):
         "trainable clients' train data trains local_epochs over it every round (a global "
         "method only); evaluated like the federated rows, on every client's test set",
     )
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_centralized(self, handler: Any) -> dict[str, Any]:
+        """`centralized` is dumped only where set: a federated run's stored config, run key and
+        protocol paths stay what they were before the field existed."""
+        out = handler(self)
+        if not out.get("centralized", True):
+            del out["centralized"]
+        return out
 
 
 class RuntimeConfig(_Strict):
@@ -178,7 +194,6 @@ _LATER_FIELDS: dict[tuple[str, str], Any] = {
     ("train", "unseen_clients"): "score",  # the behaviour before the field existed
     ("train", "augment"): Augment().model_dump(mode="json"),
     ("train", "aggregation_weights"): "train_size",
-    ("train", "centralized"): False,
 }
 
 
