@@ -80,9 +80,9 @@ class TrainConfig(_Strict):
     )
     centralized: bool = Field(
         False,
-        description="the centralized reference row: one client holding the union of the "
-        "trainable clients' train data trains local_epochs over it every round (a global "
-        "method only); evaluated like the federated rows, on every client's test set",
+        description="the centralized reference row: every round one client holding the union "
+        "of the round's clients' train data trains local_epochs over it (the same samples and "
+        "epochs as the federation; a global method only); evaluated like the federated rows",
     )
 
     @model_serializer(mode="wrap")

@@ -33,6 +33,8 @@ def test_pooled_task_is_one_client_holding_the_trainable_clients_data(fpbench_ca
     prior = torch.bincount(labels, minlength=6).float() / len(labels)
     torch.testing.assert_close(p.priors[0], prior)
     assert p.aggregation_weights.tolist() == [float(len(expected))]
+    some = pooled(task, ids[::-1][:2])  # a round's clients, in the round's order
+    assert torch.equal(some.train_idx[0], torch.cat([task.train_idx[c] for c in ids[::-1][:2]]))
 
 
 def test_a_centralized_round_trains_the_pooled_client_alone_and_scores_every_client(
@@ -42,9 +44,12 @@ def test_a_centralized_round_trains_the_pooled_client_alone_and_scores_every_cli
     task = build_task(cfg, CPU)
     (pop,) = build_populations(cfg, task, CPU)
     server = seeded_server(pop.method)
-    new, rows, scalars = play_round([pop], server, task, cfg, 0, [1], [])
-    alone = train_clients(pop.method, server, pooled(task), [0], cfg.train, round_idx=0, seed=0)
-    # FedAvg of one client is its parameters; the round's single sampled client is irrelevant
+    sampled = task.trainable_clients()[1:]  # the round's two clients (participation 0.5)
+    new, rows, scalars = play_round([pop], server, task, cfg, 0, sampled, [])
+    alone = train_clients(
+        pop.method, server, pooled(task, sampled), [0], cfg.train, round_idx=0, seed=0
+    )
+    # FedAvg of one client is its parameters; that client holds the round's clients' data
     torch.testing.assert_close(new.params["ctx"], alone.params["ctx"][0])
     assert scalars["loss_train"] == pytest.approx(float(alone.loss[0]))
     assert scalars["bytes_up"] == scalars["bytes_down"] == 0

@@ -145,7 +145,8 @@ def play_round(
     precision = resolve_precision(cfg.runtime.precision, device)
     servers = unpack(server, [pop.key for pop in populations])
     losses, weight, up, down = [], {}, 0, 0
-    train_task, train_ids = (pooled(task), [0]) if cfg.train.centralized else (task, client_ids)
+    central = cfg.train.centralized
+    train_task, train_ids = (pooled(task, client_ids), [0]) if central else (task, client_ids)
     for pop in populations:
         local = _train_population(
             pop, servers[pop.key], train_task, cfg, r, train_ids, precision, len(client_ids)
@@ -226,10 +227,12 @@ def _train_population(
     return concat_results(results) if results else None
 
 
-def pooled(task: Task) -> Task:
-    """The centralized reference's training view of a task: one client 0 holding the union
-    (concatenation, in client order) of the trainable clients' train data; FedAvg of one."""
-    ids = task.trainable_clients()
+def pooled(task: Task, client_ids: list[int] | None = None) -> Task:
+    """The centralized reference's training view of a round: one client 0 holding the union
+    (concatenation, in the round's order) of the train data of the round's clients (default:
+    every trainable client), so that it trains on the same samples as the federation; FedAvg of
+    one client is its parameters."""
+    ids = task.trainable_clients() if client_ids is None else client_ids
     train_idx = torch.cat([task.train_idx[c] for c in ids])
     sizes = task.train_sizes[ids]
     prior = (task.priors[ids] * sizes.to(task.priors).unsqueeze(1)).sum(0) / sizes.sum()
