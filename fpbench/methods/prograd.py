@@ -8,7 +8,10 @@ L_kl = -T^2 sum_c softmax(z0 / T)_c log softmax(z / T)_c. With their gradients g
 context, the step uses g where g . g_kl >= 0 and else g - lambda (g . u) u, u = g_kl / ||g_kl||
 (Dassl.ProGrad `prograd_backward_and_update`). Defaults from the official scripts: 16 context
 tokens, the last of which are initialised from the template's words (the rest zeros), class token
-at the end, T = 1, lambda = 1.
+at the end, T = 1, lambda = 1. As in the official code, the prompt is then the text
+"X..X <template words> name." whose first 16 tokens are the context: a template with more BPE
+tokens than words ("a type of pet, a photo of a": "pet," is two tokens) keeps the extra ones as
+fixed tokens before the class name, and its last word's embedding is not in the context.
 
 The custom step is written with the interface's `loss` hook: each client's projected gradient is
 computed there (`torch.autograd.grad` of its two batch means) and returned through a surrogate
@@ -23,6 +26,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from pydantic import Field
 
+from fpbench.backbones.clip_prompts import PromptLayout, clean_name
 from fpbench.errors import FpbenchError
 from fpbench.lazy import F, torch
 from fpbench.methods.base import Context
@@ -83,6 +87,7 @@ class ProGrad(CoOpModel):
     readings: ClassVar[dict[str, str]] = {
         "official_check": "differential",  # prograd.py + Dassl's step: test_peer_clip_reference
         "zero_kl_gradient": "no-projection",  # the official code divides by its zero norm
+        "prompt_text": "official",  # "X..X <template words> name.": extra BPE tokens stay fixed
     }
 
     @property
@@ -90,13 +95,44 @@ class ProGrad(CoOpModel):
         template = self.cfg.template or PROGRAD_TEMPLATES.get(self.task.dataset)
         return dataset_template(self.task.dataset, template)
 
+    @property
+    def from_template(self) -> bool:
+        """Whether the context starts from the template (CTX_INIT), class token at the end."""
+        cfg = self.cfg
+        return cfg.init_from_template and not cfg.ctx_init and not cfg.csc
+
+    def _phrase(self) -> tuple[str, int]:
+        """The template without its class slot, and its number of space-separated words."""
+        phrase = self.template.replace(" {}.", "").replace("_", " ")
+        return phrase, len(phrase.split(" "))
+
+    def layout(self, n_ctx: int) -> PromptLayout:
+        """With the template init, the official prompt text "X..X <template words> name." (the
+        context is its first n_ctx tokens after SOT; where the template has more BPE tokens than
+        words, e.g. "pet,", the rest stay fixed before the name); else CoOp's."""
+        if not self.from_template or n_ctx in self._layouts:
+            return super().layout(n_ctx)
+        if self.cfg.class_token_position != "end":
+            raise FpbenchError("prograd's template init puts the class token at the end")
+        phrase, words = self._phrase()
+        head = " ".join(["X"] * (n_ctx - words) + [phrase])
+        names = [clean_name(n) for n in self.task.class_names]
+        with torch.no_grad():
+            ids = self.backbone.tokenize([f"{head} {n}." for n in names])  # (C, L)
+            emb = self.backbone.token_embed(ids).float()
+        order = torch.arange(ids.shape[1] - 1, device=ids.device).repeat(len(names), 1)
+        lens = [len(self.backbone.tokenizer.encode(n)) for n in names]
+        self._layouts[n_ctx] = PromptLayout(
+            n_ctx, "end", ids, emb[:, :1], emb[:, 1 + n_ctx :], order, lens
+        )
+        return self._layouts[n_ctx]
+
     def init_context(self, gen: torch.Generator) -> Tensor:
         """Zeros (M, d) whose last k rows are the embeddings of the template's first k tokens,
         k its number of space-separated words (the official count), or CoOp's random init."""
-        if not self.cfg.init_from_template or self.cfg.ctx_init or self.cfg.csc:
+        if not self.from_template:
             return super().init_context(gen)
-        phrase = self.template.replace(" {}.", "").replace("_", " ")
-        words = len(phrase.split(" "))
+        phrase, words = self._phrase()
         m = self.cfg.n_ctx
         if words > m:
             raise FpbenchError(f"{m} context tokens cannot hold the template's {words} words")
