@@ -3,6 +3,7 @@ clients' train data) and `zero-shot`, from the pooled task to a suite run throug
 
 from __future__ import annotations
 
+import json
 import sqlite3
 
 import pytest
@@ -122,3 +123,26 @@ def test_reference_rows_run_beside_a_federated_one_through_the_cli(tmp_path, fpb
     assert {n for _, n in clients} == {4}  # and on each client's own test set
     zero, fed, central = (r[0] for r in runs)
     assert up[zero] == 0 and up[central] == 0 and up[fed] > 0
+
+
+LEARNERS = (
+    SUITE.replace('name = "reference-rows"', 'name = "clip-learners"').split("[[methods]]")[0]
+    + '[[methods]]\nname = "kgcoop"\n[[methods]]\nname = "cocoop"\n[[methods]]\nname = "prograd"\n'
+)
+
+
+def test_cocoop_kgcoop_and_prograd_run_through_the_cli(tmp_path, fpbench_cache):
+    (tmp_path / "s.toml").write_text(LEARNERS.replace("rounds = 2", "rounds = 1"))
+    db = tmp_path / "r.db"
+    out = CliRunner().invoke(app, ["run", "--suite", str(tmp_path / "s.toml"), "--db", str(db)])
+    assert out.exit_code == 0, out.output
+    with sqlite3.connect(db) as con:
+        done = con.execute("select config_json from runs where status = 'done'").fetchall()
+        scored = con.execute(
+            "select count(*) from metrics where name = 'acc_global' and client_id is null"
+        ).fetchone()[0]
+        up = [r[0] for r in con.execute("select bytes_up from rounds")]
+    assert sorted(json.loads(c)["method"]["name"] for (c,) in done) == [
+        "cocoop", "kgcoop", "prograd"
+    ]  # fmt: skip
+    assert scored == 3 and all(u > 0 for u in up)  # each evaluated; each uploads what it trains

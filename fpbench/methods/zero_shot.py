@@ -77,7 +77,7 @@ class ZeroShot(CoOpModel):
     name = "zero-shot"
     Config = ZeroShotConfig
     readings: ClassVar[dict[str, str]] = {
-        "official_check": "differential",  # CoOp's trainers/zsclip.py: tests/test_clip_reference
+        "official_check": "differential",  # zsclip.py: tests/test_peer_clip_reference.py
         "template_without_coop_entry": "a photo of a {}.",
     }
 
