@@ -299,6 +299,7 @@ CASES = {
     "kgcoop oxford-pets w 8": ("kgcoop", {}),
     "kgcoop dtd w 1": ("kgcoop", {"dataset": "dtd", "w": 1.0}),
     "cocoop 'a photo of a'": ("cocoop", {}),
+    "cocoop random context": ("cocoop", {"ctx_init": ""}),
     "prograd oxford-pets": ("prograd", {}),
     "prograd caltech101 (no conflict)": ("prograd", {"dataset": "caltech101"}),
     "prograd dtd lambda 0.5 T 2": ("prograd", {"dataset": "dtd", "lam": 0.5, "t": 2.0}),
