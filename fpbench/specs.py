@@ -7,7 +7,14 @@ import hashlib
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 MAX_LABEL = 100
 
@@ -71,6 +78,21 @@ class TrainConfig(_Strict):
         "train-list size shared equally by the domain's clients (SGPT reference code on "
         "Office-Caltech10 / DomainNet, whose clients train on a subset)",
     )
+    centralized: bool = Field(
+        False,
+        description="the centralized reference row: every round one client holding the union "
+        "of the round's clients' train data trains local_epochs over it (the same samples and "
+        "epochs as the federation; a global method only); evaluated like the federated rows",
+    )
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_centralized(self, handler: Any) -> dict[str, Any]:
+        """`centralized` is dumped only where set: a federated run's stored config, run key and
+        protocol paths stay what they were before the field existed."""
+        out = handler(self)
+        if not out.get("centralized", True):
+            del out["centralized"]
+        return out
 
 
 class RuntimeConfig(_Strict):

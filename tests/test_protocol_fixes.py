@@ -82,17 +82,20 @@ def test_methods_checked_against_official_code_are_those_the_differential_test_r
 
     from fpbench.registry import METHODS
 
-    path = Path(__file__).parents[1] / "scripts/peer/official.py"
-    spec = importlib.util.spec_from_file_location("official", path)
-    official = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(official)
-    kinds = {kind for kind, _ in official.CASES.values()}
+    kinds = set()
+    for name in ("official.py", "clip_reference.py"):
+        path = Path(__file__).parents[1] / "scripts/peer" / name
+        spec = importlib.util.spec_from_file_location(name[:-3], path)
+        harness = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(harness)
+        kinds |= {kind for kind, _ in harness.CASES.values()}
     checked = {
         name for name in METHODS.names() if METHODS.get(name).all_readings()["official_check"]
         != "none"
     }  # fmt: skip
-    assert checked == {"promptfl", "fedotp", "sgpt", "fedpr"}
-    assert kinds == {"coop", "fedotp", "sgpt", "fedpr"}
+    assert checked == {"promptfl", "fedotp", "sgpt", "fedpr", "zero-shot", "kgcoop", "cocoop",
+                       "prograd"}  # fmt: skip
+    assert kinds == {"coop", "fedotp", "sgpt", "fedpr", "zsclip", "kgcoop", "cocoop", "prograd"}
 
 
 NEW_PATHS = {

@@ -167,12 +167,14 @@ def train_together(
             budget = [n if n is None else n - len(b) for n, b in zip(budget, batches, strict=True)]
             for step in range(max(len(b) for b in batches)):
                 active = torch.tensor([step < len(b) for b in batches], device=device)
-                per_client = _step(
-                    method, leaves, task, inputs, batches, step, ctx, k, views, hidden
-                )
-                opt.zero_grad()
-                per_client.sum().backward()
-                opt.step(active)
+                with torch.enable_grad() if phase.trainable else torch.no_grad():
+                    per_client = _step(
+                        method, leaves, task, inputs, batches, step, ctx, k, views, hidden
+                    )
+                if phase.trainable:  # a phase that trains nothing only scores its batches
+                    opt.zero_grad()
+                    per_client.sum().backward()
+                    opt.step(active)
                 loss_sum += per_client.detach()
                 loss_steps += active
         params = {n: t.detach() for n, t in leaves.items()}

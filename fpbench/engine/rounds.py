@@ -39,6 +39,7 @@ from fpbench.engine.populations import (
 )
 from fpbench.engine.seeding import derive_seed
 from fpbench.engine.task import Task
+from fpbench.errors import FpbenchError
 from fpbench.methods.base import ServerState, TestSplit, Updates
 from fpbench.specs import RunConfig, TrainConfig
 from fpbench.store import Store
@@ -84,6 +85,7 @@ def run_rounds(
     device = task.priors.device
     path = ckpt_io.checkpoint_path(checkpoint_dir, cfg.run_key)
     bound_to = ckpt_io.binding(store.database_id, run_id)
+    check_centralized(cfg, populations)
     ckpt = ckpt_io.load(path, cfg.run_key, device, bound_to)
     if ckpt is None:
         servers = {
@@ -143,14 +145,19 @@ def play_round(
     precision = resolve_precision(cfg.runtime.precision, device)
     servers = unpack(server, [pop.key for pop in populations])
     losses, weight, up, down = [], {}, 0, 0
+    central = cfg.train.centralized
+    train_task, train_ids = (pooled(task, client_ids), [0]) if central else (task, client_ids)
     for pop in populations:
-        local = _train_population(pop, servers[pop.key], task, cfg, r, client_ids, precision)
+        local = _train_population(
+            pop, servers[pop.key], train_task, cfg, r, train_ids, precision, len(client_ids)
+        )
         if local is None:
             weight[pop.key] = 0.0
             continue
-        weights = task.aggregation_weights[local.client_ids].to(device)
-        d, u = pop.method.communication(servers[pop.key])
-        down, up = down + _nbytes(d) * len(weights), up + _nbytes(u) * len(weights)
+        weights = train_task.aggregation_weights[local.client_ids].to(device)
+        if not cfg.train.centralized:  # the centralized reference communicates nothing
+            d, u = pop.method.communication(servers[pop.key])
+            down, up = down + _nbytes(d) * len(weights), up + _nbytes(u) * len(weights)
         updates = Updates(local.params, local.client_ids.to(device), weights, local.stats)
         servers[pop.key] = pop.method.aggregate(servers[pop.key], updates)
         losses.append(local.loss)
@@ -187,8 +194,20 @@ def _train_population(
     r: int,
     client_ids: list[int],
     precision: str,
+    sampled: int = 1,
 ) -> LocalResult | None:
-    """Local training of this round's clients of one population, cohort by cohort (None: none)."""
+    """Local training of this round's clients of one population, cohort by cohort (None: none).
+
+    Under `train.centralized`, `task` is the `pooled` one and its client 0 trains alone, its
+    step cap (if any) `sampled` times the clients' (the budget of the round's clients).
+    """
+    if cfg.train.centralized:
+        train = population.cohorts[0].train
+        if train.max_local_steps is not None:
+            train = train.model_copy(update={"max_local_steps": train.max_local_steps * sampled})
+        cohorts = [dataclasses.replace(population.cohorts[0], clients=(0,), train=train)]
+    else:
+        cohorts = list(population.cohorts)
     results = [
         train_clients(
             population.method,
@@ -202,10 +221,53 @@ def _train_population(
             inputs=population.inputs,
             precision=precision,
         )
-        for cohort in population.cohorts
+        for cohort in cohorts
         if (ids := participants(cohort, client_ids))
     ]
     return concat_results(results) if results else None
+
+
+def pooled(task: Task, client_ids: list[int] | None = None) -> Task:
+    """The centralized reference's training view of a round: one client 0 holding the union
+    (concatenation, in the round's order) of the train data of the round's clients (default:
+    every trainable client), so that it trains on the same samples as the federation; FedAvg of
+    one client is its parameters."""
+    ids = task.trainable_clients() if client_ids is None else client_ids
+    train_idx = torch.cat([task.train_idx[c] for c in ids])
+    sizes = task.train_sizes[ids]
+    prior = (task.priors[ids] * sizes.to(task.priors).unsqueeze(1)).sum(0) / sizes.sum()
+    client = dataclasses.replace(
+        task.clients[ids[0]],
+        id=0,
+        train_idx=np.concatenate([task.clients[c].train_idx for c in ids]),
+        class_prior=prior.double().cpu().numpy(),
+        domain=None,
+    )
+    return dataclasses.replace(
+        task,
+        clients=[client],
+        train_idx=[train_idx],
+        test_idx=[task.test_idx[ids[0]]],
+        priors=prior.unsqueeze(0),
+        train_sizes=sizes.sum().view(1),
+        heldout=torch.tensor([False]),
+        aggregation_sizes=None,
+    )
+
+
+def check_centralized(cfg: RunConfig, populations: list[Population]) -> None:
+    """`train.centralized` needs one population of a global method without personal tensors."""
+    if not cfg.train.centralized:
+        return
+    if cfg.model_het is not None:
+        raise FpbenchError("train.centralized cannot be combined with model_het")
+    method = populations[0].method
+    if method.inference != "global" or method.personal:
+        raise FpbenchError(
+            f"train.centralized needs a method with global inference and no personal tensors; "
+            f"{method.name} has inference {method.inference!r}"
+            + (f" and personal {sorted(method.personal)}" if method.personal else "")
+        )
 
 
 def evaluate_populations(
