@@ -82,17 +82,19 @@ def test_methods_checked_against_official_code_are_those_the_differential_test_r
 
     from fpbench.registry import METHODS
 
-    path = Path(__file__).parents[1] / "benchmarks/peer/official.py"
-    spec = importlib.util.spec_from_file_location("official", path)
-    official = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(official)
-    kinds = {kind for kind, _ in official.CASES.values()}
+    kinds = set()
+    for harness in ("official", "official_deep"):  # official_deep: MaPLe, PromptSRC, PLOT
+        path = Path(__file__).parents[1] / f"benchmarks/peer/{harness}.py"
+        spec = importlib.util.spec_from_file_location(harness, path)
+        official = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(official)
+        kinds |= {kind for kind, _ in official.CASES.values()}
     checked = {
         name for name in METHODS.names() if METHODS.get(name).all_readings()["official_check"]
         != "none"
     }  # fmt: skip
-    assert checked == {"promptfl", "fedotp", "sgpt", "fedpr"}
-    assert kinds == {"coop", "fedotp", "sgpt", "fedpr"}
+    assert checked == {"promptfl", "fedotp", "sgpt", "fedpr", "maple", "promptsrc", "plot"}
+    assert kinds == {"coop", "fedotp", "sgpt", "fedpr", "maple", "promptsrc", "plot"}
 
 
 NEW_PATHS = {
