@@ -99,3 +99,39 @@ def test_resnets_and_too_deep_prompts_are_refused(tiny, fpbench_cache):
     rn = create_backbone("clip-test-rn")
     with pytest.raises(FpbenchError, match="needs a ViT CLIP"):
         type(method)(method.cfg, rn, method.task)
+
+
+def _three_layer_clip(tmp_path):
+    import json
+
+    import open_clip
+
+    from fpbench.backbones.clip import PromptedCLIP
+
+    text = {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 3}
+    vision = {"image_size": 16, "layers": 3, "width": 32, "patch_size": 8, "head_width": 16}
+    cfg = tmp_path / "fpbench-maple-3.json"
+    cfg.write_text(json.dumps({"embed_dim": 32, "quick_gelu": True, "vision_cfg": vision,
+                               "text_cfg": text}))  # fmt: skip
+    open_clip.add_model_config(cfg)
+    return PromptedCLIP(open_clip.create_model("fpbench-maple-3"), "fpbench-maple-3")
+
+
+def test_deep_projections_start_as_clones_of_one_layer_and_random_init_uses_x(tiny, tmp_path):
+    _, _, method = tiny("maple")
+    clip = _three_layer_clip(tmp_path)
+    deep = type(method)(method.Config(prompt_depth=3), clip, method.task)
+    params = deep.init_params(torch.Generator().manual_seed(0))
+    assert params["deep_ctx"].shape == (2, 2, 32)
+    assert torch.equal(params["deep_proj_w"][0], params["deep_proj_w"][1])  # the reference's
+    assert torch.equal(params["deep_proj_b"][0], params["deep_proj_b"][1])  # _get_clones
+    assert not torch.equal(params["deep_ctx"][0], params["deep_ctx"][1])
+    assert not torch.equal(params["proj_w"], params["deep_proj_w"][0])  # a separate draw
+    # no phrase: "X X name." with N(0, 0.02^2) context
+    plain = type(method)(method.Config(prompt_depth=3, ctx_init=None), clip, method.task)
+    name = method.task.class_names[0].replace("_", " ")
+    assert plain.layout.ids[0].equal(clip.tokenize([f"X X {name}."])[0])
+    ctx = plain.init_params(torch.Generator().manual_seed(0))["ctx"]
+    torch.testing.assert_close(
+        ctx, torch.randn(2, 32, generator=torch.Generator().manual_seed(0)) * 0.02
+    )
