@@ -202,17 +202,22 @@ class PromptSRC(Method):
             self._layout = phrase_layout(self.backbone, names, cfg.n_ctx_text, cfg.ctx_init)
         return self._layout
 
-    def zero_shot_text(self) -> Tensor:
-        """Frozen CLIP's class features (C, E): the mean over the templates, normalised."""
+    def zero_shot_text(self, chunk: int = 2048) -> Tensor:
+        """Frozen CLIP's class features (C, E): the mean over the templates, normalised.
+
+        All template-class prompts are encoded `chunk` at a time, cut after their last EOT
+        (`encode_prompts(truncate=True)`: equal to `encode_text` up to float rounding)."""
         if self._zs_text is None:
             clip = self.backbone
             names = [clean_name(n) for n in self.task.class_names]
+            texts = [t.format(n) for t in IMAGENET_TEMPLATES for n in names]  # template-major
             with torch.no_grad():
-                total = 0.0
-                for template in IMAGENET_TEMPLATES:
-                    ids = clip.tokenize([template.format(n) for n in names])
-                    total = total + clip.encode_text(ids).float()
-            self._zs_text = F.normalize(total / len(IMAGENET_TEMPLATES), dim=-1)
+                parts = []
+                for i in range(0, len(texts), chunk):
+                    ids = clip.tokenize(texts[i : i + chunk])
+                    parts.append(clip.encode_prompts(clip.token_embed(ids), ids, True).float())
+                feats = torch.cat(parts).view(len(IMAGENET_TEMPLATES), len(names), -1)
+            self._zs_text = F.normalize(feats.mean(0), dim=-1)  # (C, E)
         return self._zs_text
 
     def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
