@@ -101,7 +101,9 @@ def uses_phrase(clip: PromptedCLIP, phrase: str | None, n_ctx: int) -> bool:
     return bool(phrase) and n_ctx <= len(clip.tokenizer.encode(phrase))
 
 
-def phrase_context(clip: PromptedCLIP, gen: torch.Generator, n_ctx: int, phrase: str | None):
+def phrase_context(
+    clip: PromptedCLIP, gen: torch.Generator, n_ctx: int, phrase: str | None
+) -> Tensor:
     """The layer-0 context (n_ctx, d): the phrase's first n_ctx token embeddings, else
     N(0, 0.02^2)."""
     if uses_phrase(clip, phrase, n_ctx):
@@ -184,7 +186,7 @@ class MaPLe(Method):
         deep = params["deep_ctx"] @ params["deep_proj_w"].transpose(-1, -2)  # (K, J-1, n, w)
         return shallow, deep + params["deep_proj_b"][:, :, None]
 
-    def image_features(self, params: dict[str, Tensor], x: Tensor, client_index: Tensor):
+    def image_features(self, params: dict[str, Tensor], x: Tensor, client_index: Tensor) -> Tensor:
         """Normalised prompted image features (B, E)."""
         from fpbench.backbones.clip import encode_image_deep
 

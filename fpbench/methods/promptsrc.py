@@ -157,13 +157,17 @@ def self_regulating_loss(
     zs_text: Tensor,
     text_weight: float,
     image_weight: float,
+    client_index: Tensor | None = None,
 ) -> Tensor:
     """Per-sample (B,) self-regulating terms; their batch mean is the reference's L_SCL.
 
-    logits, zs_logits (B, C); image, zs_image (B, E) normalised; text (B, C, E) each sample's
-    client's normalised text features, zs_text (C, E).
+    logits, zs_logits (B, C); image, zs_image (B, E) normalised; text (K, C, E) the clients'
+    normalised text features, sample i's row `client_index[i]` (None: K = B, row i); zs_text
+    (C, E).
     """
-    l_text = (text - zs_text).abs().mean((-1, -2))  # (B,)
+    l_text = (text - zs_text).abs().mean((-1, -2))  # (K,)
+    if client_index is not None:
+        l_text = l_text[client_index]  # (B,)
     l_image = (image - zs_image).abs().mean(-1)  # (B,)
     log_p, log_q = F.log_softmax(logits, -1), F.log_softmax(zs_logits, -1)
     kl = (log_q.exp() * (log_q - log_p)).sum(-1) / logits.shape[-1]  # (B,)
@@ -243,7 +247,7 @@ class PromptSRC(Method):
         deep = params.get("deep_text", ctx[:, :0, None])  # (K, J_t - 1, n, d)
         return deep_text_features(self.backbone, self.layout, ctx, deep)
 
-    def image_features(self, params: dict[str, Tensor], x: Tensor, client_index: Tensor):
+    def image_features(self, params: dict[str, Tensor], x: Tensor, client_index: Tensor) -> Tensor:
         """Normalised prompted image features (B, E)."""
         from fpbench.backbones.clip import encode_image_deep
 
@@ -268,9 +272,8 @@ class PromptSRC(Method):
             zs_logits = self.backbone.logit_scale * zs_image @ zs_text.T
         cfg = self.cfg
         w_text, w_image = cfg.text_loss_weight, cfg.image_loss_weight
-        mine = (image, text[client_index])  # (B, E), (B, C, E)
-        aux = self_regulating_loss(logits, zs_logits, *mine, zs_image, zs_text, w_text, w_image)
-        return Output(logits, aux)
+        terms = (logits, zs_logits, image, text, zs_image, zs_text, w_text, w_image)
+        return Output(logits, self_regulating_loss(*terms, client_index))
 
     # -- GPA on the server ------------------------------------------------------------------------
     def init_server(self, gen: torch.Generator) -> ServerState:
@@ -286,7 +289,10 @@ class PromptSRC(Method):
         b = server.buffers
         r = float(b["gpa_round"]) + 1
         log_w = gpa_log_weight(r, self.cfg.gpa_mean, self.cfg.gpa_std)
-        total = torch.logaddexp(b["gpa_log_weight"], torch.tensor(log_w, dtype=torch.float64))
+        held_w = b["gpa_log_weight"]
+        total = torch.logaddexp(
+            held_w, torch.tensor(log_w, dtype=held_w.dtype, device=held_w.device)
+        )
         share = float(torch.exp(log_w - total))  # w_r / (w_1 + ... + w_r)
         buffers = dict(b)
         for k, v in new.params.items():

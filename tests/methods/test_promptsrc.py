@@ -30,6 +30,12 @@ def test_self_regulating_terms_of_a_2_class_case_by_hand():
     kl = (0.75 * math.log(1.5) + 0.25 * math.log(0.5)) / 2  # KL(q || p) over C = 2
     got = self_regulating_loss(logits, zs_logits, image, text, zs_image, zs_text, 25.0, 10.0)
     torch.testing.assert_close(got, torch.tensor([25 * 0.5 + 10 * 0.6 + kl]))
+    # two clients, the first with the zero-shot text itself (L1 0): each sample its client's
+    clients = torch.cat([zs_text[None], text])  # (K = 2, C, E)
+    rows = torch.tensor([1, 0])
+    two = [t.expand(2, -1) for t in (logits, zs_logits, image, zs_image)]
+    got = self_regulating_loss(*two[:3], clients, two[3], zs_text, 25.0, 10.0, rows)
+    torch.testing.assert_close(got, torch.tensor([25 * 0.5 + 6 + kl, 6 + kl]))
 
 
 def test_batch_mean_is_the_reference_formula():
