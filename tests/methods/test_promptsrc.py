@@ -128,3 +128,27 @@ def test_training_forward_adds_the_terms_to_the_prompted_logits(tiny):
     kl = (q * (q.log() - p.log())).sum(-1) / len(names)
     want = 25 * (text - zs).abs().mean() + kl
     torch.testing.assert_close(out.aux_loss, want, atol=1e-5, rtol=1e-4)
+
+
+def test_the_engines_evaluation_scores_the_gpa_prompts(tiny, monkeypatch):
+    from fpbench.engine.evaluate import evaluate
+    from fpbench.methods.base import ServerState
+
+    cfg, task, method = tiny("promptsrc")
+    server = seeded_server(method)
+    trained = {k: v + 1.0 for k, v in server.params.items()}  # FedAvg state != GPA's mean
+    server = ServerState(trained, server.personal, server.buffers)
+    seen = []
+    forward = type(method).forward
+
+    def spy(self, params, x, client_index, ctx):
+        seen.append(params["ctx"].detach().clone())
+        return forward(self, params, x, client_index, ctx)
+
+    monkeypatch.setattr(type(method), "forward", spy)
+    evaluate(method, server, task, batch_size=64)
+    assert seen and all(torch.equal(s[0], server.buffers["gpa_ctx"]) for s in seen)
+    seen.clear()
+    evaluate(with_config(method, prompt_depth_text=2, prompt_depth_vision=2, gpa=False),
+             server, task, batch_size=64)  # fmt: skip
+    assert seen and all(torch.equal(s[0], trained["ctx"]) for s in seen)
