@@ -18,6 +18,7 @@ Pieces:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fpbench.backbones.frozen_linear import freeze_linears
+from fpbench.errors import FpbenchError
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -192,3 +194,124 @@ def _joint_dim(model: nn.Module) -> int:
     if proj is None:
         return model.token_embedding.weight.shape[1]
     return proj.out_features if isinstance(proj, nn.Linear) else proj.shape[1]
+
+
+# -- deep prompts: MaPLe's and PromptSRC's (independent V-L) per-layer prompt tokens ------------
+
+
+def _run_blocks(
+    transformer: nn.Module,
+    x: Tensor,
+    deep: Sequence[Tensor],
+    put: Callable[[Tensor, Tensor], Tensor],
+    attn_mask: Tensor | None = None,
+) -> Tensor:
+    """open_clip's `Transformer.forward` on batch-first x (N, L, w), with `put(x, deep[i - 1])`
+    applied to the tokens entering block i for i = 1..len(deep)."""
+    if len(deep) >= len(transformer.resblocks):
+        raise FpbenchError(
+            f"{len(deep) + 1} prompted layers, but the transformer has "
+            f"{len(transformer.resblocks)}: use a prompt depth of at most "
+            f"{len(transformer.resblocks)}"
+        )
+    if not transformer.batch_first:
+        x = x.transpose(0, 1)
+    for i, block in enumerate(transformer.resblocks):
+        if 1 <= i <= len(deep):
+            tokens = x if transformer.batch_first else x.transpose(0, 1)
+            tokens = put(tokens, deep[i - 1])
+            x = tokens if transformer.batch_first else tokens.transpose(0, 1)
+        x = block(x, attn_mask=attn_mask)
+    return x if transformer.batch_first else x.transpose(0, 1)
+
+
+def _rows(p: Tensor, n: int, dtype: torch.dtype) -> Tensor:
+    """Prompt tokens (m, w) or (N, m, w) as (n, m, w) in dtype."""
+    p = p.to(dtype)
+    return p.unsqueeze(0).expand(n, -1, -1) if p.ndim == 2 else p.expand(n, -1, -1)
+
+
+def encode_prompts_deep(
+    clip: PromptedCLIP,
+    embeds: Tensor,
+    ids: Tensor,
+    deep: Sequence[Tensor],
+    truncate: bool = False,
+) -> Tensor:
+    """Text features (N, E) with deep language prompts (MaPLe, PromptSRC's IVLP).
+
+    `embeds` (N, L, d) hold the layer-0 prompt (the context at tokens 1..m, as CoOp's layout
+    places it at the end); `deep[i - 1]` ((m, d), or (N, m, d) per prompt) replaces tokens 1..m
+    entering block i, i = 1..len(deep), without a positional embedding. `deep = []` is
+    `encode_prompts`. `truncate` as there.
+    """
+    from open_clip.transformer import text_global_pool
+
+    model = clip.model
+    cast = model.transformer.get_cast_dtype()
+    n = int(ids.argmax(-1).max()) + 1 if truncate else ids.shape[1]
+    embeds, ids = embeds[:, :n], ids[:, :n]
+    x = embeds.to(cast) + model.positional_embedding[:n].to(cast)  # (N, n, d)
+    mask = model.attn_mask[:n, :n] if model.attn_mask is not None else None
+
+    def put(tokens: Tensor, prompt: Tensor) -> Tensor:
+        p = _rows(prompt, tokens.shape[0], tokens.dtype)  # (N, m, d)
+        return torch.cat([tokens[:, :1], p, tokens[:, 1 + p.shape[1] :]], dim=1)
+
+    x = _run_blocks(model.transformer, x, deep, put, mask)
+    x = model.ln_final(x)
+    pool = getattr(model, "text_pool_type", "argmax")
+    x = text_global_pool(x, ids, pool, eos_token_id=getattr(model, "text_eos_id", None))
+    proj = model.text_projection
+    if proj is None:
+        return x
+    return proj(x) if isinstance(proj, nn.Linear) else x @ proj  # (N, E)
+
+
+def check_vit(clip: PromptedCLIP, method: str) -> None:
+    """Raise unless the image tower is a ViT (deep visual prompts are tokens)."""
+    visual = clip.model.visual
+    if hasattr(visual, "attnpool") or not hasattr(visual, "class_embedding"):
+        raise FpbenchError(
+            f"method {method} prompts the image encoder's transformer layers and needs a ViT "
+            f"CLIP (clip-test, clip-vit-b16); {clip.name or 'this backbone'} is a ResNet"
+        )
+
+
+def vision_width(clip: PromptedCLIP) -> int:
+    """Token width of the ViT image tower (768 for ViT-B/16)."""
+    check_vit(clip, "deep visual prompting")
+    return int(clip.model.visual.class_embedding.shape[-1])
+
+
+def encode_image_deep(
+    clip: PromptedCLIP, x: Tensor, shallow: Tensor | None, deep: Sequence[Tensor] = ()
+) -> Tensor:
+    """Image features (B, E) of preprocessed x with deep visual prompts (MaPLe, IVLP).
+
+    `shallow` ((m, w), or (B, m, w) per sample) is appended after the patch tokens once the
+    positional embedding is added, before `ln_pre`; `deep[i - 1]` (same shapes) replaces the
+    last m tokens entering block i, i = 1..len(deep). The pooled CLS token is unaffected in
+    layout. `shallow = None` with no `deep` is `encode_image`. ViT CLIP only.
+    """
+    check_vit(clip, "deep visual prompting")
+    if shallow is None and len(deep):
+        raise FpbenchError("deep visual prompts need the layer-0 (shallow) prompt too")
+    visual = clip.model.visual
+    b = x.shape[0]
+    t = visual.conv1(x)  # (B, w, g, g)
+    t = t.reshape(b, t.shape[1], -1).permute(0, 2, 1)  # (B, g*g, w)
+    cls = visual.class_embedding.view(1, 1, -1).expand(b, -1, -1).to(t.dtype)
+    t = torch.cat([cls, t], dim=1) + visual.positional_embedding.to(t.dtype)
+    t = visual.patch_dropout(t)
+    if shallow is not None:
+        t = torch.cat([t, _rows(shallow, b, t.dtype)], dim=1)  # (B, 1 + g*g + m, w)
+    t = visual.ln_pre(t)
+
+    def put(tokens: Tensor, prompt: Tensor) -> Tensor:
+        p = _rows(prompt, tokens.shape[0], tokens.dtype)
+        return torch.cat([tokens[:, : tokens.shape[1] - p.shape[1]], p], dim=1)
+
+    t = _run_blocks(visual.transformer, t, deep, put)
+    pooled, _ = visual._pool(t)
+    return pooled @ visual.proj if visual.proj is not None else pooled

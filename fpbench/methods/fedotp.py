@@ -44,9 +44,17 @@ class FedOTPConfig(CoOpConfig):
 
 
 def transport_plan(
-    sim: Tensor, rho: float, eps: float, thresh: float, max_iter: int, balanced: bool = False
+    sim: Tensor,
+    rho: float,
+    eps: float,
+    thresh: float,
+    max_iter: int,
+    balanced: bool = False,
+    watch: Literal["u", "v"] = "v",
 ) -> Tensor:
-    """Plans T (..., M, N) for similarities sim (..., M, N); see the module docstring."""
+    """Plans T (..., M, N) for similarities sim (..., M, N); see the module docstring.
+
+    `watch`: the scaling whose mean change stops a problem (PLOT's reference watches u)."""
     with torch.no_grad():
         kern = torch.exp(-(1.0 - sim.double()) / eps)  # (..., M, N)
         m, n = kern.shape[-2:]
@@ -59,7 +67,7 @@ def transport_plan(
             if not balanced:
                 u_new = u_new.clamp(max=1.0)
             v_new = b / (kern.transpose(-1, -2) @ u_new.unsqueeze(-1)).squeeze(-1)
-            err = (v_new - v).abs().mean(-1)
+            err = (v_new - v if watch == "v" else u_new - u).abs().mean(-1)
             u = torch.where(active.unsqueeze(-1), u_new, u)
             v = torch.where(active.unsqueeze(-1), v_new, v)
             active = active & (err >= thresh)

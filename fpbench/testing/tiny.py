@@ -56,7 +56,12 @@ name = "fedvpt"
 """
 
 # Method args the tiny federation needs offline (GPT-FL has no generated images here)
-OFFLINE_ARGS = {"gpt-fl": {"server_epochs": 0}}
+OFFLINE_ARGS = {
+    "gpt-fl": {"server_epochs": 0},
+    # deep prompts: clip-test has 2 layers per tower (the defaults prompt 9 of ViT-B/16's 12)
+    "maple": {"prompt_depth": 2},
+    "promptsrc": {"prompt_depth_text": 2, "prompt_depth_vision": 2},
+}
 
 
 def seeded_server(method):
