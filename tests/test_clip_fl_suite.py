@@ -19,7 +19,14 @@ seeds = [0]
 backbone = {{ name = "clip-test" }}
 dataset = {{ num_classes = 6, image_size = 16, train_per_class = 8, test_per_class = 4 }}
 partition = {{ num_clients = 3, heldout_frac = 0.0, shots = 4 }}
-train = {{ rounds = 2, participation = 1.0, local_epochs = 1, batch_size = 8, lr = 0.01, eval_every = 1, eval_last = 1, summary_window = 1 }}
+
+[defaults.train]
+rounds = 2
+batch_size = 8
+lr = 0.01
+eval_every = 1
+eval_last = 1
+summary_window = 1
 
 [[datasets]]
 name = "synthetic"
@@ -35,8 +42,9 @@ name = "{method}"
 
 METHODS = {
     "fedclip": 'overrides = { train = { optimizer = "adam", lr = 5e-5, weight_decay = 0.2 } }',
+    "fedpgp": "n_ctx = 4\nbottleneck = 2",
 }
-PAPERS = {"fedclip": "FedCLIP"}
+PAPERS = {"fedclip": "FedCLIP", "fedpgp": "FedPGP"}
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
