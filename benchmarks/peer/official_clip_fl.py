@@ -1,0 +1,253 @@
+#!/usr/bin/env python3
+"""Differential checks of fpbench's federated CLIP prompt methods (issue #34) against their
+official code, run unmodified from its checkout; the helpers (tiny random CLIP weights read by
+both sides, Dassl stand-ins, isolated imports) are those of `official.py` beside this file.
+
+Covered:
+* FedPGP (TianyuCuiOvO/FedPGP, `trainers/fedpgp.py`, checked at d43045b): the official
+  `CustomCLIP` and the official trainer's `forward_backward` (cross-entropy + mu * the
+  contrastive term), on the same U, V, Sigma, class names and images; logits, loss and the
+  gradients of U, V and Sigma.
+* FedCLIP (microsoft/PersonalizedFL, `fedclip/`, checked at 441670e): the official adapter
+  (`nets/models.py` `ClipModelat.initdgatal`, its PyTorch init from the seeded global
+  generator), the official `train` step (`methods/fed_at_clip.py`: CLIP's symmetric
+  contrastive loss) and `test` (accuracy against the class prompts), with an open_clip model
+  holding the same weights as fpbench's backbone. The official code imports OpenAI's `clip`
+  package only to load a model and to tokenise; a stand-in provides open_clip's tokenizer (the
+  same BPE). Class names are given to it with "_" read as a space, as fpbench does (the
+  official code takes PACS's folder names, which have none).
+
+Get the checkouts next to the repository (or set FPBENCH_PEER_FEDPGP, FPBENCH_PEER_FEDCLIP):
+
+    git clone https://github.com/TianyuCuiOvO/FedPGP ../peer/FedPGP
+    git clone https://github.com/microsoft/PersonalizedFL ../peer/PersonalizedFL
+
+`python benchmarks/peer/official_clip_fl.py` prints the largest differences of every case;
+tests/test_peer_clip_fl.py asserts them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+import sys
+import tempfile
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _load_sibling() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "fpbench_peer_official", Path(__file__).with_name("official.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+REF = _load_sibling()
+FEDPGP = Path(os.environ.get("FPBENCH_PEER_FEDPGP", REF.PEER / "FedPGP"))
+FEDCLIP = Path(os.environ.get("FPBENCH_PEER_FEDCLIP", REF.PEER / "PersonalizedFL"))
+VIT_NAME = "fpbench-peer-vit"
+
+
+def _tensor_diffs(ours: dict, theirs: dict) -> dict[str, float]:
+    return {k: REF._diff(ours[k], theirs[k]) for k in theirs}
+
+
+# -- FedPGP --------------------------------------------------------------------------------------
+
+
+def fedpgp_case(folder: Path, n_ctx: int = 4, bottleneck: int = 2, mu: float = 0.5,
+                temp: float = 0.5, batch: int = 4, seed: int = 0) -> dict[str, float]:  # fmt: skip
+    """The official FedPGP CustomCLIP and `forward_backward` against fpbench's `fedpgp` loss.
+
+    Returns the largest absolute differences of `init` (the official N(0, 0.02^2) draws of U,
+    V, Sigma from the seeded global generator against fpbench's from a seeded one), `logits`,
+    `loss`, `grad_U`, `grad_V`, `grad_sigma` and, for scale, `grad_max`.
+    """
+    from fpbench.methods.base import Context
+
+    clip_model, pgp = REF.load_official(FEDPGP, "trainers.fedpgp", "Dassl.dassl")
+    path, state = REF.weights(REF.VIT, VIT_NAME, folder)
+    design = {"trainer": "FedPGP", "vision_depth": 0, "language_depth": 0, "vision_ctx": 0,
+              "language_ctx": 0}  # fmt: skip
+    theirs = REF.official_clip(clip_model, state, design)
+    cfg = REF._cfg("FEDPGP", 32, N_CTX=n_ctx, CTX_INIT="", CSC=False, CLASS_TOKEN_POSITION="end",
+                 BOTTLENECK=bottleneck, N=1, PREC="fp32", mu=mu, temp=temp)  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        official = pgp.CustomCLIP(cfg, REF.CLASSES, theirs)
+    backbone = REF.fpbench_backbone(VIT_NAME, path)
+    ours = REF.fpbench_method("fedpgp", backbone, n_ctx=n_ctx, bottleneck=bottleneck, mu=mu,
+                            temp=temp)  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    start = ours.init_params(gen)  # U (M, r), V (r, d), sigma (M, d)
+    learner = official.prompt_learner
+    init = max(REF._diff(start[k], getattr(learner, k)[0]) for k in ("U", "V", "sigma"))
+    with torch.no_grad():
+        for k in ("U", "V", "sigma"):
+            getattr(learner, k).copy_(start[k].unsqueeze(0))  # the official (N = 1, ...)
+    images = torch.randn(batch, 3, 32, 32, generator=gen)
+    labels = torch.arange(batch) % len(REF.CLASSES)
+
+    # the official trainer's step, its framework parts (TrainerX) supplied here
+    losses: list[torch.Tensor] = []
+    trainer = pgp.FedPGP.__new__(pgp.FedPGP)
+    trainer.cfg, trainer.model, trainer.mu, trainer.temp = cfg, official, mu, temp
+    trainer.device, trainer.batch_idx, trainer.num_batches = torch.device("cpu"), 0, 2
+    trainer.model_backward_and_update = lambda loss: (losses.append(loss), loss.backward())
+    pgp.compute_accuracy = lambda output, label: [torch.zeros(())]  # Dassl's metric, unused
+    official.train()
+    trainer.forward_backward({"img": images, "label": labels})
+    with torch.no_grad():
+        official.eval()
+        logits_theirs = official(images)
+
+    params = {k: v.unsqueeze(0).clone().requires_grad_(True) for k, v in start.items()}
+    feats = backbone.forward_features(images).cls
+    rows = torch.zeros(batch, dtype=torch.long)
+    loss = ours.loss(params, feats, labels, rows, Context(training=True)).mean()
+    loss.backward()
+    logits_ours = ours.forward(params, feats, rows, Context(training=False))
+    out = {"init": init, "logits": REF._diff(logits_ours, logits_theirs),
+           "loss": REF._diff(loss, losses[0])}  # fmt: skip
+    for k in ("U", "V", "sigma"):
+        out[f"grad_{k}"] = REF._diff(params[k].grad[0], getattr(learner, k).grad[0])
+    out["grad_max"] = max(float(getattr(learner, k).grad.abs().max()) for k in ("U", "V", "sigma"))
+    return out
+
+
+# -- FedCLIP -------------------------------------------------------------------------------------
+
+
+def _clip_stub() -> types.ModuleType:
+    """OpenAI's `clip` package as the FedCLIP code uses it: `tokenize` (open_clip's BPE)."""
+    import open_clip
+
+    tok = open_clip.get_tokenizer("ViT-B-16")
+    mod = types.ModuleType("clip")
+    mod.tokenize = lambda texts: tok(texts if isinstance(texts, list) else [texts])
+    mod.load = None  # fpbench hands the official code its model instead
+    return mod
+
+
+def load_fedclip() -> Any:
+    """The official `methods/fed_at_clip.py` module, imported unmodified."""
+    root = FEDCLIP / "fedclip"
+    packages = ("clip", "utils", "nets", "methods")
+    before = list(sys.path)
+    with REF._isolated(root, {"clip": _clip_stub()}, packages):
+        module = importlib.import_module("methods.fed_at_clip")
+    sys.path[:] = before  # the module appends its folder to sys.path
+    return module
+
+
+def fedclip_case(folder: Path, batch: int = 6, seed: int = 0) -> dict[str, float]:
+    """The official FedCLIP adapter, train step and test against fpbench's `fedclip`.
+
+    Returns the largest absolute differences of `init` (the official adapter's PyTorch init
+    from the seeded global generator against fpbench's from a seeded generator), the
+    gradients `grad_w1`, `grad_b1`, `grad_w2`, `grad_b2` of the contrastive loss, `acc` (test
+    accuracy, official against fpbench's argmax of its logits) and, for scale, `grad_max`.
+    """
+    import open_clip
+
+    from fpbench.methods.base import Context
+
+    fac = load_fedclip()
+    path, state = REF.weights(REF.VIT, VIT_NAME, folder)
+    model = open_clip.create_model(VIT_NAME, pretrained=None)
+    model.load_state_dict(state)
+    model.eval()
+    backbone = REF.fpbench_backbone(VIT_NAME, path)
+    ours = REF.fpbench_method("fedclip", backbone)
+    gen = torch.Generator().manual_seed(seed)
+    images = torch.randn(batch, 3, 32, 32, generator=gen)
+    labels = torch.tensor([0, 1, 2, 1, 0, 2])[:batch]
+    names = [n.replace("_", " ") for n in REF.CLASSES]
+    texts = ["a picture of a " + n for n in names]  # the official ImageTextData's prompts
+    tokens = torch.cat([fac.clu.clip.tokenize(t) for t in texts])  # (C, 77)
+
+    official = fac.ClipModelat.__new__(fac.ClipModelat)
+    official.model, official.preprocess, official.device = model, None, "cpu"
+    official.imgadpy = official.freezepy = True
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        official.initdgatal([(images, None, labels)])
+    adapter = official.img_adap
+    linears = {"w1": adapter[0].weight, "b1": adapter[0].bias,
+               "w2": adapter[2].weight, "b2": adapter[2].bias}  # fmt: skip
+    start = ours.init_params(torch.Generator().manual_seed(seed))
+    out = {"init": max(REF._diff(start[k], v) for k, v in linears.items())}
+
+    grads: dict[str, torch.Tensor] = {}
+
+    class Recorder:  # the optimiser the official `train` steps: keeps the gradients
+        def zero_grad(self) -> None:
+            adapter.zero_grad()
+
+        def step(self) -> None:
+            grads.update({k: v.grad.clone() for k, v in linears.items()})
+
+    loader = [(images, tokens[labels], labels)]
+    fac.train(None, official, loader, Recorder(), "cpu")
+    official.setselflabel(texts)
+    # its text features default to device "cuda" (the caller cannot pass one): here the CPU
+    fac.clu.get_text_features_list = functools.partial(fac.clu.get_text_features_list, device="cpu")
+    acc_theirs = fac.test(None, official, [(images, tokens[labels], labels)], "cpu")
+
+    params = {k: v.detach().unsqueeze(0).clone().requires_grad_(True) for k, v in linears.items()}
+    feats = backbone.forward_features(images).cls
+    rows = torch.zeros(batch, dtype=torch.long)
+    ours.loss(params, feats, labels, rows, Context(training=True)).mean().backward()
+    with torch.no_grad():
+        logits = ours.forward(params, feats, rows, Context(training=False))
+    for k in linears:
+        out[f"grad_{k}"] = REF._diff(params[k].grad[0], grads[k])
+    out["grad_max"] = max(float(g.abs().max()) for g in grads.values())
+    out["acc"] = abs(float((logits.argmax(-1) == labels).float().mean()) - float(acc_theirs))
+    return out
+
+
+CASES = {
+    "fedpgp vit r2": ("fedpgp", {}),
+    "fedpgp vit r4 mu 1": ("fedpgp", {"bottleneck": 4, "mu": 1.0, "n_ctx": 6}),
+    "fedclip vit": ("fedclip", {}),
+}
+
+
+def run(name: str, folder: Path) -> dict[str, float]:
+    kind, args = CASES[name]
+    return {"fedpgp": fedpgp_case, "fedclip": fedclip_case}[kind](folder, **args)
+
+
+def why_not(kind: str) -> str | None:
+    """Why a kind of case cannot run here (its checkout is absent), or None."""
+    if kind == "fedpgp":
+        return REF.missing(FEDPGP, "TianyuCuiOvO/FedPGP", "FPBENCH_PEER_FEDPGP")
+    if (FEDCLIP / "fedclip" / "methods" / "fed_at_clip.py").is_file():
+        return None
+    return f"official checkout not found at {FEDCLIP}: " + REF.HOW.format(
+        repo="microsoft/PersonalizedFL", path=FEDCLIP, var="FPBENCH_PEER_FEDCLIP"
+    )
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (kind, _) in CASES.items():
+            if line := why_not(kind):
+                print(f"{name:24s} skipped: {line}")
+                continue
+            diffs = run(name, Path(tmp))
+            print(f"{name:24s} " + "  ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+
+
+if __name__ == "__main__":
+    main()
