@@ -43,8 +43,9 @@ name = "{method}"
 METHODS = {
     "fedclip": 'overrides = { train = { optimizer = "adam", lr = 5e-5, weight_decay = 0.2 } }',
     "fedpgp": "n_ctx = 4\nbottleneck = 2",
+    "promptfolio": "n_ctx = 4",
 }
-PAPERS = {"fedclip": "FedCLIP", "fedpgp": "FedPGP"}
+PAPERS = {"fedclip": "FedCLIP", "fedpgp": "FedPGP", "promptfolio": "PromptFolio"}
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))

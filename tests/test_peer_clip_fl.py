@@ -6,7 +6,9 @@ FedPGP (TianyuCuiOvO/FedPGP d43045b): the official CustomCLIP and trainer step; 
 and the gradients of U, V and Sigma to fp32 rounding (1e-5 relative to the gradient scale), the
 initial U, V, Sigma to 1e-8 (the same N(0, 0.02^2) draws; torch's normal_ against randn * 0.02).
 FedCLIP (microsoft/PersonalizedFL 441670e): the official adapter init bit-identical, the
-gradients of its train step's contrastive loss, the same test accuracy.
+gradients of its train step's contrastive loss, the same test accuracy. PromptFolio
+(PanBikang/PromptFolio 8f729aa): the official CustomCLIP (two prompts mixed by theta); initial
+prompts bit-identical, logits and both prompts' cross-entropy gradients to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def _harness():
 
 
 HARNESS = _harness()
-FAST = {"fedpgp vit r2", "fedclip vit"}  # the rest: pytest -m slow
+FAST = {"fedpgp vit r2", "fedclip vit", "promptfolio vit"}  # the rest: pytest -m slow
 CASES = [
     pytest.param(name, marks=() if name in FAST else pytest.mark.slow, id=name.replace(" ", "-"))
     for name in HARNESS.CASES
@@ -43,11 +45,13 @@ def test_fpbench_computes_what_the_official_code_computes(name, tmp_path):
     d = HARNESS.run(name, tmp_path)
     scale = max(1.0, d["grad_max"])
     grads = [k for k in d if k.startswith("grad_") and k != "grad_max"]
-    assert len(grads) == (3 if kind == "fedpgp" else 4)
+    assert len(grads) == {"fedpgp": 3, "fedclip": 4, "promptfolio": 2}[kind]
     for k in grads:
         assert d[k] < 1e-5 * scale, (k, d)
     if kind == "fedpgp":
         assert d["init"] < 1e-8 and d["logits"] < 1e-5 and d["loss"] < 1e-5, d
+    elif kind == "promptfolio":
+        assert d["init"] == 0 and d["logits"] < 1e-5, d
     else:
         assert d["init"] == 0 and d["acc"] == 0, d
 
@@ -55,6 +59,8 @@ def test_fpbench_computes_what_the_official_code_computes(name, tmp_path):
 def test_a_missing_checkout_is_one_line_saying_how_to_get_it(monkeypatch, tmp_path):
     monkeypatch.setattr(HARNESS, "FEDCLIP", tmp_path / "PersonalizedFL")
     monkeypatch.setattr(HARNESS, "FEDPGP", tmp_path / "FedPGP")
+    monkeypatch.setattr(HARNESS, "PROMPTFOLIO", tmp_path / "PromptFolio")
+    assert "git clone https://github.com/PanBikang/PromptFolio" in HARNESS.why_not("promptfolio")
     assert HARNESS.why_not("fedclip") == (
         f"official checkout not found at {tmp_path / 'PersonalizedFL'}: git clone "
         f"https://github.com/microsoft/PersonalizedFL {tmp_path / 'PersonalizedFL'} "

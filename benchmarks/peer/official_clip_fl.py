@@ -8,6 +8,10 @@ Covered:
   `CustomCLIP` and the official trainer's `forward_backward` (cross-entropy + mu * the
   contrastive term), on the same U, V, Sigma, class names and images; logits, loss and the
   gradients of U, V and Sigma.
+* PromptFolio (PanBikang/PromptFolio, `trainers/PromptFolio.py`, checked at 8f729aa): the
+  official `CustomCLIP` (two prompts, their features mixed by FRAC = theta) on the same global
+  and local prompts; logits and the cross-entropy gradients of both. Only the class token at the
+  end: the official middle / front branches build one of the two prompt sets and fail.
 * FedCLIP (microsoft/PersonalizedFL, `fedclip/`, checked at 441670e): the official adapter
   (`nets/models.py` `ClipModelat.initdgatal`, its PyTorch init from the seeded global
   generator), the official `train` step (`methods/fed_at_clip.py`: CLIP's symmetric
@@ -17,9 +21,11 @@ Covered:
   same BPE). Class names are given to it with "_" read as a space, as fpbench does (the
   official code takes PACS's folder names, which have none).
 
-Get the checkouts next to the repository (or set FPBENCH_PEER_FEDPGP, FPBENCH_PEER_FEDCLIP):
+Get the checkouts next to the repository (or set FPBENCH_PEER_FEDPGP, FPBENCH_PEER_FEDCLIP,
+FPBENCH_PEER_PROMPTFOLIO):
 
     git clone https://github.com/TianyuCuiOvO/FedPGP ../peer/FedPGP
+    git clone https://github.com/PanBikang/PromptFolio ../peer/PromptFolio
     git clone https://github.com/microsoft/PersonalizedFL ../peer/PersonalizedFL
 
 `python benchmarks/peer/official_clip_fl.py` prints the largest differences of every case;
@@ -39,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 
 def _load_sibling() -> Any:
@@ -53,6 +60,7 @@ def _load_sibling() -> Any:
 REF = _load_sibling()
 FEDPGP = Path(os.environ.get("FPBENCH_PEER_FEDPGP", REF.PEER / "FedPGP"))
 FEDCLIP = Path(os.environ.get("FPBENCH_PEER_FEDCLIP", REF.PEER / "PersonalizedFL"))
+PROMPTFOLIO = Path(os.environ.get("FPBENCH_PEER_PROMPTFOLIO", REF.PEER / "PromptFolio"))
 VIT_NAME = "fpbench-peer-vit"
 
 
@@ -120,6 +128,59 @@ def fedpgp_case(folder: Path, n_ctx: int = 4, bottleneck: int = 2, mu: float = 0
     for k in ("U", "V", "sigma"):
         out[f"grad_{k}"] = REF._diff(params[k].grad[0], getattr(learner, k).grad[0])
     out["grad_max"] = max(float(getattr(learner, k).grad.abs().max()) for k in ("U", "V", "sigma"))
+    return out
+
+
+# -- PromptFolio --------------------------------------------------------------------------------
+
+
+def promptfolio_case(folder: Path, n_ctx: int = 4, theta: float = 0.4, init: bool = False,
+                     batch: int = 4, seed: int = 0) -> dict[str, float]:  # fmt: skip
+    """The official PromptFolio CustomCLIP (N = 2 prompts, mixed by FRAC) against fpbench's
+    `promptfolio` forward; cross-entropy on both sides.
+
+    Returns the largest absolute differences of `init` (the official N(0, 0.02^2) draw of both
+    prompts from the seeded global generator against fpbench's, or with `init` both prompts
+    from the phrase "a photo of a"), `logits`, `grad_global`,
+    `grad_local` and, for scale, `grad_max`.
+    """
+    from fpbench.methods.base import Context
+
+    clip_model, folio = REF.load_official(PROMPTFOLIO, "trainers.PromptFolio", "Dassl.dassl")
+    path, state = REF.weights(REF.VIT, VIT_NAME, folder)
+    design = {"trainer": "PromptFL", "vision_depth": 0, "language_depth": 0, "vision_ctx": 0,
+              "language_ctx": 0}  # fmt: skip
+    theirs = REF.official_clip(clip_model, state, design)
+    phrase = "a photo of a" if init else ""
+    cfg = REF._cfg("PLOT", 32, N_CTX=n_ctx, CTX_INIT=phrase, N=2, CLASS_TOKEN_POSITION="end",
+                   PREC="fp32")  # fmt: skip
+    cfg.TRAINER.PROMPTFL = types.SimpleNamespace(CSC=False, FRAC=theta)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        official = folio.CustomCLIP(cfg, REF.CLASSES, theirs)
+    backbone = REF.fpbench_backbone(VIT_NAME, path)
+    ours = REF.fpbench_method("promptfolio", backbone, n_ctx=n_ctx, theta=theta,
+                              ctx_init=phrase or None)  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    start = ours.init_params(gen)  # global_ctx, local_ctx (M, d)
+    both = torch.stack([start["global_ctx"], start["local_ctx"]])
+    learner = official.prompt_learner
+    out = {"init": REF._diff(both, learner.ctx)}
+    with torch.no_grad():
+        learner.ctx.copy_(both)
+    images = torch.randn(batch, 3, 32, 32, generator=gen)
+    labels = torch.arange(batch) % len(REF.CLASSES)
+    logits_theirs = official(images)
+    F.cross_entropy(logits_theirs, labels).backward()
+    params = {k: v.unsqueeze(0).clone().requires_grad_(True) for k, v in start.items()}
+    feats = backbone.forward_features(images).cls
+    rows = torch.zeros(batch, dtype=torch.long)
+    logits_ours = ours.forward(params, feats, rows, Context(training=True))
+    F.cross_entropy(logits_ours, labels).backward()
+    out["logits"] = REF._diff(logits_ours, logits_theirs)
+    out["grad_global"] = REF._diff(params["global_ctx"].grad[0], learner.ctx.grad[0])
+    out["grad_local"] = REF._diff(params["local_ctx"].grad[0], learner.ctx.grad[1])
+    out["grad_max"] = float(learner.ctx.grad.abs().max())
     return out
 
 
@@ -219,18 +280,24 @@ CASES = {
     "fedpgp vit r2": ("fedpgp", {}),
     "fedpgp vit r4 mu 1": ("fedpgp", {"bottleneck": 4, "mu": 1.0, "n_ctx": 6}),
     "fedclip vit": ("fedclip", {}),
+    "promptfolio vit": ("promptfolio", {}),
+    # only "end": the official middle / front branches build one prompt set of the two and fail
+    "promptfolio vit theta 0.8 'a photo of a'": ("promptfolio", {"theta": 0.8, "init": True}),
 }
 
 
 def run(name: str, folder: Path) -> dict[str, float]:
     kind, args = CASES[name]
-    return {"fedpgp": fedpgp_case, "fedclip": fedclip_case}[kind](folder, **args)
+    cases = {"fedpgp": fedpgp_case, "fedclip": fedclip_case, "promptfolio": promptfolio_case}
+    return cases[kind](folder, **args)
 
 
 def why_not(kind: str) -> str | None:
     """Why a kind of case cannot run here (its checkout is absent), or None."""
     if kind == "fedpgp":
         return REF.missing(FEDPGP, "TianyuCuiOvO/FedPGP", "FPBENCH_PEER_FEDPGP")
+    if kind == "promptfolio":
+        return REF.missing(PROMPTFOLIO, "PanBikang/PromptFolio", "FPBENCH_PEER_PROMPTFOLIO")
     if (FEDCLIP / "fedclip" / "methods" / "fed_at_clip.py").is_file():
         return None
     return f"official checkout not found at {FEDCLIP}: " + REF.HOW.format(
