@@ -44,8 +44,14 @@ METHODS = {
     "fedclip": 'overrides = { train = { optimizer = "adam", lr = 5e-5, weight_decay = 0.2 } }',
     "fedpgp": "n_ctx = 4\nbottleneck = 2",
     "promptfolio": "n_ctx = 4",
+    "fedtpg": "",
 }
-PAPERS = {"fedclip": "FedCLIP", "fedpgp": "FedPGP", "promptfolio": "PromptFolio"}
+PAPERS = {
+    "fedclip": "FedCLIP",
+    "fedpgp": "FedPGP",
+    "promptfolio": "PromptFolio",
+    "fedtpg": "FedTPG",
+}
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))

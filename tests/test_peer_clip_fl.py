@@ -9,6 +9,9 @@ FedCLIP (microsoft/PersonalizedFL 441670e): the official adapter init bit-identi
 gradients of its train step's contrastive loss, the same test accuracy. PromptFolio
 (PanBikang/PromptFolio 8f729aa): the official CustomCLIP (two prompts mixed by theta); initial
 prompts bit-identical, logits and both prompts' cross-entropy gradients to fp32 rounding.
+FedTPG (boschresearch/FedTPG f141c29): the official prompt generator and CLIP encoders, the
+generator's init bit-identical (after the official fp16 cast), logits over every class, and a
+client's loss over its own classes with every generator gradient, to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -30,7 +33,12 @@ def _harness():
 
 
 HARNESS = _harness()
-FAST = {"fedpgp vit r2", "fedclip vit", "promptfolio vit"}  # the rest: pytest -m slow
+FAST = {
+    "fedpgp vit r2",
+    "fedclip vit",
+    "promptfolio vit",
+    "fedtpg vit, client of classes 0 2",
+}  # the rest: pytest -m slow
 CASES = [
     pytest.param(name, marks=() if name in FAST else pytest.mark.slow, id=name.replace(" ", "-"))
     for name in HARNESS.CASES
@@ -44,6 +52,10 @@ def test_fpbench_computes_what_the_official_code_computes(name, tmp_path):
         pytest.skip(line)
     d = HARNESS.run(name, tmp_path)
     scale = max(1.0, d["grad_max"])
+    if kind == "fedtpg":  # every generator tensor's gradient in one number, the client case
+        assert d["init"] == 0 and d["logits"] < 1e-5 and d["loss_client"] < 1e-5, d
+        assert d["grad"] < 1e-5 * scale and d["grad_max"] > 0, d
+        return
     grads = [k for k in d if k.startswith("grad_") and k != "grad_max"]
     assert len(grads) == {"fedpgp": 3, "fedclip": 4, "promptfolio": 2}[kind]
     for k in grads:
@@ -60,6 +72,9 @@ def test_a_missing_checkout_is_one_line_saying_how_to_get_it(monkeypatch, tmp_pa
     monkeypatch.setattr(HARNESS, "FEDCLIP", tmp_path / "PersonalizedFL")
     monkeypatch.setattr(HARNESS, "FEDPGP", tmp_path / "FedPGP")
     monkeypatch.setattr(HARNESS, "PROMPTFOLIO", tmp_path / "PromptFolio")
+    monkeypatch.setattr(HARNESS, "FEDTPG", tmp_path / "FedTPG")
+    line = HARNESS.why_not("fedtpg")
+    assert "einops" in line or "git clone https://github.com/boschresearch/FedTPG" in line
     assert "git clone https://github.com/PanBikang/PromptFolio" in HARNESS.why_not("promptfolio")
     assert HARNESS.why_not("fedclip") == (
         f"official checkout not found at {tmp_path / 'PersonalizedFL'}: git clone "

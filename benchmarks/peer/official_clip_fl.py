@@ -12,6 +12,10 @@ Covered:
   official `CustomCLIP` (two prompts, their features mixed by FRAC = theta) on the same global
   and local prompts; logits and the cross-entropy gradients of both. Only the class token at the
   end: the official middle / front branches build one of the two prompt sets and fail.
+* FedTPG (boschresearch/FedTPG, `model/prompt_net.py` and `model/FedTPG.py`, checked at
+  f141c29): the official prompt generator and CLIP encoders (`FedTPG.forward`'s computation,
+  its `.cuda()` aside) on a tiny CLIP with ViT-B/16's text widths (the generator hard-codes
+  512), every class seen (global) and a client's classes only (cross-entropy over them).
 * FedCLIP (microsoft/PersonalizedFL, `fedclip/`, checked at 441670e): the official adapter
   (`nets/models.py` `ClipModelat.initdgatal`, its PyTorch init from the seeded global
   generator), the official `train` step (`methods/fed_at_clip.py`: CLIP's symmetric
@@ -22,9 +26,11 @@ Covered:
   official code takes PACS's folder names, which have none).
 
 Get the checkouts next to the repository (or set FPBENCH_PEER_FEDPGP, FPBENCH_PEER_FEDCLIP,
-FPBENCH_PEER_PROMPTFOLIO):
+FPBENCH_PEER_PROMPTFOLIO, FPBENCH_PEER_FEDTPG; FedTPG also needs `pip install 'fpbench[peer]'`,
+for einops):
 
     git clone https://github.com/TianyuCuiOvO/FedPGP ../peer/FedPGP
+    git clone https://github.com/boschresearch/FedTPG ../peer/FedTPG
     git clone https://github.com/PanBikang/PromptFolio ../peer/PromptFolio
     git clone https://github.com/microsoft/PersonalizedFL ../peer/PersonalizedFL
 
@@ -61,6 +67,14 @@ REF = _load_sibling()
 FEDPGP = Path(os.environ.get("FPBENCH_PEER_FEDPGP", REF.PEER / "FedPGP"))
 FEDCLIP = Path(os.environ.get("FPBENCH_PEER_FEDCLIP", REF.PEER / "PersonalizedFL"))
 PROMPTFOLIO = Path(os.environ.get("FPBENCH_PEER_PROMPTFOLIO", REF.PEER / "PromptFolio"))
+FEDTPG = Path(os.environ.get("FPBENCH_PEER_FEDTPG", REF.PEER / "FedTPG"))
+# FedTPG's generator hard-codes ViT-B/16's widths (512): a tiny CLIP with those text widths
+WIDE = {
+    "embed_dim": 512,
+    "quick_gelu": True,
+    "vision_cfg": {"image_size": 32, "layers": 1, "width": 64, "patch_size": 16, "head_width": 64},
+    "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 512, "heads": 8, "layers": 1},
+}
 VIT_NAME = "fpbench-peer-vit"
 
 
@@ -184,6 +198,99 @@ def promptfolio_case(folder: Path, n_ctx: int = 4, theta: float = 0.4, init: boo
     return out
 
 
+# -- FedTPG -------------------------------------------------------------------------------------
+
+
+def _fedtpg_params(meta_net: Any) -> dict[str, torch.Tensor]:
+    """fpbench's parameter names for the official PromptTranslator's tensors."""
+    attn_block, ff = meta_net.encoder.cross_attend_blocks
+    attn = attn_block.fn
+    q_w, k_w, v_w = attn.in_proj_weight.chunk(3)
+    q_b, k_b, v_b = attn.in_proj_bias.chunk(3)
+    net = ff.net
+    return {
+        "queries": meta_net.soft_prompt, "ln_q_w": attn_block.norm.weight,
+        "ln_q_b": attn_block.norm.bias, "ln_kv_w": attn_block.norm_context.weight,
+        "ln_kv_b": attn_block.norm_context.bias, "q_w": q_w, "k_w": k_w, "v_w": v_w,
+        "q_b": q_b, "k_b": k_b, "v_b": v_b, "out_w": attn.out_proj.weight,
+        "out_b": attn.out_proj.bias, "ff_ln_w": net[0].weight, "ff_ln_b": net[0].bias,
+        "ff1_w": net[1].weight, "ff1_b": net[1].bias, "ff2_w": net[3].weight,
+        "ff2_b": net[3].bias,
+    }  # fmt: skip
+
+
+def fedtpg_case(folder: Path, n_ctx: int = 4, subset: tuple[int, ...] = (0, 2), batch: int = 4,
+                seed: int = 0) -> dict[str, float]:  # fmt: skip
+    """The official FedTPG model (PromptTranslator + CLIP encoders, `forward`'s computation:
+    its `.cuda()` line aside) against fpbench's `fedtpg`, in fp32 (the official casts the
+    generator to fp16: here it is cast back).
+
+    Global: every class's name seen by the generator, logits over all classes. Client: the
+    generator sees only `subset`'s names and the cross-entropy is over them (the official
+    client's local label space, labels relabelled); fpbench trains with that client's class
+    priors. Returns the largest absolute differences of `init` (the official init, which the
+    official then rounds to fp16, against fpbench's, rounded alike), `logits`, `loss_client`,
+    `grad` (every generator tensor, client case) and, for scale, `grad_max`.
+    """
+    from fpbench.methods.base import Context
+
+    with REF._isolated(FEDTPG, {}, ("clip", "model")):
+        clip_model = importlib.import_module("clip.model")
+        tpg = importlib.import_module("model.FedTPG")
+    path, state = REF.weights(WIDE, "fpbench-peer-wide", folder)
+    theirs = REF.official_clip(clip_model, state)
+    cfg = types.SimpleNamespace(MODEL=types.SimpleNamespace(N_CTX=n_ctx, D_CTX=1, DEPTH=0))
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        official = tpg.FedTPG(cfg, theirs, device="cpu")
+    official.prompt_learner.float()
+    backbone = REF.fpbench_backbone("fpbench-peer-wide", path)
+    ours = REF.fpbench_method("fedtpg", backbone, n_ctx=n_ctx)
+    start = ours.init_params(torch.Generator().manual_seed(seed))
+    mapped = _fedtpg_params(official.prompt_learner.meta_net)
+    # the official generator is cast to fp16 after its init: fpbench's draws, so rounded
+    out = {"init": max(REF._diff(start[k].half().float(), v) for k, v in mapped.items())}
+    gen = torch.Generator().manual_seed(seed)
+    images = torch.randn(batch, 3, 32, 32, generator=gen)
+
+    def official_logits(names: list[str]) -> torch.Tensor:  # FedTPG.forward without .cuda()
+        names = [n.replace("_", " ") for n in names]
+        with torch.no_grad():
+            ids = torch.cat([tpg.clip.tokenize(n) for n in names])
+            emb = F.normalize(official.clip_model_.encode_text(ids), dim=-1)
+        text, vis_ctx = official.encode_text(names, emb)
+        img = F.normalize(official.encode_image(images, vis_ctx), dim=-1)
+        return official.logit_scale.exp() * img @ F.normalize(text, dim=-1).t()
+
+    params = {k: v.detach().unsqueeze(0).clone().requires_grad_(True) for k, v in mapped.items()}
+    feats = backbone.forward_features(images).cls
+    rows = torch.zeros(batch, dtype=torch.long)
+    with torch.no_grad():
+        glob = ours.forward(params, feats, rows, Context(training=False))
+        out["logits"] = REF._diff(glob, official_logits(REF.CLASSES))
+    # one client holding `subset`: official relabelled local classes, fpbench's priors
+    local = torch.tensor(subset)
+    labels = local[torch.arange(batch) % len(subset)]
+    loss_theirs = F.cross_entropy(
+        official_logits([REF.CLASSES[c] for c in subset]), torch.arange(batch) % len(subset)
+    )
+    loss_theirs.backward()
+    priors = torch.zeros(1, len(REF.CLASSES))
+    priors[0, local] = 1.0 / len(subset)
+    ctx = Context(training=True, priors=priors)
+    loss = ours.loss(params, feats, labels, rows, ctx).mean()
+    loss.backward()
+    out["loss_client"] = REF._diff(loss, loss_theirs)
+    attn = official.prompt_learner.meta_net.encoder.cross_attend_blocks[0].fn
+    grads = {k: v.grad for k, v in mapped.items() if v.is_leaf}
+    for i, k in enumerate(("q", "k", "v")):  # the packed projection's gradient, in thirds
+        grads[f"{k}_w"] = attn.in_proj_weight.grad.chunk(3)[i]
+        grads[f"{k}_b"] = attn.in_proj_bias.grad.chunk(3)[i]
+    out["grad"] = max(REF._diff(params[k].grad[0], g) for k, g in grads.items())
+    out["grad_max"] = max(float(g.abs().max()) for g in grads.values())
+    return out
+
+
 # -- FedCLIP -------------------------------------------------------------------------------------
 
 
@@ -281,6 +388,8 @@ CASES = {
     "fedpgp vit r4 mu 1": ("fedpgp", {"bottleneck": 4, "mu": 1.0, "n_ctx": 6}),
     "fedclip vit": ("fedclip", {}),
     "promptfolio vit": ("promptfolio", {}),
+    "fedtpg vit, client of classes 0 2": ("fedtpg", {}),
+    "fedtpg vit, client of classes 1 2, 6 tokens": ("fedtpg", {"subset": (1, 2), "n_ctx": 6}),
     # only "end": the official middle / front branches build one prompt set of the two and fail
     "promptfolio vit theta 0.8 'a photo of a'": ("promptfolio", {"theta": 0.8, "init": True}),
 }
@@ -288,7 +397,8 @@ CASES = {
 
 def run(name: str, folder: Path) -> dict[str, float]:
     kind, args = CASES[name]
-    cases = {"fedpgp": fedpgp_case, "fedclip": fedclip_case, "promptfolio": promptfolio_case}
+    cases = {"fedpgp": fedpgp_case, "fedclip": fedclip_case, "promptfolio": promptfolio_case,
+             "fedtpg": fedtpg_case}  # fmt: skip
     return cases[kind](folder, **args)
 
 
@@ -296,6 +406,14 @@ def why_not(kind: str) -> str | None:
     """Why a kind of case cannot run here (its checkout is absent), or None."""
     if kind == "fedpgp":
         return REF.missing(FEDPGP, "TianyuCuiOvO/FedPGP", "FPBENCH_PEER_FEDPGP")
+    if kind == "fedtpg":
+        if importlib.util.find_spec("einops") is None:
+            return "the official FedTPG code imports einops: pip install 'fpbench[peer]'"
+        if (FEDTPG / "model" / "prompt_net.py").is_file() and (FEDTPG / "clip").is_dir():
+            return None
+        return f"official checkout not found at {FEDTPG}: " + REF.HOW.format(
+            repo="boschresearch/FedTPG", path=FEDTPG, var="FPBENCH_PEER_FEDTPG"
+        )
     if kind == "promptfolio":
         return REF.missing(PROMPTFOLIO, "PanBikang/PromptFolio", "FPBENCH_PEER_PROMPTFOLIO")
     if (FEDCLIP / "fedclip" / "methods" / "fed_at_clip.py").is_file():
