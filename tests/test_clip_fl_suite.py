@@ -45,12 +45,15 @@ METHODS = {
     "fedpgp": "n_ctx = 4\nbottleneck = 2",
     "promptfolio": "n_ctx = 4",
     "fedtpg": "",
+    "dp-fpl": "n_ctx = 4\nrank = 2\nepsilon = 0.4\n"
+    "overrides = { train = { max_local_steps = 1, momentum = 0.0 } }",
 }
 PAPERS = {
     "fedclip": "FedCLIP",
     "fedpgp": "FedPGP",
     "promptfolio": "PromptFolio",
     "fedtpg": "FedTPG",
+    "dp-fpl": "DP-FPL",
 }
 
 
