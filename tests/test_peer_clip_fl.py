@@ -11,7 +11,10 @@ gradients of its train step's contrastive loss, the same test accuracy. PromptFo
 prompts bit-identical, logits and both prompts' cross-entropy gradients to fp32 rounding.
 FedTPG (boschresearch/FedTPG f141c29): the official prompt generator and CLIP encoders, the
 generator's init bit-identical (after the official fp16 cast), logits over every class, and a
-client's loss over its own classes with every generator gradient, to fp32 rounding.
+client's loss over its own classes with every generator gradient, to fp32 rounding. DP-FPL
+(linhhtran/DP-FPL cce74b4): the official CustomCLIP and trainer step (factorisation "dpfpl") from
+the same random start, without privacy and with clipping (zero noise): logits, the global
+gradient and the local prompt's full gradient to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ FAST = {
     "fedclip vit",
     "promptfolio vit",
     "fedtpg vit, client of classes 0 2",
+    "dp-fpl vit, clipped to 0.05",
 }  # the rest: pytest -m slow
 CASES = [
     pytest.param(name, marks=() if name in FAST else pytest.mark.slow, id=name.replace(" ", "-"))
@@ -57,13 +61,13 @@ def test_fpbench_computes_what_the_official_code_computes(name, tmp_path):
         assert d["grad"] < 1e-5 * scale and d["grad_max"] > 0, d
         return
     grads = [k for k in d if k.startswith("grad_") and k != "grad_max"]
-    assert len(grads) == {"fedpgp": 3, "fedclip": 4, "promptfolio": 2}[kind]
+    assert len(grads) == {"fedpgp": 3, "fedclip": 4, "promptfolio": 2, "dpfpl": 2}[kind]
     for k in grads:
         assert d[k] < 1e-5 * scale, (k, d)
     if kind == "fedpgp":
         assert d["init"] < 1e-8 and d["logits"] < 1e-5 and d["loss"] < 1e-5, d
-    elif kind == "promptfolio":
-        assert d["init"] == 0 and d["logits"] < 1e-5, d
+    elif kind in ("promptfolio", "dpfpl"):
+        assert d["init"] < 1e-8 and d["logits"] < 1e-5, d
     else:
         assert d["init"] == 0 and d["acc"] == 0, d
 
@@ -73,6 +77,8 @@ def test_a_missing_checkout_is_one_line_saying_how_to_get_it(monkeypatch, tmp_pa
     monkeypatch.setattr(HARNESS, "FEDPGP", tmp_path / "FedPGP")
     monkeypatch.setattr(HARNESS, "PROMPTFOLIO", tmp_path / "PromptFolio")
     monkeypatch.setattr(HARNESS, "FEDTPG", tmp_path / "FedTPG")
+    monkeypatch.setattr(HARNESS, "DPFPL", tmp_path / "DP-FPL")
+    assert "git clone https://github.com/linhhtran/DP-FPL" in HARNESS.why_not("dpfpl")
     line = HARNESS.why_not("fedtpg")
     assert "einops" in line or "git clone https://github.com/boschresearch/FedTPG" in line
     assert "git clone https://github.com/PanBikang/PromptFolio" in HARNESS.why_not("promptfolio")

@@ -16,6 +16,10 @@ Covered:
   f141c29): the official prompt generator and CLIP encoders (`FedTPG.forward`'s computation,
   its `.cuda()` aside) on a tiny CLIP with ViT-B/16's text widths (the generator hard-codes
   512), every class seen (global) and a client's classes only (cross-entropy over them).
+* DP-FPL (linhhtran/DP-FPL, `trainers/DP_FPL.py`, checked at cce74b4): the official
+  `CustomCLIP` and trainer step `forward_pass` (factorisation "dpfpl") from the same random
+  start v0, without privacy and with clipping (noise set to zero on both sides); logits, the
+  global prompt's gradient and the local prompt's full gradient.
 * FedCLIP (microsoft/PersonalizedFL, `fedclip/`, checked at 441670e): the official adapter
   (`nets/models.py` `ClipModelat.initdgatal`, its PyTorch init from the seeded global
   generator), the official `train` step (`methods/fed_at_clip.py`: CLIP's symmetric
@@ -26,11 +30,12 @@ Covered:
   official code takes PACS's folder names, which have none).
 
 Get the checkouts next to the repository (or set FPBENCH_PEER_FEDPGP, FPBENCH_PEER_FEDCLIP,
-FPBENCH_PEER_PROMPTFOLIO, FPBENCH_PEER_FEDTPG; FedTPG also needs `pip install 'fpbench[peer]'`,
-for einops):
+FPBENCH_PEER_PROMPTFOLIO, FPBENCH_PEER_FEDTPG, FPBENCH_PEER_DPFPL; FedTPG also needs
+`pip install 'fpbench[peer]'`, for einops):
 
     git clone https://github.com/TianyuCuiOvO/FedPGP ../peer/FedPGP
     git clone https://github.com/boschresearch/FedTPG ../peer/FedTPG
+    git clone https://github.com/linhhtran/DP-FPL ../peer/DP-FPL
     git clone https://github.com/PanBikang/PromptFolio ../peer/PromptFolio
     git clone https://github.com/microsoft/PersonalizedFL ../peer/PersonalizedFL
 
@@ -68,6 +73,7 @@ FEDPGP = Path(os.environ.get("FPBENCH_PEER_FEDPGP", REF.PEER / "FedPGP"))
 FEDCLIP = Path(os.environ.get("FPBENCH_PEER_FEDCLIP", REF.PEER / "PersonalizedFL"))
 PROMPTFOLIO = Path(os.environ.get("FPBENCH_PEER_PROMPTFOLIO", REF.PEER / "PromptFolio"))
 FEDTPG = Path(os.environ.get("FPBENCH_PEER_FEDTPG", REF.PEER / "FedTPG"))
+DPFPL = Path(os.environ.get("FPBENCH_PEER_DPFPL", REF.PEER / "DP-FPL"))
 # FedTPG's generator hard-codes ViT-B/16's widths (512): a tiny CLIP with those text widths
 WIDE = {
     "embed_dim": 512,
@@ -291,6 +297,84 @@ def fedtpg_case(folder: Path, n_ctx: int = 4, subset: tuple[int, ...] = (0, 2), 
     return out
 
 
+# -- DP-FPL -------------------------------------------------------------------------------------
+
+
+def dpfpl_case(folder: Path, n_ctx: int = 4, rank: int = 2, clip: float | None = None,
+               batch: int = 4, seed: int = 0) -> dict[str, float]:  # fmt: skip
+    """The official DP-FPL CustomCLIP and trainer step (`forward_pass`, factorisation
+    "dpfpl") against fpbench's `dp-fpl`, both factorising from the same random start v0.
+
+    `clip`: privacy on with clipping norm `clip` and zero noise (the official std set to 0,
+    fpbench's draws of noise replaced by zeros), so that the clipped gradients compare; None:
+    no privacy. Returns the largest absolute differences of `init`, `logits`, `grad_global`,
+    `grad_local` (the official full gradient) and, for scale, `grad_max`.
+    """
+    from fpbench.methods.base import Context
+
+    clip_model, dp = REF.load_official(DPFPL, "trainers.DP_FPL", "Dassl.dassl")
+    path, state = REF.weights(REF.VIT, VIT_NAME, folder)
+    design = {"trainer": "DP_FPL", "vision_depth": 0, "language_depth": 0, "vision_ctx": 0,
+              "language_ctx": 0}  # fmt: skip
+    theirs = REF.official_clip(clip_model, state, design)
+    cfg = REF._cfg("DP_FPL", 32, N_CTX=n_ctx, PREC="fp32", CLASS_TOKEN_POSITION="end")
+    cfg.FACTORIZATION, cfg.RANK = "dpfpl", rank
+    cfg.NOISE, cfg.NORM_THRESH = (0.0, 10.0) if clip is None else (1.0, clip)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        official = dp.CustomCLIP(cfg, REF.CLASSES, theirs)
+    backbone = REF.fpbench_backbone(VIT_NAME, path)
+    args = {} if clip is None else {"epsilon": 1.0, "clip": clip}
+    ours = REF.fpbench_method("dp-fpl", backbone, n_ctx=n_ctx, rank=rank, **args)
+    start = ours.init_params(torch.Generator().manual_seed(seed))
+    learner = official.prompt_learner
+    out = {"init": max(REF._diff(start[k], getattr(learner, k)) for k in start)}
+    with torch.no_grad():
+        for k, v in start.items():
+            getattr(learner, k).copy_(v)
+    gen = torch.Generator().manual_seed(seed)
+    images = torch.randn(batch, 3, 32, 32, generator=gen)
+    labels = torch.arange(batch) % len(REF.CLASSES)
+    d = backbone.ctx_dim
+    with torch.random.fork_rng():  # the official start: torch.normal from the global generator
+        torch.manual_seed(seed + 1)
+        v0 = torch.normal(0, 1, size=(d, rank))
+
+    trainer = dp.DP_FPL.__new__(dp.DP_FPL)
+    trainer.cfg, trainer.model, trainer.dtype = cfg, official, torch.float32
+    trainer.device, trainer.std = torch.device("cpu"), 0.0
+    trainer.model_zero_grad = official.zero_grad
+    trainer.model_backward = lambda loss: loss.backward()
+    dp.compute_accuracy = lambda output, label: [torch.zeros(())]  # Dassl's metric, unused
+    official.train()
+    with torch.random.fork_rng():
+        torch.manual_seed(seed + 1)
+        trainer.forward_pass({"img": images, "label": labels})
+    with torch.no_grad():
+        logits_theirs = official(images)
+
+    def draws(key: torch.Tensor, n: int, width: int) -> dict[str, torch.Tensor]:
+        zeros = {"u": torch.zeros(n, rank), "v": torch.zeros(rank, width),
+                 "global": torch.zeros(n, width)}  # fmt: skip
+        return {"v0": v0, **({} if clip is None else zeros)}
+
+    ours.draws = draws
+    params = {k: v.unsqueeze(0).clone().requires_grad_(True) for k, v in start.items()}
+    params["dp_key"] = torch.zeros(1, 3, dtype=torch.long)
+    feats = backbone.forward_features(images).cls
+    rows = torch.zeros(batch, dtype=torch.long)
+    ctx = Context(training=True)
+    ours.loss(params, feats, labels, rows, ctx).mean().backward()
+    with torch.no_grad():
+        logits_ours = ours.forward(params, feats, rows, ctx)
+    out["logits"] = REF._diff(logits_ours, logits_theirs)
+    out["grad_global"] = REF._diff(params["global_ctx"].grad[0], learner.global_ctx.grad)
+    out["grad_local"] = REF._diff(params["local_ctx"].grad[0], learner.local_ctx.grad)
+    out["grad_max"] = max(float(learner.global_ctx.grad.abs().max()),
+                          float(learner.local_ctx.grad.abs().max()))  # fmt: skip
+    return out
+
+
 # -- FedCLIP -------------------------------------------------------------------------------------
 
 
@@ -388,6 +472,8 @@ CASES = {
     "fedpgp vit r4 mu 1": ("fedpgp", {"bottleneck": 4, "mu": 1.0, "n_ctx": 6}),
     "fedclip vit": ("fedclip", {}),
     "promptfolio vit": ("promptfolio", {}),
+    "dp-fpl vit, no privacy": ("dpfpl", {}),
+    "dp-fpl vit, clipped to 0.05": ("dpfpl", {"clip": 0.05}),
     "fedtpg vit, client of classes 0 2": ("fedtpg", {}),
     "fedtpg vit, client of classes 1 2, 6 tokens": ("fedtpg", {"subset": (1, 2), "n_ctx": 6}),
     # only "end": the official middle / front branches build one prompt set of the two and fail
@@ -398,7 +484,7 @@ CASES = {
 def run(name: str, folder: Path) -> dict[str, float]:
     kind, args = CASES[name]
     cases = {"fedpgp": fedpgp_case, "fedclip": fedclip_case, "promptfolio": promptfolio_case,
-             "fedtpg": fedtpg_case}  # fmt: skip
+             "fedtpg": fedtpg_case, "dpfpl": dpfpl_case}  # fmt: skip
     return cases[kind](folder, **args)
 
 
@@ -414,6 +500,8 @@ def why_not(kind: str) -> str | None:
         return f"official checkout not found at {FEDTPG}: " + REF.HOW.format(
             repo="boschresearch/FedTPG", path=FEDTPG, var="FPBENCH_PEER_FEDTPG"
         )
+    if kind == "dpfpl":
+        return REF.missing(DPFPL, "linhhtran/DP-FPL", "FPBENCH_PEER_DPFPL")
     if kind == "promptfolio":
         return REF.missing(PROMPTFOLIO, "PanBikang/PromptFolio", "FPBENCH_PEER_PROMPTFOLIO")
     if (FEDCLIP / "fedclip" / "methods" / "fed_at_clip.py").is_file():
