@@ -91,8 +91,15 @@ def test_methods_checked_against_official_code_are_those_the_differential_test_r
         name for name in METHODS.names() if METHODS.get(name).all_readings()["official_check"]
         != "none"
     }  # fmt: skip
-    assert checked == {"promptfl", "fedotp", "sgpt", "fedpr"}
+    # the federated CLIP methods of #34 have their own harness beside official.py
+    spec = importlib.util.spec_from_file_location("clip_fl", path.with_name("official_clip_fl.py"))
+    clip_fl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(clip_fl)
+    clip_fl_kinds = {kind for kind, _ in clip_fl.CASES.values()}
+    clip_fl_methods = {"fedpgp", "fedclip", "promptfolio", "fedtpg", "dp-fpl"}
+    assert checked == {"promptfl", "fedotp", "sgpt", "fedpr"} | clip_fl_methods
     assert kinds == {"coop", "fedotp", "sgpt", "fedpr"}
+    assert clip_fl_kinds == {"fedpgp", "fedclip", "promptfolio", "fedtpg", "dpfpl"}
 
 
 NEW_PATHS = {

@@ -33,6 +33,7 @@ variants (promptfl, fedotp, fedpgp, dplora) are other methods of fpbench or not 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, ClassVar
 
@@ -89,40 +90,55 @@ def full_grad(u: Tensor, v: Tensor, gu: Tensor, gv: Tensor) -> Tensor:
     return av + u @ b + u @ (u.transpose(-1, -2) @ av)
 
 
-class _LowRank(torch.autograd.Function):
-    """Forward: u v + (local - u v); backward: the factors' (clipped, noised) gradients turned
-    into the local prompt's `full_grad`."""
+@functools.cache
+def _functions() -> tuple[type, type]:
+    """The two autograd functions, built on first use (importing this module must not import
+    torch)."""
 
-    @staticmethod
-    def forward(ctx, local, u, v, noise_u, noise_v, clip):  # noqa: ANN001, ANN205
-        ctx.save_for_backward(u, v, noise_u, noise_v)
-        ctx.clip = clip
-        uv = u @ v
-        return uv + (local - uv)
+    class LowRank(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, local, u, v, noise_u, noise_v, clip):  # noqa: ANN001, ANN205
+            ctx.save_for_backward(u, v, noise_u, noise_v)
+            ctx.clip = clip
+            uv = u @ v
+            return uv + (local - uv)
 
-    @staticmethod
-    def backward(ctx, g):  # noqa: ANN001, ANN205
-        u, v, noise_u, noise_v = ctx.saved_tensors
-        gu, gv = g @ v.transpose(-1, -2), u.transpose(-1, -2) @ g
-        if ctx.clip is not None:
-            gu = clip_rows(gu, ctx.clip) + noise_u
-            gv = clip_rows(gv, ctx.clip) + noise_v
-        return full_grad(u, v, gu, gv), None, None, None, None, None
+        @staticmethod
+        def backward(ctx, g):  # noqa: ANN001, ANN205
+            u, v, noise_u, noise_v = ctx.saved_tensors
+            gu, gv = g @ v.transpose(-1, -2), u.transpose(-1, -2) @ g
+            if ctx.clip is not None:
+                gu = clip_rows(gu, ctx.clip) + noise_u
+                gv = clip_rows(gv, ctx.clip) + noise_v
+            return full_grad(u, v, gu, gv), None, None, None, None, None
+
+    class ClipNoise(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, noise, clip):  # noqa: ANN001, ANN205
+            ctx.save_for_backward(noise)
+            ctx.clip = clip
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):  # noqa: ANN001, ANN205
+            (noise,) = ctx.saved_tensors
+            return clip_rows(g, ctx.clip) + noise, None, None
+
+    return LowRank, ClipNoise
 
 
-class _ClipNoise(torch.autograd.Function):
-    """Identity forward; backward clips each client's gradient to `clip` and adds noise."""
+def low_rank(
+    local: Tensor, u: Tensor, v: Tensor, noise_u: Tensor, noise_v: Tensor, clip: float | None
+) -> Tensor:
+    """Forward: u v + (local - u v) (the residual carries no gradient); backward: the
+    factors' gradients, clipped to `clip` and noised where `clip` is set, turned into the
+    local prompt's `full_grad`."""
+    return _functions()[0].apply(local, u, v, noise_u, noise_v, clip)
 
-    @staticmethod
-    def forward(ctx, x, noise, clip):  # noqa: ANN001, ANN205
-        ctx.save_for_backward(noise)
-        ctx.clip = clip
-        return x.view_as(x)
 
-    @staticmethod
-    def backward(ctx, g):  # noqa: ANN001, ANN205
-        (noise,) = ctx.saved_tensors
-        return clip_rows(g, ctx.clip) + noise, None, None
+def clip_noise(x: Tensor, noise: Tensor, clip: float) -> Tensor:
+    """Identity forward; backward clips each client's gradient to `clip` and adds `noise`."""
+    return _functions()[1].apply(x, noise, clip)
 
 
 @METHODS.register()
@@ -203,8 +219,8 @@ class DPFPL(CoOpModel):
         noise_u = stack("u") if clip else zeros_u
         noise_v = stack("v") if clip else zeros_v
         if clip:
-            glob = _ClipNoise.apply(glob, stack("global"), clip)
-        return glob + _LowRank.apply(local, u, v, noise_u, noise_v, clip)
+            glob = clip_noise(glob, stack("global"), clip)
+        return glob + low_rank(local, u, v, noise_u, noise_v, clip)
 
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context

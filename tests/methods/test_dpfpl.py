@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from fpbench.methods.base import Context, Updates
-from fpbench.methods.dpfpl import _LowRank, clip_rows, factorize, full_grad, gram_schmidt
+from fpbench.methods.dpfpl import clip_rows, factorize, full_grad, gram_schmidt, low_rank
 
 from ..conftest import seeded_server, with_config
 from .common import both_executors_agree, stacked_constants
@@ -32,7 +32,7 @@ def test_factorisation_has_orthonormal_factors_and_the_context_is_the_local_prom
     proj = u @ u.transpose(-1, -2)
     torch.testing.assert_close(proj @ (local @ v0), local @ v0, atol=1e-5, rtol=1e-5)
     z = torch.zeros_like(u)
-    out = _LowRank.apply(local, u, v, z, torch.zeros_like(v), None)
+    out = low_rank(local, u, v, z, torch.zeros_like(v), None)
     torch.testing.assert_close(out, local)
 
 
@@ -55,7 +55,7 @@ def test_local_gradient_is_the_factors_clipped_noised_gradient():
     u, v = factorize(local.detach(), torch.randn(1, 6, 2, generator=gen))
     w = torch.randn(1, 4, 6, generator=gen) * 5  # dL/d(context) = w
     nu, nv = torch.randn(1, 4, 2, generator=gen), torch.randn(1, 2, 6, generator=gen)
-    (_LowRank.apply(local, u, v, nu, nv, 0.5) * w).sum().backward()
+    (low_rank(local, u, v, nu, nv, 0.5) * w).sum().backward()
     gu, gv = w @ v.transpose(-1, -2), u.transpose(-1, -2) @ w
     assert float(gu.norm()) > 0.5 and float(gv.norm()) > 0.5  # both get clipped
     gu, gv = gu * (0.5 / gu.norm()) + nu, gv * (0.5 / gv.norm()) + nv
