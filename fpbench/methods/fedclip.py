@@ -67,7 +67,7 @@ class FedCLIP(CoOpModel):
     name = "fedclip"
     Config = FedCLIPConfig
     readings: ClassVar[dict[str, str]] = {
-        "official_check": "differential",  # fedclip/methods/fed_at_clip.py: tests/test_peer_clip_fl.py
+        "official_check": "differential",  # fedclip/methods/fed_at_clip.py: test_peer_clip_fl
         # fpbench's Adam; the official (0.9, 0.98), eps 1e-6: TrainConfig has no beta2/eps
         "adam_beta2_eps": "0.999, 1e-8",
         # a client's batch of one sample has zero contrastive loss; the official code skips it
