@@ -171,10 +171,8 @@ class DPFPL(CoOpModel):
         client's draws; never trained."""
         out = super().client_params(server, client_ids, training)
         k = len(client_ids)
-        out["dp_key"] = torch.stack(
-            [server.buffers["dp_seed"].expand(k), client_ids.cpu(),
-             server.buffers["dp_round"].expand(k)], dim=1,
-        )  # fmt: skip
+        seed, round_ = server.buffers["dp_seed"].cpu(), server.buffers["dp_round"].cpu()
+        out["dp_key"] = torch.stack([seed.expand(k), client_ids.cpu(), round_.expand(k)], dim=1)
         return out
 
     def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
