@@ -83,7 +83,7 @@ def test_methods_checked_against_official_code_are_those_the_differential_test_r
     from fpbench.registry import METHODS
 
     kinds = set()
-    for name in ("official.py", "clip_reference.py", "official_deep.py"):
+    for name in ("official.py", "clip_reference.py", "official_deep.py", "official_clip_fl.py"):
         path = Path(__file__).parents[1] / "scripts/peer" / name
         spec = importlib.util.spec_from_file_location(name[:-3], path)
         harness = importlib.util.module_from_spec(spec)
@@ -94,9 +94,11 @@ def test_methods_checked_against_official_code_are_those_the_differential_test_r
         != "none"
     }  # fmt: skip
     assert checked == {"promptfl", "fedotp", "sgpt", "fedpr", "zero-shot", "kgcoop", "cocoop",
-                       "prograd", "maple", "promptsrc", "plot"}  # fmt: skip
+                       "prograd", "maple", "promptsrc", "plot", "fedpgp", "fedclip",
+                       "promptfolio", "fedtpg", "dp-fpl"}  # fmt: skip
     assert kinds == {"coop", "fedotp", "sgpt", "fedpr", "zsclip", "kgcoop", "cocoop", "prograd",
-                     "maple", "promptsrc", "plot"}  # fmt: skip
+                     "maple", "promptsrc", "plot", "fedpgp", "fedclip", "promptfolio", "fedtpg",
+                     "dpfpl"}  # fmt: skip
 
 
 NEW_PATHS = {
