@@ -39,6 +39,8 @@ TABLE_METRICS = (
     "acc_local_worst",
     "acc_heldout_mean",
     "acc_heldout_worst",
+    "ece_global",
+    "ece_local_mean",
     "params_trainable",
 )
 DOMAIN_METRIC = r"acc_domain_[0-9a-z-]+"  # fpbench.engine.metrics.domain_accuracies

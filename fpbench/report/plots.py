@@ -31,6 +31,8 @@ LABELS = {
     "acc_local_worst": "worst local accuracy",
     "acc_heldout_mean": "mean held-out accuracy",
     "acc_heldout_worst": "worst held-out accuracy",
+    "ece_global": "expected calibration error (global)",
+    "ece_local_mean": "mean local expected calibration error",
     "loss_train": "training loss",
 }
 
