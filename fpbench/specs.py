@@ -34,6 +34,14 @@ class TrainConfig(_Strict):
 
     rounds: int = Field(10, ge=1, description="communication rounds")
     participation: float = Field(1.0, gt=0, le=1, description="fraction of clients per round")
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="fraction of each round's sampled clients that fail to report: "
+        "floor(dropout * sampled) of them (at least one reports), drawn from the seed alone "
+        "(the same for every partition and method); they neither train nor count that round",
+    )
     local_epochs: int = Field(1, ge=1, description="local epochs per phase")
     batch_size: int = Field(32, ge=1)
     optimizer: Literal["sgd", "adam"] = "sgd"
@@ -172,6 +180,7 @@ _LATER_FIELDS: dict[tuple[str, str], Any] = {
     ("train", "unseen_clients"): "score",  # the behaviour before the field existed
     ("train", "augment"): Augment().model_dump(mode="json"),
     ("train", "aggregation_weights"): "train_size",
+    ("train", "dropout"): 0.0,
 }
 
 

@@ -49,12 +49,32 @@ class NonFiniteLoss(RuntimeError):
 
 
 def sampling_schedule(
-    seed: int, rounds: int, clients: list[int], participation: float
+    seed: int, rounds: int, clients: list[int], participation: float, dropout: float = 0.0
 ) -> list[list[int]]:
-    """The clients of every round, pre-drawn from the seed so every method sees the same ones."""
+    """The clients of every round that report, pre-drawn from the seed so every method sees the
+    same ones: m = floor(participation * N) sampled, then `dropout_positions` of them fail."""
     rng = np.random.default_rng(derive_seed(seed, "client-sampling"))
     m = max(1, math.floor(participation * len(clients) + 1e-9))
-    return [[int(c) for c in rng.choice(clients, m, replace=False)] for _ in range(rounds)]
+    sampled = [[int(c) for c in rng.choice(clients, m, replace=False)] for _ in range(rounds)]
+    if dropout == 0:
+        return sampled
+    failed = dropout_positions(seed, rounds, m, dropout)
+    return [
+        [c for i, c in enumerate(ids) if i not in gone]
+        for ids, gone in zip(sampled, failed, strict=True)
+    ]
+
+
+def dropout_positions(seed: int, rounds: int, m: int, dropout: float) -> list[set[int]]:
+    """Per round, the positions in the round's sample of m clients that fail to report:
+    floor(dropout * m) of them (at most m - 1), uniformly at random.
+
+    Drawn from the seed alone (its own stream, "client-dropout"), so that the draw is the same
+    whatever the partition, the sampling, or the method.
+    """
+    rng = np.random.default_rng(derive_seed(seed, "client-dropout"))
+    k = min(m - 1, math.floor(dropout * m + 1e-9))
+    return [{int(i) for i in rng.choice(m, k, replace=False)} for _ in range(rounds)]
 
 
 def should_eval(r: int, train: TrainConfig) -> bool:
@@ -98,7 +118,11 @@ def run_rounds(
     store.truncate_after(run_id, ckpt.round)
     observer.cell_start(cfg, ckpt.round + 1)
     schedule = sampling_schedule(
-        cfg.seed, cfg.train.rounds, task.trainable_clients(), cfg.train.participation
+        cfg.seed,
+        cfg.train.rounds,
+        task.trainable_clients(),
+        cfg.train.participation,
+        cfg.train.dropout,
     )
     count = store.get_run(run_id).round_flops is None
     for r in range(ckpt.round + 1, cfg.train.rounds):
