@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from torch import Tensor
 
+from fpbench.engine.eval_modes import Target
 from fpbench.engine.inputs import Inputs
 from fpbench.engine.metrics import EvalCounts
 from fpbench.methods.base import Method, ServerState
@@ -46,6 +47,7 @@ class Population:
     method: Method
     inputs: Inputs
     cohorts: tuple[Cohort, ...]
+    targets: tuple[Target, ...] = ()  # the evaluation mode's scored sets (`eval_modes`)
 
     @property
     def clients(self) -> list[int]:

@@ -15,6 +15,7 @@ import torch
 from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.build import resolve_precision
 from fpbench.engine.cost import count_flops
+from fpbench.engine.eval_modes import derived
 from fpbench.engine.evaluate import evaluate
 from fpbench.engine.executor import LocalResult, concat_results, train_clients
 from fpbench.engine.metrics import (
@@ -269,11 +270,49 @@ def evaluate_populations(
         names = [p.name for p in cfg.model_het.profiles]
         profiles = client_profiles(cfg.model_het)
         agg |= domain_accuracies(counts, profiles, names, prefix="acc_profile_")
+    agg |= score_targets(populations, servers, cfg, precision, seen)
+    agg |= derived(cfg.evaluation, agg)
     history.append(agg)
     rows = client_rows(counts) + [(None, k, v, None) for k, v in agg.items()]
     if r == cfg.train.rounds - 1:
         rows += [(None, k, v, None) for k, v in summary(history, cfg.train.summary_window).items()]
     return rows
+
+
+def score_targets(
+    populations: list[Population],
+    servers: dict[str, ServerState],
+    cfg: RunConfig,
+    precision: str,
+    seen: list[int],
+) -> dict[str, float]:
+    """`acc_<set>` / `ece_<set>` of each set the evaluation mode scores (`eval_modes`): the
+    global model's, or the mean over the trained clients' own models, on its whole test split."""
+    out: dict[str, float] = {}
+    single = len(populations) == 1
+    for i, first in enumerate(populations[0].targets):
+        counts = merge_counts(
+            [
+                (
+                    evaluate(
+                        pop.targets[i].method,
+                        servers[pop.key],
+                        pop.targets[i].task,
+                        cfg.train.eval_batch_size,
+                        pop.targets[i].inputs,
+                        precision,
+                        clients=None if single else pop.clients,
+                    ),
+                    pop.clients,
+                )
+                for pop in populations
+            ]
+        )
+        agg = aggregates(mark_untrained(counts, populations, seen, cfg.train.unseen_clients))
+        for metric in ("acc", "ece"):
+            if f"{metric}_global" in agg:
+                out[f"{metric}_{first.name}"] = agg[f"{metric}_global"]
+    return out
 
 
 def mark_untrained(
