@@ -40,8 +40,8 @@ class TrainConfig(_Strict):
         ge=0,
         lt=1,
         description="fraction of each round's sampled clients that fail to report: "
-        "floor(dropout * sampled) of them (at least one reports), drawn from the seed alone "
-        "(the same for every partition and method); they neither train nor count that round",
+        "max(1, floor((1 - dropout) * sampled)) report (FLiP's count), drawn from the seed alone "
+        "(the same for every partition and method); the others neither train nor count that round",
     )
     local_epochs: int = Field(1, ge=1, description="local epochs per phase")
     batch_size: int = Field(32, ge=1)

@@ -18,11 +18,12 @@ from fpbench.suites import expand_suite
 from fpbench.testing import TINY
 
 
-def test_dropout_fails_floor_of_the_fraction_and_leaves_at_least_one():
-    assert [len(p) for p in dropout_positions(3, 4, 10, 0.3)] == [3, 3, 3, 3]
-    assert [len(p) for p in dropout_positions(3, 2, 2, 0.95)] == [1, 1]  # floor(1.9) = 1
+def test_floor_of_the_rest_reports_as_in_flip_and_at_least_one():
+    assert [len(p) for p in dropout_positions(3, 4, 10, 0.3)] == [3, 3, 3, 3]  # 7 report
+    assert [len(p) for p in dropout_positions(3, 2, 10, 0.25)] == [3, 3]  # floor(7.5) = 7 report
+    assert [len(p) for p in dropout_positions(3, 2, 2, 0.95)] == [1, 1]  # floor(0.1) -> 1 reports
     assert dropout_positions(3, 2, 1, 0.9) == [set(), set()]  # the only client reports
-    assert [len(p) for p in dropout_positions(3, 2, 3, 0.99)] == [2, 2]  # floor(2.97) = 2
+    assert [len(p) for p in dropout_positions(3, 2, 3, 0.5)] == [2, 2]  # floor(1.5) = 1 reports
 
 
 def test_dropout_is_drawn_from_the_seed_alone():
@@ -90,6 +91,6 @@ def test_only_reporting_clients_reach_aggregate(tmp_path, monkeypatch):
         [c for i, c in enumerate(ids) if i not in g] for ids, g in zip(full, gone, strict=True)
     ]
     assert seen == expected
-    assert all(len(ids) == 6 - math.floor(0.5 * 6) for ids in seen)
+    assert all(len(ids) == math.floor((1 - 0.5) * 6) for ids in seen)
     loss = rows[rows["name"] == "loss_train"]
     assert loss["count"].tolist() == [3, 3, 3]

@@ -67,14 +67,15 @@ def sampling_schedule(
 
 
 def dropout_positions(seed: int, rounds: int, m: int, dropout: float) -> list[set[int]]:
-    """Per round, the positions in the round's sample of m clients that fail to report:
-    floor(dropout * m) of them (at most m - 1), uniformly at random.
+    """Per round, the positions in the round's sample of m clients that fail to report: all but
+    max(1, floor((1 - dropout) * m)) of them, uniformly at random (FLiP's count of reporting
+    clients, 0-ml/flip flcore/servers/server_base.py:205-206, with at least one reporting).
 
     Drawn from the seed alone (its own stream, "client-dropout"), so that the draw is the same
     whatever the partition, the sampling, or the method.
     """
     rng = np.random.default_rng(derive_seed(seed, "client-dropout"))
-    k = min(m - 1, math.floor(dropout * m + 1e-9))
+    k = m - max(1, math.floor((1 - dropout) * m + 1e-9))
     return [{int(i) for i in rng.choice(m, k, replace=False)} for _ in range(rounds)]
 
 
