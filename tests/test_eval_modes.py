@@ -215,3 +215,48 @@ def test_a_method_whose_parameters_depend_on_the_classes_is_refused(method, eval
     task = build_task(cfg, CPU)
     with pytest.raises(FpbenchError, match="cannot be scored on other classes"):
         build_populations(cfg, task, CPU)
+
+
+_BAD_SUITE = """
+name = "bad-mode"
+seeds = [0]
+[defaults]
+backbone = {{ name = "clip-test" }}
+dataset = {{ num_classes = 4, image_size = 16, train_per_class = 6, test_per_class = 3 }}
+partition = {{ num_clients = 2, heldout_frac = 0.0 }}
+train = {{ rounds = 1, batch_size = 8 }}
+evaluation = {evaluation}
+[[datasets]]
+name = "synthetic"
+[[partitions]]
+name = "dirichlet"
+min_size = 1
+[[methods]]
+name = "promptfl"
+n_ctx = 4
+"""
+
+
+@pytest.mark.parametrize(
+    ("evaluation", "needle"),
+    [
+        ('{ mode = "leave-one-domain-out", domain = "d9" }', "has no domain 'd9'"),
+        ('{ mode = "cross-dataset", targets = [{ name = "dtd" }] }', "dataset 'dtd' not found"),
+        ('{ mode = "cross-dataset", targets = [{ name = "nope" }] }', "nope"),
+        ('{ mode = "base2novel", targets = [{ name = "dtd" }] }', "only for, mode 'cross-dataset'"),
+    ],
+)
+def test_bad_modes_exit_2_with_one_line_and_write_nothing(
+    tmp_path, monkeypatch, evaluation, needle
+):
+    from typer.testing import CliRunner
+
+    from fpbench.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FPBENCH_DATA", str(tmp_path / "no-data"))
+    (tmp_path / "bad.toml").write_text(_BAD_SUITE.format(evaluation=evaluation))
+    result = CliRunner().invoke(app, ["run", "--suite", str(tmp_path / "bad.toml")])
+    assert result.exit_code == 2, result.output
+    assert needle in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "results").exists()
