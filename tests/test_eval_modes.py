@@ -260,3 +260,28 @@ def test_bad_modes_exit_2_with_one_line_and_write_nothing(
     assert result.exit_code == 2, result.output
     assert needle in result.output and "Traceback" not in result.output
     assert not (tmp_path / "results").exists()
+
+
+def test_a_personal_method_is_scored_with_each_trained_clients_own_prompts():
+    from fpbench.methods.base import Context, as_logits
+
+    cfg = _cell({"name": "fedotp", "n_ctx": 4}, {"mode": "base2novel"})
+    task = build_task(cfg, CPU)
+    (pop,) = build_populations(cfg, task, CPU)
+    (target,) = pop.targets
+    server = pop.method.init_server(torch.Generator().manual_seed(5))
+    gen = torch.Generator().manual_seed(6)  # the clients' local prompts now differ
+    server.personal = {
+        k: v + 0.3 * torch.randn(v.shape, generator=gen) for k, v in server.personal.items()
+    }
+    out = score_targets([pop], {"": server}, cfg, "fp32", [0, 2])  # client 1 never trained
+    data = target.task.data
+    x = pop.method.backbone.preprocess(data.test_images)
+    rows = torch.zeros(len(x), dtype=torch.long)
+    accs = []
+    for c in (0, 2):
+        params = pop.method.client_params(server, torch.tensor([c]), training=False)
+        with torch.no_grad():
+            logits = as_logits(target.method.forward(params, x, rows, Context(training=False)))
+        accs.append((logits.argmax(-1) == data.test_labels).float().mean().item())
+    assert out["acc_novel"] == pytest.approx(sum(accs) / 2)
