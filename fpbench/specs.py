@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import (
@@ -41,6 +42,14 @@ class TrainConfig(_Strict):
 
     rounds: int = Field(10, ge=1, description="communication rounds")
     participation: float = Field(1.0, gt=0, le=1, description="fraction of clients per round")
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="fraction of each round's sampled clients that fail to report: "
+        "max(1, floor((1 - dropout) * sampled)) report (FLiP's count), drawn from the seed alone "
+        "(the same for every partition and method); the others neither train nor count that round",
+    )
     local_epochs: int = Field(1, ge=1, description="local epochs per phase")
     batch_size: int = Field(32, ge=1)
     optimizer: Literal["sgd", "adam"] = "sgd"
@@ -194,6 +203,7 @@ _LATER_FIELDS: dict[tuple[str, str], Any] = {
     ("train", "unseen_clients"): "score",  # the behaviour before the field existed
     ("train", "augment"): Augment().model_dump(mode="json"),
     ("train", "aggregation_weights"): "train_size",
+    ("train", "dropout"): 0.0,
 }
 
 
@@ -250,6 +260,60 @@ class ModelHet(_Strict):
         return sum(p.clients for p in self.profiles)
 
 
+EVAL_MODES = ("base2novel", "cross-dataset", "leave-one-domain-out")
+
+
+class Evaluation(_Strict):
+    """An evaluation mode beside the global / personal / held-out-client metrics (CoOp's and
+    CoCoOp's generalisation protocols; `fpbench.engine.eval_modes` says how each is scored).
+
+    * `base2novel`: the run trains and is scored on the base classes (the first ceil(C/2)
+      labels); the novel classes (the rest, re-indexed) are scored on their own test images with
+      a classifier over their own class names: `acc_base`, `acc_novel`, `acc_hm`.
+    * `cross-dataset`: the run trains on its dataset; each of `targets` is scored on its test
+      split with its class names: `acc_xd_<label>`, and their mean `acc_xd_mean`.
+    * `leave-one-domain-out`: the run trains on every domain but `domain`, whose test images
+      are scored: `acc_lodo`.
+    """
+
+    mode: Literal["base2novel", "cross-dataset", "leave-one-domain-out"]
+    targets: tuple[Component, ...] = Field(
+        (), description="cross-dataset: the target datasets ({ name, label, args })"
+    )
+    domain: str | None = Field(
+        None,
+        description="leave-one-domain-out: the held-out domain's name (as the dataset names it)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _target_labels(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("targets"), list | tuple):
+            targets = [
+                {**t, "label": t.get("label", t.get("name"))} if isinstance(t, dict) else t
+                for t in data["targets"]
+            ]
+            data = {**data, "targets": targets}
+        return data
+
+    @model_validator(mode="after")
+    def _mode_settings(self) -> Evaluation:
+        cross, lodo = self.mode == "cross-dataset", self.mode == "leave-one-domain-out"
+        if cross != bool(self.targets):
+            raise ValueError("evaluation.targets: given for, and only for, mode 'cross-dataset'")
+        if lodo != (self.domain is not None):
+            raise ValueError(
+                "evaluation.domain: given for, and only for, mode 'leave-one-domain-out'"
+            )
+        labels = [t.label for t in self.targets]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"evaluation.targets labels must be unique, got {labels}")
+        for label in labels:
+            if len(label) > MAX_LABEL or not re.fullmatch(r"[A-Za-z0-9_.-]+", label):
+                raise ValueError(f"evaluation.targets label {label!r}: use letters, digits, _.-")
+        return self
+
+
 class RunConfig(_Strict):
     """The fully resolved config of one run (one cell of a suite)."""
 
@@ -261,6 +325,7 @@ class RunConfig(_Strict):
     backbone: BackboneRef = BackboneRef()
     train: TrainConfig = TrainConfig()
     model_het: ModelHet | None = None
+    evaluation: Evaluation | None = Field(None, description="an evaluation mode (Evaluation)")
     runtime: RuntimeConfig = RuntimeConfig()
 
     @model_validator(mode="after")
@@ -282,8 +347,9 @@ class RunConfig(_Strict):
         for (section, key), default in _LATER_FIELDS.items():
             if out[section][key] == default:
                 del out[section][key]
-        if out["model_het"] is None:  # added later: absent keeps the older run keys
-            del out["model_het"]
+        for later in ("model_het", "evaluation"):  # added later: absent keeps the older keys
+            if out[later] is None:
+                del out[later]
         return out
 
     @property

@@ -47,6 +47,7 @@ from typing import Any
 import tomllib
 from pydantic import ValidationError
 
+from fpbench.engine.eval_modes import mode_info
 from fpbench.errors import FpbenchError
 from fpbench.registry import BACKBONES, DATASETS, METHODS, PARTITIONS, Registry
 from fpbench.shipped import shipped_dir
@@ -117,7 +118,7 @@ def load_suite(
 
 
 # where --set may write: a RunConfig section, or a component's args
-SET_SECTIONS = ("train", "backbone", "runtime", "model_het")
+SET_SECTIONS = ("train", "backbone", "runtime", "model_het", "evaluation")
 SET_COMPONENTS = ("dataset", "partition", "method")
 
 
@@ -358,6 +359,17 @@ def _validate_components(cfg: RunConfig, where: str) -> RunConfig:
         except ValidationError as e:
             raise FpbenchError(f"{where}: {field}.{first_error(e)}") from None
         resolved[field] = comp.model_copy(update={"args": args.model_dump(mode="json")})
+    if cfg.evaluation is not None and cfg.evaluation.targets:
+        targets = []
+        for t in cfg.evaluation.targets:
+            config_cls = _lookup(DATASETS, t.name, where).Config
+            try:
+                args = config_cls(**t.args)
+            except ValidationError as e:
+                raise FpbenchError(f"{where}: evaluation.targets.{first_error(e)}") from None
+            targets.append(t.model_copy(update={"args": args.model_dump(mode="json")}))
+        evaluation = cfg.evaluation.model_copy(update={"targets": tuple(targets)})
+        resolved["evaluation"] = evaluation
     _lookup(BACKBONES, cfg.backbone.name, where)
     for profile in cfg.model_het.profiles if cfg.model_het else ():
         if profile.backbone is not None:
@@ -371,7 +383,7 @@ def _check_compatibility(cfg: RunConfig, where: str) -> None:
     """Cross-component checks that need the dataset's shape (e.g. s <= number of classes)."""
     dataset = DATASETS.get(cfg.dataset.name)
     partition = PARTITIONS.get(cfg.partition.name)
-    info = dataset.info(dataset.Config(**cfg.dataset.args))
+    info = mode_info(cfg.evaluation, dataset.info(dataset.Config(**cfg.dataset.args)))
     try:
         partition.check(partition.Config(**cfg.partition.args), info)
     except FpbenchError as e:

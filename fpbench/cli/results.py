@@ -134,7 +134,10 @@ def suite_row(name: str) -> tuple[str, str, str]:
         suite = load_suite(name)
     except FpbenchError as e:
         return "-", f"[red]invalid[/]: {escape(str(e))}", ""
-    data = sorted({c.dataset.name for c in suite.cells if real_dataset(c.dataset.name)})
+    names = {c.dataset.name for c in suite.cells} | {
+        t.name for c in suite.cells if c.evaluation for t in c.evaluation.targets
+    }  # cross-dataset targets are read too
+    data = sorted(n for n in names if real_dataset(n))
     refs = {c.backbone for c in suite.cells} | {
         p.backbone for c in suite.cells if c.model_het for p in c.model_het.profiles if p.backbone
     }

@@ -202,7 +202,8 @@ def run(
     trackers = make_trackers(log or [], log_dir)  # a missing package: before anything runs
     from fpbench.engine.dispatch import CELL_KEY, Dispatch, run_cells, validate  # imports torch
 
-    require_present([c.dataset.name for c in cells], data_root_of())  # before anything is written
+    needed = [name for c in cells for name in _datasets_of(c)]  # cross-dataset targets too
+    require_present(needed, data_root_of())  # before anything is written
     require_generated(cells)  # GPT-FL's generated images, likewise
     url = Store.url_from_path_or_url(db if "://" in db else Path(db).absolute())
     dispatch = Dispatch(
@@ -357,6 +358,17 @@ def _print_summary(suite: str, db: str) -> None:
         console.print(f"  {command}", markup=False, highlight=False, soft_wrap=True)
 
 
+def _datasets_of(cfg) -> list[str]:
+    """The datasets a cell reads: its own, then its cross-dataset targets'."""
+    targets = cfg.evaluation.targets if cfg.evaluation is not None else ()
+    return [cfg.dataset.name, *(t.name for t in targets)]
+
+
+def _data_text(states: list[str]) -> str:
+    """The cell's data column: its own dataset's state, or "missing" where a target's is."""
+    return "missing" if "missing" in states else states[0]
+
+
 def _print_cells(suite: str, cells, db: str) -> None:
     from fpbench.data.prepared import data_root, dataset_state
 
@@ -366,7 +378,7 @@ def _print_cells(suite: str, cells, db: str) -> None:
     for col in ("run_key", "method", "dataset", "partition", "seed", "status", "data"):
         table.add_column(col)
     root = data_root()
-    data = {name: dataset_state(name, root) for name in {c.dataset.name for c in cells}}
+    data = {name: dataset_state(name, root) for c in cells for name in _datasets_of(c)}
     statuses = set()
     for c in cells:
         record = store.find_run(c.run_key) if store else None
@@ -379,7 +391,7 @@ def _print_cells(suite: str, cells, db: str) -> None:
             c.partition.label,
             str(c.seed),
             status,
-            data[c.dataset.name],
+            _data_text([data[name] for name in _datasets_of(c)]),
         )
     console.print(table)
     if "stale" in statuses:

@@ -123,8 +123,9 @@ def rescore(
             raise FpbenchError(f"--split must be test or train, got {split!r}")
         populations = build_populations(cfg, task, device)
         servers = unpack(ckpt.server.to(device), [pop.key for pop in populations])
+        train = cfg.train
         schedule = sampling_schedule(
-            cfg.seed, cfg.train.rounds, task.trainable_clients(), cfg.train.participation
+            cfg.seed, train.rounds, task.trainable_clients(), train.participation, train.dropout
         )
         seen = sorted({c for ids in schedule[: ckpt.round + 1] for c in ids})
         precision = resolve_precision(cfg.runtime.precision, device)

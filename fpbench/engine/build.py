@@ -6,6 +6,7 @@ import torch
 
 from fpbench.backbones import create_backbone
 from fpbench.cache import frozen_dir
+from fpbench.engine.eval_modes import Target, method_for, scoring_task
 from fpbench.engine.inputs import FeatureCache, Inputs
 from fpbench.engine.populations import Cohort, Population
 from fpbench.engine.task import Task
@@ -77,7 +78,8 @@ def build_populations(
     if cfg.model_het is None:
         method = build_method(cfg, task, device, pretrained)
         everyone = Cohort(None, tuple(range(task.num_clients)), cfg.train)
-        return [Population("", method, _inputs(cfg, method, task, cache), (everyone,))]
+        targets = _targets(cfg, method, task, cache)
+        return [Population("", method, _inputs(cfg, method, task, cache), (everyone,), targets)]
     het = cfg.model_het
     if het.num_clients != task.num_clients:
         raise FpbenchError(
@@ -97,10 +99,22 @@ def build_populations(
         sub = cfg.model_copy(update={"backbone": ref})
         method = build_method(sub, task, device, pretrained)
         key = f"{i}-{ref.name}"
-        populations.append(
-            Population(key, method, _inputs(sub, method, task, cache), tuple(members))
-        )
+        inputs, targets = _inputs(sub, method, task, cache), _targets(sub, method, task, cache)
+        populations.append(Population(key, method, inputs, tuple(members), targets))
     return populations
+
+
+def _targets(
+    cfg: RunConfig, method: Method, task: Task, cache: FeatureCache | None
+) -> tuple[Target, ...]:
+    """The evaluation mode's scored sets for one method instance (see `eval_modes`)."""
+    out = []
+    for s in task.eval_sets:
+        scoring = scoring_task(s.data, task)
+        where = f"evaluation mode {cfg.evaluation.mode if cfg.evaluation else ''}"
+        scorer = method if s.same_classes else method_for(method, scoring, where)
+        out.append(Target(s.name, scoring, scorer, _inputs(cfg, scorer, scoring, cache)))
+    return tuple(out)
 
 
 def _inputs(cfg: RunConfig, method: Method, task: Task, cache: FeatureCache | None) -> Inputs:

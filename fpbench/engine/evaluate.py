@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from fpbench.engine.inputs import Inputs
-from fpbench.engine.metrics import EvalCounts, macro_f1
+from fpbench.engine.metrics import EvalCounts, expected_calibration_error, macro_f1
 from fpbench.engine.precision import autocast, start_params
 from fpbench.engine.seeding import client_batches, derive_seed
 from fpbench.engine.task import Task
@@ -52,12 +52,13 @@ def predict(
     ctx: Context,
     batch_size: int,
     allowed: Tensor | None = None,
-) -> Tensor:
-    """Predicted labels (M,) for test samples idx (M,); rows[i] = the param row of sample i.
+) -> tuple[Tensor, Tensor]:
+    """Predicted labels (M,) for test samples idx (M,), and their top-1 confidences (M,) (max
+    softmax, fp32); rows[i] = the param row of sample i.
 
     `allowed` (M, C) bool, if given, restricts sample i's argmax to the classes allowed[i].
     """
-    preds = []
+    preds, confs = [], []
     for start, logits in zip(
         range(0, len(idx), batch_size),
         logits_of(method, params, inputs, idx, rows, ctx, batch_size),
@@ -67,7 +68,19 @@ def predict(
             keep = allowed[start : start + batch_size].to(logits.device)  # (B, C)
             logits = _masked(logits, keep)
         preds.append(logits.argmax(-1))
-    return torch.cat(preds) if preds else torch.empty(0, dtype=torch.long, device=idx.device)
+        confs.append(confidence(logits))
+    if not preds:
+        return idx.new_zeros(0), torch.zeros(0, device=idx.device)
+    return torch.cat(preds), torch.cat(confs)
+
+
+def confidence(logits: Tensor) -> Tensor:
+    """Top-1 confidence (B,): the largest softmax probability of fp32 logits (B, C)."""
+    return logits.float().softmax(-1).amax(-1)
+
+
+def _ece(conf: Tensor, correct: Tensor) -> float:
+    return expected_calibration_error(conf.cpu().numpy(), correct.cpu().numpy())
 
 
 def _masked(logits: Tensor, keep: Tensor) -> Tensor:
@@ -117,21 +130,26 @@ def _evaluate_global(
     everything = torch.arange(len(data.test_labels), device=data.test_labels.device)
     rows = torch.zeros_like(everything)
     if label_space == "all":
-        pred = predict(method, params, inputs, everything, rows, ctx, batch_size)
+        pred, conf = predict(method, params, inputs, everything, rows, ctx, batch_size)
         correct = pred == data.test_labels
         local = [correct[idx] for idx in task.test_idx]
+        local_conf = [conf[idx] for idx in task.test_idx]
     else:  # one forward: the test split's logits, masked per client for the local sets
         batches = logits_of(method, params, inputs, everything, rows, ctx, batch_size)
         empty = everything.new_zeros(0, data.num_classes, dtype=torch.float)
         logits = torch.cat([b.float() for b in batches] or [empty])  # (M, C)
-        pred = logits.argmax(-1)
+        pred, conf = logits.argmax(-1), confidence(logits)
         correct = pred == data.test_labels
         classes = client_classes(task)  # (N, C)
-        local = [
-            _masked(logits[idx], classes[c].expand(len(idx), -1)).argmax(-1)
-            == data.test_labels[idx]
+        masked = [
+            _masked(logits[idx], classes[c].expand(len(idx), -1))
             for c, idx in enumerate(task.test_idx)
         ]
+        local = [
+            m.argmax(-1) == data.test_labels[idx]
+            for m, idx in zip(masked, task.test_idx, strict=True)
+        ]
+        local_conf = [confidence(m) for m in masked]
     return EvalCounts(
         correct_local=torch.stack([c.sum() for c in local]).cpu().numpy(),
         total_local=np.array([len(idx) for idx in task.test_idx]),
@@ -139,6 +157,8 @@ def _evaluate_global(
         global_acc=np.array([correct.float().mean().item()]),
         global_total=len(correct),
         f1_global=np.array([_f1(pred, data.test_labels, data.num_classes)]),
+        ece_local=np.array([_ece(f, c) for f, c in zip(local_conf, local, strict=True)]),
+        ece_global=np.array([_ece(conf, correct)]),
     )
 
 
@@ -173,6 +193,8 @@ def _evaluate_per_client(
     correct_local = np.zeros(task.num_clients, dtype=np.int64)
     global_acc = np.full(task.num_clients, np.nan)
     f1_global = np.full(task.num_clients, np.nan)
+    ece_local = np.full(task.num_clients, np.nan)
+    ece_global = np.full(task.num_clients, np.nan)
     everything = torch.arange(len(data.test_labels), device=data.test_labels.device)
     classes = client_classes(task) if label_space == "client" else None  # (N, C)
     chunk = max(1, batch_size // 32)
@@ -185,15 +207,18 @@ def _evaluate_per_client(
         params = _adapt(method, params, task, inputs, ids, ctx)
         local = [task.test_idx[c] for c in ids.tolist()]
         allowed = None if classes is None else classes[ids.to(classes.device)]  # (K, C)
-        correct = _correct(method, params, inputs, local, ctx, batch_size, allowed)
+        correct, confs = _correct(method, params, inputs, local, ctx, batch_size, allowed)
         for row, c in enumerate(ids.tolist()):
             correct_local[c] = int(correct[row].sum())
+            ece_local[c] = _ece(confs[row], correct[row])
         participants = [row for row, c in enumerate(ids.tolist()) if not task.heldout[c]]
         full = [everything if row in participants else everything[:0] for row in range(len(ids))]
-        preds = _predicted(method, params, inputs, full, ctx, batch_size)
+        preds, confs = _predicted(method, params, inputs, full, ctx, batch_size)
         for row in participants:
-            global_acc[ids[row]] = (preds[row] == data.test_labels).float().mean().item()
+            hit = preds[row] == data.test_labels
+            global_acc[ids[row]] = hit.float().mean().item()
             f1_global[ids[row]] = _f1(preds[row], data.test_labels, data.num_classes)
+            ece_global[ids[row]] = _ece(confs[row], hit)
     return EvalCounts(
         correct_local=correct_local,
         total_local=np.array([len(idx) for idx in task.test_idx]),
@@ -202,6 +227,8 @@ def _evaluate_per_client(
         global_total=len(data.test_labels),
         heldout_applicable=heldout_ok,
         f1_global=f1_global,
+        ece_local=ece_local,
+        ece_global=ece_global,
     )
 
 
@@ -235,14 +262,15 @@ def _correct(
     ctx: Context,
     batch_size: int,
     allowed: Tensor | None = None,
-) -> list[Tensor]:
-    """Per row k: a bool tensor of which of the test samples idx[k] row k predicts right.
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Per row k: a bool tensor of which of the test samples idx[k] row k predicts right, and
+    the confidences of those predictions.
 
     `allowed` (K, C) bool, if given, restricts row k's predictions to the classes allowed[k].
     """
-    preds = _predicted(method, params, inputs, idx, ctx, batch_size, allowed)
+    preds, confs = _predicted(method, params, inputs, idx, ctx, batch_size, allowed)
     labels = inputs.task.data.test_labels
-    return [p == labels[i] for p, i in zip(preds, idx, strict=True)]
+    return [p == labels[i] for p, i in zip(preds, idx, strict=True)], confs
 
 
 def _predicted(
@@ -253,12 +281,14 @@ def _predicted(
     ctx: Context,
     batch_size: int,
     allowed: Tensor | None = None,
-) -> list[Tensor]:
-    """Per row k: the labels row k predicts for its test samples idx[k] (see `_correct`)."""
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Per row k: the labels row k predicts for its test samples idx[k] and their confidences
+    (see `_correct`)."""
     flat, rows = _flat(idx)
     mask = None if allowed is None else allowed[rows.to(allowed.device)]  # (M, C)
-    pred = predict(method, params, inputs, flat, rows, ctx, batch_size, mask)
-    return list(pred.split([len(t) for t in idx]))
+    pred, conf = predict(method, params, inputs, flat, rows, ctx, batch_size, mask)
+    sizes = [len(t) for t in idx]
+    return list(pred.split(sizes)), list(conf.split(sizes))
 
 
 def _flat(parts: list[Tensor]) -> tuple[Tensor, Tensor]:

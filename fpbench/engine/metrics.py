@@ -21,6 +21,10 @@
 * `acc_profile_<name>`: in a model-heterogeneous run, the same for the clients of a profile.
 * `f1_macro_global`: macro F1 on the full test split (TPFL Figs. 2-3), averaged over clients
   like `acc_global`; F1 is averaged over the classes present in the labels or the predictions.
+* `ece_local` (per client) / `ece_heldout` / `ece_local_mean` / `ece_heldout_mean` / `ece_global`:
+  expected calibration error (Guo et al., ICML 2017) beside the accuracy of the same name, from
+  the evaluation's logits: top-1 confidence (max softmax, over the classes the prediction may
+  take) in 15 equal-width bins (lo, hi], ECE = sum_b |B_b| / n * |acc(B_b) - conf(B_b)|.
 * `params_trainable`: shared parameters plus one client's personal ones, stored once (round 0).
 * `<name>_last10`: the mean of an aggregate over the last 10 evaluated rounds (the papers' figure).
 """
@@ -36,6 +40,7 @@ from typing import Any
 import numpy as np
 
 PERCENTILES = (5, 10, 15)
+ECE_BINS = 15
 SUMMARY_SUFFIX = "_last"
 
 
@@ -51,6 +56,8 @@ class EvalCounts:
     heldout_applicable: bool = True
     f1_global: np.ndarray | None = None  # macro F1 on the full test split, shaped as global_acc
     untrained: np.ndarray | None = None  # (N,) bool: participating clients left out (unseen)
+    ece_local: np.ndarray | None = None  # (N,) ECE on each local test set (nan: empty)
+    ece_global: np.ndarray | None = None  # ECE on the full test split, shaped as global_acc
 
 
 MetricRow = tuple[int | None, str, float, int | None]  # client_id, name, value, count
@@ -63,16 +70,20 @@ def client_rows(ev: EvalCounts) -> list[MetricRow]:
     for c in range(len(ev.total_local)):
         if ev.total_local[c] == 0 or (ev.heldout[c] and not ev.heldout_applicable) or skip[c]:
             continue
-        name = "acc_heldout" if ev.heldout[c] else "acc_local"
-        rows.append(
-            (c, name, float(ev.correct_local[c] / ev.total_local[c]), int(ev.total_local[c]))
-        )
+        name = "heldout" if ev.heldout[c] else "local"
+        n = int(ev.total_local[c])
+        rows.append((c, f"acc_{name}", float(ev.correct_local[c] / n), n))
+        if ev.ece_local is not None and not np.isnan(ev.ece_local[c]):
+            rows.append((c, f"ece_{name}", float(ev.ece_local[c]), n))
     if len(ev.global_acc) > 1:
-        rows += [
-            (c, "acc_global", float(a), ev.global_total)
-            for c, a in enumerate(ev.global_acc)
-            if not ev.heldout[c] and not skip[c] and not np.isnan(a)
-        ]
+        for name, values in (("acc_global", ev.global_acc), ("ece_global", ev.ece_global)):
+            if values is None:
+                continue
+            rows += [
+                (c, name, float(a), ev.global_total)
+                for c, a in enumerate(values)
+                if not ev.heldout[c] and not skip[c] and not np.isnan(a)
+            ]
     return rows
 
 
@@ -101,17 +112,36 @@ def aggregates(ev: EvalCounts) -> dict[str, float]:
     glob = glob[~np.isnan(glob)]
     if glob.size:
         out["acc_global"] = float(glob.mean())
-    if ev.f1_global is not None:
-        f1 = ev.f1_global if len(ev.f1_global) == 1 else ev.f1_global[~ev.heldout & ~skip]
-        f1 = f1[~np.isnan(f1)]
-        if f1.size:
-            out["f1_macro_global"] = float(f1.mean())
+    for name, values in (("f1_macro_global", ev.f1_global), ("ece_global", ev.ece_global)):
+        if values is not None:
+            per = values if len(values) == 1 else values[~ev.heldout & ~skip]
+            per = per[~np.isnan(per)]
+            if per.size:
+                out[name] = float(per.mean())
+    if ev.ece_local is not None and (ece := ev.ece_local[part & ~np.isnan(ev.ece_local)]).size:
+        out["ece_local_mean"] = float(ece.mean())
     held = has_test & ev.heldout
     if held.any() and ev.heldout_applicable:
         hacc = ev.correct_local[held] / ev.total_local[held]
         out["acc_heldout_mean"] = float(hacc.mean())
         out["acc_heldout_worst"] = float(hacc.min())
+        if ev.ece_local is not None and (ece := ev.ece_local[held & ~np.isnan(ev.ece_local)]).size:
+            out["ece_heldout_mean"] = float(ece.mean())
     return out
+
+
+def expected_calibration_error(
+    conf: np.ndarray, correct: np.ndarray, bins: int = ECE_BINS
+) -> float:
+    """ECE of top-1 confidences conf (M,) and hits correct (M,) in `bins` equal-width bins
+    (lo, hi] of [0, 1]: sum over bins of |B| / M * |accuracy(B) - mean confidence(B)|; nan if M = 0.
+    """
+    conf, hit = np.asarray(conf, dtype=np.float64), np.asarray(correct, dtype=np.float64)
+    if conf.size == 0:
+        return float("nan")
+    which = np.clip(np.ceil(conf * bins).astype(np.int64) - 1, 0, bins - 1)  # (lo, hi]
+    gap = np.bincount(which, weights=hit - conf, minlength=bins)  # sum of (hit - conf) per bin
+    return float(np.abs(gap).sum() / conf.size)
 
 
 def macro_f1(pred: np.ndarray, labels: np.ndarray, num_classes: int) -> float:

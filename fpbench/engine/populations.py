@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from torch import Tensor
 
+from fpbench.engine.eval_modes import Target
 from fpbench.engine.inputs import Inputs
 from fpbench.engine.metrics import EvalCounts
 from fpbench.methods.base import Method, ServerState
@@ -46,6 +47,7 @@ class Population:
     method: Method
     inputs: Inputs
     cohorts: tuple[Cohort, ...]
+    targets: tuple[Target, ...] = ()  # the evaluation mode's scored sets (`eval_modes`)
 
     @property
     def clients(self) -> list[int]:
@@ -131,12 +133,17 @@ def merge_counts(parts: list[tuple[EvalCounts, list[int]]]) -> EvalCounts:
     correct = np.zeros(n, dtype=np.int64)
     global_acc = np.full(n, np.nan)
     f1 = np.full(n, np.nan)
+    ece_local, ece_global = np.full(n, np.nan), np.full(n, np.nan)
     for counts, clients in parts:
         idx = np.asarray(clients, dtype=np.int64)
         correct[idx] = counts.correct_local[idx]
         global_acc[idx] = _per_client(counts.global_acc, idx)
         if counts.f1_global is not None:
             f1[idx] = _per_client(counts.f1_global, idx)
+        if counts.ece_local is not None:
+            ece_local[idx] = counts.ece_local[idx]
+        if counts.ece_global is not None:
+            ece_global[idx] = _per_client(counts.ece_global, idx)
     return EvalCounts(
         correct_local=correct,
         total_local=first.total_local,
@@ -145,6 +152,8 @@ def merge_counts(parts: list[tuple[EvalCounts, list[int]]]) -> EvalCounts:
         global_total=first.global_total,
         heldout_applicable=first.heldout_applicable,
         f1_global=f1,
+        ece_local=ece_local,
+        ece_global=ece_global,
     )
 
 

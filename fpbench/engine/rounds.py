@@ -15,6 +15,7 @@ import torch
 from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.build import resolve_precision
 from fpbench.engine.cost import count_flops
+from fpbench.engine.eval_modes import derived
 from fpbench.engine.evaluate import evaluate
 from fpbench.engine.executor import LocalResult, concat_results, train_clients
 from fpbench.engine.metrics import (
@@ -50,12 +51,33 @@ class NonFiniteLoss(RuntimeError):
 
 
 def sampling_schedule(
-    seed: int, rounds: int, clients: list[int], participation: float
+    seed: int, rounds: int, clients: list[int], participation: float, dropout: float = 0.0
 ) -> list[list[int]]:
-    """The clients of every round, pre-drawn from the seed so every method sees the same ones."""
+    """The clients of every round that report, pre-drawn from the seed so every method sees the
+    same ones: m = floor(participation * N) sampled, then `dropout_positions` of them fail."""
     rng = np.random.default_rng(derive_seed(seed, "client-sampling"))
     m = max(1, math.floor(participation * len(clients) + 1e-9))
-    return [[int(c) for c in rng.choice(clients, m, replace=False)] for _ in range(rounds)]
+    sampled = [[int(c) for c in rng.choice(clients, m, replace=False)] for _ in range(rounds)]
+    if dropout == 0:
+        return sampled
+    failed = dropout_positions(seed, rounds, m, dropout)
+    return [
+        [c for i, c in enumerate(ids) if i not in gone]
+        for ids, gone in zip(sampled, failed, strict=True)
+    ]
+
+
+def dropout_positions(seed: int, rounds: int, m: int, dropout: float) -> list[set[int]]:
+    """Per round, the positions in the round's sample of m clients that fail to report: all but
+    max(1, floor((1 - dropout) * m)) of them, uniformly at random (FLiP's count of reporting
+    clients, 0-ml/flip flcore/servers/server_base.py:205-206, with at least one reporting).
+
+    Drawn from the seed alone (its own stream, "client-dropout"), so that the draw is the same
+    whatever the partition, the sampling, or the method.
+    """
+    rng = np.random.default_rng(derive_seed(seed, "client-dropout"))
+    k = m - max(1, math.floor((1 - dropout) * m + 1e-9))
+    return [{int(i) for i in rng.choice(m, k, replace=False)} for _ in range(rounds)]
 
 
 def should_eval(r: int, train: TrainConfig) -> bool:
@@ -100,7 +122,11 @@ def run_rounds(
     store.truncate_after(run_id, ckpt.round)
     observer.cell_start(cfg, ckpt.round + 1)
     schedule = sampling_schedule(
-        cfg.seed, cfg.train.rounds, task.trainable_clients(), cfg.train.participation
+        cfg.seed,
+        cfg.train.rounds,
+        task.trainable_clients(),
+        cfg.train.participation,
+        cfg.train.dropout,
     )
     count = store.get_run(run_id).round_flops is None
     for r in range(ckpt.round + 1, cfg.train.rounds):
@@ -307,11 +333,49 @@ def evaluate_populations(
         names = [p.name for p in cfg.model_het.profiles]
         profiles = client_profiles(cfg.model_het)
         agg |= domain_accuracies(counts, profiles, names, prefix="acc_profile_")
+    agg |= score_targets(populations, servers, cfg, precision, seen)
+    agg |= derived(cfg.evaluation, agg)
     history.append(agg)
     rows = client_rows(counts) + [(None, k, v, None) for k, v in agg.items()]
     if r == cfg.train.rounds - 1:
         rows += [(None, k, v, None) for k, v in summary(history, cfg.train.summary_window).items()]
     return rows
+
+
+def score_targets(
+    populations: list[Population],
+    servers: dict[str, ServerState],
+    cfg: RunConfig,
+    precision: str,
+    seen: list[int],
+) -> dict[str, float]:
+    """`acc_<set>` / `ece_<set>` of each set the evaluation mode scores (`eval_modes`): the
+    global model's, or the mean over the trained clients' own models, on its whole test split."""
+    out: dict[str, float] = {}
+    single = len(populations) == 1
+    for i, first in enumerate(populations[0].targets):
+        counts = merge_counts(
+            [
+                (
+                    evaluate(
+                        pop.targets[i].method,
+                        servers[pop.key],
+                        pop.targets[i].task,
+                        cfg.train.eval_batch_size,
+                        pop.targets[i].inputs,
+                        precision,
+                        clients=None if single else pop.clients,
+                    ),
+                    pop.clients,
+                )
+                for pop in populations
+            ]
+        )
+        agg = aggregates(mark_untrained(counts, populations, seen, cfg.train.unseen_clients))
+        for metric in ("acc", "ece"):
+            if f"{metric}_global" in agg:
+                out[f"{metric}_{first.name}"] = agg[f"{metric}_global"]
+    return out
 
 
 def mark_untrained(

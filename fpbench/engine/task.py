@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -13,6 +14,7 @@ from torch import Tensor
 
 from fpbench.data import ImageDataset
 from fpbench.data.prepared import data_root
+from fpbench.engine.eval_modes import EvalSet, split_for
 from fpbench.errors import FpbenchError
 from fpbench.partition import Client, make_clients
 from fpbench.registry import DATASETS
@@ -31,6 +33,8 @@ class Task:
     train_sizes: Tensor  # (N,)
     heldout: Tensor  # (N,) bool
     aggregation_sizes: Tensor | None = None  # (N,) FedAvg weights; None: train_sizes
+    # what the run's evaluation mode scores beside it (`fpbench.engine.eval_modes`), on the device
+    eval_sets: tuple[EvalSet, ...] = ()
 
     @property
     def aggregation_weights(self) -> Tensor:
@@ -57,9 +61,15 @@ def load_dataset(comp: Component) -> ImageDataset:
 
 
 def build_task(cfg: RunConfig, device: torch.device) -> Task:
-    """Load (or reuse) the dataset, partition it, and move images and indices to `device`."""
-    data = load_dataset(cfg.dataset)
-    return task_of(data, cfg.partition, cfg.seed, device, cfg.train.aggregation_weights)
+    """Load (or reuse) the dataset, partition it, and move images and indices to `device`.
+
+    Under an evaluation mode the partition sees the mode's training data (base classes, the
+    domains not held out) and the task carries the sets the mode scores besides.
+    """
+    data, extra = split_for(cfg.evaluation, load_dataset(cfg.dataset), load_dataset)
+    task = task_of(data, cfg.partition, cfg.seed, device, cfg.train.aggregation_weights)
+    task.eval_sets = tuple(dataclasses.replace(e, data=e.data.moved(device)) for e in extra)
+    return task
 
 
 def task_of(

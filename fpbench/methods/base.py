@@ -68,7 +68,14 @@ class PresetConfig(MethodConfig):
 
 @dataclass(frozen=True)
 class TaskInfo:
-    """What a method may know about the federation when it builds its parameters."""
+    """What a method may know about the federation when it builds its parameters.
+
+    `class_names` are the classes this instance scores, which are not always the dataset's:
+    under an evaluation mode (`fpbench.engine.eval_modes`) the engine builds a second instance
+    over other names (a base-to-novel split's novel classes, a cross-dataset target's) and hands
+    it the trained server state. A method that builds its text classifier from these names, with
+    trained tensors whose shapes do not depend on the class count, works in those modes as is.
+    """
 
     num_classes: int
     num_clients: int

@@ -39,6 +39,13 @@ TABLE_METRICS = (
     "acc_local_worst",
     "acc_heldout_mean",
     "acc_heldout_worst",
+    "ece_global",
+    "ece_local_mean",
+    "acc_base",  # the evaluation modes (fpbench.engine.eval_modes), where stored
+    "acc_novel",
+    "acc_hm",
+    "acc_xd_mean",
+    "acc_lodo",
     "params_trainable",
 )
 DOMAIN_METRIC = r"acc_domain_[0-9a-z-]+"  # fpbench.engine.metrics.domain_accuracies

@@ -31,6 +31,13 @@ LABELS = {
     "acc_local_worst": "worst local accuracy",
     "acc_heldout_mean": "mean held-out accuracy",
     "acc_heldout_worst": "worst held-out accuracy",
+    "ece_global": "expected calibration error (global)",
+    "ece_local_mean": "mean local expected calibration error",
+    "acc_base": "base-class accuracy",
+    "acc_novel": "novel-class accuracy",
+    "acc_hm": "base-novel harmonic mean",
+    "acc_xd_mean": "mean cross-dataset accuracy",
+    "acc_lodo": "held-out domain accuracy",
     "loss_train": "training loss",
 }
 

@@ -1,0 +1,287 @@
+"""Evaluation modes: CoOp's class split, the held-out domain, the mode's config, and the scores
+of the trained prompts on other class names, against an independent computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fpbench.data.base import ImageDataset
+from fpbench.engine.build import build_populations
+from fpbench.engine.eval_modes import class_split, derived, without_domain
+from fpbench.engine.rounds import score_targets
+from fpbench.engine.task import build_task, load_dataset
+from fpbench.errors import FpbenchError
+from fpbench.specs import Evaluation
+from fpbench.suites import expand_suite
+
+CPU = torch.device("cpu")
+
+
+def _data(labels_tr, labels_te, domains_tr=None, domains_te=None, names=None) -> ImageDataset:
+    n, m = len(labels_tr), len(labels_te)
+    return ImageDataset(
+        name="toy",
+        train_images=torch.arange(n, dtype=torch.uint8).view(n, 1, 1, 1).expand(n, 3, 2, 2),
+        train_labels=torch.tensor(labels_tr),
+        test_images=torch.arange(m, dtype=torch.uint8).view(m, 1, 1, 1).expand(m, 3, 2, 2),
+        test_labels=torch.tensor(labels_te),
+        class_names=names or ["a", "b", "c", "d", "e"],
+        train_domains=None if domains_tr is None else torch.tensor(domains_tr),
+        test_domains=None if domains_te is None else torch.tensor(domains_te),
+        domain_names=None if domains_tr is None else ["d0", "d1", "d2"],
+    )
+
+
+def test_class_split_is_coops_base_first_half_rounded_up():
+    # 5 classes: base = labels 0, 1, 2 (ceil(5/2) = 3); novel = 3, 4 re-indexed to 0, 1
+    data = _data([0, 4, 1, 3, 2, 0], [3, 0, 4, 2, 1])
+    base, novel = class_split(data)
+    assert base.class_names == ["a", "b", "c"] and novel.class_names == ["d", "e"]
+    assert base.train_labels.tolist() == [0, 1, 2, 0]
+    assert base.train_images[:, 0, 0, 0].tolist() == [0, 2, 4, 5]  # the samples kept, in order
+    assert base.test_labels.tolist() == [0, 2, 1]
+    assert base.test_images[:, 0, 0, 0].tolist() == [1, 3, 4]
+    assert novel.test_labels.tolist() == [0, 1]  # labels 3, 4
+    assert novel.test_images[:, 0, 0, 0].tolist() == [0, 2]
+    assert novel.train_labels.tolist() == [1, 0]  # labels 4, 3
+    # an even count splits in halves
+    four = class_split(_data([0, 1, 2, 3], [3, 2], names=["a", "b", "c", "d"]))
+    assert [d.class_names for d in four] == [["a", "b"], ["c", "d"]]
+
+
+def test_without_domain_reindexes_the_others_and_keeps_the_held_out_test_images():
+    data = _data([0, 1, 2, 0, 1], [0, 1, 2, 2], [0, 1, 2, 2, 1], [2, 1, 0, 1])
+    rest, held = without_domain(data, "D1")  # names compare as `domain_key`s
+    assert rest.domain_names == ["d0", "d2"] and held.domain_names == ["d1"]
+    assert rest.train_domains.tolist() == [0, 1, 1]  # d0, d2, d2: d2 becomes 1
+    assert rest.train_images[:, 0, 0, 0].tolist() == [0, 2, 3]
+    assert rest.test_domains.tolist() == [1, 0]
+    assert held.test_images[:, 0, 0, 0].tolist() == [1, 3] and held.test_labels.tolist() == [1, 2]
+    with pytest.raises(FpbenchError, match="no domain 'd7'; its domains: d0, d1, d2"):
+        without_domain(data, "d7")
+
+
+def test_harmonic_mean_and_cross_dataset_mean():
+    b2n = Evaluation(mode="base2novel")
+    assert derived(b2n, {"acc_global": 0.6, "acc_novel": 0.3}) == {
+        "acc_base": 0.6,
+        "acc_hm": pytest.approx(2 * 0.6 * 0.3 / 0.9),
+    }
+    assert derived(b2n, {"acc_global": 0.0, "acc_novel": 0.0})["acc_hm"] == 0.0
+    xd = Evaluation(mode="cross-dataset", targets=[{"name": "synthetic", "label": "s"}])
+    assert derived(xd, {"acc_xd_a": 0.2, "acc_xd_b": 0.5, "acc_global": 0.9}) == {
+        "acc_xd_mean": pytest.approx(0.35)
+    }
+
+
+def test_mode_settings_are_checked():
+    with pytest.raises(ValueError, match="only for, mode 'cross-dataset'"):
+        Evaluation(mode="cross-dataset")
+    with pytest.raises(ValueError, match="only for, mode 'leave-one-domain-out'"):
+        Evaluation(mode="base2novel", domain="d0")
+    with pytest.raises(ValueError, match="only for, mode 'leave-one-domain-out'"):
+        Evaluation(mode="leave-one-domain-out")
+    with pytest.raises(ValueError, match="unique"):
+        Evaluation(mode="cross-dataset", targets=[{"name": "synthetic"}, {"name": "synthetic"}])
+    # a target's label defaults to its name
+    assert Evaluation(mode="cross-dataset", targets=[{"name": "synthetic"}]).targets[0].label == (
+        "synthetic"
+    )
+
+
+def _cell(method: dict, evaluation: dict | None, **data):
+    raw = {
+        "seeds": [0],
+        "defaults": {
+            "backbone": {"name": "clip-test"},
+            "dataset": {"num_classes": 5, "image_size": 16, "train_per_class": 6,
+                        "test_per_class": 3, **data},
+            "partition": {"num_clients": 3, "heldout_frac": 0.0},
+            "train": {"rounds": 1, "batch_size": 8, "eval_batch_size": 64},
+        },
+        "datasets": [{"name": "synthetic"}],
+        "partitions": [{"name": "dirichlet", "alpha": 1.0, "min_size": 1}],
+        "methods": [method],
+    }  # fmt: skip
+    if evaluation is not None:
+        raw["defaults"]["evaluation"] = evaluation
+    return expand_suite(raw, name="modes").cells[0]
+
+
+def test_the_mode_is_part_of_the_run_key_and_absent_keeps_old_keys():
+    plain = _cell({"name": "promptfl", "n_ctx": 4}, None)
+    b2n = _cell({"name": "promptfl", "n_ctx": 4}, {"mode": "base2novel"})
+    assert "evaluation" not in plain.identity()
+    assert b2n.identity()["evaluation"]["mode"] == "base2novel"
+    assert b2n.run_key != plain.run_key
+    # cross-dataset targets are resolved with their dataset's defaults filled in
+    xd = _cell({"name": "promptfl"}, {"mode": "cross-dataset", "targets": [{"name": "synthetic"}]})
+    assert xd.evaluation.targets[0].args["num_classes"] == 20
+
+
+def test_leave_one_domain_out_partitions_the_other_domains():
+    lodo = {"mode": "leave-one-domain-out", "domain": "d1"}
+    raw_part = {"name": "domain-dirichlet", "clients_per_domain": 2, "min_size": 1}
+    raw = {
+        "seeds": [0],
+        "defaults": {
+            "backbone": {"name": "clip-test"},
+            "dataset": {"num_classes": 4, "image_size": 16, "train_per_class": 6,
+                        "test_per_class": 3, "num_domains": 3},
+            "partition": {"num_clients": 4, "heldout_frac": 0.0},
+            "train": {"rounds": 1, "batch_size": 8},
+            "evaluation": lodo,
+        },
+        "datasets": [{"name": "synthetic"}],
+        "partitions": [raw_part],
+        "methods": [{"name": "promptfl", "n_ctx": 4}],
+    }  # fmt: skip
+    cfg = expand_suite(raw, name="lodo").cells[0]  # 4 clients = 2 x the 2 domains left
+    task = build_task(cfg, CPU)
+    assert task.data.domain_names == ["d0", "d2"]
+    assert {c.domain for c in task.clients} == {0, 1}
+    (held,) = task.eval_sets
+    assert held.name == "lodo" and held.same_classes
+    full = load_dataset(cfg.dataset)
+    assert held.data.test_labels.tolist() == full.test_labels[full.test_domains == 1].tolist()
+    assert len(task.data.test_labels) == int((full.test_domains != 1).sum())
+    raw["defaults"]["partition"]["num_clients"] = 6  # the three domains: refused
+    with pytest.raises(FpbenchError, match=r"clients_per_domain x domains \(2 x 2\)"):
+        expand_suite(raw, name="lodo")
+
+
+def _independent_accuracy(method, ctx, data):
+    """Accuracy of CoOp prompts ctx (M, d) on `data`'s test split over its class names,
+    computed from the backbone directly."""
+    from fpbench.backbones.clip_prompts import PromptLayout
+
+    clip = method.backbone
+    with torch.no_grad():
+        layout = PromptLayout.build(clip, list(data.class_names), ctx.shape[0])
+        text = layout.text_features(clip, ctx.unsqueeze(0))[0]  # (C, E)
+        feats = F.normalize(clip.encode_image(clip.preprocess(data.test_images)).float(), dim=-1)
+        pred = (feats @ text.T).argmax(-1)
+    return (pred == data.test_labels).float().mean().item()
+
+
+def test_novel_classes_are_scored_with_the_trained_prompts_over_their_names():
+    cfg = _cell({"name": "promptfl", "n_ctx": 4}, {"mode": "base2novel"})
+    task = build_task(cfg, CPU)
+    assert task.data.class_names == ["c0", "c1", "c2"]  # training sees the base classes only
+    assert int(task.data.train_labels.max()) == 2
+    (pop,) = build_populations(cfg, task, CPU)
+    assert pop.method.task.class_names == ("c0", "c1", "c2")
+    (target,) = pop.targets
+    assert target.method.task.class_names == ("c3", "c4")
+    server = pop.method.init_server(torch.Generator().manual_seed(3))
+    out = score_targets([pop], {"": server}, cfg, "fp32", [0, 1, 2])
+    novel = target.task.data
+    assert len(novel.test_labels) == 2 * 3
+    expected = _independent_accuracy(pop.method, server.params["ctx"], novel)
+    assert out["acc_novel"] == pytest.approx(expected)
+    assert set(out) == {"acc_novel", "ece_novel"}
+
+
+def test_cross_dataset_scores_each_target_with_its_class_names():
+    target = {"name": "synthetic", "label": "Other.Set", "args": {
+        "num_classes": 7, "image_size": 16, "train_per_class": 1, "test_per_class": 2,
+        "seed": 9}}  # fmt: skip
+    cfg = _cell({"name": "promptfl", "n_ctx": 4}, {"mode": "cross-dataset", "targets": [target]})
+    task = build_task(cfg, CPU)
+    (pop,) = build_populations(cfg, task, CPU)
+    server = pop.method.init_server(torch.Generator().manual_seed(4))
+    out = score_targets([pop], {"": server}, cfg, "fp32", [0, 1, 2])
+    data = pop.targets[0].task.data
+    assert data.num_classes == 7 and len(data.test_labels) == 14
+    expected = _independent_accuracy(pop.method, server.params["ctx"], data)
+    assert out["acc_xd_other-set"] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("method", "evaluation"),
+    [
+        ({"name": "promptfl", "n_ctx": 4, "csc": True}, {"mode": "base2novel"}),
+        ({"name": "fedvpt"}, {"mode": "cross-dataset", "targets": [{"name": "synthetic"}]}),
+    ],
+)
+def test_a_method_whose_parameters_depend_on_the_classes_is_refused(method, evaluation):
+    cfg = _cell(method, evaluation)
+    if method["name"] == "fedvpt":
+        cfg = cfg.model_copy(
+            update={"backbone": cfg.backbone.model_copy(update={"name": "vit-test"})}
+        )
+    task = build_task(cfg, CPU)
+    with pytest.raises(FpbenchError, match="cannot be scored on other classes"):
+        build_populations(cfg, task, CPU)
+
+
+_BAD_SUITE = """
+name = "bad-mode"
+seeds = [0]
+[defaults]
+backbone = {{ name = "clip-test" }}
+dataset = {{ num_classes = 4, image_size = 16, train_per_class = 6, test_per_class = 3 }}
+partition = {{ num_clients = 2, heldout_frac = 0.0 }}
+train = {{ rounds = 1, batch_size = 8 }}
+evaluation = {evaluation}
+[[datasets]]
+name = "synthetic"
+[[partitions]]
+name = "dirichlet"
+min_size = 1
+[[methods]]
+name = "promptfl"
+n_ctx = 4
+"""
+
+
+@pytest.mark.parametrize(
+    ("evaluation", "needle"),
+    [
+        ('{ mode = "leave-one-domain-out", domain = "d9" }', "has no domain 'd9'"),
+        ('{ mode = "cross-dataset", targets = [{ name = "dtd" }] }', "dataset 'dtd' not found"),
+        ('{ mode = "cross-dataset", targets = [{ name = "nope" }] }', "nope"),
+        ('{ mode = "base2novel", targets = [{ name = "dtd" }] }', "only for, mode 'cross-dataset'"),
+    ],
+)
+def test_bad_modes_exit_2_with_one_line_and_write_nothing(
+    tmp_path, monkeypatch, evaluation, needle
+):
+    from typer.testing import CliRunner
+
+    from fpbench.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FPBENCH_DATA", str(tmp_path / "no-data"))
+    (tmp_path / "bad.toml").write_text(_BAD_SUITE.format(evaluation=evaluation))
+    result = CliRunner().invoke(app, ["run", "--suite", str(tmp_path / "bad.toml")])
+    assert result.exit_code == 2, result.output
+    assert needle in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_personal_method_is_scored_with_each_trained_clients_own_prompts():
+    from fpbench.methods.base import Context, as_logits
+
+    cfg = _cell({"name": "fedotp", "n_ctx": 4}, {"mode": "base2novel"})
+    task = build_task(cfg, CPU)
+    (pop,) = build_populations(cfg, task, CPU)
+    (target,) = pop.targets
+    server = pop.method.init_server(torch.Generator().manual_seed(5))
+    gen = torch.Generator().manual_seed(6)  # the clients' local prompts now differ
+    server.personal = {
+        k: v + 0.3 * torch.randn(v.shape, generator=gen) for k, v in server.personal.items()
+    }
+    out = score_targets([pop], {"": server}, cfg, "fp32", [0, 2])  # client 1 never trained
+    data = target.task.data
+    x = pop.method.backbone.preprocess(data.test_images)
+    rows = torch.zeros(len(x), dtype=torch.long)
+    accs = []
+    for c in (0, 2):
+        params = pop.method.client_params(server, torch.tensor([c]), training=False)
+        with torch.no_grad():
+            logits = as_logits(target.method.forward(params, x, rows, Context(training=False)))
+        accs.append((logits.argmax(-1) == data.test_labels).float().mean().item())
+    assert out["acc_novel"] == pytest.approx(sum(accs) / 2)
