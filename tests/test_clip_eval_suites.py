@@ -97,8 +97,13 @@ def test_smoke_clip_xdomain(tmp_path, monkeypatch):
 
 def test_smoke_flip_compare(tmp_path, monkeypatch):
     runs = _run("smoke-flip-compare", tmp_path, monkeypatch)
-    assert set(runs) == {"coop/synthetic", "fedotp/synthetic"}
-    for key, run in runs.items():
+    labels = "coop fedotp local zero-shot centralized cocoop kgcoop prograd plot fedclip fedpgp"
+    labels = (*labels.split(), "promptfolio", "fedtpg", "dp-fpl", "maple", "promptsrc")
+    assert set(runs) == {f"{label}/synthetic" for label in labels}
+    for run in runs.values():  # every method of the twin stores both settings' metrics
+        both = {"acc_global", "acc_local_mean", "ece_global", "ece_local_mean"}
+        assert both <= set(run["agg"][1])
+    for key, run in ((k, runs[k]) for k in ("coop/synthetic", "fedotp/synthetic")):
         cfg = run["config"]
         assert cfg["partition"]["args"]["num_clients"] == 10
         assert cfg["partition"]["args"]["alpha"] == 0.1 and cfg["partition"]["args"]["shots"] == 8
