@@ -866,3 +866,28 @@ def test_frames_of_nothing_keep_their_columns(store: Store) -> None:
     assert list(store.rounds(run.id).columns) == ROUND_COLUMNS and store.rounds(run.id).empty
     assert list(store.runs().columns) == [*RUN_COLUMNS, "last_round"]
     assert list(store.metrics().columns) == METRIC_COLUMNS
+
+
+def test_get_run_errors_show_what_was_asked_and_up_to_five_keys(store: Store) -> None:
+    for i in range(7):
+        make_run(store, run_key=f"abcd{i}fff")
+    with pytest.raises(FpbenchError) as info:
+        store.get_run("abcd")
+    keys = ", ".join(f"abcd{i}fff" for i in range(5))
+    assert str(info.value) == f"run key prefix 'abcd' is ambiguous ({keys}, ...): give more"
+    with pytest.raises(FpbenchError) as info:
+        store.get_run("ab")
+    assert str(info.value) == (
+        "no run 'ab': give a run id or at least 4 characters of a run key (see `fpbench runs`)"
+    )
+
+
+def test_truncate_after_leaves_other_runs_metrics(store: Store) -> None:
+    run, other = make_run(store), make_run(store, run_key="ffff0000")
+    for rnd in (1, 2, 3):
+        write(store, run.id, rnd)
+        write(store, other.id, rnd)
+    store.truncate_after(run.id, 1)
+    rounds = store.metrics(aggregate_only=False).groupby("run_id")["round"].unique()
+    assert [sorted(r) for r in rounds] == [[1], [1, 2, 3]]
+    assert store.round_numbers(other.id) == [1, 2, 3]
