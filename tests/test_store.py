@@ -470,6 +470,8 @@ def test_record_cost_keeps_the_peak_and_the_first_flops(store: Store) -> None:
         None,
         None,
     )
+    store.record_cost(run.id, peak_mem_bytes=0)
+    assert store.find_run(run.run_key).peak_mem_bytes == 0
     store.record_cost(run.id, peak_mem_bytes=500, round_flops=7)
     store.record_cost(run.id, peak_mem_bytes=300, round_flops=9)
     rec = store.find_run(run.run_key)
