@@ -893,3 +893,13 @@ def test_truncate_after_leaves_other_runs_metrics(store: Store) -> None:
     rounds = store.metrics(aggregate_only=False).groupby("run_id")["round"].unique()
     assert [sorted(r) for r in rounds] == [[1], [1, 2, 3]]
     assert store.round_numbers(other.id) == [1, 2, 3]
+
+
+def test_a_claim_exactly_as_old_as_the_timeout_still_holds(store: Store, monkeypatch) -> None:
+    now = dt.datetime.now(dt.timezone.utc)
+    monkeypatch.setattr(claims, "_now", lambda: now)
+    run = make_run(store)
+    assert store.claim_run(run.id, "a")
+    _set_claim(store, run.id, heartbeat_at=now - dt.timedelta(seconds=60))
+    assert not store.claim_run(run.id, "b", timeout_s=60)
+    assert store.claim_run(run.id, "b", timeout_s=59.999)
