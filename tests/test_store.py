@@ -425,6 +425,7 @@ def test_heartbeat_finish_and_writes_need_the_claim(store: Store) -> None:
     assert not store.finish_run(run.id, "a", "done")  # no longer running
     assert not store.heartbeat(run.id, "a")
     assert store.claim_run(run.id, "a")
+    assert store.find_run(run.run_key).finished_at is None  # a retry is not finished
     assert store.finish_run(run.id, "a", "done")
     rec = store.find_run(run.run_key)
     assert (rec.status, rec.error, rec.traceback, rec.wall_s) == ("done", None, None, 3.0)
@@ -903,3 +904,15 @@ def test_a_claim_exactly_as_old_as_the_timeout_still_holds(store: Store, monkeyp
     _set_claim(store, run.id, heartbeat_at=now - dt.timedelta(seconds=60))
     assert not store.claim_run(run.id, "b", timeout_s=60)
     assert store.claim_run(run.id, "b", timeout_s=59.999)
+
+
+def test_taking_over_from_a_dead_owner_starts_a_fresh_heartbeat(store: Store, monkeypatch) -> None:
+    now = dt.datetime.now(dt.timezone.utc)
+    monkeypatch.setattr(claims, "_now", lambda: now)
+    run = make_run(store)
+    dead = f"{socket.gethostname()}:{2**22 + 7}:ab"
+    _set_claim(store, run.id, status="running", owner=dead, heartbeat_at=now)
+    _set_claim(store, run.id, heartbeat_at=now - dt.timedelta(seconds=5))
+    assert store.claim_run(run.id, "me")
+    rec = store.find_run(run.run_key)
+    assert (rec.owner, rec.status, rec.heartbeat_at) == ("me", "running", now)
