@@ -184,6 +184,7 @@ def test_check_names_each_problem_of_each_run_in_order(tmp_path, monkeypatch):
     _round(store, lastless, 1, client_acc=True)  # a loss and a client's metric: not evaluated
     many = _run(store, "many0000", 12, "done")
     nine = _run(store, "nine0000", 9, "done")
+    eight = _run(store, "eigh0000", 8, "done")
     gap = _run(store, "gapr0000", 5, "running")
     _round(store, gap, 0)
     _round(store, gap, 2)
@@ -211,6 +212,9 @@ def test_check_names_each_problem_of_each_run_in_order(tmp_path, monkeypatch):
         Problem(nine, "nine0000", "done",
                 "done but rounds 1, 2, 3, 4, 5, 6, 7, 8, ... (9 in all) are missing", True),
         Problem(nine, "nine0000", "done", "the final round 9 has no evaluation metrics", True),
+        Problem(eight, "eigh0000", "done", "done but rounds 1, 2, 3, 4, 5, 6, 7, 8 are missing",
+                True),
+        Problem(eight, "eigh0000", "done", "the final round 8 has no evaluation metrics", True),
         Problem(gap, "gapr0000", "running", f"stale: running, but {never}{resume}"),
         Problem(gap, "gapr0000", "running", "rounds 2 are missing below stored round 3", True),
         Problem(failed, "fail0000", "failed", f"failed: boom{retry}"),

@@ -329,6 +329,7 @@ def test_owner_is_gone_only_for_a_dead_process_of_this_host_or_this_slurm_job(mo
     finally:
         os.waitpid(zombie, 0)
     assert claims.owner_is_gone(f"{host}:{zombie}:abcd")  # reaped: no such process
+    assert claims.owner_is_gone(f"{host}:{zombie}:abcd:job=12")  # of a SLURM job, not this one
     assert not claims._is_zombie(os.getpid()) and not claims._is_zombie(zombie)
     assert not claims.owner_is_gone(f"{host}:1:abcd")  # init lives (kill: permission or alive)
     other_job = f"elsewhere:{os.getpid()}:abcd:job=9"
