@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import signal
 import socket
 import sqlite3
 import threading
@@ -331,7 +332,6 @@ def test_owner_is_gone_only_for_a_dead_process_of_this_host_or_this_slurm_job(mo
     assert claims.owner_is_gone(f"{host}:{zombie}:abcd")  # reaped: no such process
     assert claims.owner_is_gone(f"{host}:{zombie}:abcd:job=12")  # of a SLURM job, not this one
     assert not claims._is_zombie(os.getpid()) and not claims._is_zombie(zombie)
-    assert not claims.owner_is_gone(f"{host}:1:abcd")  # init lives (kill: permission or alive)
     other_job = f"elsewhere:{os.getpid()}:abcd:job=9"
     assert not claims.owner_is_gone(other_job)
     monkeypatch.setenv("SLURM_JOB_ID", "9")
@@ -917,3 +917,30 @@ def test_taking_over_from_a_dead_owner_starts_a_fresh_heartbeat(store: Store, mo
     assert store.claim_run(run.id, "me")
     rec = store.find_run(run.run_key)
     assert (rec.owner, rec.status, rec.heartbeat_at) == ("me", "running", now)
+
+
+def test_owner_is_gone_only_looks_and_trusts_what_it_may_not_signal(monkeypatch) -> None:
+    host = socket.gethostname()
+    pid = os.fork()
+    if pid == 0:  # a live process that a real signal would end
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        time.sleep(60)
+        os._exit(0)
+    try:
+        assert not claims.owner_is_gone(f"{host}:{pid}:ab")
+        time.sleep(0.05)
+        assert os.waitpid(pid, os.WNOHANG) == (0, 0)  # still alive: it was only probed
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+    def forbidden(pid: int, sig: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "kill", forbidden)  # another user's process
+    assert not claims.owner_is_gone(f"{host}:{2**22 + 7}:ab")
+
+
+def test_find_run_of_an_unknown_key_is_none(store: Store) -> None:
+    make_run(store)
+    assert store.find_run("nope") is None
