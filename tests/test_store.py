@@ -944,3 +944,13 @@ def test_owner_is_gone_only_looks_and_trusts_what_it_may_not_signal(monkeypatch)
 def test_find_run_of_an_unknown_key_is_none(store: Store) -> None:
     make_run(store)
     assert store.find_run("nope") is None
+
+
+def test_a_round_without_a_training_loss_stores_none(store: Store, db_path: Path) -> None:
+    run = make_run(store)
+    store.write_round(run.id, 0, loss_train=None, wall_s=1, bytes_up=0, bytes_down=0, metrics=[])
+    store.write_round(run.id, 1, loss_train=0.25, wall_s=1, bytes_up=0, bytes_down=0, metrics=[])
+    assert raw(db_path, "SELECT round, loss_train FROM rounds ORDER BY round") == [
+        (0, None),
+        (1, 0.25),
+    ]
