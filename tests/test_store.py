@@ -954,3 +954,15 @@ def test_a_round_without_a_training_loss_stores_none(store: Store, db_path: Path
         (0, None),
         (1, 0.25),
     ]
+
+
+def test_sqlite_file_and_the_package_s_lazy_names() -> None:
+    assert Store.sqlite_file("sqlite:///a/b.db") == Path("a/b.db")
+    assert Store.sqlite_file("sqlite:////abs/b.db") == Path("/abs/b.db")
+    assert Store.sqlite_file("postgresql://u@h/db") is None
+    assert Store.sqlite_file("sqlite://") is None
+    import fpbench.store as package
+
+    assert package.Store is Store and package.CLAIM_TIMEOUT_S == 600.0
+    with pytest.raises(AttributeError, match="^module 'fpbench.store' has no attribute 'nope'$"):
+        package.nope  # noqa: B018
