@@ -272,3 +272,20 @@ def test_merge_into_copies_new_runs_and_replaces_only_by_more_complete_ones(tmp_
     assert str(merge_into(out, c)) == "0 added, 1 replaced, 0 unchanged"
     assert out.runs().set_index("run_key")["wall_s"]["xxxx0000"] == 9.0
     assert out.round_numbers(out.find_run("xxxx0000").id) == [0, 1, 2]
+
+
+def test_merge_counts_only_the_output_copy_s_own_rounds(tmp_path):
+    out, src = _store_with(tmp_path, "out.db"), _store_with(tmp_path, "src.db")
+    x = _run(out, "xxxx0000", 3, "done")
+    _round(out, x, 0)
+    y = _run(out, "yyyy0000", 3, "done")
+    for rnd in range(3):
+        _round(out, y, rnd)
+    _run(out, "zzzz0000", 3, "pending")  # no rounds yet
+    for key, n in (("xxxx0000", 2), ("zzzz0000", 1)):
+        run_id = _run(src, key, 3, "done" if key == "xxxx0000" else "pending")
+        for rnd in range(n):
+            _round(src, run_id, rnd)
+    assert str(merge_into(out, src)) == "0 added, 2 replaced, 0 unchanged"
+    assert out.round_numbers(out.find_run("xxxx0000").id) == [0, 1]
+    assert out.round_numbers(out.find_run("zzzz0000").id) == [0]
