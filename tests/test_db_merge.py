@@ -185,6 +185,9 @@ def test_check_names_each_problem_of_each_run_in_order(tmp_path, monkeypatch):
     many = _run(store, "many0000", 12, "done")
     nine = _run(store, "nine0000", 9, "done")
     eight = _run(store, "eigh0000", 8, "done")
+    client_loss = _run(store, "clnt0000", 1, "done")
+    store.write_round(client_loss, 0, loss_train=0.5, wall_s=1, bytes_up=1, bytes_down=1,
+                      metrics=[(0, "loss_train", 0.5, 4), (None, "acc_global", 0.5, None)])  # fmt: skip
     gap = _run(store, "gapr0000", 5, "running")
     _round(store, gap, 0)
     _round(store, gap, 2)
@@ -215,6 +218,7 @@ def test_check_names_each_problem_of_each_run_in_order(tmp_path, monkeypatch):
         Problem(eight, "eigh0000", "done", "done but rounds 1, 2, 3, 4, 5, 6, 7, 8 are missing",
                 True),
         Problem(eight, "eigh0000", "done", "the final round 8 has no evaluation metrics", True),
+        Problem(client_loss, "clnt0000", "done", "rounds 1 have no loss_train metric", True),
         Problem(gap, "gapr0000", "running", f"stale: running, but {never}{resume}"),
         Problem(gap, "gapr0000", "running", "rounds 2 are missing below stored round 3", True),
         Problem(failed, "fail0000", "failed", f"failed: boom{retry}"),
