@@ -186,8 +186,9 @@ def test_check_names_each_problem_of_each_run_in_order(tmp_path, monkeypatch):
     nine = _run(store, "nine0000", 9, "done")
     eight = _run(store, "eigh0000", 8, "done")
     client_loss = _run(store, "clnt0000", 1, "done")
+    only_a_client_s = [(0, "loss_train", 0.5, 4), (None, "acc_global", 0.5, None)]
     store.write_round(client_loss, 0, loss_train=0.5, wall_s=1, bytes_up=1, bytes_down=1,
-                      metrics=[(0, "loss_train", 0.5, 4), (None, "acc_global", 0.5, None)])  # fmt: skip
+                      metrics=only_a_client_s)  # fmt: skip
     gap = _run(store, "gapr0000", 5, "running")
     _round(store, gap, 0)
     _round(store, gap, 2)
