@@ -863,6 +863,7 @@ def test_a_server_database_is_fpbench_s_by_its_version_stamp() -> None:
 
 def test_frames_of_nothing_keep_their_columns(store: Store) -> None:
     assert list(store.rounds(1).columns) == ROUND_COLUMNS  # no database yet
+    assert str(store.runs()["last_round"].dtype) == "Int64"  # as when runs are stored
     assert store.round_numbers(1) == [] and store.last_round(1) is None
     with pytest.raises(FpbenchError, match="^no run '12': the database holds no runs yet$"):
         store.get_run(" 12 ")
