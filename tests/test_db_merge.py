@@ -184,6 +184,11 @@ def test_check_names_each_problem_of_each_run_in_order(tmp_path, monkeypatch):
     _round(store, lastless, 1, client_acc=True)  # a loss and a client's metric: not evaluated
     many = _run(store, "many0000", 12, "done")
     nine = _run(store, "nine0000", 9, "done")
+    eight = _run(store, "eigh0000", 8, "done")
+    client_loss = _run(store, "clnt0000", 1, "done")
+    only_a_client_s = [(0, "loss_train", 0.5, 4), (None, "acc_global", 0.5, None)]
+    store.write_round(client_loss, 0, loss_train=0.5, wall_s=1, bytes_up=1, bytes_down=1,
+                      metrics=only_a_client_s)  # fmt: skip
     gap = _run(store, "gapr0000", 5, "running")
     _round(store, gap, 0)
     _round(store, gap, 2)
@@ -211,6 +216,10 @@ def test_check_names_each_problem_of_each_run_in_order(tmp_path, monkeypatch):
         Problem(nine, "nine0000", "done",
                 "done but rounds 1, 2, 3, 4, 5, 6, 7, 8, ... (9 in all) are missing", True),
         Problem(nine, "nine0000", "done", "the final round 9 has no evaluation metrics", True),
+        Problem(eight, "eigh0000", "done", "done but rounds 1, 2, 3, 4, 5, 6, 7, 8 are missing",
+                True),
+        Problem(eight, "eigh0000", "done", "the final round 8 has no evaluation metrics", True),
+        Problem(client_loss, "clnt0000", "done", "rounds 1 have no loss_train metric", True),
         Problem(gap, "gapr0000", "running", f"stale: running, but {never}{resume}"),
         Problem(gap, "gapr0000", "running", "rounds 2 are missing below stored round 3", True),
         Problem(failed, "fail0000", "failed", f"failed: boom{retry}"),
@@ -268,3 +277,20 @@ def test_merge_into_copies_new_runs_and_replaces_only_by_more_complete_ones(tmp_
     assert str(merge_into(out, c)) == "0 added, 1 replaced, 0 unchanged"
     assert out.runs().set_index("run_key")["wall_s"]["xxxx0000"] == 9.0
     assert out.round_numbers(out.find_run("xxxx0000").id) == [0, 1, 2]
+
+
+def test_merge_counts_only_the_output_copy_s_own_rounds(tmp_path):
+    out, src = _store_with(tmp_path, "out.db"), _store_with(tmp_path, "src.db")
+    x = _run(out, "xxxx0000", 3, "done")
+    _round(out, x, 0)
+    y = _run(out, "yyyy0000", 3, "done")
+    for rnd in range(3):
+        _round(out, y, rnd)
+    _run(out, "zzzz0000", 3, "pending")  # no rounds yet
+    for key, n in (("xxxx0000", 2), ("zzzz0000", 1)):
+        run_id = _run(src, key, 3, "done" if key == "xxxx0000" else "pending")
+        for rnd in range(n):
+            _round(src, run_id, rnd)
+    assert str(merge_into(out, src)) == "0 added, 2 replaced, 0 unchanged"
+    assert out.round_numbers(out.find_run("xxxx0000").id) == [0, 1]
+    assert out.round_numbers(out.find_run("zzzz0000").id) == [0]

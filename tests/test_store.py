@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import signal
 import socket
 import sqlite3
 import threading
@@ -329,8 +330,8 @@ def test_owner_is_gone_only_for_a_dead_process_of_this_host_or_this_slurm_job(mo
     finally:
         os.waitpid(zombie, 0)
     assert claims.owner_is_gone(f"{host}:{zombie}:abcd")  # reaped: no such process
+    assert claims.owner_is_gone(f"{host}:{zombie}:abcd:job=12")  # of a SLURM job, not this one
     assert not claims._is_zombie(os.getpid()) and not claims._is_zombie(zombie)
-    assert not claims.owner_is_gone(f"{host}:1:abcd")  # init lives (kill: permission or alive)
     other_job = f"elsewhere:{os.getpid()}:abcd:job=9"
     assert not claims.owner_is_gone(other_job)
     monkeypatch.setenv("SLURM_JOB_ID", "9")
@@ -425,6 +426,7 @@ def test_heartbeat_finish_and_writes_need_the_claim(store: Store) -> None:
     assert not store.finish_run(run.id, "a", "done")  # no longer running
     assert not store.heartbeat(run.id, "a")
     assert store.claim_run(run.id, "a")
+    assert store.find_run(run.run_key).finished_at is None  # a retry is not finished
     assert store.finish_run(run.id, "a", "done")
     rec = store.find_run(run.run_key)
     assert (rec.status, rec.error, rec.traceback, rec.wall_s) == ("done", None, None, 3.0)
@@ -470,6 +472,8 @@ def test_record_cost_keeps_the_peak_and_the_first_flops(store: Store) -> None:
         None,
         None,
     )
+    store.record_cost(run.id, peak_mem_bytes=0)
+    assert store.find_run(run.run_key).peak_mem_bytes == 0
     store.record_cost(run.id, peak_mem_bytes=500, round_flops=7)
     store.record_cost(run.id, peak_mem_bytes=300, round_flops=9)
     rec = store.find_run(run.run_key)
@@ -859,6 +863,7 @@ def test_a_server_database_is_fpbench_s_by_its_version_stamp() -> None:
 
 def test_frames_of_nothing_keep_their_columns(store: Store) -> None:
     assert list(store.rounds(1).columns) == ROUND_COLUMNS  # no database yet
+    assert str(store.runs()["last_round"].dtype) == "Int64"  # as when runs are stored
     assert store.round_numbers(1) == [] and store.last_round(1) is None
     with pytest.raises(FpbenchError, match="^no run '12': the database holds no runs yet$"):
         store.get_run(" 12 ")
@@ -866,3 +871,99 @@ def test_frames_of_nothing_keep_their_columns(store: Store) -> None:
     assert list(store.rounds(run.id).columns) == ROUND_COLUMNS and store.rounds(run.id).empty
     assert list(store.runs().columns) == [*RUN_COLUMNS, "last_round"]
     assert list(store.metrics().columns) == METRIC_COLUMNS
+
+
+def test_get_run_errors_show_what_was_asked_and_up_to_five_keys(store: Store) -> None:
+    for i in range(7):
+        make_run(store, run_key=f"abcd{i}fff")
+    with pytest.raises(FpbenchError) as info:
+        store.get_run("abcd")
+    keys = ", ".join(f"abcd{i}fff" for i in range(5))
+    assert str(info.value) == f"run key prefix 'abcd' is ambiguous ({keys}, ...): give more"
+    with pytest.raises(FpbenchError) as info:
+        store.get_run("ab")
+    assert str(info.value) == (
+        "no run 'ab': give a run id or at least 4 characters of a run key (see `fpbench runs`)"
+    )
+
+
+def test_truncate_after_leaves_other_runs_metrics(store: Store) -> None:
+    run, other = make_run(store), make_run(store, run_key="ffff0000")
+    for rnd in (1, 2, 3):
+        write(store, run.id, rnd)
+        write(store, other.id, rnd)
+    store.truncate_after(run.id, 1)
+    rounds = store.metrics(aggregate_only=False).groupby("run_id")["round"].unique()
+    assert [sorted(r) for r in rounds] == [[1], [1, 2, 3]]
+    assert store.round_numbers(other.id) == [1, 2, 3]
+
+
+def test_a_claim_exactly_as_old_as_the_timeout_still_holds(store: Store, monkeypatch) -> None:
+    now = dt.datetime.now(dt.timezone.utc)
+    monkeypatch.setattr(claims, "_now", lambda: now)
+    run = make_run(store)
+    assert store.claim_run(run.id, "a")
+    _set_claim(store, run.id, heartbeat_at=now - dt.timedelta(seconds=60))
+    assert not store.claim_run(run.id, "b", timeout_s=60)
+    assert store.claim_run(run.id, "b", timeout_s=59.999)
+
+
+def test_taking_over_from_a_dead_owner_starts_a_fresh_heartbeat(store: Store, monkeypatch) -> None:
+    now = dt.datetime.now(dt.timezone.utc)
+    monkeypatch.setattr(claims, "_now", lambda: now)
+    run = make_run(store)
+    dead = f"{socket.gethostname()}:{2**22 + 7}:ab"
+    _set_claim(store, run.id, status="running", owner=dead, heartbeat_at=now)
+    _set_claim(store, run.id, heartbeat_at=now - dt.timedelta(seconds=5))
+    assert store.claim_run(run.id, "me")
+    rec = store.find_run(run.run_key)
+    assert (rec.owner, rec.status, rec.heartbeat_at) == ("me", "running", now)
+
+
+def test_owner_is_gone_only_looks_and_trusts_what_it_may_not_signal(monkeypatch) -> None:
+    host = socket.gethostname()
+    pid = os.fork()
+    if pid == 0:  # a live process that a real signal would end
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        time.sleep(60)
+        os._exit(0)
+    try:
+        assert not claims.owner_is_gone(f"{host}:{pid}:ab")
+        time.sleep(0.05)
+        assert os.waitpid(pid, os.WNOHANG) == (0, 0)  # still alive: it was only probed
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+    def forbidden(pid: int, sig: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "kill", forbidden)  # another user's process
+    assert not claims.owner_is_gone(f"{host}:{2**22 + 7}:ab")
+
+
+def test_find_run_of_an_unknown_key_is_none(store: Store) -> None:
+    make_run(store)
+    assert store.find_run("nope") is None
+
+
+def test_a_round_without_a_training_loss_stores_none(store: Store, db_path: Path) -> None:
+    run = make_run(store)
+    store.write_round(run.id, 0, loss_train=None, wall_s=1, bytes_up=0, bytes_down=0, metrics=[])
+    store.write_round(run.id, 1, loss_train=0.25, wall_s=1, bytes_up=0, bytes_down=0, metrics=[])
+    assert raw(db_path, "SELECT round, loss_train FROM rounds ORDER BY round") == [
+        (0, None),
+        (1, 0.25),
+    ]
+
+
+def test_sqlite_file_and_the_package_s_lazy_names() -> None:
+    assert Store.sqlite_file("sqlite:///a/b.db") == Path("a/b.db")
+    assert Store.sqlite_file("sqlite:////abs/b.db") == Path("/abs/b.db")
+    assert Store.sqlite_file("postgresql://u@h/db") is None
+    assert Store.sqlite_file("sqlite://") is None
+    import fpbench.store as package
+
+    assert package.Store is Store and package.CLAIM_TIMEOUT_S == 600.0
+    with pytest.raises(AttributeError, match="^module 'fpbench.store' has no attribute 'nope'$"):
+        package.nope  # noqa: B018
