@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
 
 from fpbench.engine.evaluate import evaluate
 from fpbench.engine.rounds import sampling_schedule, should_eval
+from fpbench.engine.seeding import derive_seed
 from fpbench.engine.runner import run_cell
 from fpbench.methods.base import Context
 from fpbench.store import Store
@@ -25,6 +27,27 @@ def test_sampling_schedule_is_seeded_and_respects_participation():
 def test_eval_schedule():
     cfg = tiny_config(rounds=10, eval_every=4, eval_last=2)
     assert [r for r in range(10) if should_eval(r, cfg.train)] == [3, 7, 8, 9]
+
+
+def test_the_last_round_is_evaluated_without_eval_last():
+    """`eval_last = 0`: every `eval_every`-th round, and the last one whatever its number."""
+    cfg = tiny_config(rounds=10, eval_every=4, eval_last=0)
+    assert [r for r in range(10) if should_eval(r, cfg.train)] == [3, 7, 9]
+    cfg = tiny_config(rounds=7, eval_every=3, eval_last=1)
+    assert [r for r in range(7) if should_eval(r, cfg.train)] == [2, 5, 6]
+
+
+def test_sampling_draws_from_its_own_seed_without_replacement():
+    """Each round draws floor(p * N) distinct clients from `derive_seed(seed, "client-sampling")`
+    (every method of a seed sees the same clients), as plain ints; p * N just under an integer
+    by rounding (0.3 * 10) still gives that integer, and a tiny p still one client."""
+    clients = [0, 1, 2, 4, 5, 7, 8, 9, 11, 12]
+    got = sampling_schedule(6, 3, clients, 0.3)
+    rng = np.random.default_rng(derive_seed(6, "client-sampling"))
+    assert got == [rng.choice(clients, 3, replace=False).tolist() for _ in range(3)]
+    assert {type(c) for ids in got for c in ids} == {int}
+    assert [sorted(ids) for ids in sampling_schedule(0, 4, clients, 1.0)] == [clients] * 4
+    assert [len(ids) for ids in sampling_schedule(0, 4, [3, 4, 5], 0.1)] == [1] * 4
 
 
 def test_global_evaluation_indexes_one_prediction_pass(tiny):
