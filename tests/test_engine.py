@@ -7,10 +7,11 @@ import pandas as pd
 import pytest
 import torch
 
+from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.evaluate import evaluate
 from fpbench.engine.rounds import sampling_schedule, should_eval
-from fpbench.engine.seeding import derive_seed
 from fpbench.engine.runner import run_cell
+from fpbench.engine.seeding import derive_seed
 from fpbench.methods.base import Context
 from fpbench.store import Store
 from tests.conftest import tiny_config
@@ -108,6 +109,8 @@ def test_killed_run_resumes_where_it_stopped_with_identical_results(tmp_path):
     assert record.status == "failed" and split.last_round(record.id) == 1
     checkpoint = tmp_path / "ck2" / split.database_id / f"{cfg.run_key}.pt"  # its database's
     assert checkpoint.exists()
+    # bound to its database and run: another database's or run's copy would not be resumed
+    assert ckpt_io.saved_round(checkpoint) == (1, f"{split.database_id}:{record.id}")
     assert run_cell(cfg, split, checkpoint_dir=tmp_path / "ck2").status == "done"
     assert not checkpoint.exists()
 
@@ -154,3 +157,30 @@ def test_batched_personal_evaluation_equals_one_client_at_a_time(tiny):
     many = evaluate(method, server, task, batch_size=128)  # 4 clients per forward
     assert one.correct_local.tolist() == many.correct_local.tolist()
     assert pd.Series(one.global_acc).equals(pd.Series(many.global_acc))
+
+
+def test_a_non_finite_training_loss_fails_the_cell_with_advice(tmp_path, monkeypatch):
+    """One client's infinite loss (its steps then go NaN) fails the cell in round 0, with the
+    stored error saying which round and what to change; no round is stored."""
+    from fpbench.engine.rounds import NonFiniteLoss
+    from fpbench.methods.fedvpt import FedVPT
+
+    loss = FedVPT.loss
+
+    def blows_up(self, params, x, y, client_index, ctx):
+        out = loss(self, params, x, y, client_index, ctx)
+        return torch.where(client_index == 0, out * float("inf"), out)
+
+    monkeypatch.setattr(FedVPT, "loss", blows_up)
+    cfg = tiny_config(rounds=2)
+    message = (
+        "training loss is nan (not finite) after local training in round 0; "
+        "lower train.lr or set train.grad_clip"
+    )
+    with Store(f"sqlite:///{tmp_path / 'r.db'}") as store:
+        with pytest.raises(NonFiniteLoss) as info:
+            run_cell(cfg, store, checkpoint_dir=tmp_path)
+        assert str(info.value) == message
+        record = store.find_run(cfg.run_key)
+        assert record.status == "failed" and record.error == f"NonFiniteLoss: {message}"
+        assert store.last_round(record.id) is None
