@@ -92,6 +92,19 @@ class _CrashAfter:
             raise _Crash()
 
 
+class _Starts:
+    """Records the round each cell starts at."""
+
+    def __init__(self) -> None:
+        self.rounds: list[int] = []
+
+    def cell_start(self, cfg, start_round):
+        self.rounds.append(start_round)
+
+    def round_end(self, cfg, round_idx, metrics):
+        pass
+
+
 def _table(store: Store) -> pd.DataFrame:
     m = store.metrics(aggregate_only=False)
     return m.sort_values(["round", "client_id", "name"], na_position="first").reset_index(drop=True)
@@ -111,7 +124,9 @@ def test_killed_run_resumes_where_it_stopped_with_identical_results(tmp_path):
     assert checkpoint.exists()
     # bound to its database and run: another database's or run's copy would not be resumed
     assert ckpt_io.saved_round(checkpoint) == (1, f"{split.database_id}:{record.id}")
-    assert run_cell(cfg, split, checkpoint_dir=tmp_path / "ck2").status == "done"
+    resumed = _Starts()
+    assert run_cell(cfg, split, checkpoint_dir=tmp_path / "ck2", observer=resumed).status == "done"
+    assert resumed.rounds == [2]  # resumed after round 1, not restarted
     assert not checkpoint.exists()
 
     a, b = _table(whole), _table(split)
