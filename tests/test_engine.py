@@ -41,7 +41,8 @@ def test_the_last_round_is_evaluated_without_eval_last():
 def test_sampling_draws_from_its_own_seed_without_replacement():
     """Each round draws floor(p * N) distinct clients from `derive_seed(seed, "client-sampling")`
     (every method of a seed sees the same clients), as plain ints; p * N just under an integer
-    by rounding (0.3 * 10) still gives that integer, and a tiny p still one client."""
+    by rounding (0.29 * 100 = 28.999999999999996) still gives that integer, and a tiny p still
+    one client."""
     clients = [0, 1, 2, 4, 5, 7, 8, 9, 11, 12]
     got = sampling_schedule(6, 3, clients, 0.3)
     rng = np.random.default_rng(derive_seed(6, "client-sampling"))
@@ -49,6 +50,7 @@ def test_sampling_draws_from_its_own_seed_without_replacement():
     assert {type(c) for ids in got for c in ids} == {int}
     assert [sorted(ids) for ids in sampling_schedule(0, 4, clients, 1.0)] == [clients] * 4
     assert [len(ids) for ids in sampling_schedule(0, 4, [3, 4, 5], 0.1)] == [1] * 4
+    assert [len(ids) for ids in sampling_schedule(0, 2, list(range(100)), 0.29)] == [29, 29]
 
 
 def test_global_evaluation_indexes_one_prediction_pass(tiny):
