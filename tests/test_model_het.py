@@ -253,3 +253,38 @@ def test_a_group_without_participants_keeps_its_server_state(tmp_path):
     assert run_cell(cfg, store, checkpoint_dir=tmp_path).status == "done"  # 1 client per round
     loss = store.metrics().query("name == 'loss_train'")
     assert len(loss) == 2 and (loss["count"] == 1).all()
+
+
+def test_merge_counts_keeps_the_runs_sizes_and_each_clients_f1():
+    """A personal population (per-client values) beside a global one (one value each) and one
+    without F1: each client's F1 and accuracy on the test split come from its own population,
+    NaN where its population has no F1; sizes, held-out flags and applicability are the run's.
+    One population's counts are handed on as they are."""
+    total, held = np.array([4, 5, 6, 7]), np.array([False, False, True, False])
+
+    def counts(correct, glob, f1):
+        return EvalCounts(
+            correct_local=np.array(correct),
+            total_local=total,
+            heldout=held,
+            global_acc=np.array(glob, dtype=float),
+            global_total=12,
+            heldout_applicable=False,
+            f1_global=None if f1 is None else np.array(f1, dtype=float),
+        )
+
+    personal = counts([1, 0, 3, 0], [0.1, np.nan, 0.3, np.nan], [0.2, np.nan, 0.4, np.nan])
+    merged = merge_counts(
+        [
+            (personal, [0, 2]),
+            (counts([0, 2, 0, 0], [0.25], [0.5]), [1]),
+            (counts([0, 0, 0, 6], [0.75], None), [3]),
+        ]
+    )
+    assert merged.correct_local.tolist() == [1, 2, 3, 6]
+    np.testing.assert_array_equal(merged.global_acc, [0.1, 0.25, 0.3, 0.75])
+    np.testing.assert_array_equal(merged.f1_global, [0.2, 0.5, 0.4, np.nan])
+    assert merged.total_local.tolist() == total.tolist()
+    assert merged.heldout.tolist() == held.tolist()
+    assert (merged.global_total, merged.heldout_applicable, merged.untrained) == (12, False, None)
+    assert merge_counts([(personal, [0, 1, 2, 3])]) is personal
