@@ -12,11 +12,21 @@ from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.build import build_populations
 from fpbench.engine.executor import client_batches, derive_seed, train_clients
 from fpbench.engine.metrics import EvalCounts
-from fpbench.engine.populations import client_profiles, merge_counts, pack, share, unpack
+from fpbench.engine.populations import (
+    Cohort,
+    client_profiles,
+    merge_counts,
+    pack,
+    participants,
+    share,
+    start_shared,
+    unpack,
+)
 from fpbench.engine.runner import run_cell
 from fpbench.engine.task import build_task
 from fpbench.errors import FpbenchError
 from fpbench.methods.base import ServerState
+from fpbench.specs import TrainConfig
 from fpbench.store import Store
 from fpbench.suites import expand_suite
 
@@ -288,3 +298,24 @@ def test_merge_counts_keeps_the_runs_sizes_and_each_clients_f1():
     assert merged.heldout.tolist() == held.tolist()
     assert (merged.global_total, merged.heldout_applicable, merged.untrained) == (12, False, None)
     assert merge_counts([(personal, [0, 1, 2, 3])]) is personal
+
+
+def test_shared_parameters_start_from_the_first_populations_values():
+    """Every population starts with population 0's values of the parameters all of them share
+    (same name, same shape), copies not views; the rest (and personal state) stay their own."""
+    a = ServerState({"p": torch.tensor([1.0, 2.0]), "w": torch.ones(3)}, {"own": torch.zeros(2)})
+    b = ServerState({"p": torch.tensor([4.0, 8.0]), "w": torch.zeros(4)}, {"own": torch.ones(2)})
+    c = ServerState({"p": torch.tensor([5.0, 6.0])})
+    out = start_shared({"0-x": a, "1-y": b, "2-z": c})
+    assert [s.params["p"].tolist() for s in out.values()] == [[1.0, 2.0]] * 3
+    assert out["1-y"].params["w"].tolist() == [0.0] * 4
+    assert out["1-y"].personal["own"].tolist() == [1.0, 1.0]
+    out["1-y"].params["p"].add_(1)
+    assert out["0-x"].params["p"].tolist() == [1.0, 2.0]
+    assert start_shared({"0-x": a}) == {"0-x": a}  # one population shares nothing
+
+
+def test_participants_are_the_rounds_clients_of_the_cohort_in_round_order():
+    cohort = Cohort("small", (1, 4, 6), TrainConfig())
+    assert participants(cohort, [6, 0, 4, 5]) == [6, 4]
+    assert participants(cohort, [0, 2]) == []
