@@ -70,6 +70,7 @@ class Spied:
         self.observed: list[tuple] = []  # the observer's calls: (what, round, metrics)
         self.costs: list[dict] = []  # Store.record_cost's keyword arguments
         self.run = None  # the stored run record
+        self.probed: list[tuple[ServerState, torch.Tensor]] = []  # round_metrics: server, labels
 
 
 class _Recorder(Observer):
@@ -122,12 +123,17 @@ def spied(tmp_path_factory):
         seen.costs.append(kwargs)
         return record_cost(self, run_id, **kwargs)
 
+    def probe(self, server, test):  # a round metric of the server it is handed
+        seen.probed.append((_clone(server), test.labels.clone()))
+        return {"probe": float(server.params["prompts"].double().sum())}
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(FedVPT, "aggregate", spy_aggregate)
         mp.setattr(executor, "make_optimizer", spy_optimizer)
         mp.setattr(executor, "uniforms", spy_uniforms)
         mp.setattr(runner, "build_task", spy_build_task)
         mp.setattr(Store, "record_cost", spy_cost)
+        mp.setattr(FedVPT, "round_metrics", probe)
         with Store(f"sqlite:///{tmp / 'r.db'}") as store:
             observer = _Recorder(seen)
             assert run_cell(cfg, store, checkpoint_dir=tmp, observer=observer).status == "done"
@@ -336,6 +342,23 @@ def test_a_runs_time_and_cost_are_its_rounds(spied):
     d = seen.method.backbone.embed_dim
     assert trainable["round"].tolist() == [0]
     assert trainable["value"].tolist() == [5 * d + 6 * d + 6]
+
+
+def test_round_metrics_see_the_rounds_aggregate_and_the_test_labels(spied):
+    """`Method.round_metrics` gets each round's aggregated server and the test split's labels;
+    its values are stored unsuffixed (one population), every round, for no client.
+
+    Catches the metrics computed on the round's incoming server, and a `@key` suffix on a
+    homogeneous run's names."""
+    _, seen, rows, _ = spied
+    assert len(seen.probed) == len(seen.calls) == 2
+    for (server, labels), (_, _, out) in zip(seen.probed, seen.calls, strict=True):
+        assert torch.equal(server.params["prompts"], out.params["prompts"])
+        assert torch.equal(labels, seen.task.data.test_labels)
+    probe = rows[rows["name"] == "probe"]
+    assert probe["round"].tolist() == [0, 1] and probe["client_id"].isna().all()
+    want = [float(out.params["prompts"].double().sum()) for _, _, out in seen.calls]
+    assert probe["value"].tolist() == pytest.approx(want, rel=1e-12)
 
 
 def _domain_cell():
