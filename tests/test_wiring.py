@@ -23,6 +23,7 @@ import fpbench.engine.rounds as rounds
 import fpbench.engine.runner as runner
 import fpbench.engine.task as task_module
 from fpbench.engine.executor import derive_seed, train_clients
+from fpbench.engine.metrics import domain_key
 from fpbench.engine.observer import Observer
 from fpbench.engine.rounds import sampling_schedule
 from fpbench.engine.runner import run_cell
@@ -412,9 +413,24 @@ def test_domain_size_weights_reach_fedavg(tmp_path, monkeypatch):
         return Method.aggregate(self, server, updates)
 
     monkeypatch.setattr(FedVPT, "aggregate", spy)
+    cell = _domain_cell()
     with Store(f"sqlite:///{tmp_path / 'r.db'}") as store:
-        assert run_cell(_domain_cell(), store, checkpoint_dir=tmp_path).status == "done"
+        assert run_cell(cell, store, checkpoint_dir=tmp_path).status == "done"
+        rows = store.metrics(aggregate_only=False)
     assert weights == [{0: 50.0, 1: 50.0, 2: 15.0, 3: 15.0}]
+    # the round loop hands each client's domain and the dataset's domain names to the metric
+    local = rows[rows["name"] == "acc_local"].set_index("client_id")["value"]
+    assert sorted(local.index.astype(int)) == [0, 1, 2, 3]
+    names = [domain_key(n) for n in load_dataset(cell.dataset).domain_names]
+    domain = {c.id: c.domain for c in _clients(cell, cell.seed)}
+    assert sorted(domain.values()) == [0, 0, 1, 1]
+    got = rows[rows["name"].str.startswith("acc_domain_")].set_index("name")["value"]
+    want = {
+        f"acc_domain_{name}": np.mean([local[c] for c in domain if domain[c] == d])
+        for d, name in enumerate(names)
+    }
+    # one round: its summary over the last 10 rounds is that round's value
+    assert got.to_dict() == pytest.approx(want | {f"{k}_last10": v for k, v in want.items()})
 
 
 def test_domain_size_weights_refuse_what_they_cannot_weigh():
