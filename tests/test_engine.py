@@ -201,3 +201,48 @@ def test_a_non_finite_training_loss_fails_the_cell_with_advice(tmp_path, monkeyp
         record = store.find_run(cfg.run_key)
         assert record.status == "failed" and record.error == f"NonFiniteLoss: {message}"
         assert store.last_round(record.id) is None
+
+
+def test_how_a_cell_is_named_in_errors_and_on_its_record():
+    """The strings a user reads: a cell's label, a resume error's span of missing rounds, an
+    interruption, a crash's stored error, and the device a run records with its numerics."""
+    import platform
+
+    from fpbench.engine import runner
+
+    cfg = tiny_config()
+    label = runner.cell_label(cfg)
+    assert label == f"fedvpt / {cfg.dataset.label} / {cfg.partition.label} / seed 0"
+    assert [runner._span(r) for r in ([0, 1, 2, 3], [4], [0, 2, 3], [5, 6])] == [
+        "0-3",
+        "4",
+        "0, 2, 3",
+        "5-6",
+    ]
+    assert str(runner.CellInterrupted(cfg, 3)) == (
+        f"interrupted at round 3 of cell {label} ({cfg.run_key}); rerun the same command to resume"
+    )
+    assert str(runner.CellInterrupted(cfg, None)) == (
+        f"interrupted while preparing cell {label} ({cfg.run_key}); "
+        "rerun the same command to resume"
+    )
+    assert runner.CellInterrupted(cfg, 0).round == 0
+    assert runner.error_text(ValueError("bad")) == "ValueError: bad"
+    cpu = torch.device("cpu")
+    name = f"cpu ({platform.processor() or platform.machine()})"
+    tf32 = cfg.model_copy(
+        update={"runtime": cfg.runtime.model_copy(update={"frozen_precision": "tf32"})}
+    )
+    bf16 = cfg.model_copy(
+        update={
+            "runtime": cfg.runtime.model_copy(
+                update={"precision": "bf16", "frozen_precision": "bf16"}
+            )
+        }
+    )
+    assert runner._device_name(cpu, tf32) == f"{name} (fp32)"  # no TF32 on the CPU
+    assert runner._device_name(cpu, bf16) == f"{name} (bf16, frozen bf16)"
+    auto = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"precision": "auto"})})
+    stored = runner.stored_config(auto, cpu)
+    dumped = auto.model_dump(mode="json")
+    assert stored == {**dumped, "runtime": {**dumped["runtime"], "precision": "fp32"}}
