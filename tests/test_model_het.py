@@ -319,3 +319,16 @@ def test_participants_are_the_rounds_clients_of_the_cohort_in_round_order():
     cohort = Cohort("small", (1, 4, 6), TrainConfig())
     assert participants(cohort, [6, 0, 4, 5]) == [6, 4]
     assert participants(cohort, [0, 2]) == []
+
+
+def test_share_keeps_each_populations_own_state_and_ignores_the_weightless():
+    """Personal rows and buffers stay each population's own; a population of weight 0 adds
+    nothing to the mean, not even a NaN it holds."""
+    a = ServerState({"p": torch.tensor([1.0, 2.0])}, {"own": torch.zeros(2)}, {"b": torch.ones(1)})
+    b = ServerState({"p": torch.tensor([float("nan"), 8.0])}, {}, {"b": torch.zeros(1)})
+    c = ServerState({"p": torch.tensor([3.0, 4.0])})
+    out = share({"a": a, "b": b, "c": c}, {"a": 1.0, "b": 0.0, "c": 1.0})
+    assert [s.params["p"].tolist() for s in out.values()] == [[2.0, 3.0]] * 3
+    assert out["a"].personal["own"].tolist() == [0.0, 0.0] and out["b"].personal == {}
+    assert out["a"].buffers["b"].tolist() == [1.0] and out["b"].buffers["b"].tolist() == [0.0]
+    assert out["c"].buffers == {}
