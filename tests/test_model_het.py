@@ -292,6 +292,7 @@ def test_merge_counts_keeps_the_runs_sizes_and_each_clients_f1():
         ]
     )
     assert merged.correct_local.tolist() == [1, 2, 3, 6]
+    assert merged.correct_local.dtype == np.int64  # counts, as every population's
     np.testing.assert_array_equal(merged.global_acc, [0.1, 0.25, 0.3, 0.75])
     np.testing.assert_array_equal(merged.f1_global, [0.2, 0.5, 0.4, np.nan])
     assert merged.total_local.tolist() == total.tolist()
