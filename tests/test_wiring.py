@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 
 import numpy as np
 import pytest
@@ -85,7 +86,13 @@ class _Recorder(Observer):
         self.seen.observed.append(("round", round_idx, dict(metrics)))
 
 
-@pytest.fixture(scope="module")
+def _per_test_under_mutmut(fixture_name: str, config) -> str:
+    """Module scope, but one run per test under mutmut: it credits the code a module fixture
+    runs to the first test only, and would then skip the other tests of a mutant it reaches."""
+    return "function" if os.environ.get("MUTANT_UNDER_TEST") else "module"
+
+
+@pytest.fixture(scope=_per_test_under_mutmut)
 def spied(tmp_path_factory):
     """One fedvpt run (seed 6, 2 rounds, flips on, lr decay 0.5, only round 1 evaluated) with
     the engine's seams spied.
