@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torchvision.transforms.functional as tvf
+from torchvision.transforms import InterpolationMode
 
 from fpbench.engine.augment import augment, uniforms
 from fpbench.engine.executor import train_clients
@@ -81,3 +83,67 @@ def test_augment_is_left_out_of_run_keys_at_its_default(tiny):
     )
     assert on.identity()["train"]["augment"] == {"hflip": True, "rotate": 0.0}
     assert on.run_key != cfg.run_key
+
+
+def _lowbias32(x: int) -> int:
+    """Wellons' lowbias32, written out on Python ints (the published constants)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) % 2**32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) % 2**32
+    return x ^ (x >> 16)
+
+
+def test_draws_are_lowbias32_of_seed_index_and_draw_number():
+    """Draw j of a sample is lowbias32(base + (j + 1) * 0x9E3779B9) / 2**32 with base =
+    lowbias32(lowbias32(seed) ^ index), on the low 32 bits of seed and index: a stored run's
+    views depend on these constants, so any change to them shows here."""
+    seeds = [0, 7, 2**32 + 7, 2**40 + 12345, 987654321]
+    idx = [0, 3, 3, 2**33 + 1, 123456]
+    got = uniforms(torch.tensor(seeds), torch.tensor(idx), 3)
+    for row, (s, i) in enumerate(zip(seeds, idx, strict=True)):
+        base = _lowbias32(_lowbias32(s % 2**32) ^ (i % 2**32))
+        want = [_lowbias32((base + (j + 1) * 0x9E3779B9) % 2**32) / 2**32 for j in range(3)]
+        assert got[row].tolist() == pytest.approx(want, abs=2**-24)
+    assert torch.equal(got[1], got[2])  # only the seed's low 32 bits count
+
+
+def _unmix(y: int) -> int:
+    """The inverse of `_lowbias32`."""
+    y ^= y >> 16
+    y = (y * pow(0x846CA68B, -1, 2**32)) % 2**32
+    y ^= (y >> 15) ^ (y >> 30)
+    y = (y * pow(0x7FEB352D, -1, 2**32)) % 2**32
+    return y ^ (y >> 16)
+
+
+def test_a_draw_at_the_top_of_the_hash_stays_below_one():
+    """The sample whose first draw hashes to 2**32 - 1 (found by inverting the hash) gets the
+    largest float32 below 1, not 1.0 (which float32 rounding would give): draws are in [0, 1)."""
+    base = (_unmix(2**32 - 1) - 0x9E3779B9) % 2**32
+    idx = _unmix(base)  # seed 0 hashes to 0
+    assert _lowbias32((_lowbias32(_lowbias32(0) ^ idx) + 0x9E3779B9) % 2**32) == 2**32 - 1
+    u = uniforms(torch.tensor([0]), torch.tensor([idx]), 1)
+    assert u.dtype == torch.float32 and u.item() == 1 - 2**-24
+
+
+def test_flip_probability_is_below_one_half():
+    """A draw of exactly 0.5 does not flip: flips are the draws in [0, 0.5)."""
+    x = _images(1)
+    out = augment(x, Augment(hflip=True), torch.tensor([[0.5, 0.5]]), MEAN, STD)
+    assert torch.equal(out, x)
+
+
+@pytest.mark.parametrize(
+    ("rotate", "u", "degrees"), [(30, 1.0, 30), (30, 0.0, -30), (30, 0.75, 15), (1, 1.0, 1)]
+)
+def test_rotation_is_torchvisions_with_black_fill(rotate, u, degrees):
+    """The rotation is torchvision's `rotate` (nearest, no expansion) by (2u - 1) * rotate
+    degrees, counter-clockwise, filled with black: what SGPT's `RandomRotation` does.
+    A 64-pixel image, so that even 1 degree moves its corner pixels."""
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    out = augment(x, Augment(rotate=rotate), torch.tensor([[0.9, u]] * 2), MEAN, STD)
+    black = [-m / s for m, s in zip(MEAN, STD, strict=True)]
+    want = tvf.rotate(x, degrees, interpolation=InterpolationMode.NEAREST, fill=black)
+    assert not torch.equal(want, x)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-6)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
 
+from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.evaluate import evaluate
 from fpbench.engine.rounds import sampling_schedule, should_eval
 from fpbench.engine.runner import run_cell
+from fpbench.engine.seeding import derive_seed
 from fpbench.methods.base import Context
 from fpbench.store import Store
 from tests.conftest import tiny_config
@@ -25,6 +28,29 @@ def test_sampling_schedule_is_seeded_and_respects_participation():
 def test_eval_schedule():
     cfg = tiny_config(rounds=10, eval_every=4, eval_last=2)
     assert [r for r in range(10) if should_eval(r, cfg.train)] == [3, 7, 8, 9]
+
+
+def test_the_last_round_is_evaluated_without_eval_last():
+    """`eval_last = 0`: every `eval_every`-th round, and the last one whatever its number."""
+    cfg = tiny_config(rounds=10, eval_every=4, eval_last=0)
+    assert [r for r in range(10) if should_eval(r, cfg.train)] == [3, 7, 9]
+    cfg = tiny_config(rounds=7, eval_every=3, eval_last=1)
+    assert [r for r in range(7) if should_eval(r, cfg.train)] == [2, 5, 6]
+
+
+def test_sampling_draws_from_its_own_seed_without_replacement():
+    """Each round draws floor(p * N) distinct clients from `derive_seed(seed, "client-sampling")`
+    (every method of a seed sees the same clients), as plain ints; p * N just under an integer
+    by rounding (0.29 * 100 = 28.999999999999996) still gives that integer, and a tiny p still
+    one client."""
+    clients = [0, 1, 2, 4, 5, 7, 8, 9, 11, 12]
+    got = sampling_schedule(6, 3, clients, 0.3)
+    rng = np.random.default_rng(derive_seed(6, "client-sampling"))
+    assert got == [rng.choice(clients, 3, replace=False).tolist() for _ in range(3)]
+    assert {type(c) for ids in got for c in ids} == {int}
+    assert [sorted(ids) for ids in sampling_schedule(0, 4, clients, 1.0)] == [clients] * 4
+    assert [len(ids) for ids in sampling_schedule(0, 4, [3, 4, 5], 0.1)] == [1] * 4
+    assert [len(ids) for ids in sampling_schedule(0, 2, list(range(100)), 0.29)] == [29, 29]
 
 
 def test_global_evaluation_indexes_one_prediction_pass(tiny):
@@ -68,6 +94,19 @@ class _CrashAfter:
             raise _Crash()
 
 
+class _Starts:
+    """Records the round each cell starts at."""
+
+    def __init__(self) -> None:
+        self.rounds: list[int] = []
+
+    def cell_start(self, cfg, start_round):
+        self.rounds.append(start_round)
+
+    def round_end(self, cfg, round_idx, metrics):
+        pass
+
+
 def _table(store: Store) -> pd.DataFrame:
     m = store.metrics(aggregate_only=False)
     return m.sort_values(["round", "client_id", "name"], na_position="first").reset_index(drop=True)
@@ -85,7 +124,11 @@ def test_killed_run_resumes_where_it_stopped_with_identical_results(tmp_path):
     assert record.status == "failed" and split.last_round(record.id) == 1
     checkpoint = tmp_path / "ck2" / split.database_id / f"{cfg.run_key}.pt"  # its database's
     assert checkpoint.exists()
-    assert run_cell(cfg, split, checkpoint_dir=tmp_path / "ck2").status == "done"
+    # bound to its database and run: another database's or run's copy would not be resumed
+    assert ckpt_io.saved_round(checkpoint) == (1, f"{split.database_id}:{record.id}")
+    resumed = _Starts()
+    assert run_cell(cfg, split, checkpoint_dir=tmp_path / "ck2", observer=resumed).status == "done"
+    assert resumed.rounds == [2]  # resumed after round 1, not restarted
     assert not checkpoint.exists()
 
     a, b = _table(whole), _table(split)
@@ -131,3 +174,75 @@ def test_batched_personal_evaluation_equals_one_client_at_a_time(tiny):
     many = evaluate(method, server, task, batch_size=128)  # 4 clients per forward
     assert one.correct_local.tolist() == many.correct_local.tolist()
     assert pd.Series(one.global_acc).equals(pd.Series(many.global_acc))
+
+
+def test_a_non_finite_training_loss_fails_the_cell_with_advice(tmp_path, monkeypatch):
+    """One client's infinite loss (its steps then go NaN) fails the cell in round 0, with the
+    stored error saying which round and what to change; no round is stored."""
+    from fpbench.engine.rounds import NonFiniteLoss
+    from fpbench.methods.fedvpt import FedVPT
+
+    loss = FedVPT.loss
+
+    def blows_up(self, params, x, y, client_index, ctx):
+        out = loss(self, params, x, y, client_index, ctx)
+        return torch.where(client_index == 0, out * float("inf"), out)
+
+    monkeypatch.setattr(FedVPT, "loss", blows_up)
+    cfg = tiny_config(rounds=2)
+    message = (
+        "training loss is nan (not finite) after local training in round 0; "
+        "lower train.lr or set train.grad_clip"
+    )
+    with Store(f"sqlite:///{tmp_path / 'r.db'}") as store:
+        with pytest.raises(NonFiniteLoss) as info:
+            run_cell(cfg, store, checkpoint_dir=tmp_path)
+        assert str(info.value) == message
+        record = store.find_run(cfg.run_key)
+        assert record.status == "failed" and record.error == f"NonFiniteLoss: {message}"
+        assert store.last_round(record.id) is None
+
+
+def test_how_a_cell_is_named_in_errors_and_on_its_record():
+    """The strings a user reads: a cell's label, a resume error's span of missing rounds, an
+    interruption, a crash's stored error, and the device a run records with its numerics."""
+    import platform
+
+    from fpbench.engine import runner
+
+    cfg = tiny_config()
+    label = runner.cell_label(cfg)
+    assert label == f"fedvpt / {cfg.dataset.label} / {cfg.partition.label} / seed 0"
+    assert [runner._span(r) for r in ([0, 1, 2, 3], [4], [0, 2, 3], [5, 6])] == [
+        "0-3",
+        "4",
+        "0, 2, 3",
+        "5-6",
+    ]
+    assert str(runner.CellInterrupted(cfg, 3)) == (
+        f"interrupted at round 3 of cell {label} ({cfg.run_key}); rerun the same command to resume"
+    )
+    assert str(runner.CellInterrupted(cfg, None)) == (
+        f"interrupted while preparing cell {label} ({cfg.run_key}); "
+        "rerun the same command to resume"
+    )
+    assert runner.CellInterrupted(cfg, 0).round == 0
+    assert runner.error_text(ValueError("bad")) == "ValueError: bad"
+    cpu = torch.device("cpu")
+    name = f"cpu ({platform.processor() or platform.machine()})"
+    tf32 = cfg.model_copy(
+        update={"runtime": cfg.runtime.model_copy(update={"frozen_precision": "tf32"})}
+    )
+    bf16 = cfg.model_copy(
+        update={
+            "runtime": cfg.runtime.model_copy(
+                update={"precision": "bf16", "frozen_precision": "bf16"}
+            )
+        }
+    )
+    assert runner._device_name(cpu, tf32) == f"{name} (fp32)"  # no TF32 on the CPU
+    assert runner._device_name(cpu, bf16) == f"{name} (bf16, frozen bf16)"
+    auto = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"precision": "auto"})})
+    stored = runner.stored_config(auto, cpu)
+    dumped = auto.model_dump(mode="json")
+    assert stored == {**dumped, "runtime": {**dumped["runtime"], "precision": "fp32"}}

@@ -12,11 +12,21 @@ from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.build import build_populations
 from fpbench.engine.executor import client_batches, derive_seed, train_clients
 from fpbench.engine.metrics import EvalCounts
-from fpbench.engine.populations import client_profiles, merge_counts, pack, share, unpack
+from fpbench.engine.populations import (
+    Cohort,
+    client_profiles,
+    merge_counts,
+    pack,
+    participants,
+    share,
+    start_shared,
+    unpack,
+)
 from fpbench.engine.runner import run_cell
 from fpbench.engine.task import build_task
 from fpbench.errors import FpbenchError
 from fpbench.methods.base import ServerState
+from fpbench.specs import TrainConfig
 from fpbench.store import Store
 from fpbench.suites import expand_suite
 
@@ -254,3 +264,73 @@ def test_a_group_without_participants_keeps_its_server_state(tmp_path):
     assert run_cell(cfg, store, checkpoint_dir=tmp_path).status == "done"  # 1 client per round
     loss = store.metrics().query("name == 'loss_train'")
     assert len(loss) == 2 and (loss["count"] == 1).all()
+
+
+def test_merge_counts_keeps_the_runs_sizes_and_each_clients_f1():
+    """A personal population (per-client values) beside a global one (one value each) and one
+    without F1: each client's F1 and accuracy on the test split come from its own population,
+    NaN where its population has no F1; sizes, held-out flags and applicability are the run's.
+    One population's counts are handed on as they are."""
+    total, held = np.array([4, 5, 6, 7]), np.array([False, False, True, False])
+
+    def counts(correct, glob, f1):
+        return EvalCounts(
+            correct_local=np.array(correct),
+            total_local=total,
+            heldout=held,
+            global_acc=np.array(glob, dtype=float),
+            global_total=12,
+            heldout_applicable=False,
+            f1_global=None if f1 is None else np.array(f1, dtype=float),
+        )
+
+    personal = counts([1, 0, 3, 0], [0.1, np.nan, 0.3, np.nan], [0.2, np.nan, 0.4, np.nan])
+    merged = merge_counts(
+        [
+            (personal, [0, 2]),
+            (counts([0, 2, 0, 0], [0.25], [0.5]), [1]),
+            (counts([0, 0, 0, 6], [0.75], None), [3]),
+        ]
+    )
+    assert merged.correct_local.tolist() == [1, 2, 3, 6]
+    assert merged.correct_local.dtype == np.int64  # counts, as every population's
+    np.testing.assert_array_equal(merged.global_acc, [0.1, 0.25, 0.3, 0.75])
+    np.testing.assert_array_equal(merged.f1_global, [0.2, 0.5, 0.4, np.nan])
+    assert merged.total_local.tolist() == total.tolist()
+    assert merged.heldout.tolist() == held.tolist()
+    assert (merged.global_total, merged.heldout_applicable, merged.untrained) == (12, False, None)
+    assert merge_counts([(personal, [0, 1, 2, 3])]) is personal
+
+
+def test_shared_parameters_start_from_the_first_populations_values():
+    """Every population starts with population 0's values of the parameters all of them share
+    (same name, same shape), copies not views; the rest (and personal state) stay their own."""
+    a = ServerState({"p": torch.tensor([1.0, 2.0]), "w": torch.ones(3)}, {"own": torch.zeros(2)})
+    b = ServerState({"p": torch.tensor([4.0, 8.0]), "w": torch.zeros(4)}, {"own": torch.ones(2)})
+    c = ServerState({"p": torch.tensor([5.0, 6.0])})
+    out = start_shared({"0-x": a, "1-y": b, "2-z": c})
+    assert [s.params["p"].tolist() for s in out.values()] == [[1.0, 2.0]] * 3
+    assert out["1-y"].params["w"].tolist() == [0.0] * 4
+    assert out["1-y"].personal["own"].tolist() == [1.0, 1.0]
+    out["1-y"].params["p"].add_(1)
+    assert out["0-x"].params["p"].tolist() == [1.0, 2.0]
+    assert start_shared({"0-x": a}) == {"0-x": a}  # one population shares nothing
+
+
+def test_participants_are_the_rounds_clients_of_the_cohort_in_round_order():
+    cohort = Cohort("small", (1, 4, 6), TrainConfig())
+    assert participants(cohort, [6, 0, 4, 5]) == [6, 4]
+    assert participants(cohort, [0, 2]) == []
+
+
+def test_share_keeps_each_populations_own_state_and_ignores_the_weightless():
+    """Personal rows and buffers stay each population's own; a population of weight 0 adds
+    nothing to the mean, not even a NaN it holds."""
+    a = ServerState({"p": torch.tensor([1.0, 2.0])}, {"own": torch.zeros(2)}, {"b": torch.ones(1)})
+    b = ServerState({"p": torch.tensor([float("nan"), 8.0])}, {}, {"b": torch.zeros(1)})
+    c = ServerState({"p": torch.tensor([3.0, 4.0])})
+    out = share({"a": a, "b": b, "c": c}, {"a": 1.0, "b": 0.0, "c": 1.0})
+    assert [s.params["p"].tolist() for s in out.values()] == [[2.0, 3.0]] * 3
+    assert out["a"].personal["own"].tolist() == [0.0, 0.0] and out["b"].personal == {}
+    assert out["a"].buffers["b"].tolist() == [1.0] and out["b"].buffers["b"].tolist() == [0.0]
+    assert out["c"].buffers == {}

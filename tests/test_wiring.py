@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 
 import numpy as np
 import pytest
@@ -23,6 +24,8 @@ import fpbench.engine.rounds as rounds
 import fpbench.engine.runner as runner
 import fpbench.engine.task as task_module
 from fpbench.engine.executor import derive_seed, train_clients
+from fpbench.engine.metrics import domain_key
+from fpbench.engine.observer import Observer
 from fpbench.engine.rounds import sampling_schedule
 from fpbench.engine.runner import run_cell
 from fpbench.engine.task import aggregation_sizes, load_dataset
@@ -66,20 +69,45 @@ class Spied:
         self.calls: list[tuple[ServerState, Updates, ServerState]] = []  # aggregate: in, what, out
         self.lrs: list[float] = []  # make_optimizer's lr, in call order
         self.views: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (round, seeds, idx)
+        self.observed: list[tuple] = []  # the observer's calls: (what, round, metrics)
+        self.costs: list[dict] = []  # Store.record_cost's keyword arguments
+        self.run = None  # the stored run record
+        self.probed: list[tuple[ServerState, torch.Tensor]] = []  # round_metrics: server, labels
 
 
-@pytest.fixture(scope="module")
+class _Recorder(Observer):
+    def __init__(self, seen: Spied) -> None:
+        self.seen = seen
+
+    def cell_start(self, cfg, start_round):
+        self.seen.observed.append(("start", start_round, None))
+
+    def round_end(self, cfg, round_idx, metrics):
+        self.seen.observed.append(("round", round_idx, dict(metrics)))
+
+
+def _per_test_under_mutmut(fixture_name: str, config) -> str:
+    """Module scope, but one run per test under mutmut: it credits the code a module fixture
+    runs to the first test only, and would then skip the other tests of a mutant it reaches."""
+    return "function" if os.environ.get("MUTANT_UNDER_TEST") else "module"
+
+
+@pytest.fixture(scope=_per_test_under_mutmut)
 def spied(tmp_path_factory):
-    """One fedvpt run (seed 6, 2 rounds, flips on, lr decay 0.5) with the engine's seams spied.
+    """One fedvpt run (seed 6, 2 rounds, flips on, lr decay 0.5, only round 1 evaluated) with
+    the engine's seams spied.
 
     The spies call through, so the run is the real one: its stored rows are checked as well.
     """
     tmp = tmp_path_factory.mktemp("wiring")
-    cfg = tiny_config("fedvpt", rounds=2, lr_decay=0.5, augment={"hflip": True})
+    cfg = tiny_config(
+        "fedvpt", rounds=2, lr_decay=0.5, augment={"hflip": True}, eval_every=2, eval_last=0
+    )
     cfg = _with(cfg, seed=SEED, runtime={"device": "cpu"})
     seen = Spied()
     aggregate, build_task = FedVPT.aggregate, runner.build_task
     make_optimizer, uniforms = executor.make_optimizer, executor.uniforms
+    record_cost = Store.record_cost
 
     def spy_aggregate(self, server, updates):
         out = aggregate(self, server, updates)
@@ -99,15 +127,27 @@ def spied(tmp_path_factory):
         seen.task = build_task(*args, **kwargs)
         return seen.task
 
+    def spy_cost(self, run_id, **kwargs):
+        seen.costs.append(kwargs)
+        return record_cost(self, run_id, **kwargs)
+
+    def probe(self, server, test):  # a round metric of the server it is handed
+        seen.probed.append((_clone(server), test.labels.clone()))
+        return {"probe": float(server.params["prompts"].double().sum())}
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(FedVPT, "aggregate", spy_aggregate)
         mp.setattr(executor, "make_optimizer", spy_optimizer)
         mp.setattr(executor, "uniforms", spy_uniforms)
         mp.setattr(runner, "build_task", spy_build_task)
+        mp.setattr(Store, "record_cost", spy_cost)
+        mp.setattr(FedVPT, "round_metrics", probe)
         with Store(f"sqlite:///{tmp / 'r.db'}") as store:
-            assert run_cell(cfg, store, checkpoint_dir=tmp).status == "done"
+            observer = _Recorder(seen)
+            assert run_cell(cfg, store, checkpoint_dir=tmp, observer=observer).status == "done"
             rows = store.metrics(aggregate_only=False)
-            per_round = store.rounds(store.find_run(cfg.run_key).id)
+            seen.run = store.find_run(cfg.run_key)
+            per_round = store.rounds(seen.run.id)
     return cfg, seen, rows, per_round
 
 
@@ -267,6 +307,68 @@ def test_rounds_store_the_bytes_of_their_participants(spied):
     assert per_round["bytes_down"].tolist() == per_round["bytes_up"].tolist()
 
 
+def test_the_observer_hears_each_round_and_its_evaluated_metrics(spied):
+    """`cell_start` at round 0, then per round: nothing for an unevaluated round, an evaluated
+    one's stored aggregates and its training loss.
+
+    Catches a wrong start round, metrics handed for unevaluated rounds (or none for evaluated
+    ones), and a metric or loss other than the stored one.
+    """
+    cfg, _, rows, per_round = spied
+    assert [(what, r) for what, r, _ in spied[1].observed] == [
+        ("start", 0),
+        ("round", 0),
+        ("round", 1),
+    ]
+    assert spied[1].observed[1][2] == {}
+    last = rows[(rows["round"] == 1) & rows["client_id"].isna()].set_index("name")["value"]
+    heard = spied[1].observed[2][2]
+    assert heard["loss_train"] == per_round["loss_train"].tolist()[1] == last["loss_train"]
+    names = set(heard) - {"loss_train"}
+    assert {"acc_local_mean", "acc_pooled", "acc_heldout_mean"} <= names
+    assert not any(n.endswith("_last10") for n in names)  # the summary is not a round's
+    assert heard == pytest.approx({n: last[n] for n in names} | {"loss_train": last["loss_train"]})
+
+
+def test_a_runs_time_and_cost_are_its_rounds(spied):
+    """The run's stored `wall_s` is the sum of its rounds' (resumed or not); FLOPs are counted in
+    round 0 only (the counter's overhead stays in one round), and the peak memory once at the end.
+    The loss row counts the round's participants; only round 0 stores `params_trainable`.
+    """
+    cfg, seen, rows, per_round = spied
+    assert per_round["round"].tolist() == [0, 1]
+    assert seen.run.wall_s == pytest.approx(per_round["wall_s"].sum(), rel=1e-9)
+    assert [sorted(k for k, v in c.items() if v is not None) for c in seen.costs] == [
+        ["owner", "round_flops"],
+        ["owner", "peak_mem_bytes"],
+    ]
+    assert seen.costs[0]["round_flops"] > 0 and seen.costs[0]["round_flops"] == seen.run.round_flops
+    loss = rows[rows["name"] == "loss_train"]
+    k = math.floor(cfg.train.participation * 3)
+    assert loss["count"].tolist() == [k, k]
+    trainable = rows[rows["name"] == "params_trainable"]
+    d = seen.method.backbone.embed_dim
+    assert trainable["round"].tolist() == [0]
+    assert trainable["value"].tolist() == [5 * d + 6 * d + 6]
+
+
+def test_round_metrics_see_the_rounds_aggregate_and_the_test_labels(spied):
+    """`Method.round_metrics` gets each round's aggregated server and the test split's labels;
+    its values are stored unsuffixed (one population), every round, for no client.
+
+    Catches the metrics computed on the round's incoming server, and a `@key` suffix on a
+    homogeneous run's names."""
+    _, seen, rows, _ = spied
+    assert len(seen.probed) == len(seen.calls) == 2
+    for (server, labels), (_, _, out) in zip(seen.probed, seen.calls, strict=True):
+        assert torch.equal(server.params["prompts"], out.params["prompts"])
+        assert torch.equal(labels, seen.task.data.test_labels)
+    probe = rows[rows["name"] == "probe"]
+    assert probe["round"].tolist() == [0, 1] and probe["client_id"].isna().all()
+    want = [float(out.params["prompts"].double().sum()) for _, _, out in seen.calls]
+    assert probe["value"].tolist() == pytest.approx(want, rel=1e-12)
+
+
 def _domain_cell():
     raw = {
         "seeds": [0],
@@ -318,9 +420,24 @@ def test_domain_size_weights_reach_fedavg(tmp_path, monkeypatch):
         return Method.aggregate(self, server, updates)
 
     monkeypatch.setattr(FedVPT, "aggregate", spy)
+    cell = _domain_cell()
     with Store(f"sqlite:///{tmp_path / 'r.db'}") as store:
-        assert run_cell(_domain_cell(), store, checkpoint_dir=tmp_path).status == "done"
+        assert run_cell(cell, store, checkpoint_dir=tmp_path).status == "done"
+        rows = store.metrics(aggregate_only=False)
     assert weights == [{0: 50.0, 1: 50.0, 2: 15.0, 3: 15.0}]
+    # the round loop hands each client's domain and the dataset's domain names to the metric
+    local = rows[rows["name"] == "acc_local"].set_index("client_id")["value"]
+    assert sorted(local.index.astype(int)) == [0, 1, 2, 3]
+    names = [domain_key(n) for n in load_dataset(cell.dataset).domain_names]
+    domain = {c.id: c.domain for c in _clients(cell, cell.seed)}
+    assert sorted(domain.values()) == [0, 0, 1, 1]
+    got = rows[rows["name"].str.startswith("acc_domain_")].set_index("name")["value"]
+    want = {
+        f"acc_domain_{name}": np.mean([local[c] for c in domain if domain[c] == d])
+        for d, name in enumerate(names)
+    }
+    # one round: its summary over the last 10 rounds is that round's value
+    assert got.to_dict() == pytest.approx(want | {f"{k}_last10": v for k, v in want.items()})
 
 
 def test_domain_size_weights_refuse_what_they_cannot_weigh():
