@@ -166,3 +166,12 @@ def test_defaults_are_torchs_and_tiny_gradients_move_adam_like_torch():
         for k in range(2):
             ref = _run_plain(torch_cls, dict(lr=0.01), p0[k], [g[k] for g in grads])
             torch.testing.assert_close(p[k] - p0[k], ref - p0[k], rtol=1e-4, atol=1e-9)
+
+
+def test_clipping_leaves_a_tiny_gradient_alone():
+    """A gradient far below the clip norm (here 1e-7, under the 1e-6 guard) is not scaled."""
+    p = torch.zeros(1, 2)
+    opt = StackedSGD([p], lr=1.0, grad_clip=1.0)
+    p.grad = torch.tensor([[6e-8, 8e-8]])
+    opt.step(torch.ones(1, dtype=torch.bool))
+    torch.testing.assert_close(p, -torch.tensor([[6e-8, 8e-8]]), rtol=1e-6, atol=0)
