@@ -84,19 +84,20 @@ def test_per_client_clipping_uses_each_clients_norm():
 @pytest.mark.parametrize(
     ("name", "torch_cls", "torch_kw"),
     [
-        ("sgd", torch.optim.SGD, dict(momentum=0.9)),
-        ("adam", torch.optim.Adam, dict(betas=(0.9, 0.999))),
+        ("sgd", torch.optim.SGD, dict(momentum=0.8)),
+        ("adam", torch.optim.Adam, dict(betas=(0.8, 0.999))),
     ],
 )
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_make_optimizer_hands_on_every_setting(name, torch_cls, torch_kw, clip):
-    """`make_optimizer` as the executor calls it: lr, momentum (Adam's beta1; beta2 0.999),
-    weight decay and clipping all reach the stacked optimiser, row for row a torch one."""
+    """`make_optimizer` as the executor calls it: lr, momentum (Adam's beta1, here not its
+    default 0.9; beta2 0.999), weight decay and clipping all reach the stacked optimiser, row
+    for row a torch one."""
     torch.manual_seed(3)
     p0 = torch.randn(2, 4)
     grads = [torch.randn(2, 4) for _ in range(3)]
     p = p0.clone()
-    opt = make_optimizer(name, [p], lr=0.05, momentum=0.9, weight_decay=0.1, grad_clip=clip)
+    opt = make_optimizer(name, [p], lr=0.05, momentum=0.8, weight_decay=0.1, grad_clip=clip)
     for g in grads:
         p.grad = g.clone()
         opt.step(torch.ones(2, dtype=torch.bool))
@@ -144,3 +145,33 @@ def test_a_group_scales_each_optimisers_own_lr():
     torch.testing.assert_close(torch.cat([a, b]), torch.tensor([[-0.05] * 2, [-0.5] * 2]))
     group.zero_grad()
     assert a.grad is None and b.grad is None
+
+
+def test_defaults_are_torchs_and_tiny_gradients_move_adam_like_torch():
+    """Left at their defaults (no momentum, no weight decay; Adam's betas and eps), the stacked
+    optimisers follow torch's. Adam on gradients near its eps (1e-9): eps is added to the
+    root of the second moment, not subtracted (that would turn the step around)."""
+    torch.manual_seed(5)
+    p0 = torch.randn(2, 3)
+    for cls, torch_cls, scale in (
+        (StackedSGD, torch.optim.SGD, 1.0),
+        (StackedAdam, torch.optim.Adam, 1e-9),
+    ):
+        grads = [scale * torch.randn(2, 3) for _ in range(3)]
+        p = p0.clone()
+        opt = cls([p], lr=0.01)
+        for g in grads:
+            p.grad = g.clone()
+            opt.step(torch.ones(2, dtype=torch.bool))
+        for k in range(2):
+            ref = _run_plain(torch_cls, dict(lr=0.01), p0[k], [g[k] for g in grads])
+            torch.testing.assert_close(p[k] - p0[k], ref - p0[k], rtol=1e-4, atol=1e-9)
+
+
+def test_clipping_leaves_a_tiny_gradient_alone():
+    """A gradient far below the clip norm (here 1e-7, under the 1e-6 guard) is not scaled."""
+    p = torch.zeros(1, 2)
+    opt = StackedSGD([p], lr=1.0, grad_clip=1.0)
+    p.grad = torch.tensor([[6e-8, 8e-8]])
+    opt.step(torch.ones(1, dtype=torch.bool))
+    torch.testing.assert_close(p, -torch.tensor([[6e-8, 8e-8]]), rtol=1e-6, atol=0)
