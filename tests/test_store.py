@@ -870,6 +870,7 @@ def test_frames_of_nothing_keep_their_columns(store: Store) -> None:
     run = make_run(store)
     assert list(store.rounds(run.id).columns) == ROUND_COLUMNS and store.rounds(run.id).empty
     assert list(store.runs().columns) == [*RUN_COLUMNS, "last_round"]
+    assert list(store.runs(suite="nope").columns) == [*RUN_COLUMNS, "last_round"]
     assert list(store.metrics().columns) == METRIC_COLUMNS
 
 
@@ -967,3 +968,31 @@ def test_sqlite_file_and_the_package_s_lazy_names() -> None:
     assert package.Store is Store and package.CLAIM_TIMEOUT_S == 600.0
     with pytest.raises(AttributeError, match="^module 'fpbench.store' has no attribute 'nope'$"):
         package.nope  # noqa: B018
+
+
+def test_a_run_s_config_is_stored_as_sorted_json(store: Store, db_path: Path) -> None:
+    make_run(store)
+    stored = raw(db_path, "SELECT config_json, status FROM runs")
+    assert stored == [('{"lr": 0.1, "nested": {"k": [1, 2]}, "rounds": 3}', "pending")]
+
+
+def test_an_upgrade_racing_another_process_for_a_column_is_no_error(db_path, monkeypatch) -> None:
+    url = Store.url_from_path_or_url(db_path)
+    with Store(url) as s:
+        make_run(s)
+    real = schema._run_columns
+    calls = []
+
+    def racing(engine):  # the first look misses `owner`, which another process then added
+        calls.append(1)
+        return real(engine) - ({"owner"} if len(calls) == 1 else set())
+
+    monkeypatch.setattr(schema, "_run_columns", racing)
+    engine = create_engine(url)
+    try:
+        schema.upgrade(engine)  # its ALTER TABLE fails: the column is there now
+        monkeypatch.setattr(schema, "_run_columns", lambda e: real(e) - {"owner"})
+        with pytest.raises(OperationalError, match="duplicate column"):
+            schema.upgrade(engine)  # a column that cannot be added and is not there: an error
+    finally:
+        engine.dispose()
