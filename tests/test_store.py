@@ -996,3 +996,16 @@ def test_an_upgrade_racing_another_process_for_a_column_is_no_error(db_path, mon
             schema.upgrade(engine)  # a column that cannot be added and is not there: an error
     finally:
         engine.dispose()
+
+
+def test_a_file_system_without_hard_links_gets_the_new_file_moved_into_place(
+    db_path: Path, monkeypatch
+) -> None:
+    def no_links(src, dst) -> None:
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    with Store(Store.url_from_path_or_url(db_path)) as s:
+        make_run(s)
+        assert s.find_run("abcd1234ef") is not None
+    assert sorted(p.name for p in db_path.parent.iterdir()) == ["results.db"]
