@@ -1009,3 +1009,26 @@ def test_a_file_system_without_hard_links_gets_the_new_file_moved_into_place(
         make_run(s)
         assert s.find_run("abcd1234ef") is not None
     assert sorted(p.name for p in db_path.parent.iterdir()) == ["results.db"]
+
+
+def test_a_database_made_meanwhile_by_another_process_is_checked_then_used(db_path: Path) -> None:
+    url = Store.url_from_path_or_url(db_path)
+    with Store(url) as late, Store(url) as early:
+        make_run(early)  # creates it; `late` opened it while absent
+        assert late.has_schema() and late.find_run("abcd1234ef") is not None
+    (db_path.parent / "afile").write_text("x")
+    with pytest.raises(FpbenchError) as info:
+        Store(f"sqlite:///{db_path.parent}/afile/x.db")
+    assert str(info.value).endswith(f"{db_path.parent / 'afile'} is a file, not a folder")
+
+
+def test_create_says_so_when_no_database_appeared(db_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(ownership, "_create_file", lambda engine, path: None)
+    engine = create_engine(Store.url_from_path_or_url(db_path))
+    try:
+        with pytest.raises(
+            FpbenchError, match=f"^could not create the results database {db_path}$"
+        ):
+            ownership.create(engine)
+    finally:
+        engine.dispose()
