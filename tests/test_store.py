@@ -805,7 +805,7 @@ def test_a_zombie_is_found_whatever_its_name() -> None:
 
 
 @pytest.mark.parametrize("failures", [0, 2, 3])
-def test_creating_a_schema_in_place_retries_twice(monkeypatch, failures: int) -> None:
+def test_creating_a_schema_in_place_retries_twice(failures: int) -> None:
     """Several workers creating one database at once: a failed attempt is retried, twice."""
     calls = []
 
@@ -823,7 +823,8 @@ def test_creating_a_schema_in_place_retries_twice(monkeypatch, failures: int) ->
         (schema.Base.metadata, "create_all", schema),
     ]:
         calls.clear()
-        monkeypatch.setattr(module, name, flaky(getattr(module, name)))
+        patch = pytest.MonkeyPatch()  # undone per target, leaving the test's fixtures alone
+        patch.setattr(module, name, flaky(getattr(module, name)))
         engine = create_engine("sqlite://")
         try:
             make = (
@@ -838,7 +839,7 @@ def test_creating_a_schema_in_place_retries_twice(monkeypatch, failures: int) ->
             assert len(calls) == min(failures + 1, 3)
         finally:
             engine.dispose()
-            monkeypatch.undo()
+            patch.undo()
 
 
 def test_a_server_database_is_fpbench_s_by_its_version_stamp() -> None:
