@@ -805,7 +805,7 @@ def test_a_zombie_is_found_whatever_its_name() -> None:
 
 
 @pytest.mark.parametrize("failures", [0, 2, 3])
-def test_creating_a_schema_in_place_retries_twice(monkeypatch, failures: int) -> None:
+def test_creating_a_schema_in_place_retries_twice(failures: int) -> None:
     """Several workers creating one database at once: a failed attempt is retried, twice."""
     calls = []
 
@@ -823,7 +823,8 @@ def test_creating_a_schema_in_place_retries_twice(monkeypatch, failures: int) ->
         (schema.Base.metadata, "create_all", schema),
     ]:
         calls.clear()
-        monkeypatch.setattr(module, name, flaky(getattr(module, name)))
+        patch = pytest.MonkeyPatch()  # undone per target, leaving the test's fixtures alone
+        patch.setattr(module, name, flaky(getattr(module, name)))
         engine = create_engine("sqlite://")
         try:
             make = (
@@ -838,7 +839,7 @@ def test_creating_a_schema_in_place_retries_twice(monkeypatch, failures: int) ->
             assert len(calls) == min(failures + 1, 3)
         finally:
             engine.dispose()
-            monkeypatch.undo()
+            patch.undo()
 
 
 def test_a_server_database_is_fpbench_s_by_its_version_stamp() -> None:
@@ -870,6 +871,7 @@ def test_frames_of_nothing_keep_their_columns(store: Store) -> None:
     run = make_run(store)
     assert list(store.rounds(run.id).columns) == ROUND_COLUMNS and store.rounds(run.id).empty
     assert list(store.runs().columns) == [*RUN_COLUMNS, "last_round"]
+    assert list(store.runs(suite="nope").columns) == [*RUN_COLUMNS, "last_round"]
     assert list(store.metrics().columns) == METRIC_COLUMNS
 
 
@@ -967,3 +969,67 @@ def test_sqlite_file_and_the_package_s_lazy_names() -> None:
     assert package.Store is Store and package.CLAIM_TIMEOUT_S == 600.0
     with pytest.raises(AttributeError, match="^module 'fpbench.store' has no attribute 'nope'$"):
         package.nope  # noqa: B018
+
+
+def test_a_run_s_config_is_stored_as_sorted_json(store: Store, db_path: Path) -> None:
+    make_run(store)
+    stored = raw(db_path, "SELECT config_json, status FROM runs")
+    assert stored == [('{"lr": 0.1, "nested": {"k": [1, 2]}, "rounds": 3}', "pending")]
+
+
+def test_an_upgrade_racing_another_process_for_a_column_is_no_error(db_path, monkeypatch) -> None:
+    url = Store.url_from_path_or_url(db_path)
+    with Store(url) as s:
+        make_run(s)
+    real = schema._run_columns
+    calls = []
+
+    def racing(engine):  # the first look misses `owner`, which another process then added
+        calls.append(1)
+        return real(engine) - ({"owner"} if len(calls) == 1 else set())
+
+    monkeypatch.setattr(schema, "_run_columns", racing)
+    engine = create_engine(url)
+    try:
+        schema.upgrade(engine)  # its ALTER TABLE fails: the column is there now
+        monkeypatch.setattr(schema, "_run_columns", lambda e: real(e) - {"owner"})
+        with pytest.raises(OperationalError, match="duplicate column"):
+            schema.upgrade(engine)  # a column that cannot be added and is not there: an error
+    finally:
+        engine.dispose()
+
+
+def test_a_file_system_without_hard_links_gets_the_new_file_moved_into_place(
+    db_path: Path, monkeypatch
+) -> None:
+    def no_links(src, dst) -> None:
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    with Store(Store.url_from_path_or_url(db_path)) as s:
+        make_run(s)
+        assert s.find_run("abcd1234ef") is not None
+    assert sorted(p.name for p in db_path.parent.iterdir()) == ["results.db"]
+
+
+def test_a_database_made_meanwhile_by_another_process_is_checked_then_used(db_path: Path) -> None:
+    url = Store.url_from_path_or_url(db_path)
+    with Store(url) as late, Store(url) as early:
+        make_run(early)  # creates it; `late` opened it while absent
+        assert late.has_schema() and late.find_run("abcd1234ef") is not None
+    (db_path.parent / "afile").write_text("x")
+    with pytest.raises(FpbenchError) as info:
+        Store(f"sqlite:///{db_path.parent}/afile/x.db")
+    assert str(info.value).endswith(f"{db_path.parent / 'afile'} is a file, not a folder")
+
+
+def test_create_says_so_when_no_database_appeared(db_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(ownership, "_create_file", lambda engine, path: None)
+    engine = create_engine(Store.url_from_path_or_url(db_path))
+    try:
+        with pytest.raises(
+            FpbenchError, match=f"^could not create the results database {db_path}$"
+        ):
+            ownership.create(engine)
+    finally:
+        engine.dispose()
