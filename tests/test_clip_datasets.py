@@ -3,6 +3,7 @@ miniature native-format files; the disjoint-classes partition; the local-accurac
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -291,7 +292,9 @@ def test_local_label_space_masks_classes_without_train_data(inference) -> None:
     from fpbench.engine.evaluate import evaluate
 
     task = _task()
-    inputs = SimpleNamespace(test=lambda idx: idx, query=lambda split, idx: None, task=task)
+    inputs = SimpleNamespace(
+        test=lambda idx: idx, recall=lambda *_: contextlib.nullcontext(), task=task
+    )
     method = _TableMethod(inference)
     server = SimpleNamespace(buffers={})
     every = evaluate(method, server, task, 2, inputs, label_space="all")

@@ -216,9 +216,9 @@ def test_f1_macro_global_is_recorded_per_round_for_global_and_personal_methods(t
     ev = evaluate(method, server, task, 64)
     params = method.client_params(server, torch.zeros(1, dtype=torch.long), training=False)
     x = task.data.test_images
-    feats = method.backbone.encode_image(method.backbone.preprocess(x))
     rows = torch.zeros(len(x), dtype=torch.long)
-    pred = method.forward(params, feats, rows, Context(training=False)).argmax(-1)
+    images = method.backbone.preprocess(x)
+    pred = method.forward(params, images, rows, Context(training=False)).argmax(-1)
     expected = macro_f1(pred.numpy(), task.data.test_labels.numpy(), task.data.num_classes)
     assert ev.f1_global.tolist() == [pytest.approx(expected)]
     _, task, local = tiny("coop-local")

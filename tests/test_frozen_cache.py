@@ -224,11 +224,13 @@ def test_bf16_frozen_passes_are_kept_apart_from_fp32(tiny, tmp_path) -> None:
     cfg, task, method = tiny("sgpt")
     idx = task.train_idx[task.trainable_clients()[0]]
     cache = FeatureCache(tmp_path)
-    fp32 = Inputs.of(method, task, cache, 16, "fp32").query("train", idx)
-    bf16 = Inputs.of(method, task, cache, 16, "bf16").query("train", idx)
-    tf32 = Inputs.of(method, task, cache, 16, "tf32").query("train", idx)
+    layer, vit = method.query_layer, method.backbone
+    kind, fn = f"block{layer}-cls", lambda v: vit.block_cls(v, layer)  # Select's cls
+    fp32 = Inputs.of(method, task, cache, 16, "fp32").frozen(kind, fn, "train")[idx]
+    bf16 = Inputs.of(method, task, cache, 16, "bf16").frozen(kind, fn, "train")[idx]
+    tf32 = Inputs.of(method, task, cache, 16, "tf32").frozen(kind, fn, "train")[idx]
     with torch.no_grad():
-        plain = method.frozen().fn(method.backbone.preprocess(task.data.train_images[idx]))
+        plain = fn(vit.preprocess(task.data.train_images[idx]))
     assert torch.equal(fp32, tf32)  # the same entry on the CPU
     torch.testing.assert_close(fp32, plain)
     assert not torch.equal(bf16, fp32)

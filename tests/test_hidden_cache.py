@@ -1,4 +1,5 @@
-"""Phases that resume from cached hidden states (`Phase.resume_layer`): same result, less work."""
+"""A phase's kept hidden states (`fpbench.backbones.recall.PhaseStates`): found from the prompts'
+`requires_grad`, never declared; the same result with less work."""
 
 from __future__ import annotations
 
@@ -6,36 +7,9 @@ import pytest
 import torch
 
 from fpbench.backbones import create_backbone
-from fpbench.engine.build import build_method
-from fpbench.engine.executor import resume_layer, train_clients
-from fpbench.engine.inputs import FeatureCache, HiddenCache, Inputs
-from fpbench.engine.task import build_task
-from fpbench.registry import METHODS
+from fpbench.backbones.recall import PhaseStates, Recall, recalling
+from fpbench.engine.executor import train_clients
 from fpbench.specs import Augment
-from tests.conftest import tiny_config
-
-
-def _resuming_methods() -> list[str]:
-    """The ViT methods with a phase that sets a resume layer (built on the tiny config)."""
-    task = build_task(tiny_config(), torch.device("cpu"))
-    out = []
-    for name in METHODS.names():
-        cfg = tiny_config(name)
-        if cfg.backbone.name != "vit-test":
-            continue
-        method = build_method(cfg, task, torch.device("cpu"))
-        names = tuple(method.init_params(torch.Generator().manual_seed(0)))
-        if any(p.resume_layer for p in method.phases(2, names)):
-            out.append(name)
-    return out
-
-
-RESUMING = _resuming_methods()
-
-
-def test_the_methods_that_should_resume_do() -> None:
-    assert {"fedrep", "sgpt"} <= set(RESUMING)
-    assert "fedvpt" not in RESUMING
 
 
 @pytest.mark.parametrize("style", ["accumulate", "deep"])
@@ -52,44 +26,58 @@ def test_forward_from_a_prefix_equals_the_full_forward(style: str) -> None:
         assert resumed.prompt_tokens.shape == full.prompt_tokens.shape
 
 
-def test_hidden_cache_computes_each_row_sample_once() -> None:
+def test_phase_states_compute_each_row_sample_once_and_check_the_lower_prompts() -> None:
     rows = [torch.tensor([0, 3, 5]), torch.tensor([3, 7])]  # sample 3 is in both rows
-    cache = HiddenCache(rows, num_train=8)
+    states = PhaseStates(rows, num_train=8)
     calls: list[list[tuple[int, int]]] = []
 
-    def compute(idx: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        calls.append(list(zip(r.tolist(), idx.tolist(), strict=True)))
-        return (100 * r + idx).float().view(-1, 1, 1).expand(-1, 2, 4)  # (b, T=2, d=4)
+    def get(idx: list[int], r: list[int], guard: torch.Tensor) -> torch.Tensor:
+        idx_t, r_t = torch.tensor(idx), torch.tensor(r)
 
-    first = cache.get(torch.tensor([3, 3, 0]), torch.tensor([0, 1, 0]), compute)
-    again = cache.get(torch.tensor([0, 7, 3]), torch.tensor([0, 1, 1]), compute)
+        def compute(mask: torch.Tensor) -> torch.Tensor:
+            calls.append(list(zip(r_t[mask].tolist(), idx_t[mask].tolist(), strict=True)))
+            return (100 * r_t[mask] + idx_t[mask]).float().view(-1, 1, 1).expand(-1, 2, 4)
+
+        return states.get(("site",), idx_t, r_t, guard, compute)
+
+    same = torch.zeros(3, 1)
+    first = get([3, 3, 0], [0, 1, 0], same)
+    again = get([0, 7, 3], [0, 1, 1], same)
     assert calls == [[(0, 3), (1, 3), (0, 0)], [(1, 7)]]
     assert first[:, 0, 0].tolist() == [3.0, 103.0, 0.0]
     assert again[:, 0, 0].tolist() == [0.0, 107.0, 103.0]
+    calls.clear()
+    get([0, 5], [0, 0], torch.tensor([[1.0], [0.0]]))  # sample 0's lower prompts changed
+    assert calls == [[(0, 0), (0, 5)]]
 
 
-@pytest.mark.parametrize(
-    ("name", "executor"), [(n, "lockstep") for n in RESUMING] + [("sgpt", "reference")]
-)
-def test_resuming_from_cached_states_changes_nothing(tiny, name: str, executor: str) -> None:
-    cfg, task, method = tiny(name, local_epochs=2, weight_decay=1e-3, grad_clip=1.0)
-    inputs = Inputs.of(method, task, FeatureCache(), batch_size=16)
-    names = tuple(method.init_params(torch.Generator().manual_seed(0)))
-    assert any(resume_layer(inputs, p, cfg.train) for p in method.phases(2, names))
-    server = method.init_server(torch.Generator().manual_seed(0))
-    ids = task.trainable_clients()
-    runs = [
-        train_clients(
-            method, server, task, ids, cfg.train, round_idx=0, seed=0,
-            executor=executor, inputs=inputs, reuse_frozen=reuse,
+def test_a_forward_keeps_the_states_below_the_first_trained_prompt() -> None:
+    vit = create_backbone("vit-test")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, vit.img_size, vit.img_size, generator=gen)
+    fixed = torch.randn(4, 2, vit.embed_dim, generator=gen)
+    trained = torch.randn(4, 2, vit.embed_dim, generator=gen).requires_grad_()
+    prompts = {0: fixed, 1: trained}
+    seen = [0, 0]  # samples through block 0 and block 1
+    hooks = [
+        vit.vit.blocks[b].register_forward_hook(
+            lambda _m, args, _o, b=b: seen.__setitem__(b, seen[b] + args[0].shape[0])
         )
-        for reuse in (False, True)
-    ]  # fmt: skip
-    for k in runs[0].params:
-        torch.testing.assert_close(runs[1].params[k], runs[0].params[k], atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(runs[1].loss, runs[0].loss, atol=1e-5, rtol=1e-5)
-    for k in runs[0].stats:
-        torch.testing.assert_close(runs[1].stats[k], runs[0].stats[k])
+        for b in (0, 1)
+    ]
+    states = PhaseStates([torch.arange(4)], num_train=4)
+    recall = Recall(x, None, states, torch.arange(4), torch.zeros(4, dtype=torch.long))
+    try:
+        with recalling(recall):
+            a = vit.forward_features(x, prompts).tokens
+            recall.calls = 0  # the next batch
+            b = vit.forward_features(x, prompts).tokens
+    finally:
+        for h in hooks:
+            h.remove()
+    full = vit.forward_features(x, prompts).tokens  # not the engine's batch: all computed
+    assert torch.equal(a, full) and torch.equal(b, full)
+    assert seen == [4, 8]  # block 0 once (kept), block 1 every time
 
 
 def _block0_samples(method, task, cfg, reuse: bool) -> int:
@@ -116,13 +104,22 @@ def test_fedrep_head_epochs_run_the_backbone_once_per_sample(tiny) -> None:
     assert _block0_samples(method, task, cfg, reuse=True) == 1 * n + 2 * n
 
 
-def test_no_resume_under_augmentation_or_without_a_cached_query(tiny) -> None:
-    cfg, task, method = tiny("sgpt")
-    names = tuple(method.init_params(torch.Generator().manual_seed(0)))
-    group = next(p for p in method.phases(1, names) if p.name == "group")
-    assert group.resume_layer == min(method.group_layers) > 0
-    cached = Inputs.of(method, task, FeatureCache(), batch_size=16)
-    assert resume_layer(cached, group, cfg.train) == group.resume_layer
-    assert resume_layer(Inputs.of(method, task), group, cfg.train) == 0  # no query
-    augmenting = cfg.train.model_copy(update={"augment": Augment(hflip=True)})
-    assert resume_layer(cached, group, augmenting) == 0
+def test_sgpt_group_phase_runs_its_lower_blocks_once_per_sample(tiny) -> None:
+    cfg, task, method = tiny("sgpt", local_epochs=2)
+    n = sum(len(task.train_idx[c]) for c in task.trainable_clients())
+    assert min(method.group_layers) > 0 and min(method.shared_layers) == 0
+    # the shared phase and Select's unprompted query (no store here) run block 0 every epoch
+    # either way; the group phase's prompted forward runs it once when its states are kept
+    recomputed = _block0_samples(method, task, cfg, reuse=False)
+    kept = _block0_samples(method, task, cfg, reuse=True)
+    assert recomputed - kept == n  # the group phase's second epoch reads block 0's states
+
+
+def test_no_kept_states_under_augmentation(tiny) -> None:
+    cfg, task, method = tiny("fedrep", local_epochs=1)
+    method.cfg = method.cfg.model_copy(update={"head_epochs": 2, "rep_epochs": 1})
+    cfg = cfg.model_copy(
+        update={"train": cfg.train.model_copy(update={"augment": Augment(hflip=True)})}
+    )
+    n = sum(len(task.train_idx[c]) for c in task.trainable_clients())
+    assert _block0_samples(method, task, cfg, reuse=True) == 3 * n

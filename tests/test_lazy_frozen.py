@@ -36,6 +36,16 @@ def _samples(seen: Counter, what: str) -> set[int]:
     return {i for (w, i), _ in seen.items() if w == what}
 
 
+def _frozen(method, inputs, idx):
+    """The frozen values the method's backbone recalls (Select's block cls for SGPT, the final
+    cls otherwise) of train samples idx, through the store."""
+    vit = method.backbone
+    if method.name == "sgpt":
+        layer = method.query_layer
+        return inputs.frozen(f"block{layer}-cls", lambda v: vit.block_cls(v, layer), "train")[idx]
+    return inputs.frozen("cls", lambda v: vit.unprompted(v).cls, "train")[idx]
+
+
 def _train_round(method, task, cfg, inputs, ids, r=0):
     server = method.init_server(torch.Generator().manual_seed(0))
     return train_clients(method, server, task, ids, cfg.train, round_idx=r, seed=0, inputs=inputs)
@@ -50,7 +60,7 @@ def test_owner_is_the_lowest_client_holding_a_sample() -> None:
 def test_training_computes_only_the_trained_clients_samples_once(tiny, forwards, name) -> None:
     cfg, task, method = tiny(name)
     inputs = Inputs.of(method, task, FeatureCache(), batch_size=16)
-    what = "query-" + method.frozen().name if name == "sgpt" else "cls"
+    what = f"block{method.query_layer}-cls" if name == "sgpt" else "cls"  # found, not declared
     a, b, never = task.trainable_clients()
     _train_round(method, task, cfg, inputs, [a, b])
     expected = set(task.train_idx[a].tolist()) | set(task.train_idx[b].tolist())
@@ -78,7 +88,7 @@ def test_a_run_never_computes_a_client_it_does_not_sample(tmp_path, forwards) ->
     schedule = sampling_schedule(cfg.seed, 2, task.trainable_clients(), 0.4)
     sampled = {c for r in schedule for c in r}
     assert len(sampled) < task.num_clients  # some clients (held-out ones at least) never train
-    what = "query-sgpt-block1-relu (train)"
+    what = "block1-cls (train)"
     trained = {i for c in sampled for i in task.train_idx[c].tolist()}
     assert _samples(forwards, what) == trained
     assert all(n == 1 for n in forwards.values())
@@ -94,11 +104,11 @@ def test_values_do_not_depend_on_who_asked_first(tiny) -> None:
     for c in ids:
         alone = Inputs.of(method, task, FeatureCache(), batch_size=5)
         idx = task.train_idx[c]
-        assert torch.equal(alone.train(idx), first.train(idx))
+        assert torch.equal(_frozen(method, alone, idx), _frozen(method, first, idx))
         full = method.backbone.forward_features(
             method.backbone.preprocess(task.data.train_images[idx[:5]])
         ).cls
-        torch.testing.assert_close(alone.train(idx[:5]), full)
+        torch.testing.assert_close(_frozen(method, alone, idx[:5]), full)
 
 
 def test_disk_cache_serves_another_process_without_computing(tmp_path, tiny, forwards) -> None:
@@ -112,11 +122,11 @@ def test_disk_cache_serves_another_process_without_computing(tmp_path, tiny, for
     events: list[tuple[str, int, int]] = []
     idx = task.train_idx[a]
     with stages.reporting(lambda what, done, total: events.append((what, done, total))):
-        assert torch.equal(again.query("train", idx), first.query("train", idx))
+        assert torch.equal(_frozen(method, again, idx), _frozen(method, first, idx))
     assert sum(forwards.values()) == computed  # read from disk
-    what = "frozen query-sgpt-block1-relu (train)"
+    what = "frozen block1-cls (train)"
     assert events == [(what, 0, len(idx)), (what, len(idx), len(idx))]  # the bar starts and ends
-    again.query("train", task.train_idx[b])  # b was never computed: computed now, b only
+    _frozen(method, again, task.train_idx[b])  # b was never computed: computed now, b only
     assert sum(forwards.values()) == computed + len(task.train_idx[b])
 
 
@@ -128,7 +138,7 @@ def test_frozen_passes_report_progress(tiny) -> None:
     with stages.reporting(lambda what, done, total: events.append((what, done, total))):
         _train_round(method, task, cfg, inputs, ids)
     n = sum(len(task.train_idx[c]) for c in ids)
-    assert events[-1] == ("frozen query-sgpt-block1-relu (train)", n, n)
+    assert events[-1] == ("frozen block1-cls (train)", n, n)
     assert [d for _, d, _ in events] == sorted(d for _, d, _ in events)  # one pass, rising
 
 

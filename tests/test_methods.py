@@ -8,21 +8,19 @@ import math
 import pytest
 import torch
 
-from fpbench.engine.inputs import FeatureCache, Inputs
+from fpbench.engine.inputs import FeatureCache, Inputs, owners
 from fpbench.methods.base import Context, Method, Output, ServerState, Updates, as_logits
 from fpbench.methods.helpers import per_client_linear, weighted_mean
 from fpbench.registry import METHODS
 from fpbench.testing import (
-    check_cached_frozen_work_changes_nothing,
     check_executors_agree,
     check_only_declared_tensors_are_communicated,
+    check_recalled_equals_recomputed,
     check_round,
-    declares_frozen_work,
     seeded_server,
 )
 
 ALL = METHODS.names()
-WITH_FROZEN = [n for n in ALL if declares_frozen_work(n)]
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -30,9 +28,9 @@ def test_reference_and_lockstep_executors_agree(tiny, name):
     check_executors_agree(tiny, name)
 
 
-@pytest.mark.parametrize("name", WITH_FROZEN)
-def test_cached_frozen_work_changes_nothing(tiny, name):
-    check_cached_frozen_work_changes_nothing(tiny, name)
+@pytest.mark.parametrize("name", ALL)
+def test_recalled_equals_recomputed(tiny, name):
+    check_recalled_equals_recomputed(tiny, name)
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -86,23 +84,28 @@ def test_weighted_mean():
     )
 
 
-def test_head_tune_is_a_linear_head_on_cached_frozen_cls(tiny):
+def test_head_tune_is_a_linear_head_on_recalled_frozen_cls(tiny):
     _, task, method = tiny("head-tune")
     server = seeded_server(method)
-    assert set(server.params) == {"head_w", "head_b"} and method.frozen().as_input
+    assert set(server.params) == {"head_w", "head_b"}
     idx = torch.arange(3)
-    cached = Inputs.of(method, task, FeatureCache(), batch_size=2).train(idx)
-    on_the_fly = Inputs.of(method, task, batch_size=2).train(idx)
-    cls = method.backbone.forward_features(
-        method.backbone.preprocess(task.data.train_images[idx])
-    ).cls
-    torch.testing.assert_close(cached, cls)
-    torch.testing.assert_close(on_the_fly, cls)
+    inputs = Inputs.of(method, task, FeatureCache(), batch_size=2)
+    x = inputs.train(idx)
+    cls = method.backbone.forward_features(x).cls  # outside a batch: computed
     params = method.client_params(server, torch.tensor([0]))
-    logits = method.forward(
-        params, cached, torch.zeros(3, dtype=torch.long), Context(training=True)
-    )
+    rows, ctx = torch.zeros(3, dtype=torch.long), Context(training=True)
+    with inputs.recall(x, "train", idx):
+        logits = method.forward(params, x, rows, ctx)
+    assert [s.what for s in inputs.frozen_splits()] == ["cls (train)"]  # found, not declared
+    stored = inputs.frozen_splits()[0]
+    owner = owners(len(task.data.train_labels), task.train_idx)
+    units = owner[idx].unique()  # the owner clients' canonical units, each computed once
+    assert stored.computed == int(torch.isin(owner, units).sum())
+    torch.testing.assert_close(stored[idx], cls)
     torch.testing.assert_close(logits, cls @ server.params["head_w"].T + server.params["head_b"])
+    with inputs.recall(x.clone(), "train", idx):  # not the engine's tensor: nothing recalled
+        method.forward(params, x, rows, ctx)
+    assert stored.computed == int(torch.isin(owner, units).sum())
 
 
 def test_feature_cache_computes_once_and_persists(tmp_path):

@@ -23,6 +23,7 @@ import fpbench.engine.executor as executor
 import fpbench.engine.rounds as rounds
 import fpbench.engine.runner as runner
 import fpbench.engine.task as task_module
+from fpbench.backbones.recall import current
 from fpbench.engine.executor import derive_seed, train_clients
 from fpbench.engine.metrics import domain_key
 from fpbench.engine.observer import Observer
@@ -505,8 +506,10 @@ def test_phases_reach_the_loss_with_their_trainable_parameters(tiny):
 
     def spy(self, params, x, y, client_index, ctx):
         grad = sorted(n for n, t in params.items() if t.requires_grad)
-        steps.append((ctx.phase, tuple(grad), ctx.resume_layer))
-        return loss(self, params, x, y, client_index, ctx)
+        out = loss(self, params, x, y, client_index, ctx)
+        states = current(x).states  # the phase's kept hidden states, by call site
+        steps.append((ctx.phase, tuple(grad), tuple(key[1] for key in states.caches)))
+        return out
 
     FedRep.loss = spy
     try:
@@ -519,8 +522,8 @@ def test_phases_reach_the_loss_with_their_trainable_parameters(tiny):
     head = [s for s in steps if s[0] == "head"]
     rep = [s for s in steps if s[0] == "representation"]
     assert head and rep and steps == head + rep
-    assert set(head) == {("head", ("head_b", "head_w"), depth)}
-    assert set(rep) == {("representation", ("prompts",), 0)}
+    assert set(head) == {("head", ("head_b", "head_w"), (depth,))}  # final states kept
+    assert set(rep) == {("representation", ("prompts",), ())}  # prompts at block 0 train
 
 
 def _autocast_cpu() -> bool:

@@ -10,7 +10,7 @@ Pieces:
 
 * `PromptedCLIP`: the frozen model, `preprocess(uint8)` with CLIP's normalisation, `encode_image`,
   `encode_prompts` (prompt embeddings -> text features), `forward_features(x).cls` (image
-  features, which the engine caches for methods that train no visual prompt), `logit_scale`
+  features, recalled from the engine's frozen store where no pixel prompt is added), `logit_scale`
   (frozen, exp of the model's learned log scale).
 * `fpbench.backbones.clip_prompts`: CoOp's prompt layout and Bahng et al.'s pixel prompts.
 * `fpbench.backbones.catalog.ClipSpec`: registered backbones and their weights.
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fpbench.backbones.frozen_linear import freeze_linears
+from fpbench.backbones.recall import recalled
 from fpbench.errors import FpbenchError
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -100,10 +101,13 @@ class PromptedCLIP(nn.Module):
         return (x - m) / sd
 
     def encode_image(self, x: Tensor, pixel_prompt: Tensor | None = None) -> Tensor:
-        """Image features (B, E) of preprocessed x, plus an optional pixel prompt (B, 3, S, S)."""
-        if pixel_prompt is not None:
-            x = x + pixel_prompt.to(x.dtype)
-        return self.model.encode_image(x)
+        """Image features (B, E) of preprocessed x, plus an optional pixel prompt (B, 3, S, S).
+
+        Without a prompt they depend on the images alone: recalled from the engine's frozen
+        store where x is its batch (`fpbench.backbones.recall`)."""
+        if pixel_prompt is None:
+            return recalled("cls", self.model.encode_image, x)
+        return self.model.encode_image(x + pixel_prompt.to(x.dtype))
 
     def encode_image_tokens(self, x: Tensor, pixel_prompt: Tensor | None = None) -> Tensor:
         """Projected image tokens (B, 1 + M, E): 0 is the pooled feature, 1.. the local ones.

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fpbench.backbones.frozen_linear import freeze_linears
+from fpbench.backbones.recall import Recall, current, flat_prompts, recalled
 
 if TYPE_CHECKING:
     from timm.models.vision_transformer import VisionTransformer
@@ -205,8 +206,48 @@ class PromptedViT(nn.Module):
         style: str = "accumulate",
         return_layers: Iterable[int] = (),
     ) -> ViTFeatures:
-        """Full prompted forward of preprocessed images x (B, 3, S, S)."""
-        return self.forward_from(self.embed(x), 0, prompts, style, return_layers)
+        """Full prompted forward of preprocessed images x (B, 3, S, S).
+
+        Frozen work is recalled, not redone (`fpbench.backbones.recall`): without prompts the
+        features are read field by field as asked (`cls` and `layer_cls` from the engine's
+        frozen store); with prompts, in a training phase, the hidden states entering the first
+        block whose prompt requires grad come from the phase's states where the engine keeps
+        them."""
+        prompts = {k: v for k, v in (prompts or {}).items() if v is not None}
+        if not prompts:
+            return UnpromptedFeatures(self, x, tuple(return_layers))
+        layers = tuple(return_layers)
+        found = current(x)
+        if found is not None and found.states is not None and torch.is_grad_enabled():
+            found.calls += 1
+            start = min((k for k, v in prompts.items() if v.requires_grad), default=self.depth)
+            if start > 0 and all(layer >= start for layer in layers):
+                tokens = self._phase_states(found, x, prompts, style, start)
+                return self.forward_from(tokens, start, prompts, style, layers)
+        return self.forward_from(self.embed(x), 0, prompts, style, layers)
+
+    def _phase_states(
+        self, found: Recall, x: Tensor, prompts: dict[int, Tensor], style: str, start: int
+    ) -> Tensor:
+        """The states entering block `start` of the batch x, kept for the phase."""
+        assert found.states is not None and found.idx is not None and found.rows is not None
+        lower = {k: v for k, v in prompts.items() if k < start}
+        guard = flat_prompts(lower, len(x), x.device)
+
+        def compute(mask: Tensor) -> Tensor:
+            part = {k: v if v.shape[0] == 1 else v[mask] for k, v in lower.items()}
+            return self.prefix(x[mask], start, part, style)
+
+        key = (found.calls, start, style)
+        return found.states.get(key, found.idx, found.rows, guard, compute)
+
+    def unprompted(self, x: Tensor, return_layers: tuple[int, ...] = ()) -> ViTFeatures:
+        """The unprompted forward of x, computed (never recalled)."""
+        return self.forward_from(self.embed(x), 0, None, "accumulate", return_layers)
+
+    def block_cls(self, x: Tensor, layer: int) -> Tensor:
+        """The unprompted cls token (B, d) output by block `layer`, computed (never recalled)."""
+        return self.run_blocks(self.embed(x), 0, layer + 1, return_layers=(layer,))[1][layer]
 
     def prefix(
         self,
@@ -268,6 +309,32 @@ class PromptedViT(nn.Module):
         tokens = torch.cat([tokens[:, :first], prompt, tokens[:, rest:]], dim=1)
         kept = 0 if style == "deep" else num_prompt_tokens
         return tokens, kept + prompt.shape[1]
+
+
+class UnpromptedFeatures(ViTFeatures):
+    """An unprompted forward's `ViTFeatures`, each field computed when first read: `cls` and
+    `layer_cls` recalled (kinds "cls" and "block{l}-cls"), the tokens by one full pass."""
+
+    def __init__(self, vit: PromptedViT, x: Tensor, return_layers: tuple[int, ...]) -> None:
+        self.__dict__.update(_vit=vit, _x=x, _layers=return_layers)
+
+    def __getattr__(self, name: str):  # noqa: ANN204  (only the missing fields land here)
+        vit, x, layers = self.__dict__["_vit"], self.__dict__["_x"], self.__dict__["_layers"]
+        if name == "cls":
+            value = recalled("cls", lambda v: vit.unprompted(v).cls, x)
+        elif name == "layer_cls":
+            value = {
+                layer: recalled(f"block{layer}-cls", lambda v, k=layer: vit.block_cls(v, k), x)
+                for layer in layers
+            }
+        elif name in ("tokens", "prompt_tokens"):
+            full = vit.unprompted(x, layers)
+            self.__dict__.update(tokens=full.tokens, prompt_tokens=full.prompt_tokens)
+            return self.__dict__[name]
+        else:
+            raise AttributeError(name)
+        self.__dict__[name] = value
+        return value
 
 
 def _bf16_autocast(device_type: str) -> bool:

@@ -38,9 +38,11 @@ def logits_of(
 ) -> Iterator[Tensor]:
     """Logits (B, C) of test samples idx (M,), batch by batch; rows[i] = the row of sample i."""
     for start in range(0, len(idx), batch_size):
-        x = inputs.test(idx[start : start + batch_size])
-        ctx.query = inputs.query("test", idx[start : start + batch_size])
-        yield as_logits(method.forward(params, x, rows[start : start + batch_size], ctx))
+        part = idx[start : start + batch_size]
+        x = inputs.test(part)
+        with inputs.recall(x, "test", part):
+            out = method.forward(params, x, rows[start : start + batch_size], ctx)
+        yield as_logits(out)
 
 
 def predict(
@@ -249,9 +251,9 @@ def _adapt(
         for c in ids.tolist()
     ]
     idx, rows = _flat(batches)
-    ctx.query = inputs.query("train", idx)
-    with torch.enable_grad():
-        return method.adapt(params, inputs.train(idx), task.data.train_labels[idx], rows, ctx)
+    x = inputs.train(idx)
+    with torch.enable_grad(), inputs.recall(x, "train", idx):
+        return method.adapt(params, x, task.data.train_labels[idx], rows, ctx)
 
 
 def _correct(

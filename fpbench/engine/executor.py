@@ -11,13 +11,15 @@ changes the data a client sees, and a resumed run replays exactly.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
+from fpbench.backbones.recall import PhaseStates
 from fpbench.engine.augment import uniforms
-from fpbench.engine.inputs import HiddenCache, Inputs
+from fpbench.engine.inputs import Inputs
 from fpbench.engine.optim import OptimizerGroup, make_optimizer
 from fpbench.engine.precision import autocast, start_params
 from fpbench.engine.seeding import client_batches, derive_seed
@@ -52,8 +54,8 @@ def train_clients(
 ) -> LocalResult:
     """Local training of this round's clients with the chosen executor.
 
-    `reuse_frozen=False` recomputes the lower blocks of phases that set `resume_layer` at every
-    step instead of once per phase (same result; for tests and the benchmark).
+    `reuse_frozen=False` recomputes at every step the lower blocks that a phase does not train,
+    instead of keeping their states for the phase (same result; for tests and the benchmark).
     """
     inputs = inputs or Inputs.of(method, task)
     if executor == "lockstep":
@@ -135,23 +137,18 @@ def train_together(
     ids = torch.tensor(client_ids, dtype=torch.long)
     k = len(client_ids)
     params = start_params(method, server, ids, device)
-    ctx = Context(
-        training=True,
-        priors=task.priors[ids.to(device)],
-        buffers=server.buffers,
-        earlier=earlier or {},
-    )
+    priors = task.priors[ids.to(device)]
+    stats: dict[str, Tensor] = {}  # what the forwards recorded, combined over the steps
     loss_sum = torch.zeros(k, device=device)
     loss_steps = torch.zeros(k, device=device)
     budget = [cfg.max_local_steps] * k  # optimiser steps each client has left (None: no cap)
     lr = round_lr(cfg, round_idx)
     for phase_idx, phase in enumerate(method.phases(cfg.local_epochs, tuple(params))):
-        ctx.phase = phase.name
-        ctx.resume_layer = resume_layer(inputs, phase, cfg) if reuse_frozen else 0
-        hidden = None
-        if ctx.resume_layer:
+        ctx = Context(True, phase.name, None, priors, server.buffers, earlier or {})
+        hidden = None  # the phase's kept hidden states (`fpbench.backbones.recall`)
+        if reuse_frozen and not cfg.augment.active:
             rows = [task.train_idx[c].to(device) for c in client_ids]
-            hidden = HiddenCache(rows, len(task.data.train_labels))
+            hidden = PhaseStates(rows, len(task.data.train_labels))
         leaves = {n: p.detach().requires_grad_(n in phase.trainable) for n, p in params.items()}
         opt = phase_optimizer(method, cfg, [leaves[n] for n in phase.trainable], phase, lr)
         for epoch in range(phase.epochs):
@@ -169,7 +166,7 @@ def train_together(
                 active = torch.tensor([step < len(b) for b in batches], device=device)
                 with torch.enable_grad() if phase.trainable else torch.no_grad():
                     per_client = _step(
-                        method, leaves, task, inputs, batches, step, ctx, k, views, hidden
+                        method, leaves, task, inputs, batches, step, ctx, k, stats, views, hidden
                     )
                 if phase.trainable:  # a phase that trains nothing only scores its batches
                     opt.zero_grad()
@@ -178,7 +175,7 @@ def train_together(
                 loss_sum += per_client.detach()
                 loss_steps += active
         params = {n: t.detach() for n, t in leaves.items()}
-    return LocalResult(ids, params, ctx.stats, loss_sum / loss_steps.clamp(min=1))
+    return LocalResult(ids, params, stats, loss_sum / loss_steps.clamp(min=1))
 
 
 def phase_optimizer(
@@ -219,20 +216,6 @@ def phase_optimizer(
     return OptimizerGroup(opts)
 
 
-def resume_layer(inputs: Inputs, phase: Phase, cfg: TrainConfig) -> int:
-    """The block a phase can resume from with cached states, or 0 where it cannot.
-
-    Not under augmentation (every epoch sees new views), not for methods that take frozen
-    features instead of images, and not where the method's query would have to be computed
-    from the images (it is not cached).
-    """
-    if not phase.resume_layer or cfg.augment.active or inputs.takes_features:
-        return 0
-    if inputs.frozen is not None and not inputs.queries:
-        return 0
-    return phase.resume_layer
-
-
 def _step(
     method: Method,
     leaves: dict[str, Tensor],
@@ -242,31 +225,46 @@ def _step(
     step: int,
     ctx: Context,
     k: int,
+    stats: dict[str, Tensor],
     views: tuple[Augment, Tensor] | None = None,
-    hidden: HiddenCache | None = None,
+    hidden: PhaseStates | None = None,
 ) -> Tensor:
     """Per-client mean loss (K,) of one lockstep minibatch; zero for clients without a batch.
+    The statistics the forward returns are added to `stats` (see `record`).
 
     `views`: the augmentation and each row's epoch seed (K,), which with a sample's index fixes
-    its random view (see `fpbench.engine.augment`). `hidden`: the phase's cached states
-    entering block `ctx.resume_layer`, which then stand in for the images.
+    its random view (see `fpbench.engine.augment`). Without one, the backbone recalls frozen
+    work and, given `hidden`, the phase's kept states (`fpbench.backbones.recall`).
     """
     parts = [(row, b[step]) for row, b in enumerate(batches) if step < len(b)]
     idx = torch.cat([b for _, b in parts])
     rows = torch.cat([torch.full((len(b),), row, dtype=torch.long) for row, b in parts])
     rows = rows.to(idx.device)
-    if hidden is not None:
-        x = hidden.get(
-            idx, rows, lambda i, r: method.prefix(leaves, inputs.train(i), r, ctx.resume_layer)
-        )
-    elif views is None:
+    labels = task.data.train_labels[idx]
+    ctx = replace(ctx, labels=labels)
+    if views is None:
         x = inputs.train(idx)
+        with inputs.recall(x, "train", idx, rows, hidden):
+            out = method.loss(leaves, x, labels, rows, ctx)
     else:
         cfg, seeds = views
         x = inputs.train(idx, augmentation=(cfg, uniforms(seeds[rows], idx, 2)))  # seeds (K,)
-    ctx.query = inputs.query("train", idx)
-    ctx.labels = task.data.train_labels[idx]
-    per_sample = method.loss(leaves, x, ctx.labels, rows, ctx)  # (B,)
+        out = method.loss(leaves, x, labels, rows, ctx)
+    per_sample, recorded = out if isinstance(out, tuple) else (out, {})  # (B,)
+    record(stats, recorded)
     counts = torch.zeros(k, device=idx.device).index_add_(0, rows, torch.ones_like(per_sample))
     sums = torch.zeros(k, device=idx.device, dtype=per_sample.dtype).index_add(0, rows, per_sample)
     return sums / counts.clamp(min=1)
+
+
+def record(stats: dict[str, Tensor], recorded: Mapping[str, Tensor]) -> None:
+    """Add one step's statistics (`Output.stats`) to the round's: summed, `max_*` maximised."""
+    for name, value in recorded.items():
+        value = value.detach()
+        old = stats.get(name)
+        if old is None:
+            stats[name] = value
+        elif name.startswith("max_"):
+            stats[name] = torch.maximum(old, value)
+        else:
+            stats[name] = old + value

@@ -1,7 +1,7 @@
 """What frozen per-sample values are keyed by, the precision they are computed in, and their
 files on disk.
 
-A frozen value (a Select query, a cached cls feature; `fpbench.methods.base.Frozen`) depends on
+A frozen value (a Select query's cls, a cls feature; `fpbench.backbones.recall`) depends on
 the backbone and its weights, the images and how they are preprocessed, the layer read, the
 precision of the pass, and the numerics of the machine that computed it (device, PyTorch
 version, deterministic mode, and on the CPU its thread count and linear backend: they change

@@ -1,13 +1,13 @@
-"""What a method's forward receives as `x`, and the cache that computes frozen work lazily, once.
+"""A method's batches, and the store that computes frozen work lazily, once.
 
-Most methods take preprocessed images: uint8 images stay on the device and are resized and
-normalised there per batch. A method's `frozen` work (`fpbench.methods.base.Frozen`) is either
-its input instead of the images (`as_input`, e.g. head-tune's final cls features) or a
-per-sample query handed over in `ctx.query` (e.g. SGPT's Select). It depends on nothing
-trained, so with a `FeatureCache` it is computed once per sample and kept, in memory and on
-disk (by default in fpbench's cache folder, `runtime.feature_cache_dir`), and training a head on
-cached features skips the backbone entirely. Every cell, seed and method of a suite, and the
-next suite, reads what an earlier one computed.
+A forward takes preprocessed images: uint8 images stay on the device and are resized and
+normalised there per batch. Work on them that depends on nothing trained (an unprompted
+backbone's features, a Select query's cls) is found by the backbone itself
+(`fpbench.backbones.recall`): while the engine's batch runs, it reads such values from a
+`FeatureCache`, where each is computed once per sample and kept, in memory and on disk (by
+default in fpbench's cache folder, `runtime.feature_cache_dir`), so training a head on frozen
+features skips the backbone entirely. Every cell, seed and method of a suite, and the next
+suite, reads what an earlier one computed.
 
 Lazily: a sample's frozen features are computed the first time a batch needs them, so a run pays
 only for the clients it trains and, once it first evaluates, the test split. The unit of work is
@@ -20,15 +20,15 @@ digest and split, preprocessing, the feature read, the frozen pass's precision
 `runtime.frozen_precision`, the numerics of the machine) and their indices and batch size; an
 entry on disk whose stored key or digest does not match is recomputed, never used.
 
-A training phase whose lower blocks see nothing it trains (`Phase.resume_layer`) gets the hidden
-states entering its first trained block from a `HiddenCache`, filled on first use and kept for
-the phase.
+A training phase whose lower blocks see nothing it trains keeps the hidden states entering its
+first trained block in a `fpbench.backbones.recall.PhaseStates`, filled on first use.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from functools import cached_property
 from pathlib import Path
 
@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from fpbench.backbones import PromptedViT
+from fpbench.backbones.recall import PhaseStates, Recall, recalling
 from fpbench.engine.augment import augment
 from fpbench.engine.cost import uncounted
 from fpbench.engine.frozen_cache import (
@@ -48,8 +49,7 @@ from fpbench.engine.frozen_cache import (
     write_entry,
 )
 from fpbench.engine.task import Task
-from fpbench.methods.base import Frozen, Method
-from fpbench.methods.helpers import batched_queries
+from fpbench.methods.base import Context, Method, ServerState
 from fpbench.specs import Augment
 from fpbench.stages import report
 
@@ -227,52 +227,24 @@ class FrozenSplit:
 
 
 class Inputs:
-    """Builds `x` for a batch of train or test indices, and `ctx.query`, as `Method.frozen`
-    declares."""
+    """A population's batches: preprocessed images, and the recall (`fpbench.backbones.recall`)
+    through which its backbone reads frozen work from the run's store instead of redoing it."""
 
     def __init__(
         self,
         backbone: PromptedViT,
         task: Task,
-        frozen: Frozen | None,
         *,
         cache: FeatureCache | None,
         batch_size: int,
         precision: FrozenPrecision = "fp32",
     ) -> None:
-        self.backbone, self.task, self.frozen = backbone, task, frozen
-        self.takes_features = frozen is not None and frozen.as_input  # x: features, not images
+        self.backbone, self.task, self.cache = backbone, task, cache
         self.batch_size, self.precision = batch_size, precision
-        self._test_queries: Tensor | None = None  # without a cache: computed once, kept
-        self.cached: dict[str, FrozenSplit] = {}  # the forward's x, when `takes_features`
-        self.queries: dict[str, FrozenSplit] = {}  # ctx.query otherwise
-        if cache is None or frozen is None:
-            return  # nothing frozen to keep
+        self.splits: dict[tuple[str, str], FrozenSplit] = {}  # (kind, split): found so far
         data = task.data
-        kind = frozen.name if frozen.as_input else f"query-{frozen.name}"
-        folder = f"{safe_name(getattr(backbone, 'name', 'backbone'))}--{safe_name(kind)}"
-        device = task.priors.device
-
-        def key(split: str) -> Callable[[], str]:
-            return lambda: frozen_key(backbone, data, split, kind, precision, batch_size, device)
-
-        split_owners = {
-            "train": owners(len(data.train_labels), task.train_idx),
-            "test": torch.zeros(len(data.test_labels), dtype=torch.long, device=task.priors.device),
-        }
-        images = {"train": data.train_images, "test": data.test_images}
-        splits = {
-            split: FrozenSplit(
-                f"{kind} ({split})", frozen.fn, backbone, images[split], split_owners[split],
-                cache=cache, key=key(split), kind=folder, batch_size=batch_size,
-                precision=precision,
-            )
-            for split in ("train", "test")
-        }  # fmt: skip
-        if frozen.as_input:
-            self.cached = splits
-        else:
-            self.queries = splits
+        self._images = {"train": data.train_images, "test": data.test_images}
+        self._owners: dict[str, Tensor] = {}
 
     @classmethod
     def of(
@@ -283,98 +255,101 @@ class Inputs:
         batch_size: int = 256,
         precision: FrozenPrecision = "fp32",
     ) -> Inputs:
-        """The inputs `method` asks for (its `frozen` work).
+        """The batches of `method`'s backbone.
 
-        With a cache, frozen features and queries are computed once per sample, when first
+        With a cache, the frozen work its backbone does is computed once per sample, when first
         needed (in batches of `batch_size`, in `precision`); without one, every batch computes
-        them anew.
+        it anew.
         """
-        return cls(
-            method.backbone, task, method.frozen(), cache=cache, batch_size=batch_size,
-            precision=precision,
-        )  # fmt: skip
+        return cls(method.backbone, task, cache=cache, batch_size=batch_size, precision=precision)
 
     def frozen_splits(self) -> list[FrozenSplit]:
-        return [*self.queries.values(), *self.cached.values()]
+        """The frozen splits found so far."""
+        return list(self.splits.values())
 
-    def query(self, split: str, idx: Tensor) -> Tensor | None:
-        """Cached frozen queries of these samples, or None when not cached."""
-        cached = self.queries.get(split)
-        return None if cached is None else cached[idx]
+    @torch.no_grad()
+    def discover(self, method: Method, server: ServerState) -> list[FrozenSplit]:
+        """The frozen splits (train and test) of the work `method`'s evaluation forward reads,
+        found by running it on one train sample without storing anything (for estimates and
+        benchmarks that time frozen passes apart from training)."""
+        row = next(c for c in range(self.task.num_clients) if len(self.task.train_idx[c]))
+        idx = self.task.train_idx[row][:1]
+        x, seen = self.train(idx), []
 
-    def test_queries(self) -> Tensor:
-        """Frozen queries (M, dq) of the whole test split: from the cache (computed there once,
-        as for evaluation), or without one computed once here, `batch_size` at a time."""
-        data = self.task.data
-        idx = torch.arange(len(data.test_labels), device=data.test_labels.device)
-        cached = self.query("test", idx)
-        if cached is not None:
-            return cached
-        if self.frozen is None or self.frozen.as_input:
-            raise RuntimeError("the method declares no frozen query; its test split has none")
-        if self._test_queries is None:
-            device = data.test_images.device
-            with uncounted(), frozen_precision(self.precision, device):
-                self._test_queries = batched_queries(
-                    self.frozen.fn, self.backbone, data.test_images, idx, self.batch_size
-                )
-        return self._test_queries
+        def note(kind: str, fn: Callable[[Tensor], Tensor]) -> Tensor:
+            seen.append((kind, fn))
+            return fn(x)
+
+        ids = torch.tensor([row])
+        params = method.client_params(server, ids, training=False)
+        ctx = Context(False, priors=self.task.priors[ids.to(self.task.priors.device)],
+                      buffers=server.buffers)  # fmt: skip
+        with recalling(Recall(x, note, None, idx)):
+            method.forward(params, x, torch.zeros_like(idx), ctx)
+        if self.cache is None:
+            return []
+        return [self.frozen(kind, fn, split) for kind, fn in seen for split in ("train", "test")]
+
+    def frozen(self, kind: str, fn: Callable[[Tensor], Tensor], split: str) -> FrozenSplit:
+        """The store of frozen work `kind` (fn of preprocessed images) on `split`."""
+        found = self.splits.get((kind, split))
+        if found is not None:
+            return found
+        assert self.cache is not None
+        data, backbone, task = self.task.data, self.backbone, self.task
+        device = task.priors.device
+        folder = f"{safe_name(getattr(backbone, 'name', 'backbone'))}--{safe_name(kind)}"
+        if split not in self._owners:
+            self._owners[split] = (
+                owners(len(data.train_labels), task.train_idx)
+                if split == "train"
+                else torch.zeros(len(data.test_labels), dtype=torch.long, device=device)
+            )
+        precision, batch_size = self.precision, self.batch_size
+        found = self.splits[kind, split] = FrozenSplit(
+            f"{kind} ({split})", fn, backbone, self._images[split], self._owners[split],
+            cache=self.cache, kind=folder, batch_size=batch_size, precision=precision,
+            key=lambda: frozen_key(backbone, data, split, kind, precision, batch_size, device),
+        )  # fmt: skip
+        return found
+
+    def recall(
+        self,
+        x: Tensor,
+        split: str,
+        idx: Tensor,
+        rows: Tensor | None = None,
+        states: PhaseStates | None = None,
+    ) -> AbstractContextManager[None]:
+        """While a forward runs on x (the preprocessed images of split[idx], not augmented),
+        its backbone recalls frozen work (and, given `states`, the phase's hidden states)."""
+        frozen = None
+        if self.cache is not None:
+            frozen = lambda kind, fn: self.frozen(kind, fn, split)[idx]  # noqa: E731
+        return recalling(Recall(x, frozen, states, idx, rows))
 
     def train(self, idx: Tensor, augmentation: tuple[Augment, Tensor] | None = None) -> Tensor:
-        """`x` of train samples idx (B,); `augmentation` (config, draws (B, 2)) gives each
-        sample its random view, computed from the images (never from cached features)."""
-        if augmentation is None:
-            return self._get("train", self.task.data.train_images, idx)
-        cfg, draws = augmentation
+        """Preprocessed train images idx (B,); `augmentation` (config, draws (B, 2)) gives
+        each sample its random view."""
         bb = self.backbone
-        x = augment(bb.preprocess(self.task.data.train_images[idx]), cfg, draws, bb.mean, bb.std)
-        return self._features(x)
+        x = bb.preprocess(self.task.data.train_images[idx])
+        if augmentation is None:
+            return x
+        cfg, draws = augmentation
+        return augment(x, cfg, draws, bb.mean, bb.std)
 
     def test(self, idx: Tensor | slice) -> Tensor:
-        return self._get("test", self.task.data.test_images, idx)
+        return self.backbone.preprocess(self.task.data.test_images[idx])
 
-    def _get(self, split: str, images: Tensor, idx: Tensor | slice) -> Tensor:
-        if split in self.cached:
-            return self.cached[split][idx]
-        return self._features(self.backbone.preprocess(images[idx]))
-
-    def _features(self, x: Tensor) -> Tensor:
-        """The forward's `x` of preprocessed images: themselves, or the frozen features."""
-        if not self.takes_features:
-            return x
-        assert self.frozen is not None
+    def test_map(self, fn: Callable[[Tensor], Tensor]) -> Tensor:
+        """fn over the whole test split's preprocessed images, `batch_size` at a time, without
+        gradients: (M, ...); the frozen work fn does is recalled as in evaluation."""
+        data = self.task.data
+        idx = torch.arange(len(data.test_labels), device=data.test_labels.device)
+        out = []
         with torch.no_grad():
-            return self.frozen.fn(x)
-
-
-class HiddenCache:
-    """Hidden states of each (row, train sample) of one training phase, computed on first use.
-
-    They depend on the row's parameters that the phase keeps fixed, so they live only as long
-    as the phase: a row's sample is run through the lower blocks once, not once per epoch.
-    """
-
-    def __init__(self, rows: list[Tensor], num_train: int) -> None:
-        """rows: each row's train indices (n_r,) into the train split of size `num_train`."""
-        device = rows[0].device
-        self.slot = torch.full((len(rows), num_train), -1, dtype=torch.long, device=device)
-        start = 0
-        for r, idx in enumerate(rows):
-            self.slot[r, idx] = torch.arange(start, start + len(idx), device=device)
-            start += len(idx)
-        self.filled = torch.zeros(start, dtype=torch.bool, device=device)
-        self.states: Tensor | None = None  # (total, T, d), allocated on first use
-
-    def get(self, idx: Tensor, rows: Tensor, compute: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
-        """States (B, T, d) of samples idx (B,) of rows (B,); `compute(idx, rows)` gives the
-        missing ones."""
-        slots = self.slot[rows, idx]  # (B,)
-        missing = ~self.filled[slots]
-        if bool(missing.any()):
-            with torch.no_grad():
-                new = compute(idx[missing], rows[missing]).detach()  # (b, T, d)
-            if self.states is None:
-                self.states = new.new_empty(len(self.filled), *new.shape[1:])
-            self.states[slots[missing]] = new
-            self.filled[slots[missing]] = True
-        return self.states[slots]
+            for part in idx.split(self.batch_size):
+                x = self.test(part)
+                with self.recall(x, "test", part):
+                    out.append(fn(x))
+        return torch.cat(out)

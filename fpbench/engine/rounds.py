@@ -200,7 +200,7 @@ def play_round(
     rows = [(None, "loss_train", loss, len(client_ids))]
     for pop in populations:
         suffix = f"@{pop.key}" if len(populations) > 1 else ""
-        test = TestSplit(task.data.test_labels, pop.inputs.test_queries)
+        test = TestSplit(task.data.test_labels, pop.inputs.test_map)
         metrics = pop.method.round_metrics(servers[pop.key], test)
         rows += [(None, f"{k}{suffix}", v, None) for k, v in metrics.items()]
     if r == 0:  # a property of the method, stored once (the largest over backbones)

@@ -7,7 +7,8 @@ federation of `clients` clients with `steps` minibatches of `batch` samples each
   time) and the lockstep executor (all clients in one pass), and their ratio;
 * head-tune's per-round time with frozen features computed on the fly vs cached, and the ratio;
 * FedRep's per-round time (10 head-only epochs, then 1 prompt epoch) with the head phase's
-  backbone outputs recomputed every epoch vs computed once (`Phase.resume_layer`), and the ratio;
+  backbone outputs recomputed every epoch vs kept for the phase (`fpbench.backbones.recall`), and
+  the ratio;
 * evaluation samples/s (one pass over the test split);
 * on CUDA, the achieved TFLOP/s of the lockstep step and its fraction of the device's bf16 peak.
 """
@@ -134,7 +135,7 @@ def _headtune(
     start = time.perf_counter()
     with autocast(dev, prec):
         cached = Inputs.of(method, task, FeatureCache(), cfg.train.eval_batch_size)
-        for split in cached.frozen_splits():  # computed lazily otherwise: all of them, now
+        for split in cached.discover(method, server):  # computed lazily otherwise: all, now
             split[:]
     _sync(dev)
     build_s = time.perf_counter() - start

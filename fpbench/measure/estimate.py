@@ -265,7 +265,7 @@ def measure(
     server = populations[0].method.init_server(gen).to(device)
     sync()
     setup = time.perf_counter() - start
-    splits = {s.what: s for s in populations[0].inputs.frozen_splits()}
+    splits = {s.what: s for s in populations[0].inputs.discover(populations[0].method, server)}
     share = shape.per_round / shape.trainable
     schedule = sampling_schedule(0, rounds, task.trainable_clients(), share)
     frozen_s, frozen_n, train_s = 0.0, 0, []

@@ -8,12 +8,29 @@ Every trainable tensor carries a leading client axis K and every sample carries 
 row (`client_index`). The same forward then serves K = 1 (the reference executor) and K = all
 clients of a round (the lockstep executor). The engine owns loops, optimisers, batching,
 evaluation and storage; a method owns its parameters and its math.
+
+A forward takes preprocessed images and calls `self.backbone` directly. It declares no frozen
+work: the backbone recalls what depends on nothing the current phase trains
+(`fpbench.backbones.recall`). It returns its outputs (`Output`: logits, an auxiliary loss, the
+statistics it records) and writes into nothing; what the engine hands it (`Context`) is
+read-only.
+
+Decisions (issue #32):
+* `adapt` / `adapt_samples` stay, as they are: Per-FedAvg's evaluation-time step needs data
+  that no other hook sees (one batch of each client's train split), and the engine must know
+  its size before it draws the batch; folding them into `client_params` would hand every method
+  data it does not need.
+* `Context.earlier` stays, read-only: SGPT's reference code lets a client read the selection
+  counts of the clients trained before it in the round ("sequential"), which only the reference
+  executor can reproduce; it is always empty in lockstep, so no other method sees a difference.
+  It now carries the earlier clients' `Output.stats`, the only statistics there are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -33,7 +50,7 @@ from fpbench.methods.helpers import (  # noqa: F401
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from fpbench.backbones import PromptedViT, ViTFeatures
+    from fpbench.backbones import PromptedViT
 
 Inference = Literal["global", "client-conditioned", "personal"]
 
@@ -94,22 +111,14 @@ class TaskInfo:
 
 
 @dataclass(frozen=True)
-class Frozen:
-    """Per-sample work on the images that depends on nothing trained (see `Method.frozen`)."""
-
-    name: str  # its cache key: change it whenever the value would (layer, encoder, activation)
-    fn: Callable[[Tensor], Tensor]  # preprocessed images (B, 3, H, W) -> (B, ...)
-    as_input: bool = False  # the forward takes it as `x` instead of the images; else ctx.query
-
-
-@dataclass(frozen=True)
 class TestSplit:
-    """What `round_metrics` may read of the test split, from the engine: its labels and, on
-    request, its frozen queries (see `Method.frozen`); never the images."""
+    """What `round_metrics` may read of the test split, from the engine: its labels, and `map`,
+    which runs a function over its preprocessed images (e.g. a frozen query; frozen work in it
+    is recalled, as in evaluation); never the images themselves."""
 
     __test__ = False  # not a pytest test class
     labels: Tensor  # (M,)
-    queries: Callable[[], Tensor]  # () -> (M, dq), computed (or read from the cache) when called
+    map: Callable[[Callable[[Tensor], Tensor]], Tensor]  # fn: (B, 3, S, S) -> (B, ...); (M, ...)
 
 
 @dataclass(frozen=True)
@@ -123,11 +132,18 @@ class Updates:
 
 
 class Output(NamedTuple):
-    """A forward's logits with a per-sample auxiliary loss that training adds to their
-    cross-entropy (e.g. SGPT's key loss); a forward with nothing to add returns bare logits."""
+    """A forward's outputs: its logits, a per-sample auxiliary loss that training adds to their
+    cross-entropy (e.g. SGPT's key loss), and the statistics it records; a forward with
+    nothing else to say returns bare logits.
+
+    `stats` are per-row values (K, ...) that the engine adds up over the round's steps (those
+    named `max_*`: their elementwise maximum) and hands `aggregate` in `Updates.stats`, e.g.
+    SGPT's selection counts.
+    """
 
     logits: Tensor  # (B, C)
     aux_loss: Tensor | None = None  # (B,); None: nothing to add
+    stats: Mapping[str, Tensor] | None = None  # name -> (K, ...); None: nothing recorded
 
 
 def as_logits(out: Tensor | Output) -> Tensor:
@@ -139,16 +155,12 @@ def as_logits(out: Tensor | Output) -> Tensor:
 class Phase:
     """One block of local training: which parameters train, for how many epochs.
 
-    `resume_layer` > 0 declares that, in this phase, the hidden states entering that block
-    (`depth`: after the last block) depend on nothing the phase trains. Without augmentation the
-    engine then computes them once per phase with `Method.prefix` and calls the forward with
-    them as `x` and `ctx.resume_layer` set, so lower blocks never run twice.
-    """
+    Blocks below the first prompt a phase trains are kept for the phase by the backbone, found
+    from the prompts' `requires_grad` (`fpbench.backbones.recall`): nothing to declare."""
 
     name: str
     trainable: tuple[str, ...]
     epochs: int
-    resume_layer: int = 0
 
 
 @dataclass(frozen=True)
@@ -185,19 +197,15 @@ class ServerState:
         return ServerState(move(self.params), move(self.personal), move(self.buffers))
 
 
-@dataclass
+@dataclass(frozen=True)
 class Context:
-    """Per-call information the forward may use.
+    """Per-call information the forward may use; read-only (a new one per batch).
 
     `priors` are the class priors of the K rows (client-conditioned methods use them);
-    `buffers` are the server's buffers (read-only); `stats` collects per-row statistics
-    that the forward wants the engine to sum over the round (e.g. selection counts);
-    `earlier` are those statistics summed over the clients trained before this call in the same
-    round: always empty in lockstep, filled one client after another by the reference executor
-    (for methods whose reference code lets a client see its predecessors, e.g. SGPT's counts).
-    `query` are the batch's cached frozen queries (B, dq) when the method declares them in
-    `frozen` and the engine caches them; None: the method computes them itself.
-    `resume_layer` > 0: `x` holds the hidden states entering that block (see `Phase`).
+    `buffers` are the server's buffers; `earlier` are the statistics (`Output.stats`) of the
+    clients trained before this call in the same round, summed: always empty in lockstep,
+    filled one client after another by the reference executor (for methods whose reference
+    code lets a client see its predecessors, e.g. SGPT's "sequential" counts).
     `labels` are the batch's labels (B,) in training, for forwards that record per-class
     statistics; None at evaluation.
     """
@@ -206,21 +214,24 @@ class Context:
     phase: str = "eval"
     labels: Tensor | None = None  # (B,)
     priors: Tensor | None = None  # (K, C)
-    buffers: dict[str, Tensor] = field(default_factory=dict)
-    stats: dict[str, Tensor] = field(default_factory=dict)
-    earlier: dict[str, Tensor] = field(default_factory=dict)
-    query: Tensor | None = None  # (B, dq)
-    resume_layer: int = 0
+    buffers: Mapping[str, Tensor] = field(default_factory=lambda: MappingProxyType({}))
+    earlier: Mapping[str, Tensor] = field(default_factory=lambda: MappingProxyType({}))
+
+    def __post_init__(self) -> None:
+        for name in ("buffers", "earlier"):  # read-only views, whatever the caller passed
+            value = getattr(self, name)
+            if not isinstance(value, MappingProxyType):
+                object.__setattr__(self, name, MappingProxyType(dict(value)))
 
 
 class Method:
     """The interface a method implements; the engine calls its hooks.
 
     Required: `name`, `init_params` and `forward`. Everything else is optional and has a default
-    below: declarations (class attributes), hooks for training, the server and evaluation, and
-    the frozen-work declarations that make a method fast. `self.cfg`, `self.backbone`,
-    `self.task` and `features` are provided; helpers live in
-    `fpbench.methods.helpers`.
+    below: declarations (class attributes) and hooks for training, the server and evaluation.
+    `self.cfg`, `self.backbone` and `self.task` are provided; helpers live in
+    `fpbench.methods.helpers`. Nothing declares frozen work: the backbone finds it (see
+    `fpbench.backbones.recall`).
     """
 
     # -- required: every method writes these -----------------------------------------------------
@@ -233,7 +244,7 @@ class Method:
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
     ) -> Tensor | Output:
-        """Logits (B, C) for inputs x (images, or see `frozen`); row of sample i: client_index[i].
+        """Logits (B, C) for preprocessed images x; the row of sample i is client_index[i].
         In training it may return `Output(logits, aux_loss)` to add to the cross-entropy."""
         raise NotImplementedError
 
@@ -285,14 +296,16 @@ class Method:
 
     def loss(
         self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor:
+    ) -> Tensor | tuple[Tensor, Mapping[str, Tensor]]:
         """Per-sample training loss (B,), averaged per client by the engine: cross-entropy plus
-        the forward's `aux_loss`. Override only for another objective (e.g. a meta-step)."""
+        the forward's `aux_loss`, with the forward's `stats` where it records any (then a pair).
+        Override only for another objective (e.g. a meta-step)."""
         out = self.forward(params, x, client_index, ctx)
         if not isinstance(out, Output):
             return F.cross_entropy(out, y, reduction="none")
         ce = F.cross_entropy(out.logits, y, reduction="none")
-        return ce if out.aux_loss is None else ce + out.aux_loss
+        loss = ce if out.aux_loss is None else ce + out.aux_loss
+        return loss if out.stats is None else (loss, out.stats)
 
     # -- optional hooks: the server --------------------------------------------------------------
     def init_server(self, gen: torch.Generator) -> ServerState:
@@ -344,34 +357,8 @@ class Method:
         """
         return params
 
-    # -- optional hooks: frozen work the engine computes once ------------------------------------
-    def frozen(self) -> Frozen | None:
-        """Per-sample work on the images that depends on nothing trained, or None.
-
-        E.g. the final cls features a head trains on (`as_input`: the forward's `x`), or a
-        prompt-selection query (handed over in `ctx.query`). The engine computes it once per
-        (backbone, dataset, split, name), when a batch first needs it, and keeps it.
-        """
-        return None
-
-    def prefix(
-        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, layer: int
-    ) -> Tensor:
-        """Hidden states (B, T, d) entering block `layer` for preprocessed images x; needed
-        by methods whose phases set `resume_layer` (their forward then takes these states)."""
-        raise NotImplementedError(f"{self.name} sets a phase's resume_layer but has no prefix")
-
     # -- provided: what a method calls, never overrides ------------------------------------------
     def __init__(self, cfg: MethodConfig, backbone: PromptedViT, task: TaskInfo) -> None:
         self.cfg = cfg
         self.backbone = backbone
         self.task = task
-
-    def features(
-        self, x: Tensor, ctx: Context, prompts: dict[int, Tensor], style: str
-    ) -> ViTFeatures:
-        """The prompted backbone's features of x: preprocessed images, or, where
-        `ctx.resume_layer` is set, the cached hidden states entering that block."""
-        if ctx.resume_layer:
-            return self.backbone.forward_from(x, ctx.resume_layer, prompts, style)
-        return self.backbone.forward_features(x, prompts, style)

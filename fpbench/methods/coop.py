@@ -4,9 +4,9 @@ CoOp (Zhou, Yang, Loy, Liu, "Learning to Prompt for Vision-Language Models", IJC
 class prompts "SOT ctx_1..ctx_M name . EOT" share M learnable context vectors (or, with
 `csc`, each class has its own), the frozen text encoder turns them into class weights, and the
 logits are exp(logit_scale) * cos(image feature, text feature), trained with cross-entropy. The
-image encoder, the text encoder and the logit scale stay frozen, so image features are computed
-once and cached (`frozen`, as the forward's input). Defaults follow CoOp: M = 16 random N(0, 0.02^2)
-vectors, class token at the end, generic context.
+image encoder, the text encoder and the logit scale stay frozen, so the backbone recalls the image
+features from the engine's frozen store, computed once per sample. Defaults follow CoOp: M = 16
+random N(0, 0.02^2) vectors, class token at the end, generic context.
 
 `coop-local` is the "Local training" baseline of TPFL (Zhao et al., UbiComp 2023 adjunct,
 Table 1): each client trains its own context on its own data and never communicates;
@@ -26,7 +26,7 @@ from pydantic import Field
 from fpbench.backbones.clip_prompts import PromptLayout, init_context, phrase_length
 from fpbench.errors import FpbenchError
 from fpbench.lazy import F, torch
-from fpbench.methods.base import Context, Frozen, Method, MethodConfig, ServerState, TaskInfo
+from fpbench.methods.base import Context, Method, MethodConfig, ServerState, TaskInfo
 from fpbench.methods.helpers import per_client_linear
 from fpbench.registry import METHODS
 
@@ -69,11 +69,6 @@ class CoOpModel(Method):
             raise FpbenchError(f"method {self.name} needs the dataset's class names")
         self._layouts: dict[int, PromptLayout] = {}
         self._fixed_text: dict[str, tuple[Tensor, Tensor]] = {}
-
-    def frozen(self) -> Frozen | None:
-        """The input: CLIP's frozen image features (B, E); methods that prompt the image
-        encoder take the images instead (None)."""
-        return Frozen("cls", lambda x: self.backbone.forward_features(x).cls, as_input=True)
 
     @property
     def n_ctx(self) -> int:
@@ -122,8 +117,8 @@ class CoOpModel(Method):
             return held[1]
 
     def image_features(self, x: Tensor) -> Tensor:
-        """Normalised image features (B, E) of cached frozen features x (B, E)."""
-        return F.normalize(x.float(), dim=-1)
+        """Normalised image features (B, E) of preprocessed images x (unprompted: recalled)."""
+        return F.normalize(self.backbone.encode_image(x).float(), dim=-1)
 
     def logits(self, feats: Tensor, text: Tensor, client_index: Tensor) -> Tensor:
         """exp(logit_scale) * cos: feats (B, E), text (K, C, E) -> (B, C) with each row's text."""

@@ -37,7 +37,6 @@ from fpbench.errors import FpbenchError
 from fpbench.lazy import F, torch
 from fpbench.methods.base import (
     Context,
-    Frozen,
     Method,
     MethodConfig,
     Output,
@@ -126,9 +125,6 @@ class FedDualPrompt(Method):
         w, b = init_linear(gen, self.task.num_classes, d)
         return {"g_prompts": g, "e_prompts": e, "e_keys": keys, "head_w": w, "head_b": b}
 
-    def frozen(self) -> Frozen:
-        return Frozen("final-cls", self.query)
-
     def query(self, x: Tensor) -> Tensor:
         """The frozen, unprompted backbone's final cls (B, d): what keys are matched against."""
         with torch.no_grad():
@@ -139,19 +135,20 @@ class FedDualPrompt(Method):
     ) -> Output:
         """Logits (B, C); in training, the key loss: each sample's weighted 1 - cosine with
         its selected key (B,)."""
-        query = ctx.query if ctx.query is not None else self.query(x)  # (B, d)
+        query = self.query(x)  # (B, d), unprompted: recalled
         index, match = select_prompts(params["e_keys"], query, client_index)
+        stats = None
         if ctx.training:  # N_m^i of each row, for the similarity metrics
             rows, pool = params["e_keys"].shape[:2]
-            counts = group_counts(index, client_index, rows, pool)  # (K, M)
-            ctx.stats["prompt_counts"] = ctx.stats.get("prompt_counts", 0) + counts
+            stats = {"prompt_counts": group_counts(index, client_index, rows, pool)}  # (K, M)
         g = params["g_prompts"][client_index]  # (B, Lg, p, d)
         e = params["e_prompts"][client_index, index]  # (B, Le, p, d)
         prompts = {b: g[:, i] for i, b in enumerate(self.g_layers)}
         prompts.update({b: e[:, i] for i, b in enumerate(self.e_layers)})
         feats = self.backbone.forward_features(x, prompts, style="deep").cls  # (B, d)
         logits = per_client_linear(feats, params["head_w"], params["head_b"], client_index)
-        return Output(logits, self.cfg.key_weight * (1 - match) if ctx.training else None)
+        aux = self.cfg.key_weight * (1 - match) if ctx.training else None
+        return Output(logits, aux, stats)
 
     def init_server(self, gen: torch.Generator) -> ServerState:
         server = super().init_server(gen)

@@ -8,9 +8,9 @@ Client: E-step, responsibilities q_m(i) = softmax_m(log pi_m - loss_m(x_i, y_i))
 trains on the q-weighted cross-entropy sum_m q_m(i) loss_m(i); M-step, pi_m = mean_i q_m(i).
 Adaptation to the lockstep engine (no pass over the data before training): the E-step runs on
 the fly on each minibatch with the learners as they train and the round's starting pi, and the
-responsibilities are summed over the round (`ctx.stats`) so the M-step in `aggregate` sets pi to
-the mean responsibility of every sample visit; FedEM computes q once per round, before local
-training. Server: each learner is averaged by client train size over the round's participants
+responsibilities are summed over the round (the loss's statistics) so the M-step in `aggregate`
+sets pi to the mean responsibility of every sample visit; FedEM computes q once per round, before
+local training. Server: each learner is averaged by client train size over the round's participants
 (FedEM's aggregator averages over all clients with the non-sampled ones' stale copies, a damped
 FedAvg; both agree at full participation). Prediction: log sum_m pi_m softmax(f_m(x)).
 
@@ -88,7 +88,7 @@ class FedEM(Method):
 
     def loss(
         self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor:
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         logits = self.learner_logits(params, x, client_index)  # (B, M, C)
         b, m, c = logits.shape
         losses = F.cross_entropy(
@@ -96,11 +96,9 @@ class FedEM(Method):
         ).view(b, m)
         log_pi = params["pi"][client_index].clamp_min(1e-12).log()
         q = responsibilities(log_pi, losses.detach())  # (B, M)
-        if ctx.training:
-            k = params["pi"].shape[0]
-            q_sum = torch.zeros(k, m, device=q.device, dtype=q.dtype).index_add_(0, client_index, q)
-            ctx.stats["q_sum"] = ctx.stats.get("q_sum", 0) + q_sum  # (K, M)
-        return (q * losses).sum(-1)  # (B,)
+        k = params["pi"].shape[0]
+        q_sum = torch.zeros(k, m, device=q.device, dtype=q.dtype).index_add_(0, client_index, q)
+        return (q * losses).sum(-1), {"q_sum": q_sum}  # (B,), (K, M)
 
     def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
         client_ids, stats = updates.client_ids, updates.stats

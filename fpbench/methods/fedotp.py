@@ -88,9 +88,6 @@ class FedOTP(CoOpModel):
     inference = "personal"
     personal = frozenset({"local_ctx"})
 
-    def frozen(self) -> None:
-        return None  # the image encoder is prompted: the forward takes the images
-
     def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
         return {"global_ctx": self.init_context(gen), "local_ctx": self.init_context(gen)}
 

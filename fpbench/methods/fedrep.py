@@ -39,7 +39,7 @@ class FedRep(ShallowPromptModel):
 
     def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
         return [
-            # prompts are fixed while the head trains: the final states are computed once
-            Phase("head", ("head_w", "head_b"), self.cfg.head_epochs, self.backbone.depth),
+            # prompts are fixed while the head trains: the backbone keeps the final states
+            Phase("head", ("head_w", "head_b"), self.cfg.head_epochs),
             Phase("representation", ("prompts",), self.cfg.rep_epochs or local_epochs),
         ]

@@ -64,14 +64,9 @@ class VPTModel(Method):
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
     ) -> Tensor:
-        feats = self.features(x, ctx, self._prompts(params, client_index), self.style)
-        return per_client_linear(feats.cls, params["head_w"], params["head_b"], client_index)
-
-    def prefix(
-        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, layer: int
-    ) -> Tensor:
         prompts = self._prompts(params, client_index)
-        return self.backbone.prefix(x, layer, prompts, style=self.style)
+        feats = self.backbone.forward_features(x, prompts, self.style)
+        return per_client_linear(feats.cls, params["head_w"], params["head_b"], client_index)
 
 
 ShallowPromptModel = VPTModel  # the shallow style, which the FedVPT-based methods build on

@@ -28,12 +28,13 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field
 
+from fpbench.backbones.recall import recalled
 from fpbench.errors import FpbenchError
 from fpbench.lazy import F, torch
 from fpbench.methods.base import (
     Context,
-    Frozen,
     Method,
+    Output,
     PresetConfig,
     ServerState,
     TaskInfo,
@@ -219,6 +220,7 @@ class _TimmQuery:
                 "use 'backbone' or a timm model name whose weights are available"
             ) from err
         self.model = model.requires_grad_(False).eval().to(device)
+        self.kind = f"query-timm-{name}-{pretrained}"  # its frozen store's name
         cfg = model.pretrained_cfg or {}
         self.dim: int = model.num_features
         view = (1, 3, 1, 1)
@@ -228,6 +230,11 @@ class _TimmQuery:
         self.std = torch.tensor(cfg.get("std", (0.229, 0.224, 0.225)), device=device).view(view)
 
     def __call__(self, x: Tensor) -> Tensor:
+        """The query (B, dq) of the ViT's preprocessed images x: frozen, so recalled from the
+        engine's store where x is its batch (`fpbench.backbones.recall`)."""
+        return recalled(self.kind, self.encode, x)
+
+    def encode(self, x: Tensor) -> Tensor:
         pixels = x * self.vit_std + self.vit_mean  # back to [0, 1]
         return self.model((pixels - self.mean) / self.std)  # (B, dq)
 
@@ -281,14 +288,6 @@ class FGPT(Method):
         return server
 
     # -- math -------------------------------------------------------------------------------
-    def frozen(self) -> Frozen | None:
-        """Select's query is frozen (cached by the engine) unless it uses the shared prompts."""
-        if not self.cfg.num_groups or self.cfg.query == "shared-prompted":
-            return None
-        enc = self.cfg.select_encoder
-        name = "final-cls" if enc == "backbone" else f"timm-{enc}-{self.cfg.select_pretrained}"
-        return Frozen(name, self.query)
-
     def query(self, x: Tensor) -> Tensor:
         """The frozen query (B, dq): the unprompted backbone's final cls, or the timm encoder's."""
         with torch.no_grad():
@@ -297,26 +296,29 @@ class FGPT(Method):
             return self.backbone.forward_features(x).cls
 
     def select_query(self, x: Tensor, shared: Tensor, ctx: Context) -> Tensor:
-        """Select's query (B, dq): cached by the engine, computed here, or shared-prompted."""
+        """Select's query (B, dq): frozen (recalled by the backbone or the timm encoder), or
+        shared-prompted."""
         with torch.no_grad():
             if self.cfg.query == "shared-prompted" and self.query_encoder is None:
                 return self.backbone.forward_features(x, {0: shared.detach()}, "accumulate").cls
-            return ctx.query if ctx.query is not None else self.query(x)
+            return self.query(x)
 
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor:
+    ) -> Tensor | Output:
+        """Logits (B, C); in training, with each row's group picks `group_counts` (K, G)."""
         shared = params["shared_prompts"][client_index]  # (B, S, d)
         if not self.cfg.num_groups:
             cls = self.backbone.forward_features(x, {0: shared}, style="accumulate").cls
             return per_client_linear(cls, params["head_w"], params["head_b"], client_index)
         k = 1 if ctx.training else self.cfg.topk
         top = select_groups(self.select_query(x, shared, ctx), ctx.buffers["keys"], k)  # (B, k)
-        if ctx.training:
-            rows = params["shared_prompts"].shape[0]
-            counts = group_counts(top[:, 0], client_index, rows, self.cfg.num_groups)
-            ctx.stats["group_counts"] = ctx.stats.get("group_counts", 0) + counts  # (K, G)
-        return self._grouped_logits(params, x, shared, client_index, top)
+        logits = self._grouped_logits(params, x, shared, client_index, top)
+        if not ctx.training:
+            return logits
+        rows = params["shared_prompts"].shape[0]
+        counts = group_counts(top[:, 0], client_index, rows, self.cfg.num_groups)  # (K, G)
+        return Output(logits, stats={"group_counts": counts})
 
     def _grouped_logits(
         self,

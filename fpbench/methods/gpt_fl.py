@@ -110,7 +110,7 @@ class GPTFL(CoOpModel):
 
     def pretrain(self, ctx: Tensor, feats: Tensor, labels: Tensor, gen: torch.Generator) -> Tensor:
         """Server-side CoOp training of the context (M, d) on frozen features (n, E)."""
-        feats, labels = self.image_features(feats), labels.to(feats.device)
+        feats, labels = F.normalize(feats.float(), dim=-1), labels.to(feats.device)
         leaf = ctx.to(feats.device).unsqueeze(0).requires_grad_(True)  # (1, M, d)
         opt = torch.optim.SGD([leaf], lr=self.cfg.server_lr, momentum=0.9)
         rows = torch.zeros(len(labels), dtype=torch.long, device=feats.device)

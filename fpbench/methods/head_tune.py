@@ -3,7 +3,7 @@
 The simplest parameter-efficient baseline of SGPT (Deng et al., CVPR 2024, Table 1) and
 PEP-FedPT. Client: cross-entropy on a linear head over the frozen cls token. Server: FedAvg of
 the head weighted by client train sizes. No prompts, so the backbone's features are fixed: the
-method declares them as its `frozen` input and the engine computes them once.
+backbone recalls them from the engine's frozen store, computed once per sample.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fpbench.lazy import torch
-from fpbench.methods.base import Context, Frozen, Method, MethodConfig
+from fpbench.methods.base import Context, Method, MethodConfig
 from fpbench.methods.helpers import init_linear, per_client_linear
 from fpbench.registry import METHODS
 
@@ -24,10 +24,6 @@ class HeadTune(Method):
     name = "head-tune"
     Config = MethodConfig
 
-    def frozen(self) -> Frozen:
-        """The input: the frozen backbone's final cls features (B, d)."""
-        return Frozen("cls", lambda x: self.backbone.forward_features(x).cls, as_input=True)
-
     def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
         w, b = init_linear(gen, self.task.num_classes, self.backbone.embed_dim)
         return {"head_w": w, "head_b": b}
@@ -35,4 +31,5 @@ class HeadTune(Method):
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
     ) -> Tensor:
-        return per_client_linear(x, params["head_w"], params["head_b"], client_index)  # x: (B, d)
+        feats = self.backbone.forward_features(x).cls  # (B, d), unprompted: recalled
+        return per_client_linear(feats, params["head_w"], params["head_b"], client_index)

@@ -49,6 +49,7 @@ from fpbench.lazy import F, torch
 from fpbench.methods.base import (
     Context,
     Method,
+    Output,
     Phase,
     PresetConfig,
     ServerState,
@@ -337,8 +338,8 @@ class PEPFedPT(Method):
     # -- math -------------------------------------------------------------------------------
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor:
-        """Logits (B, C); in training, also adds the batch's class sums to the round's stats."""
+    ) -> Tensor | Output:
+        """Logits (B, C); in training, with the batch's class sums and counts (`stats`)."""
         vit, first = self.backbone, self.backbone.num_prefix_tokens
         shared = params["shared_prompts"][client_index]  # (B, S, d)
         tokens = _insert(vit.embed(x), shared, first, replace=False)  # (B, T, d)
@@ -356,10 +357,12 @@ class PEPFedPT(Method):
             n += 0 if replace else 1
             start = block
         tokens, _, n = vit.run_blocks(tokens, start, vit.depth, None, "accumulate", n)
-        if ctx.labels is not None and ctx.training and self.layers:
-            self._record(params, x, seen, client_index, ctx.labels, ctx)
         cls = vit.finish(tokens, n).cls  # (B, d)
-        return per_client_linear(cls, params["head_w"], params["head_b"], client_index)
+        logits = per_client_linear(cls, params["head_w"], params["head_b"], client_index)
+        if ctx.labels is not None and ctx.training and self.layers:
+            stats = self._record(params, x, seen, client_index, ctx.labels, ctx)
+            return Output(logits, stats=stats)
+        return logits
 
     def _priors(self, ctx: Context, client_index: Tensor) -> Tensor:
         c = self.task.num_classes
@@ -387,18 +390,17 @@ class PEPFedPT(Method):
         client_index: Tensor,
         labels: Tensor,
         ctx: Context,
-    ) -> None:
-        """Add this batch's per-row class sums (and DP deviations) to the round's statistics."""
+    ) -> dict[str, Tensor]:
+        """This batch's per-row class sums and counts (and, with DP, largest deviations)."""
         warm = int(ctx.buffers["rounds_done"]) > 0
         feats = torch.stack(seen, 1).detach().float() if warm else self._frozen_cls(x).float()
         rows = params["shared_prompts"].shape[0]
         sums, counts = class_sums(feats, client_index, labels, rows, self.task.num_classes)
-        ctx.stats["proto_sum"] = ctx.stats.get("proto_sum", 0) + sums
-        ctx.stats["proto_count"] = ctx.stats.get("proto_count", 0) + counts
+        stats = {"proto_sum": sums, "proto_count": counts}
         if self.cfg.dp_epsilon is not None:
             dev = max_deviation(feats, ctx.buffers["prototypes"], client_index, labels, rows)
-            old = ctx.stats.get("proto_dev")
-            ctx.stats["proto_dev"] = dev if old is None else torch.maximum(old, dev)
+            stats["max_proto_dev"] = dev  # the engine keeps the round's maximum
+        return stats
 
     # -- server -----------------------------------------------------------------------------
     def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
@@ -412,7 +414,7 @@ class PEPFedPT(Method):
             means = stats["proto_sum"] / counts.clamp(min=1)[:, None, :, None]  # (K, L, C, d)
             held = counts > 0
             if self.cfg.dp_epsilon is not None:
-                means = self._noisy(means, stats["proto_dev"], counts, client_ids, buffers)
+                means = self._noisy(means, stats["max_proto_dev"], counts, client_ids, buffers)
             cfg = self.cfg
             buffers = update_prototypes(
                 buffers, means, held.to(means.dtype), cfg.prototype_period, cfg.prototype_momentum

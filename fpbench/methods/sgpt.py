@@ -22,9 +22,9 @@ reproduced. The default therefore reads the counts of the round start (`select_c
 "snapshot"`, identical under both executors); "sequential" is the reference's behaviour and needs
 the reference executor (under lockstep it equals "snapshot").
 
-Select's query does not depend on anything trained: it is declared as the method's
-`frozen` work, so the engine computes it once per sample, when first needed, and hands a
-batch's rows in `ctx.query` (without a cache, it is recomputed under no_grad).
+Select's query does not depend on anything trained: it reads the unprompted backbone's cls
+after block `query_layer`, which the backbone recalls from the engine's frozen store (computed
+once per sample, when first needed; without a store, recomputed).
 
 Metrics (`round_metrics`, switch `cluster_metric`, off by default: they cost two frozen passes,
 so only the suites that report them turn them on): appendix D.2's congruence score of Fig. 6a.
@@ -41,8 +41,9 @@ Clustering Performance"): each test sample takes its nearest current key, and th
 scored against the samples' coarse labels under the best one-to-one matching of groups to coarse
 classes (Hungarian; an unmatched group counts as wrong, so a collapse onto one group scores the
 largest coarse class's share, 1/20 on CIFAR-100, the paper's 5.00 for FedAvg keys). The method
-never holds the test split: the engine hands `round_metrics` its labels and frozen queries
-(computed once, as for evaluation); datasets without coarse labels record no acc_cluster.
+never holds the test split: the engine hands `round_metrics` its labels and a map over its
+images (the queries' cls recalled, as for evaluation); datasets without coarse labels record no
+acc_cluster.
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ from fpbench.errors import FpbenchError
 from fpbench.lazy import F, torch
 from fpbench.methods.base import (
     Context,
-    Frozen,
     Method,
     Output,
     Phase,
@@ -367,8 +367,8 @@ class SGPT(Method):
         group = tuple(n for n in GROUP_PHASE if n in names)
         if not self.group_layers:
             return [Phase("shared", shared, local_epochs)]
-        # shared prompts are fixed in the group phase: the states below its first layer are too
-        group_phase = Phase("group", group, local_epochs, min(self.group_layers))
+        # shared prompts are fixed in the group phase: the backbone keeps the states below it
+        group_phase = Phase("group", group, local_epochs)
         if not self.shared_layers:
             return [group_phase]
         if self.cfg.schedule == "joint":
@@ -380,19 +380,23 @@ class SGPT(Method):
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
     ) -> Output:
-        """Logits (B, C) and, when keys train, the weighted per-sample key loss (B,)."""
+        """Logits (B, C) and, when keys train, the weighted per-sample key loss (B,) and the
+        picks of each row's groups, `select_counts` (K, G)."""
         prompts = self.shared_prompts(params, client_index)
         selecting = bool(self.group_layers) and (not ctx.training or ctx.phase != "shared")
-        aux = None
+        aux, stats = None, None
         if selecting:
             groups, cos = self.select_groups(params["keys"], x, client_index, ctx)  # (B,), (B, G)
             chosen = params["group_prompts"][client_index, groups]  # (B, Lg, p, d)
             prompts.update({layer: chosen[:, i] for i, layer in enumerate(self.group_layers)})
-            aux = self.cfg.key_loss_weight * key_loss(cos, groups) if ctx.training else None
-        feats = self.features(x, ctx, prompts, self.cfg.prompt_style)
+            if ctx.training:
+                aux = self.cfg.key_loss_weight * key_loss(cos, groups)
+                k, g = params["keys"].shape[:2]
+                stats = {"select_counts": group_counts(groups, client_index, k, g)}
+        feats = self.backbone.forward_features(x, prompts, self.cfg.prompt_style)
         pooled = self.pool(feats, selecting)  # (B, d)
         logits = per_client_linear(pooled, params["head_w"], params["head_b"], client_index)
-        return Output(logits, aux)
+        return Output(logits, aux, stats)
 
     def shared_prompts(self, params: dict[str, Tensor], client_index: Tensor) -> dict[int, Tensor]:
         """Each sample's row of shared prompts by layer: {layer: (B, p, d)}."""
@@ -400,12 +404,6 @@ class SGPT(Method):
             return {}
         shared = params["shared_prompts"][client_index]  # (B, Ls, p, d)
         return {layer: shared[:, i] for i, layer in enumerate(self.shared_layers)}
-
-    def prefix(
-        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, layer: int
-    ) -> Tensor:
-        prompts = self.shared_prompts(params, client_index)
-        return self.backbone.prefix(x, layer, prompts, self.cfg.prompt_style)
 
     def pool(self, feats: ViTFeatures, selecting: bool) -> Tensor:
         """The head's input (B, d): mean of cls and the first prompt-token outputs.
@@ -420,25 +418,21 @@ class SGPT(Method):
         tokens = torch.cat([feats.cls.unsqueeze(1), feats.prompt_tokens[:, :n]], dim=1)
         return tokens.mean(1)
 
-    def frozen(self) -> Frozen:
-        return Frozen(f"sgpt-block{self.query_layer}-{self.cfg.query_activation}", self.query)
-
     def query(self, x: Tensor) -> Tensor:
-        """Select's query (B, d) from the frozen, unprompted backbone."""
+        """Select's query (B, d) from the frozen, unprompted backbone (its cls: recalled)."""
         with torch.no_grad():
-            tokens, _, _ = self.backbone.run_blocks(self.backbone.embed(x), 0, self.query_layer + 1)
-            cls = self.backbone.vit.norm(tokens[:, 0])  # (B, d)
-            return select_query(cls, self.cfg.query_activation)
+            layer = self.query_layer
+            cls = self.backbone.forward_features(x, return_layers=(layer,)).layer_cls[layer]
+            return select_query(self.backbone.vit.norm(cls), self.cfg.query_activation)
 
     def select_groups(
         self, keys: Tensor, x: Tensor, client_index: Tensor, ctx: Context
     ) -> tuple[Tensor, Tensor]:
         """Each sample's group (B,) and its cosines to its row's keys (B, G).
 
-        Test time: nearest key. Training: frequency-weighted score, optional batch majority,
-        and the picks are counted in `ctx.stats["select_counts"]` (K, G).
+        Test time: nearest key. Training: frequency-weighted score, optional batch majority.
         """
-        query = ctx.query if ctx.query is not None else self.query(x)  # (B, dq)
+        query = self.query(x)  # (B, dq)
         cos = key_cosines(query, keys, client_index)  # (B, G)
         if not ctx.training:
             return cos.argmax(1), cos
@@ -449,8 +443,6 @@ class SGPT(Method):
         groups = dist.argmin(1)
         if self.cfg.batch_majority:
             groups = batch_majority(groups, client_index, k, g)
-        picked = group_counts(groups, client_index, k, g)  # (K, G)
-        ctx.stats["select_counts"] = ctx.stats.get("select_counts", 0) + picked
         return groups, cos
 
     def counts(self, ctx: Context) -> Tensor:
@@ -476,7 +468,7 @@ class SGPT(Method):
         coarse_of_class = self.task.coarse_of_class
         scored = self.cfg.cluster_metric and self.group_layers and coarse_of_class is not None
         if scored and test is not None and len(test.labels):
-            queries = test.queries()  # (M, dq)
+            queries = test.map(self.query)  # (M, dq)
             groups = nearest_group(queries, server.params["keys"])  # (M,)
             coarse = coarse_of_class.to(test.labels.device)[test.labels].to(groups.device)
             out["acc_cluster"] = cluster_accuracy(groups, coarse, g, self.num_coarse)

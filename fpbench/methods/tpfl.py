@@ -58,9 +58,6 @@ class TwinPromptModel(CoOpModel):
 
     Config = TPFLConfig
 
-    def frozen(self) -> None:
-        return None  # the image encoder is prompted: the forward takes the images
-
     @property
     def prompter(self) -> PixelPrompter:
         if not hasattr(self, "_prompter"):

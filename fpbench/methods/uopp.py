@@ -114,14 +114,13 @@ class UOPP(CoOpModel):
 
     def loss(
         self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor:
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         feats = self.image_features(x)  # (B, E)
         rows, c = params["ctx"].shape[0], self.task.num_classes
-        sums, counts = class_sums(feats.detach(), y, client_index, rows, c)
-        ctx.stats["proto_sum"] = ctx.stats.get("proto_sum", 0) + sums  # (K, C, E)
-        ctx.stats["proto_count"] = ctx.stats.get("proto_count", 0) + counts  # (K, C)
+        sums, counts = class_sums(feats.detach(), y, client_index, rows, c)  # (K, C, E), (K, C)
         logits = self.logits(feats, self.text_features(params["ctx"]), client_index)
-        return F.cross_entropy(logits, y, reduction="none")
+        loss = F.cross_entropy(logits, y, reduction="none")
+        return loss, {"proto_sum": sums, "proto_count": counts}
 
     def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
         """FedAvg of the prompt; first-time participants' class sums join the prototypes."""

@@ -13,11 +13,10 @@ fixtures (`tiny`, `fpbench_cache`), and subclass `MethodConformance` in a test m
 
 from fpbench.testing.conformance import (
     MethodConformance,
-    check_cached_frozen_work_changes_nothing,
     check_executors_agree,
     check_only_declared_tensors_are_communicated,
+    check_recalled_equals_recomputed,
     check_round,
-    declares_frozen_work,
 )
 from fpbench.testing.tiny import (
     OFFLINE_ARGS,
@@ -36,10 +35,9 @@ __all__ = [
     "TINY_SUITE_TOML",
     "MethodConformance",
     "check_executors_agree",
-    "check_cached_frozen_work_changes_nothing",
     "check_only_declared_tensors_are_communicated",
+    "check_recalled_equals_recomputed",
     "check_round",
-    "declares_frozen_work",
     "fpbench_cache",
     "seeded_server",
     "tiny",

@@ -74,7 +74,9 @@ def frozen_first(pops, task, ids) -> float:
     """Compute the round's clients' frozen train values; seconds."""
     start = time.perf_counter()
     idx = torch.cat([task.train_idx[c] for c in ids])
-    for split in pops[0].inputs.frozen_splits():
+    method = pops[0].method
+    gen = torch.Generator().manual_seed(0)
+    for split in pops[0].inputs.discover(method, method.init_server(gen).to(task.priors.device)):
         if split.what.endswith("(train)"):
             split[idx]
     sync()
@@ -157,7 +159,7 @@ def probe_select(cfg, n: int, topk: int, out: dict, name: str) -> None:
     with cell_numerics(cfg):
         _, task, pops, server, _ = build(cfg)
         method = pops[0].method
-        fn = method.frozen().fn
+        fn = method.query  # Select's frozen query (SGPT, FGPT)
         keys = server.params["keys"] if "keys" in server.params else server.buffers["keys"]
         keys = keys.reshape(-1, keys.shape[-1]).float()
         images = task.data.train_images[:n]

@@ -35,3 +35,14 @@ def assert_presets_are_rows(config_cls, presets: dict, rows: dict) -> None:
     for name, row in rows.items():
         got = config_cls(preset=name).model_dump()
         assert got == {**defaults, **row, "preset": name}, name
+
+
+def features_as_images(monkeypatch, method) -> None:
+    """In this test a forward's x holds CLIP image features (B, E): the unprompted image tower
+    passes them through (as the engine's frozen store would hand over kept features)."""
+    encode = method.backbone.encode_image
+    monkeypatch.setattr(
+        method.backbone,
+        "encode_image",
+        lambda x, pixel_prompt=None: x if pixel_prompt is None else encode(x, pixel_prompt),
+    )

@@ -20,16 +20,16 @@ def test_fedrep_phases_train_head_then_one_epoch_of_prompts(tiny):
 
 
 def _prompt_phase_forwards(method, task, cfg, rep_epochs) -> int:
-    """Training forwards of the prompt phase (the head phase resumes from cached states)."""
+    """Training forwards of the prompt phase."""
     method.cfg = method.cfg.model_copy(update={"head_epochs": 1, "rep_epochs": rep_epochs})
     calls, forward = [], method.forward
-    method.forward = lambda p, x, ci, ctx: calls.append(ctx.resume_layer) or forward(p, x, ci, ctx)
+    method.forward = lambda p, x, ci, ctx: calls.append(ctx.phase) or forward(p, x, ci, ctx)
     server = method.init_server(torch.Generator().manual_seed(0))
     train_clients(
         method, server, task, task.trainable_clients()[:2], cfg.train, round_idx=0, seed=0
     )
     del method.forward
-    return sum(1 for layer in calls if not layer)
+    return calls.count("representation")
 
 
 def test_fedrep_runs_rep_epochs_of_the_prompt_phase(tiny):

@@ -67,7 +67,7 @@ def test_gpt_fl_pretrains_the_prompt_on_generated_images(tiny, tmp_path):
 
     def loss(ctx):
         rows = torch.zeros(len(labels), dtype=torch.long)
-        logits = method.logits(method.image_features(feats), method.text_features(ctx[None]), rows)
+        logits = method.logits(F.normalize(feats, dim=-1), method.text_features(ctx[None]), rows)
         return F.cross_entropy(logits, labels).item()
 
     (tmp_path / "synthetic").symlink_to(tmp_path, target_is_directory=True)

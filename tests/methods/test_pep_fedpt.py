@@ -297,7 +297,7 @@ def test_prompted_prototypes_and_dp_agree_across_executors(tiny):
         method, server, task, ids, cfg.train, round_idx=0, seed=0, executor="reference"
     )
     lock = train_clients(method, server, task, ids, cfg.train, round_idx=0, seed=0)
-    for k in ("proto_sum", "proto_count", "proto_dev"):
+    for k in ("proto_sum", "proto_count", "max_proto_dev"):
         torch.testing.assert_close(lock.stats[k], ref.stats[k], atol=2e-5, rtol=1e-4)
     sums, _ = _frozen_class_means(method, task, ref.client_ids.tolist())
     assert not torch.allclose(ref.stats["proto_sum"], sums, atol=1e-3)  # prompted, not frozen

@@ -11,6 +11,7 @@ from fpbench.methods.base import Context, Updates
 from fpbench.methods.powder import generation_weights
 
 from ..conftest import seeded_server
+from .common import features_as_images
 
 
 def test_generation_weights_by_hand():
@@ -56,8 +57,9 @@ def test_powder_generation_aggregation_and_eval(tiny):
     assert set(down) == set(up) == {"ctx"} and down["ctx"].shape == g.shape
 
 
-def test_powder_distillation_vanishes_at_the_start_prompt(tiny):
+def test_powder_distillation_vanishes_at_the_start_prompt(tiny, monkeypatch):
     _, task, method = tiny("powder")
+    features_as_images(monkeypatch, method)
     params = method.client_params(seeded_server(method), torch.tensor([0]))
     feats, y = torch.randn(4, 32), torch.tensor([0, 1, 2, 3])
     rows = torch.zeros(4, dtype=torch.long)

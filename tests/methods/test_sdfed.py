@@ -10,7 +10,7 @@ from fpbench.methods.base import Context, Updates
 from fpbench.methods.sdfed import projector, separation_loss, stretch_loss
 
 from ..conftest import seeded_server, tiny_config
-from .common import both_executors_agree, stacked_constants
+from .common import both_executors_agree, features_as_images, stacked_constants
 
 
 def test_sdfed_shares_only_the_global_prompt(tiny):
@@ -69,8 +69,9 @@ def _removal_projector(g: torch.Tensor, n_drop: int) -> torch.Tensor:
     return (torch.eye(g.shape[-1], dtype=torch.float64) - top @ top.T).float()
 
 
-def test_sdfed_loss_is_the_sum_of_eq_14(tiny):
+def test_sdfed_loss_is_the_sum_of_eq_14(tiny, monkeypatch):
     _, task, method = tiny("sdfed")
+    features_as_images(monkeypatch, method)
     # lambda = 0.2: floor(0.2 * 32) = 6 <= S_s = 8 directions go, all in G_s's row space, so the
     # projector is unique and an eigendecomposition of G^T G must give the same one
     method.cfg = method.Config(lam=0.2)
@@ -123,8 +124,9 @@ def test_sdfed_random_lengths_executors_agree(tiny):
 
 
 @pytest.mark.parametrize(("pfhf", "srlp", "irdc"), [(False, True, True), (True, True, False)])
-def test_sdfed_ablations(tiny, pfhf, srlp, irdc):
+def test_sdfed_ablations(tiny, pfhf, srlp, irdc, monkeypatch):
     _, task, method = tiny("sdfed")
+    features_as_images(monkeypatch, method)
     method.cfg = method.Config(pfhf=pfhf, srlp=srlp, irdc=irdc)
     server = seeded_server(method)
     trainable = method.phases(1, tuple(server.params))[0].trainable
@@ -153,11 +155,12 @@ def test_sdfed_ablations(tiny, pfhf, srlp, irdc):
 
 
 @pytest.mark.parametrize("target", ["fixed", "through"])
-def test_stretch_term_treats_the_projection_as_a_fixed_target(tiny, target):
+def test_stretch_term_treats_the_projection_as_a_fixed_target(tiny, target, monkeypatch):
     """App. C.4, eq. 25: grad_G L_str = 2 J_d(G)^T (d(G) - d(G~)), G~ held fixed; the option
     "through" differentiates d(G~) too. The gradient of the local prompt under the method's loss
     of the whole eq. 14 is rebuilt by hand with d(G~_c) detached (or not)."""
     _, _, method = tiny("sdfed")
+    features_as_images(monkeypatch, method)
     method.cfg = method.Config(lam=0.2, stretch_target=target)
     server = seeded_server(method)
     params = method.client_params(server, torch.tensor([0]))

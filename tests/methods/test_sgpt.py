@@ -91,7 +91,10 @@ def test_training_selection_is_frequency_weighted_test_time_is_nearest_key(tiny)
     train_groups, _ = method.select_groups(keys, x, rows, ctx)
     expected = ((1 - cos) * (counts / 200 + 5e-4)).argmin(1)
     assert train_groups.tolist() == expected.tolist() and 2 in train_groups.tolist()
-    assert ctx.stats["select_counts"].tolist() == [torch.bincount(expected, minlength=3).tolist()]
+    params = method.client_params(method.init_server(torch.Generator().manual_seed(0)), rows[:1])
+    params["keys"] = keys  # the forward returns its picks, counted per row
+    picked = method.forward(params, x, rows, ctx).stats["select_counts"]
+    assert picked.tolist() == [torch.bincount(expected, minlength=3).tolist()]
 
 
 def test_loss_adds_the_key_loss_and_only_keys_get_its_gradient(tiny):
@@ -104,8 +107,9 @@ def test_loss_adds_the_key_loss_and_only_keys_get_its_gradient(tiny):
         method.cfg = method.cfg.model_copy(update={"key_loss_weight": weight})
         params = {k: v.requires_grad_() for k, v in method.client_params(server, rows[:1]).items()}
         ctx = Context(training=True, phase="group", buffers=server.buffers)
-        loss = method.loss(params, x, y, rows, ctx)
+        loss, stats = method.loss(params, x, y, rows, ctx)
         out = method.forward(params, x, rows, ctx)
+        assert torch.equal(stats["select_counts"], out.stats["select_counts"])
         ce = torch.nn.functional.cross_entropy(out.logits, y, reduction="none")
         cos = key_cosines(method.query(x), params["keys"], rows)
         torch.testing.assert_close(loss - ce, -weight * cos.max(1).values)
@@ -139,8 +143,9 @@ def test_sequential_counts_add_earlier_clients_of_the_round_only(tiny):
     first = Context(training=True, phase="group", buffers=buffers)
     assert sequential.counts(first).tolist() == [1, 1]
     second = Context(training=True, phase="group", buffers=buffers, earlier=earlier)
-    second.stats["select_counts"] = torch.tensor([[9, 9]])  # its own picks are not added
     assert sequential.counts(second).tolist() == [5, 1]
+    with pytest.raises(TypeError):  # what the engine hands a method is read-only
+        second.earlier["select_counts"] = torch.tensor([9, 9])
     assert snapshot.counts(second).tolist() == [1, 1]
 
 

@@ -139,14 +139,14 @@ def test_cluster_accuracy_matches_one_to_one_not_by_majority():
 
 def _test_split(method, task) -> TestSplit:
     """The engine's view of the tiny task's test split for `method` (no feature cache)."""
-    return TestSplit(task.data.test_labels, Inputs.of(method, task).test_queries)
+    return TestSplit(task.data.test_labels, Inputs.of(method, task).test_map)
 
 
 def test_acc_cluster_of_a_collapsed_select_is_the_largest_coarse_share(tiny):
     _, task, _ = tiny("sgpt")
     method = _sgpt(tiny, num_groups=3)
     test = _test_split(method, task)
-    queries = test.queries()
+    queries = test.map(method.query)
     assert len(queries) == len(task.data.test_labels)
     server = method.init_server(torch.Generator().manual_seed(0))
     mean = queries.mean(0)  # ReLU'd queries: every test sample picks the middle key
@@ -179,7 +179,7 @@ def test_no_coarse_labels_no_acc_cluster(tiny):
     out = method.round_metrics(server, _test_split(method, task))
     assert "acc_cluster" not in out
     assert "congruence_kmeans" in out  # the other metrics are still there
-    never = TestSplit(task.data.test_labels, lambda: pytest.fail("test queries computed"))
+    never = TestSplit(task.data.test_labels, lambda fn: pytest.fail("test queries computed"))
     for off in (_sgpt(tiny, preset="shared-only"), _sgpt(tiny, cluster_metric=False)):
         gen = torch.Generator().manual_seed(0)
         assert "acc_cluster" not in off.round_metrics(off.init_server(gen), never)

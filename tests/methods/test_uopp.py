@@ -9,6 +9,7 @@ from fpbench.methods.base import Context, Updates
 from fpbench.methods.uopp import class_sums, dual_head
 
 from ..conftest import seeded_server
+from .common import features_as_images
 
 
 def test_class_sums_by_hand():
@@ -49,8 +50,9 @@ def test_uopp_prototypes_are_count_weighted_and_added_once(tiny):
     assert set(down) == {"ctx", "prototypes"} and set(up) == {"ctx", "proto_sum", "proto_count"}
 
 
-def test_uopp_eval_uses_the_prototype_head_where_confident(tiny):
+def test_uopp_eval_uses_the_prototype_head_where_confident(tiny, monkeypatch):
     _, task, method = tiny("uopp")
+    features_as_images(monkeypatch, method)
     server = seeded_server(method)
     feats = torch.randn(5, method.backbone.embed_dim, generator=torch.Generator().manual_seed(1))
     protos = F.normalize(feats[:3], dim=-1)  # samples 0..2 are their own class prototype
@@ -64,6 +66,10 @@ def test_uopp_eval_uses_the_prototype_head_where_confident(tiny):
     )
     valid = torch.arange(task.data.num_classes) < 3  # classes with a prototype
     torch.testing.assert_close(logits, dual_head(train_logits, proto_logits, valid))
-    loss = method.loss(params, feats, torch.arange(5) % 3, rows, Context(training=True))
+    loss, stats = method.loss(params, feats, torch.arange(5) % 3, rows, Context(training=True))
     torch.testing.assert_close(loss, F.cross_entropy(train_logits, torch.arange(5) % 3,
                                                      reduction="none"))  # fmt: skip
+    c = task.data.num_classes
+    sums, counts = class_sums(F.normalize(feats, dim=-1), torch.arange(5) % 3, rows, 1, c)
+    torch.testing.assert_close(stats["proto_sum"], sums)  # the loss returns what it records
+    assert torch.equal(stats["proto_count"], counts)
