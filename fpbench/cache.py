@@ -4,8 +4,8 @@ The folder is `$FPBENCH_CACHE`, else `~/.cache/fpbench`. fpbench writes there:
 
 * `frozen/<backbone>--<feature>/<hash>.pt`: frozen features and queries
   (`fpbench.engine.frozen_cache`; `runtime.feature_cache_dir` may put them elsewhere),
-* `<backbone>-<hash>[-<hash>].pth` (and `.lock`, `.partial`): weights it made itself (`vit-smoke`'s offline
-  pretraining, the seeded tiny CLIPs),
+* `<backbone>-<hash>[-<hash>].pth` (and `.lock`, `.partial`): weights it made itself
+  (`vit-smoke`'s offline pretraining, the seeded tiny CLIPs),
 * `open_clip_configs/<name>.json`: the tiny CLIPs' model configs.
 
 Only files of those names, in those places, are counted as fpbench's and removed by `clear`

@@ -49,7 +49,17 @@ def _integral(acc: float, n: int) -> bool:
 
 def test_smoke_clip_base2novel(tmp_path, monkeypatch):
     runs = _run("smoke-clip-base2novel", tmp_path, monkeypatch)
-    labels = "coop fedotp zero-shot cocoop kgcoop prograd fedtpg maple promptsrc".split()
+    labels = [
+        "coop",
+        "fedotp",
+        "zero-shot",
+        "cocoop",
+        "kgcoop",
+        "prograd",
+        "fedtpg",
+        "maple",
+        "promptsrc",
+    ]
     assert set(runs) == {f"{label}/synthetic" for label in labels}
     for run in runs.values():
         assert run["config"]["evaluation"]["mode"] == "base2novel"

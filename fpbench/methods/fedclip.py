@@ -93,8 +93,9 @@ class FedCLIP(CoOpModel):
         return held[1]
 
     def adapted(self, params: dict[str, Tensor], x: Tensor, client_index: Tensor) -> Tensor:
-        """Normalised adapted image features a * f (B, E) of frozen features x (B, E)."""
-        f = x.float()
+        """Normalised adapted image features a * f (B, E) of preprocessed images x, where f is
+        CLIP's frozen image feature (recalled, not recomputed, by the backbone)."""
+        f = self.backbone.encode_image(x).float()
         return F.normalize(adapter_attention(f, params, client_index) * f, dim=-1)
 
     def forward(

@@ -145,7 +145,7 @@ def zsclip_case(folder: Path, dataset: str = "oxford-pets") -> dict[str, float]:
         theirs = trainer.model_inference(images)
     ours = fpbench_method("zero-shot", backbone, dataset)
     rows = torch.zeros(len(images), dtype=torch.long)
-    logits = ours.forward({}, _features(backbone, images), rows, Context(training=False))
+    logits = ours.forward({}, images, rows, Context(training=False))
     return {"logits": _diff(logits, theirs), "logits_max": float(theirs.abs().max())}
 
 
@@ -171,7 +171,7 @@ def kgcoop_case(folder: Path, dataset: str = "oxford-pets", w: float = 8.0) -> d
     (F.cross_entropy(logits_theirs, LABELS) + w * score).backward()
     ctx = start.unsqueeze(0).clone().requires_grad_(True)
     rows = torch.zeros(len(LABELS), dtype=torch.long)
-    res = ours.forward({"ctx": ctx}, _features(backbone, images), rows, Context(training=True))
+    res = ours.forward({"ctx": ctx}, images, rows, Context(training=True))
     (F.cross_entropy(res.logits, LABELS) + res.aux_loss.mean()).backward()
     grad = official.prompt_learner.ctx.grad
     out["logits"] = _diff(res.logits, logits_theirs)
@@ -207,7 +207,7 @@ def cocoop_case(folder: Path, ctx_init: str = "a photo of a") -> dict[str, float
     F.cross_entropy(logits_theirs, LABELS).backward()
     leaves = {k: v.unsqueeze(0).requires_grad_(True) for k, v in params.items()}
     rows = torch.zeros(len(LABELS), dtype=torch.long)
-    logits = ours.forward(leaves, _features(backbone, images), rows, Context(training=True))
+    logits = ours.forward(leaves, images, rows, Context(training=True))
     F.cross_entropy(logits, LABELS).backward()
     out["logits"] = _diff(logits, logits_theirs)
     theirs_grads = {"ctx": official.prompt_learner.ctx.grad}
@@ -280,9 +280,9 @@ def prograd_case(folder: Path, dataset: str = "oxford-pets", lam: float = 1.0,
     ctx = start.unsqueeze(0).clone().requires_grad_(True)
     rows = torch.zeros(len(LABELS), dtype=torch.long)
     feats = _features(backbone, images)
-    loss = ours.loss({"ctx": ctx}, feats, LABELS, rows, Context(training=True))
+    loss = ours.loss({"ctx": ctx}, images, LABELS, rows, Context(training=True))
     loss.mean().backward()
-    logits = ours.forward({"ctx": ctx.detach()}, feats, rows, Context(training=False))
+    logits = ours.forward({"ctx": ctx.detach()}, images, rows, Context(training=False))
     zs = (
         ours.backbone.logit_scale * F.normalize(feats, dim=-1) @ ours.zero_shot_text(feats.device).T
     )

@@ -218,9 +218,8 @@ def coop_case(folder: Path, position: str = "end", csc: bool = False, ctx_init: 
     logits_theirs = official(images)
     F.cross_entropy(logits_theirs, labels).backward()
     ctx = start.unsqueeze(0).clone().requires_grad_(True)  # (K = 1, ...)
-    feats = backbone.forward_features(images).cls
     rows = torch.zeros(len(labels), dtype=torch.long)
-    logits_ours = ours.forward({"ctx": ctx}, feats, rows, Context(training=True))
+    logits_ours = ours.forward({"ctx": ctx}, images, rows, Context(training=True))
     F.cross_entropy(logits_ours, labels).backward()
     out["logits"] = _diff(logits_ours, logits_theirs)
     out["grad"] = _diff(ctx.grad[0], official.prompt_learner.ctx.grad)

@@ -138,11 +138,10 @@ def fedpgp_case(folder: Path, n_ctx: int = 4, bottleneck: int = 2, mu: float = 0
         logits_theirs = official(images)
 
     params = {k: v.unsqueeze(0).clone().requires_grad_(True) for k, v in start.items()}
-    feats = backbone.forward_features(images).cls
     rows = torch.zeros(batch, dtype=torch.long)
-    loss = ours.loss(params, feats, labels, rows, Context(training=True)).mean()
+    loss = ours.loss(params, images, labels, rows, Context(training=True)).mean()
     loss.backward()
-    logits_ours = ours.forward(params, feats, rows, Context(training=False))
+    logits_ours = ours.forward(params, images, rows, Context(training=False))
     out = {"init": init, "logits": REF._diff(logits_ours, logits_theirs),
            "loss": REF._diff(loss, losses[0])}  # fmt: skip
     for k in ("U", "V", "sigma"):
@@ -193,9 +192,8 @@ def promptfolio_case(folder: Path, n_ctx: int = 4, theta: float = 0.4, init: boo
     logits_theirs = official(images)
     F.cross_entropy(logits_theirs, labels).backward()
     params = {k: v.unsqueeze(0).clone().requires_grad_(True) for k, v in start.items()}
-    feats = backbone.forward_features(images).cls
     rows = torch.zeros(batch, dtype=torch.long)
-    logits_ours = ours.forward(params, feats, rows, Context(training=True))
+    logits_ours = ours.forward(params, images, rows, Context(training=True))
     F.cross_entropy(logits_ours, labels).backward()
     out["logits"] = REF._diff(logits_ours, logits_theirs)
     out["grad_global"] = REF._diff(params["global_ctx"].grad[0], learner.ctx.grad[0])
@@ -269,10 +267,9 @@ def fedtpg_case(folder: Path, n_ctx: int = 4, subset: tuple[int, ...] = (0, 2), 
         return official.logit_scale.exp() * img @ F.normalize(text, dim=-1).t()
 
     params = {k: v.detach().unsqueeze(0).clone().requires_grad_(True) for k, v in mapped.items()}
-    feats = backbone.forward_features(images).cls
     rows = torch.zeros(batch, dtype=torch.long)
     with torch.no_grad():
-        glob = ours.forward(params, feats, rows, Context(training=False))
+        glob = ours.forward(params, images, rows, Context(training=False))
         out["logits"] = REF._diff(glob, official_logits(REF.CLASSES))
     # one client holding `subset`: official relabelled local classes, fpbench's priors
     local = torch.tensor(subset)
@@ -284,7 +281,7 @@ def fedtpg_case(folder: Path, n_ctx: int = 4, subset: tuple[int, ...] = (0, 2), 
     priors = torch.zeros(1, len(REF.CLASSES))
     priors[0, local] = 1.0 / len(subset)
     ctx = Context(training=True, priors=priors)
-    loss = ours.loss(params, feats, labels, rows, ctx).mean()
+    loss = ours.loss(params, images, labels, rows, ctx).mean()
     loss.backward()
     out["loss_client"] = REF._diff(loss, loss_theirs)
     attn = official.prompt_learner.meta_net.encoder.cross_attend_blocks[0].fn
@@ -361,12 +358,11 @@ def dpfpl_case(folder: Path, n_ctx: int = 4, rank: int = 2, clip: float | None =
     ours.draws = draws
     params = {k: v.unsqueeze(0).clone().requires_grad_(True) for k, v in start.items()}
     params["dp_key"] = torch.zeros(1, 3, dtype=torch.long)
-    feats = backbone.forward_features(images).cls
     rows = torch.zeros(batch, dtype=torch.long)
     ctx = Context(training=True)
-    ours.loss(params, feats, labels, rows, ctx).mean().backward()
+    ours.loss(params, images, labels, rows, ctx).mean().backward()
     with torch.no_grad():
-        logits_ours = ours.forward(params, feats, rows, ctx)
+        logits_ours = ours.forward(params, images, rows, ctx)
     out["logits"] = REF._diff(logits_ours, logits_theirs)
     out["grad_global"] = REF._diff(params["global_ctx"].grad[0], learner.global_ctx.grad)
     out["grad_local"] = REF._diff(params["local_ctx"].grad[0], learner.local_ctx.grad)
@@ -455,11 +451,10 @@ def fedclip_case(folder: Path, batch: int = 6, seed: int = 0) -> dict[str, float
     acc_theirs = fac.test(None, official, [(images, tokens[labels], labels)], "cpu")
 
     params = {k: v.detach().unsqueeze(0).clone().requires_grad_(True) for k, v in linears.items()}
-    feats = backbone.forward_features(images).cls
     rows = torch.zeros(batch, dtype=torch.long)
-    ours.loss(params, feats, labels, rows, Context(training=True)).mean().backward()
+    ours.loss(params, images, labels, rows, Context(training=True)).mean().backward()
     with torch.no_grad():
-        logits = ours.forward(params, feats, rows, Context(training=False))
+        logits = ours.forward(params, images, rows, Context(training=False))
     for k in linears:
         out[f"grad_{k}"] = REF._diff(params[k].grad[0], grads[k])
     out["grad_max"] = max(float(g.abs().max()) for g in grads.values())

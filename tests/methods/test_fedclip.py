@@ -61,8 +61,10 @@ def test_forward_scores_the_adapted_feature_against_the_template_prompts(tiny):
     server = seeded_server(method)
     params = method.client_params(server, torch.tensor([0]))
     clip = method.backbone
-    x = clip.forward_features(clip.preprocess(task.data.train_images[:3])).cls
-    logits = method.forward(params, x, torch.zeros(3, dtype=torch.long), Context(training=False))
+    images = clip.preprocess(task.data.train_images[:3])
+    x = clip.forward_features(images).cls
+    rows = torch.zeros(3, dtype=torch.long)
+    logits = method.forward(params, images, rows, Context(training=False))
     # independently: open_clip's own encode_text of "a picture of a <name>"
     ids = clip.tokenizer(["a picture of a " + n.replace("_", " ") for n in method.task.class_names])
     text = F.normalize(clip.model.encode_text(ids), dim=-1)
@@ -101,7 +103,7 @@ def test_cross_entropy_reading_trains_on_all_class_prompts(tiny):
     ce = with_config(method, loss="cross-entropy")
     params = ce.client_params(seeded_server(ce), torch.tensor([0]))
     clip = method.backbone
-    x = clip.forward_features(clip.preprocess(task.data.train_images[:4])).cls
+    x = clip.preprocess(task.data.train_images[:4])
     y, rows = task.data.train_labels[:4], torch.zeros(4, dtype=torch.long)
     ctx = Context(training=True)
     expected = F.cross_entropy(ce.forward(params, x, rows, ctx), y, reduction="none")
