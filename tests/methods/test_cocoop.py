@@ -8,6 +8,7 @@ from fpbench.methods.base import Context
 from fpbench.methods.cocoop import CoCoOpConfig
 from fpbench.testing import MethodConformance
 from fpbench.testing.tiny import seeded_server
+from tests.methods.common import features_as_images
 
 
 def test_defaults_are_the_official_config():
@@ -33,8 +34,9 @@ def test_parameters_and_meta_net_shift_by_hand(tiny):
     torch.testing.assert_close(out, torch.tensor([[1.1, 3.2, 0.3], [0.1, 0.2, 0.3]]))
 
 
-def test_each_image_is_scored_with_its_own_shifted_prompts(tiny):
+def test_each_image_is_scored_with_its_own_shifted_prompts(tiny, monkeypatch):
     _, _, method = tiny("cocoop")
+    features_as_images(monkeypatch, method)  # x: image features
     p = seeded_server(method).params
     k2 = {k: torch.stack([v, v * 1.5]) for k, v in p.items()}  # two clients' rows
     feats = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))

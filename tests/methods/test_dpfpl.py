@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from fpbench.methods.base import Context, Updates
 from fpbench.methods.dpfpl import clip_rows, factorize, full_grad, gram_schmidt, low_rank
+from tests.methods.common import features_as_images
 
 from ..conftest import seeded_server, with_config
 from .common import both_executors_agree, stacked_constants
@@ -78,13 +79,14 @@ def test_noise_scale_and_seeded_draws(tiny):
     torch.testing.assert_close(float(big.std()), dp.noise_std / math.sqrt(n), rtol=0.03, atol=0)
 
 
-def test_evaluation_uses_global_plus_local_and_the_mean_is_uniform(tiny):
+def test_evaluation_uses_global_plus_local_and_the_mean_is_uniform(tiny, monkeypatch):
     _, task, method = tiny("dp-fpl")
     server = seeded_server(method)
     assert set(server.params) == {"global_ctx"} and set(server.personal) == {"local_ctx"}
     params = method.client_params(server, torch.tensor([1]), training=False)
     clip = method.backbone
     x = clip.forward_features(clip.preprocess(task.data.train_images[:2])).cls
+    features_as_images(monkeypatch, method)  # from here x holds image features
     logits = method.forward(params, x, torch.zeros(2, dtype=torch.long), Context(training=False))
     ctx = params["global_ctx"] + params["local_ctx"]
     text = method.text_features(ctx)[0]

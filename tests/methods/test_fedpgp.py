@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from fpbench.methods.base import Context, Output, Updates
 from fpbench.methods.fedpgp import pgp_contrastive
+from tests.methods.common import features_as_images
 
 from ..conftest import seeded_server, with_config
 from .common import stacked_constants
@@ -39,7 +40,9 @@ def _coop_text(clip, names, ctx):
     return F.normalize(clip.encode_prompts(emb, ids), dim=-1)
 
 
-def test_forward_uses_the_context_u_v_plus_sigma_and_the_anchor_is_the_placeholder_prompt(tiny):
+def test_forward_uses_the_context_u_v_plus_sigma_and_the_anchor_is_the_placeholder_prompt(
+    tiny, monkeypatch
+):
     _, task, method = tiny("fedpgp")
     method = with_config(method, n_ctx=3, bottleneck=2)
     gen = torch.Generator().manual_seed(1)
@@ -47,6 +50,7 @@ def test_forward_uses_the_context_u_v_plus_sigma_and_the_anchor_is_the_placehold
               for k, v in method.init_params(torch.Generator()).items()}  # fmt: skip
     clip, names = method.backbone, method.task.class_names
     x = clip.forward_features(clip.preprocess(task.data.train_images[:4])).cls
+    features_as_images(monkeypatch, method)  # from here x holds image features
     rows = torch.zeros(4, dtype=torch.long)
     logits = method.forward(params, x, rows, Context(training=False))
     ctx = params["U"][0] @ params["V"][0] + params["sigma"][0]

@@ -11,6 +11,7 @@ from torch import nn
 
 from fpbench.methods.base import Context, Updates
 from fpbench.methods.fedtpg import generate
+from tests.methods.common import features_as_images
 
 from ..conftest import seeded_server, with_config
 from .common import stacked_constants
@@ -69,11 +70,12 @@ def test_one_visible_class_makes_the_context_its_value_path_by_hand(tiny):
     torch.testing.assert_close(got, row.expand_as(got), atol=1e-5, rtol=1e-5)
 
 
-def test_training_uses_the_clients_classes_evaluation_every_class(tiny):
+def test_training_uses_the_clients_classes_evaluation_every_class(tiny, monkeypatch):
     _, task, method = tiny("fedtpg")
     p = _random_params(method, seed=2)
     clip = method.backbone
     x = clip.forward_features(clip.preprocess(task.data.train_images[:3])).cls
+    features_as_images(monkeypatch, method)  # from here x holds image features
     rows = torch.zeros(3, dtype=torch.long)
     c = method.task.num_classes
     priors = torch.zeros(1, c)

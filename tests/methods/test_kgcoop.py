@@ -10,6 +10,7 @@ from fpbench.methods.base import Context, Output
 from fpbench.methods.kgcoop import KGCOOP_TEMPLATES, KgCoOpConfig, knowledge_distance
 from fpbench.testing import MethodConformance
 from fpbench.testing.tiny import seeded_server, with_config
+from tests.methods.common import features_as_images
 
 
 def test_distance_by_hand_code_cosine_and_paper_squared_l2():
@@ -32,8 +33,9 @@ def test_defaults_are_the_official_scripts():
     assert KGCOOP_TEMPLATES["oxford-pets"] == "a photo of a {}, a type of pet."
 
 
-def test_training_forward_adds_w_times_each_rows_distance_to_the_template(tiny):
+def test_training_forward_adds_w_times_each_rows_distance_to_the_template(tiny, monkeypatch):
     _, task, method = tiny("kgcoop")
+    features_as_images(monkeypatch, method)  # x: image features
     method = with_config(method, w=3.0)
     server = seeded_server(method)
     assert set(server.params) == {"ctx"} and server.params["ctx"].shape[0] == 4  # a photo of a

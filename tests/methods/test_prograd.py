@@ -13,6 +13,7 @@ from fpbench.methods.base import Context
 from fpbench.methods.prograd import PROGRAD_TEMPLATES, ProGradConfig, distillation, project
 from fpbench.testing import MethodConformance
 from fpbench.testing.tiny import seeded_server, with_config
+from tests.methods.common import features_as_images
 
 
 def test_projection_by_hand():
@@ -50,8 +51,9 @@ def test_context_starts_as_zeros_then_the_template_words(tiny):
 
 
 @pytest.mark.parametrize("lam", [1.0, 0.3])
-def test_loss_gradient_is_each_clients_projected_gradient(tiny, lam):
+def test_loss_gradient_is_each_clients_projected_gradient(tiny, lam, monkeypatch):
     _, _, method = tiny("prograd")
+    features_as_images(monkeypatch, method)  # x: image features
     method = with_config(method, n_ctx=4, lam=lam)
     start = seeded_server(method).params["ctx"]
     gen = torch.Generator().manual_seed(3)

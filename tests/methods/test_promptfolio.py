@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from fpbench.methods.base import Context, Updates
 from fpbench.methods.promptfolio import mix_features
+from tests.methods.common import features_as_images
 
 from ..conftest import seeded_server, with_config
 from .common import stacked_constants
@@ -28,7 +29,7 @@ def _coop_text(clip, names, ctx):
     return F.normalize(clip.encode_prompts(emb, ids), dim=-1)
 
 
-def test_logits_mix_the_two_prompts_features_of_each_client(tiny):
+def test_logits_mix_the_two_prompts_features_of_each_client(tiny, monkeypatch):
     _, task, method = tiny("promptfolio")
     method = with_config(method, n_ctx=3, theta=0.25)
     gen = torch.Generator().manual_seed(2)
@@ -36,6 +37,7 @@ def test_logits_mix_the_two_prompts_features_of_each_client(tiny):
               for k in ("global_ctx", "local_ctx")}  # fmt: skip
     clip, names = method.backbone, method.task.class_names
     x = clip.forward_features(clip.preprocess(task.data.train_images[:4])).cls
+    features_as_images(monkeypatch, method)  # from here x holds image features
     rows = torch.tensor([0, 1, 1, 0])
     logits = method.forward(params, x, rows, Context(training=False))
     f = F.normalize(x, dim=-1)

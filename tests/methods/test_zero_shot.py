@@ -14,6 +14,7 @@ from fpbench.methods.base import Context, Updates
 from fpbench.methods.zero_shot import dataset_template
 from fpbench.testing import MethodConformance, check_only_declared_tensors_are_communicated
 from fpbench.testing.tiny import seeded_server, with_config
+from tests.methods.common import features_as_images
 
 
 def test_templates_are_coops_per_dataset_with_a_generic_fallback():
@@ -40,17 +41,18 @@ def _open_clip_logits(method, images, template):
 
 
 @pytest.mark.parametrize("template", [None, "{} texture."])
-def test_logits_are_clips_on_the_filled_template(tiny, template):
+def test_logits_are_clips_on_the_filled_template(tiny, template, monkeypatch):
     _, task, method = tiny("zero-shot")
     method = with_config(method, template=template)
     images = torch.randn(5, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     x = method.backbone.forward_features(images).cls
+    features_as_images(monkeypatch, method)  # from here x holds image features
     got = method.forward({}, x, torch.zeros(5, dtype=torch.long), Context(training=False))
     expected = _open_clip_logits(method, images, template or "a photo of a {}.")
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_a_round_trains_nothing_and_scores_each_clients_data(tiny):
+def test_a_round_trains_nothing_and_scores_each_clients_data(tiny, monkeypatch):
     cfg, task, method = tiny("zero-shot", local_epochs=2)
     server = seeded_server(method)
     assert server.params == server.personal == {}
@@ -58,6 +60,7 @@ def test_a_round_trains_nothing_and_scores_each_clients_data(tiny):
     local = train_clients(method, server, task, ids, cfg.train, round_idx=0, seed=0)
     assert local.params == {} and local.client_ids.tolist() == ids
     feats = method.backbone.forward_features(method.backbone.preprocess(task.data.train_images))
+    features_as_images(monkeypatch, method)  # from here x holds image features
     logits = method.forward({}, feats.cls, None, Context(training=False))
     ce = F.cross_entropy(logits, task.data.train_labels, reduction="none")
     # a client's loss: the mean over its steps (2 epochs) of each minibatch's mean loss
