@@ -34,6 +34,7 @@ sets that change results is stored under its own name, ``NAME+PATH=VALUE,...`` (
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -47,11 +48,10 @@ from typing import Any
 import tomllib
 from pydantic import ValidationError
 
-from fpbench.engine.eval_modes import mode_info
 from fpbench.errors import FpbenchError
 from fpbench.registry import BACKBONES, DATASETS, METHODS, PARTITIONS, Registry
 from fpbench.shipped import shipped_dir
-from fpbench.specs import MAX_LABEL, Component, RunConfig, Suite, first_error
+from fpbench.specs import MAX_LABEL, Component, Evaluation, RunConfig, Suite, first_error
 
 AXES = {"datasets": "dataset", "partitions": "partition", "methods": "method"}
 SUITE_DIR = shipped_dir()  # the shipped suites: package data, or benchmarks/ in a checkout
@@ -383,7 +383,7 @@ def _check_compatibility(cfg: RunConfig, where: str) -> None:
     """Cross-component checks that need the dataset's shape (e.g. s <= number of classes)."""
     dataset = DATASETS.get(cfg.dataset.name)
     partition = PARTITIONS.get(cfg.partition.name)
-    info = mode_info(cfg.evaluation, dataset.info(dataset.Config(**cfg.dataset.args)))
+    info = _mode_info(cfg.evaluation, dataset.info(dataset.Config(**cfg.dataset.args)))
     try:
         partition.check(partition.Config(**cfg.partition.args), info)
     except FpbenchError as e:
@@ -411,3 +411,14 @@ def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+def _mode_info(evaluation: Evaluation | None, info: Any) -> Any:
+    """What the run's partition sees of a dataset (its `DatasetInfo`) under `evaluation`."""
+    if evaluation is None:
+        return info
+    if evaluation.mode == "base2novel":
+        return dataclasses.replace(info, num_classes=math.ceil(info.num_classes / 2))
+    if evaluation.mode == "leave-one-domain-out":
+        return dataclasses.replace(info, num_domains=info.num_domains - 1)
+    return info

@@ -69,10 +69,10 @@ def test_evaluate_records_ece_of_the_methods_logits(tiny, method_name):
     client = task.trainable_clients()[0]
     params = method.client_params(server, torch.tensor([client]), training=False)
     x = task.data.test_images
-    feats = method.backbone.encode_image(method.backbone.preprocess(x))
+    images = method.backbone.preprocess(x)
     rows = torch.zeros(len(x), dtype=torch.long)
     with torch.no_grad():
-        logits = method.forward(params, feats, rows, Context(training=False))
+        logits = method.forward(params, images, rows, Context(training=False))
     hit = (logits.argmax(-1) == task.data.test_labels).numpy()
     conf = confidence(logits).numpy()
     expected = expected_calibration_error(conf, hit)

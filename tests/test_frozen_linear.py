@@ -85,7 +85,8 @@ def test_backbones_compute_their_linear_layers_through_it(calls):
     linears = [m for m in vit.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is FrozenLinear for m in linears)
     assert not any(p.requires_grad for p in vit.parameters())
-    vit.forward_features(torch.zeros(2, 3, vit.img_size, vit.img_size))
+    cls = vit.forward_features(torch.zeros(2, 3, vit.img_size, vit.img_size)).cls  # computed here
+    assert cls.shape == (2, vit.embed_dim)
     assert len(calls) == (len(linears) if frozen_linear._HAS_ONEDNN else 0)
 
 

@@ -173,7 +173,8 @@ def test_gpt_fl_pretrains_the_prompt_on_a_generated_set(model, tmp_path, tiny):
 
     def loss(ctx):
         rows = torch.zeros(len(labels), dtype=torch.long)
-        logits = method.logits(method.image_features(feats), method.text_features(ctx[None]), rows)
+        unit = F.normalize(feats, dim=-1)  # pretrain's normalised frozen features
+        logits = method.logits(unit, method.text_features(ctx[None]), rows)
         return F.cross_entropy(logits, labels).item()
 
     # a random model's images are not class-separable, so check one full-batch gradient step

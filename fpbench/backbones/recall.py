@@ -26,11 +26,14 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+from fpbench.lazy import torch
 
-Frozen = Callable[[str, Callable[[Tensor], Tensor]], Tensor]  # (kind, fn) -> the batch's values
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    Frozen = Callable[[str, Callable[[Tensor], Tensor]], Tensor]  # (kind, fn) -> the batch's values
 
 
 @dataclass

@@ -214,9 +214,11 @@ class PromptedViT(nn.Module):
         block whose prompt requires grad come from the phase's states where the engine keeps
         them."""
         prompts = {k: v for k, v in (prompts or {}).items() if v is not None}
-        if not prompts:
-            return UnpromptedFeatures(self, x, tuple(return_layers))
         layers = tuple(return_layers)
+        if not prompts:
+            if not set(layers) <= set(range(self.depth)):
+                raise ValueError(f"return_layers {sorted(layers)} outside blocks [0, {self.depth})")
+            return UnpromptedFeatures(self, x, layers)
         found = current(x)
         if found is not None and found.states is not None and torch.is_grad_enabled():
             found.calls += 1

@@ -6,9 +6,9 @@ import torch
 
 from fpbench.backbones import create_backbone
 from fpbench.cache import frozen_dir
-from fpbench.engine.eval_modes import Target, method_for, scoring_task
 from fpbench.engine.inputs import FeatureCache, Inputs
 from fpbench.engine.populations import Cohort, Population
+from fpbench.engine.scoring import Target, method_for, scoring_task
 from fpbench.engine.task import Task
 from fpbench.errors import FpbenchError
 from fpbench.methods.base import Method, TaskInfo

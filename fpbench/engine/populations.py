@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 from torch import Tensor
 
-from fpbench.engine.eval_modes import Target
 from fpbench.engine.inputs import Inputs
 from fpbench.engine.metrics import EvalCounts
+from fpbench.engine.scoring import Target
 from fpbench.methods.base import Method, ServerState
 from fpbench.specs import ModelHet, TrainConfig
 

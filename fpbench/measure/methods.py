@@ -46,7 +46,12 @@ TINY: dict[str, Any] = {
     "datasets": [{"name": "synthetic"}],
     "partitions": [{"name": "dirichlet", "alpha": 0.5, "min_size": 4}],
 }
-OFFLINE_ARGS = {"gpt-fl": {"server_epochs": 0}}  # GPT-FL has no generated images here
+OFFLINE_ARGS = {
+    "gpt-fl": {"server_epochs": 0},  # GPT-FL has no generated images here
+    # deep prompts: clip-test has 2 layers per tower (the defaults prompt 9 of ViT-B/16's 12)
+    "maple": {"prompt_depth": 2},
+    "promptsrc": {"prompt_depth_text": 2, "prompt_depth_vision": 2},
+}
 BACKBONES = {"vit": "vit-test", "clip": "clip-test"}
 
 
