@@ -147,7 +147,6 @@ class PromptedCLIP(nn.Module):
         reach an EOT output, so the features agree with the full pass up to float rounding, at a
         fraction of the cost (prompts are ~10-30 of 77 tokens).
         """
-        from open_clip.transformer import text_global_pool
 
         model = self.model
         cast = model.transformer.get_cast_dtype()
@@ -155,18 +154,25 @@ class PromptedCLIP(nn.Module):
         embeds, ids = embeds[:, :n], ids[:, :n]
         x = embeds.to(cast) + model.positional_embedding[:n].to(cast)  # (N, n, d)
         mask = model.attn_mask[:n, :n] if model.attn_mask is not None else None
-        x = model.transformer(x, attn_mask=mask)
-        x = model.ln_final(x)
-        pool = getattr(model, "text_pool_type", "argmax")
-        x = text_global_pool(x, ids, pool, eos_token_id=getattr(model, "text_eos_id", None))
-        proj = model.text_projection
-        if proj is None:
-            return x
-        return proj(x) if isinstance(proj, nn.Linear) else x @ proj  # (N, E)
+        return _text_head(model, model.transformer(x, attn_mask=mask), ids)
 
     def encode_text(self, ids: Tensor) -> Tensor:
         """`encode_prompts` on the ids' own embeddings (= open_clip's `encode_text`)."""
         return self.encode_prompts(self.token_embed(ids), ids)
+
+
+def _text_head(model: nn.Module, x: Tensor, ids: Tensor) -> Tensor:
+    """Text features (N, E) from the transformer's output x (N, n, d): final norm, the EOT
+    token's state (open_clip's pooling), projection."""
+    from open_clip.transformer import text_global_pool
+
+    x = model.ln_final(x)
+    pool = getattr(model, "text_pool_type", "argmax")
+    x = text_global_pool(x, ids, pool, eos_token_id=getattr(model, "text_eos_id", None))
+    proj = model.text_projection
+    if proj is None:
+        return x
+    return proj(x) if isinstance(proj, nn.Linear) else x @ proj  # (N, E)
 
 
 def _resnet_trunk(visual: nn.Module, x: Tensor) -> Tensor:
@@ -249,7 +255,6 @@ def encode_prompts_deep(
     entering block i, i = 1..len(deep), without a positional embedding. `deep = []` is
     `encode_prompts`. `truncate` as there.
     """
-    from open_clip.transformer import text_global_pool
 
     model = clip.model
     cast = model.transformer.get_cast_dtype()
@@ -262,14 +267,7 @@ def encode_prompts_deep(
         p = _rows(prompt, tokens.shape[0], tokens.dtype)  # (N, m, d)
         return torch.cat([tokens[:, :1], p, tokens[:, 1 + p.shape[1] :]], dim=1)
 
-    x = _run_blocks(model.transformer, x, deep, put, mask)
-    x = model.ln_final(x)
-    pool = getattr(model, "text_pool_type", "argmax")
-    x = text_global_pool(x, ids, pool, eos_token_id=getattr(model, "text_eos_id", None))
-    proj = model.text_projection
-    if proj is None:
-        return x
-    return proj(x) if isinstance(proj, nn.Linear) else x @ proj  # (N, E)
+    return _text_head(model, _run_blocks(model.transformer, x, deep, put, mask), ids)
 
 
 def check_vit(clip: PromptedCLIP, method: str) -> None:
