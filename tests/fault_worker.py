@@ -148,6 +148,8 @@ def inject(fault: str, k: int) -> None:
 def main() -> None:
     fault, k, sep, *args = sys.argv[1:]
     assert sep == "--", sys.argv
+    # Ctrl-C as at a terminal, whatever the launching shell left (a background job ignores SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     inject(fault, int(k))
     from fpbench.cli import main as cli
 

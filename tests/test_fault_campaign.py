@@ -201,7 +201,7 @@ def test_kill_9_then_rerun_equals_the_uninterrupted_run(folder, reference, fedvp
 
 def test_ctrl_c_then_rerun(folder, reference, fedvpt_key):
     stopped = _run(folder, "ctrl-c", 1, "ctrl-c.db", "--method", "fedvpt")
-    assert stopped.returncode == 130, stopped.stderr
+    assert stopped.returncode == 130, stopped.stdout + stopped.stderr
     assert "interrupted at round 1 of cell fedvpt / synthetic / pathological / seed 0" in (
         " ".join(stopped.stderr.split())
     )
