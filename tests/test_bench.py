@@ -99,10 +99,7 @@ def test_the_paper_sized_run_is_sgpt_table1s_cell_but_for_rounds_weights_and_dev
 
 def test_bench_methods_federation_is_the_conformance_tests_one():
     from fpbench.measure import methods
-    from fpbench.testing.tiny import OFFLINE_ARGS, TINY
 
-    assert {k: v for k, v in TINY.items() if k != "methods"} == methods.TINY
-    assert methods.OFFLINE_ARGS == OFFLINE_ARGS
     for name in ("fedvpt", "promptfl", "gpt-fl"):
         cell = methods.tiny_cell(name, torch.device("cpu"), "fp32")
         same = tiny_config(name)

@@ -11,7 +11,7 @@ import fpbench
 LAYERS = [
     {"fpbench", "errors", "lazy", "stages", "shipped", "units"},
     {"registry", "determinism", "store", "specs"},
-    {"data", "suites"},
+    {"data", "suites", "tiny"},
     {"partition", "backbones"},
     {"methods", "cache"},
     {"engine"},

@@ -1,10 +1,10 @@
 """`fpbench bench --methods PATTERN`: one round and one evaluation of every registered method,
 timed on the tiny federation of the conformance tests, to compare two commits method by method.
 
-Each method runs on the tiny federation of `fpbench.testing` (synthetic data, 6 classes of
-16 px, 4 clients, one held out, batch 8, one local epoch) with the test-sized backbone of its
-family (`vit-test`, or `clip-test` for a CLIP method), through the engine's own code: the
-populations a cell builds (`fpbench.engine.build.build_populations`, frozen values kept in
+Each method runs on the tiny federation of `fpbench.tiny`, the conformance tests' one (synthetic
+data, 6 classes of 16 px, 4 clients, one held out, batch 8, one local epoch) with the test-sized
+backbone of its family (`vit-test`, or `clip-test` for a CLIP method), through the engine's own
+code: the populations a cell builds (`fpbench.engine.build.build_populations`, frozen values kept in
 memory), a round of local training of every trainable client with the run's executor and the
 aggregation (`fpbench.engine.rounds.play_round`), and one evaluation
 (`evaluate_populations`), all as the cell computes (`fpbench.engine.numerics.cell_numerics`).
@@ -26,33 +26,7 @@ import torch
 from fpbench.registry import METHODS
 from fpbench.specs import RunConfig
 from fpbench.suites import expand_suite
-
-# The tiny federation of `fpbench.testing.tiny.TINY` (tests/test_bench.py checks they agree),
-# which cannot be imported here: fpbench.testing needs pytest.
-TINY: dict[str, Any] = {
-    "seeds": [0],
-    "defaults": {
-        "backbone": {"name": "vit-test"},
-        "train": {
-            "rounds": 3,
-            "participation": 0.75,
-            "batch_size": 8,
-            "lr": 0.05,
-            "eval_batch_size": 64,
-        },
-        "dataset": {"num_classes": 6, "image_size": 16, "train_per_class": 12, "test_per_class": 6},
-        "partition": {"num_clients": 4, "heldout_frac": 0.25},
-    },
-    "datasets": [{"name": "synthetic"}],
-    "partitions": [{"name": "dirichlet", "alpha": 0.5, "min_size": 4}],
-}
-OFFLINE_ARGS = {
-    "gpt-fl": {"server_epochs": 0},  # GPT-FL has no generated images here
-    # deep prompts: clip-test has 2 layers per tower (the defaults prompt 9 of ViT-B/16's 12)
-    "maple": {"prompt_depth": 2},
-    "promptsrc": {"prompt_depth_text": 2, "prompt_depth_vision": 2},
-}
-BACKBONES = {"vit": "vit-test", "clip": "clip-test"}
+from fpbench.tiny import tiny_backbone, tiny_suite
 
 
 @dataclass(frozen=True)
@@ -71,18 +45,9 @@ class MethodTime:
 
 def tiny_cell(method: str, device: torch.device, precision: str) -> RunConfig:
     """The tiny federation's cell of `method` on this device, evaluated only when asked."""
-    family = METHODS.get(method).backbone_family
-    defaults = {
-        **TINY["defaults"],
-        "backbone": {"name": BACKBONES.get(family, "vit-test")},
-        "runtime": {"device": str(device), "precision": precision, "cache_features": "memory"},
-    }
-    defaults["train"] = {**defaults["train"], "eval_every": 10**9, "eval_last": 0}
-    raw = {
-        **TINY,
-        "defaults": defaults,
-        "methods": [{"name": method, **OFFLINE_ARGS.get(method, {})}],
-    }
+    raw = tiny_suite(method, eval_every=10**9, eval_last=0)
+    runtime = {"device": str(device), "precision": precision, "cache_features": "memory"}
+    raw["defaults"]["runtime"] = runtime
     return expand_suite(raw, name="bench-methods").cells[0]
 
 
@@ -151,7 +116,7 @@ def method_times(
         try:
             out.append(time_method(tiny_cell(name, device, precision), device, repeats))
         except Exception as e:  # one method that cannot run here does not stop the others
-            backbone = BACKBONES.get(METHODS.get(name).backbone_family, "vit-test")
+            backbone = tiny_backbone(name)
             error = f"{type(e).__name__}: {e}"
             out.append(MethodTime(name, backbone, None, None, None, None, None, error))
     return out

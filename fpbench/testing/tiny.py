@@ -1,4 +1,4 @@
-"""A tiny federation on synthetic data with the test-sized ViT, and its pytest fixtures."""
+"""The tiny federation of `fpbench.tiny` as run configs, and its pytest fixtures."""
 
 from __future__ import annotations
 
@@ -11,29 +11,9 @@ import torch
 
 from fpbench.engine.build import build_method
 from fpbench.engine.task import build_task
-from fpbench.registry import METHODS
 from fpbench.specs import RunConfig
 from fpbench.suites import expand_suite
-
-TINY = {
-    "seeds": [0],
-    "defaults": {
-        "backbone": {"name": "vit-test"},
-        "train": {
-            "rounds": 3,
-            "participation": 0.75,
-            "batch_size": 8,
-            "lr": 0.05,
-            "eval_batch_size": 64,
-        },
-        "dataset": {"num_classes": 6, "image_size": 16, "train_per_class": 12, "test_per_class": 6},
-        "partition": {"num_clients": 4, "heldout_frac": 0.25},
-    },
-    "datasets": [{"name": "synthetic"}],
-    "partitions": [{"name": "dirichlet", "alpha": 0.5, "min_size": 4}],
-    "methods": [{"name": "fedvpt"}],
-}
-
+from fpbench.tiny import OFFLINE_ARGS, TINY, tiny_suite  # noqa: F401  (re-exported)
 
 # The same tiny federation as a suite file: 2 methods x 1 partition x 1 seed, 2 rounds.
 TINY_SUITE_TOML = """
@@ -55,14 +35,6 @@ name = "head-tune"
 name = "fedvpt"
 """
 
-# Method args the tiny federation needs offline (GPT-FL has no generated images here)
-OFFLINE_ARGS = {
-    "gpt-fl": {"server_epochs": 0},
-    # deep prompts: clip-test has 2 layers per tower (the defaults prompt 9 of ViT-B/16's 12)
-    "maple": {"prompt_depth": 2},
-    "promptsrc": {"prompt_depth_text": 2, "prompt_depth_vision": 2},
-}
-
 
 def seeded_server(method):
     """The method's initial server state with seed 0."""
@@ -77,11 +49,7 @@ def with_config(method, **args):
 def tiny_config(method: str = "fedvpt", **train) -> RunConfig:
     """The tiny federation's run config for a registered method, with `train` overrides; a
     method whose `backbone_family` is "clip" gets the test-sized CLIP."""
-    raw = {**TINY, "methods": [{"name": method, **OFFLINE_ARGS.get(method, {})}]}
-    raw["defaults"] = {**TINY["defaults"], "train": {**TINY["defaults"]["train"], **train}}
-    if METHODS.get(method).backbone_family == "clip":
-        raw["defaults"]["backbone"] = {"name": "clip-test"}
-    return expand_suite(raw, name="tiny").cells[0]
+    return expand_suite(tiny_suite(method, **train), name="tiny").cells[0]
 
 
 @pytest.fixture
