@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import importlib.util
-import os
-import tempfile
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace as NS
@@ -40,21 +38,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+if (_HERE := str(Path(__file__).resolve().parent)) not in sys.path:
+    sys.path.append(_HERE)  # peer_harness.py, beside this file
+from peer_harness import checkout, print_cases, sibling  # noqa: E402
 
-def _load_official() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "fpbench_peer_official", Path(__file__).with_name("official.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-OFFICIAL = _load_official()
-PEER = OFFICIAL.PEER
+OFFICIAL = sibling("official")
 COOP = OFFICIAL.COOP
-KGCOOP = Path(os.environ.get("FPBENCH_PEER_KGCOOP", PEER / "KgCoOp"))
-PROGRAD = Path(os.environ.get("FPBENCH_PEER_PROGRAD", PEER / "Prompt-align"))
+KGCOOP = checkout("FPBENCH_PEER_KGCOOP", "KgCoOp")
+PROGRAD = checkout("FPBENCH_PEER_PROGRAD", "Prompt-align")
 CLASSES = OFFICIAL.CLASSES
 # fpbench's dataset name -> the official one, for the per-dataset templates
 DATASETS = {"oxford-pets": "OxfordPets", "dtd": "DescribableTextures", "caltech101": "Caltech101"}
@@ -314,14 +305,7 @@ def run(name: str, folder: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, (kind, _) in CASES.items():
-            if line := why_not(kind):
-                print(f"{name:40s} skipped: {line}")
-                continue
-            diffs = run(name, Path(tmp))
-            print(f"{name:40s} " + "  ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+    print_cases(CASES, run, why_not, 40)
 
 
 if __name__ == "__main__":

@@ -32,9 +32,7 @@ import contextlib
 import importlib
 import importlib.util
 import json
-import os
 import sys
-import tempfile
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,12 +42,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[2]
-PEER = REPO.parent / "peer"
-COOP = Path(os.environ.get("FPBENCH_PEER_COOP", PEER / "CoOp"))
-FEDOTP = Path(os.environ.get("FPBENCH_PEER_FEDOTP", PEER / "FedOTP"))
+if (_HERE := str(Path(__file__).resolve().parent)) not in sys.path:
+    sys.path.append(_HERE)  # peer_harness.py, beside this file
+from peer_harness import HOW, PEER, REPO, checkout, missing, print_cases  # noqa: E402, F401
+
+COOP = checkout("FPBENCH_PEER_COOP", "CoOp")
+FEDOTP = checkout("FPBENCH_PEER_FEDOTP", "FedOTP")
 # CoOp at ff61507, FedOTP at 9948611 were the checkouts these checks were written against
-HOW = "git clone https://github.com/{repo} {path} (or set {var})"
 
 # Tiny CLIPs whose heads are 64 wide, as the official build_model infers them (width // 64)
 VIT = {
@@ -66,13 +65,6 @@ RN = {
 }
 CLASSES = ["golden_retriever", "tabby cat", "airplane"]
 _PACKAGES = ("clip", "trainers", "dassl", "Dassl")
-
-
-def missing(path: Path, repo: str, var: str) -> str | None:
-    """A line saying how to get a checkout that is absent, or None when it is there."""
-    if (path / "trainers").is_dir() and (path / "clip").is_dir():
-        return None
-    return f"official checkout not found at {path}: " + HOW.format(repo=repo, path=path, var=var)
 
 
 # -- the official code, imported by path ---------------------------------------------------------
@@ -312,7 +304,7 @@ def fedotp_case(folder: Path, arch: str = "vit", eps: float = 0.1, thresh: float
 
 # -- SGPT ----------------------------------------------------------------------------------------
 
-SGPT = Path(os.environ.get("FPBENCH_PEER_SGPT", PEER / "SGPT"))
+SGPT = checkout("FPBENCH_PEER_SGPT", "SGPT")
 FAKE_NPZ = REPO.parent / "shared" / "peer-sgpt" / "make_fake_vit_npz.py"  # the steering repo's
 SGPT_VIT = {"hidden": 192, "heads": 3, "mlp": 768, "layers": 4, "patch": 16}  # vit-ti16-d4
 SGPT_LAYOUT = {"num_groups": 4, "shared_layers": (0, 1), "group_layers": (2, 3)}
@@ -320,10 +312,8 @@ SGPT_LAYOUT = {"num_groups": 4, "shared_layers": (0, 1), "group_layers": (2, 3)}
 
 def sgpt_missing() -> str | None:
     """A line saying what is absent for the SGPT case, or None."""
-    if not (SGPT / "models" / "vit_models_pr.py").is_file():
-        return f"official checkout not found at {SGPT}: " + HOW.format(
-            repo="ubc-tea/SGPT", path=SGPT, var="FPBENCH_PEER_SGPT"
-        )
+    if line := missing(SGPT, "ubc-tea/SGPT", "FPBENCH_PEER_SGPT", "models/vit_models_pr.py"):
+        return line
     if not FAKE_NPZ.is_file():
         return f"needs the steering repo's {FAKE_NPZ} (random Google-layout ViT weights)"
     if importlib.util.find_spec("ml_collections") is None:
@@ -460,15 +450,11 @@ def sgpt_case(folder: Path, counts: tuple[int, ...] = (5, 1, 0, 3), batch: int =
 
 # -- FedPR ---------------------------------------------------------------------------------------
 
-FEDPR = Path(os.environ.get("FPBENCH_PEER_FEDPR", PEER / "FedPR"))
+FEDPR = checkout("FPBENCH_PEER_FEDPR", "FedPR")
 
 
 def fedpr_missing() -> str | None:
-    if (FEDPR / "util" / "adam_svd.py").is_file():
-        return None
-    return f"official checkout not found at {FEDPR}: " + HOW.format(
-        repo="chunmeifeng/FedPR", path=FEDPR, var="FPBENCH_PEER_FEDPR"
-    )
+    return missing(FEDPR, "chunmeifeng/FedPR", "FPBENCH_PEER_FEDPR", "util/adam_svd.py")
 
 
 def fedpr_case(folder: Path, eps: float = 1e-8, steps: int = 3, layers: int = 2,
@@ -555,14 +541,7 @@ def why_not(kind: str) -> str | None:
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, (kind, _) in CASES.items():
-            if line := why_not(kind):
-                print(f"{name:40s} skipped: {line}")
-                continue
-            diffs = run(name, Path(tmp))
-            print(f"{name:40s} " + "  ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+    print_cases(CASES, run, why_not, 40)
 
 
 if __name__ == "__main__":

@@ -48,9 +48,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import os
 import sys
-import tempfile
 import types
 from pathlib import Path
 from typing import Any
@@ -58,22 +56,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+if (_HERE := str(Path(__file__).resolve().parent)) not in sys.path:
+    sys.path.append(_HERE)  # py, beside this file
+from peer_harness import checkout, missing, print_cases, sibling  # noqa: E402
 
-def _load_sibling() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "fpbench_peer_official", Path(__file__).with_name("official.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-REF = _load_sibling()
-FEDPGP = Path(os.environ.get("FPBENCH_PEER_FEDPGP", REF.PEER / "FedPGP"))
-FEDCLIP = Path(os.environ.get("FPBENCH_PEER_FEDCLIP", REF.PEER / "PersonalizedFL"))
-PROMPTFOLIO = Path(os.environ.get("FPBENCH_PEER_PROMPTFOLIO", REF.PEER / "PromptFolio"))
-FEDTPG = Path(os.environ.get("FPBENCH_PEER_FEDTPG", REF.PEER / "FedTPG"))
-DPFPL = Path(os.environ.get("FPBENCH_PEER_DPFPL", REF.PEER / "DP-FPL"))
+REF = sibling("official")
+FEDPGP = checkout("FPBENCH_PEER_FEDPGP", "FedPGP")
+FEDCLIP = checkout("FPBENCH_PEER_FEDCLIP", "PersonalizedFL")
+PROMPTFOLIO = checkout("FPBENCH_PEER_PROMPTFOLIO", "PromptFolio")
+FEDTPG = checkout("FPBENCH_PEER_FEDTPG", "FedTPG")
+DPFPL = checkout("FPBENCH_PEER_DPFPL", "DP-FPL")
 # FedTPG's generator hard-codes ViT-B/16's widths (512): a tiny CLIP with those text widths
 WIDE = {
     "embed_dim": 512,
@@ -486,35 +478,22 @@ def run(name: str, folder: Path) -> dict[str, float]:
 def why_not(kind: str) -> str | None:
     """Why a kind of case cannot run here (its checkout is absent), or None."""
     if kind == "fedpgp":
-        return REF.missing(FEDPGP, "TianyuCuiOvO/FedPGP", "FPBENCH_PEER_FEDPGP")
+        return missing(FEDPGP, "TianyuCuiOvO/FedPGP", "FPBENCH_PEER_FEDPGP")
     if kind == "fedtpg":
         if importlib.util.find_spec("einops") is None:
             return "the official FedTPG code imports einops: pip install 'fpbench[peer]'"
-        if (FEDTPG / "model" / "prompt_net.py").is_file() and (FEDTPG / "clip").is_dir():
-            return None
-        return f"official checkout not found at {FEDTPG}: " + REF.HOW.format(
-            repo="boschresearch/FedTPG", path=FEDTPG, var="FPBENCH_PEER_FEDTPG"
-        )
+        return missing(FEDTPG, "boschresearch/FedTPG", "FPBENCH_PEER_FEDTPG",
+                       "model/prompt_net.py", "clip")  # fmt: skip
     if kind == "dpfpl":
-        return REF.missing(DPFPL, "linhhtran/DP-FPL", "FPBENCH_PEER_DPFPL")
+        return missing(DPFPL, "linhhtran/DP-FPL", "FPBENCH_PEER_DPFPL")
     if kind == "promptfolio":
-        return REF.missing(PROMPTFOLIO, "PanBikang/PromptFolio", "FPBENCH_PEER_PROMPTFOLIO")
-    if (FEDCLIP / "fedclip" / "methods" / "fed_at_clip.py").is_file():
-        return None
-    return f"official checkout not found at {FEDCLIP}: " + REF.HOW.format(
-        repo="microsoft/PersonalizedFL", path=FEDCLIP, var="FPBENCH_PEER_FEDCLIP"
-    )
+        return missing(PROMPTFOLIO, "PanBikang/PromptFolio", "FPBENCH_PEER_PROMPTFOLIO")
+    return missing(FEDCLIP, "microsoft/PersonalizedFL", "FPBENCH_PEER_FEDCLIP",
+                   "fedclip/methods/fed_at_clip.py")  # fmt: skip
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, (kind, _) in CASES.items():
-            if line := why_not(kind):
-                print(f"{name:24s} skipped: {line}")
-                continue
-            diffs = run(name, Path(tmp))
-            print(f"{name:24s} " + "  ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+    print_cases(CASES, run, why_not, 24)
 
 
 if __name__ == "__main__":

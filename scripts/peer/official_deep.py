@@ -23,9 +23,7 @@ tests/test_peer_official_deep.py asserts them.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import os
-import tempfile
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,19 +32,14 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
+if (_HERE := str(Path(__file__).resolve().parent)) not in sys.path:
+    sys.path.append(_HERE)  # peer_harness.py, beside this file
+from peer_harness import checkout, missing, print_cases, sibling  # noqa: E402
 
-def _sibling():
-    path = Path(__file__).resolve().parent / "official.py"
-    spec = importlib.util.spec_from_file_location("fpbench_peer_official", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-OP = _sibling()
-MAPLE = Path(os.environ.get("FPBENCH_PEER_MAPLE", OP.PEER / "MaPLe"))
-PROMPTSRC = Path(os.environ.get("FPBENCH_PEER_PROMPTSRC", OP.PEER / "PromptSRC"))
-PLOT = Path(os.environ.get("FPBENCH_PEER_PLOT", OP.PEER / "PLOT"))
+OP = sibling("official")
+MAPLE = checkout("FPBENCH_PEER_MAPLE", "MaPLe")
+PROMPTSRC = checkout("FPBENCH_PEER_PROMPTSRC", "PromptSRC")
+PLOT = checkout("FPBENCH_PEER_PLOT", "PLOT")
 # MaPLe at 69bce21, PromptSRC at bb95c77, PLOT at 728539f were the checkouts these checks used
 
 # MaPLe's prompt learner hard-codes ViT-B/16's widths (text 512, vision 768): a 2-layer CLIP of
@@ -73,8 +66,24 @@ def _fp32_on_cpu() -> Iterator[None]:
         yield
 
 
+def _ours(tensors: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    """fpbench's tensor of an official one's key: "name", or "name j" for the j-th of a stack."""
+    name, _, j = key.partition(" ")
+    return tensors[name][int(j)] if j else tensors[name]
+
+
+def _start_from(start: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
+    """Copy fpbench's initial values into the official tensors (keys as in `_ours`)."""
+    with torch.no_grad():
+        for key, p in theirs.items():
+            p.copy_(_ours(start, key))
+
+
 def _grads(params: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> dict[str, float]:
-    out = {f"grad {k}": OP._diff(params[k].grad[0], g) for k, g in theirs.items()}
+    """The gradients' largest differences (official gradients keyed as in `_ours`), and
+    `grad_max` for scale."""
+    ours = {k: p.grad[0] for k, p in params.items() if p.grad is not None}
+    out = {f"grad {k}": OP._diff(_ours(ours, k), g) for k, g in theirs.items()}
     out["grad_max"] = max(float(g.abs().max()) for g in theirs.values())
     return out
 
@@ -110,10 +119,7 @@ def maple_case(folder: Path, n_ctx: int = 2, depth: int = 2, seed: int = 0) -> d
         pairs[f"deep_ctx {j}"] = learner.compound_prompts_text[j]
         pairs[f"deep_proj_w {j}"] = learner.compound_prompt_projections[j].weight
         pairs[f"deep_proj_b {j}"] = learner.compound_prompt_projections[j].bias
-    with torch.no_grad():
-        for key, p in pairs.items():
-            name, _, j = key.partition(" ")
-            p.copy_(start[name][int(j)] if j else start[name])
+    _start_from(start, pairs)
     images = torch.randn(4, 3, 32, 32, generator=gen)
     labels = torch.tensor([0, 1, 2, 1])
     with _fp32_on_cpu():
@@ -124,11 +130,7 @@ def maple_case(folder: Path, n_ctx: int = 2, depth: int = 2, seed: int = 0) -> d
     logits_ours = ours.forward(params, images, rows, Context(training=True))
     F.cross_entropy(logits_ours, labels).backward()
     out["logits"] = OP._diff(logits_ours, logits_theirs)
-    for key, p in pairs.items():
-        name, _, j = key.partition(" ")
-        mine = params[name].grad[0]
-        out[f"grad {key}"] = OP._diff(mine[int(j)] if j else mine, p.grad)
-    out["grad_max"] = max(float(p.grad.abs().max()) for p in pairs.values())
+    out.update(_grads(params, {k: p.grad for k, p in pairs.items()}))
     return out
 
 
@@ -170,10 +172,7 @@ def promptsrc_case(folder: Path, depth: int = 2, seed: int = 0) -> dict[str, flo
         pairs[f"deep_text {j - 1}"] = text.resblocks[j].VPT_shallow
         pairs[f"deep_vision {j - 1}"] = visual.transformer.resblocks[j].VPT_shallow
     out = {"init": OP._diff(start["ctx"], pairs["ctx"])}
-    with torch.no_grad():
-        for key, p in pairs.items():
-            name, _, j = key.partition(" ")
-            p.copy_(start[name][int(j)] if j else start[name])
+    _start_from(start, pairs)
     out["zs_text"] = OP._diff(
         ours.zero_shot_text(), F.normalize(official.prompt_learner.fixed_embeddings, dim=-1)
     )
@@ -197,11 +196,7 @@ def promptsrc_case(folder: Path, depth: int = 2, seed: int = 0) -> dict[str, flo
         logits_ours = ours.forward(params, images, rows, Context(training=False))
     out["loss"] = abs(loss_ours.item() - loss_theirs)
     out["logits"] = OP._diff(logits_ours, logits_theirs)
-    for key, p in pairs.items():
-        name, _, j = key.partition(" ")
-        mine = params[name].grad[0]
-        out[f"grad {key}"] = OP._diff(mine[int(j)] if j else mine, p.grad)
-    out["grad_max"] = max(float(p.grad.abs().max()) for p in pairs.values())
+    out.update(_grads(params, {k: p.grad for k, p in pairs.items()}))
     return out
 
 
@@ -270,24 +265,12 @@ def run(name: str, folder: Path) -> dict[str, float]:
 def why_not(kind: str) -> str | None:
     """Why a kind of case cannot run here (its checkout is absent), or None."""
     path, repo, var = REPOS[kind]
-    if kind == "plot":
-        if (path / "plot-coop" / "trainers").is_dir():
-            return None
-        return f"official checkout not found at {path}: " + OP.HOW.format(
-            repo=repo, path=path, var=var
-        )
-    return OP.missing(path, repo, var)
+    needed = ("plot-coop/trainers",) if kind == "plot" else ()  # PLOT's CoOp is in a folder
+    return missing(path, repo, var, *needed)
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, (kind, _) in CASES.items():
-            if line := why_not(kind):
-                print(f"{name:24s} skipped: {line}")
-                continue
-            diffs = run(name, Path(tmp))
-            print(f"{name:24s} " + "  ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+    print_cases(CASES, run, why_not, 24)
 
 
 if __name__ == "__main__":
