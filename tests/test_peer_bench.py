@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -13,21 +12,15 @@ import torch
 
 from fpbench.backbones import create_backbone
 from fpbench.suites import load_suite
+from tests.peer import load_script
 
 ROOT = Path(__file__).parents[1]
 SCRIPTS = ROOT.parent / "shared" / "peer-sgpt"
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("sbs", ROOT / "scripts/peer/sgpt_side_by_side.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("setting", ["tiny", "vit-b16"])
 def test_fpbenchs_side_is_the_peer_setting(tmp_path, setting) -> None:
-    sbs = _script()
+    sbs = load_script("sgpt_side_by_side")
     args = type("Args", (), {"setting": setting, "rounds": 3, "device": "cpu"})
     chosen = sbs.SETTINGS[setting]
     suite = tmp_path / "s.toml"
@@ -49,7 +42,7 @@ def test_fpbenchs_side_is_the_peer_setting(tmp_path, setting) -> None:
 
 
 def test_report_prints_official_over_fpbench() -> None:
-    sbs = _script()
+    sbs = load_script("sgpt_side_by_side")
     args = type("Args", (), {"setting": "tiny", "rounds": 2, "device": "cpu"})
     args.train_per_class, args.test_per_class = 5, 2
     official = {"total_s": 30.0, "rounds_s": [10.0, 14.0]}

@@ -19,23 +19,11 @@ gradient and the local prompt's full gradient to fp32 rounding.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).parents[1]
+from tests.peer import case_params, load_script, run_case
 
-
-def _harness():
-    path = ROOT / "scripts/peer/official_clip_fl.py"
-    spec = importlib.util.spec_from_file_location("official_clip_fl", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-HARNESS = _harness()
+HARNESS = load_script("official_clip_fl")
 FAST = {
     "fedpgp vit r2",
     "fedclip vit",
@@ -43,18 +31,12 @@ FAST = {
     "fedtpg vit, client of classes 0 2",
     "dp-fpl vit, clipped to 0.05",
 }  # the rest: pytest -m slow
-CASES = [
-    pytest.param(name, marks=() if name in FAST else pytest.mark.slow, id=name.replace(" ", "-"))
-    for name in HARNESS.CASES
-]
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", case_params(HARNESS, FAST))
 def test_fpbench_computes_what_the_official_code_computes(name, tmp_path):
     kind, _ = HARNESS.CASES[name]
-    if line := HARNESS.why_not(kind):
-        pytest.skip(line)
-    d = HARNESS.run(name, tmp_path)
+    d = run_case(HARNESS, name, tmp_path)
     scale = max(1.0, d["grad_max"])
     if kind == "fedtpg":  # every generator tensor's gradient in one number, the client case
         assert d["init"] == 0 and d["logits"] < 1e-5 and d["loss_client"] < 1e-5, d

@@ -7,36 +7,18 @@ projection runs) and one where they do not."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).parents[1]
+from tests.peer import case_params, load_script, run_case
 
-
-def _harness():
-    path = ROOT / "scripts/peer/clip_reference.py"
-    spec = importlib.util.spec_from_file_location("clip_reference", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-HARNESS = _harness()
+HARNESS = load_script("clip_reference")
 FAST = {"zsclip oxford-pets", "kgcoop oxford-pets w 8", "prograd oxford-pets"}
-CASES = [
-    pytest.param(name, marks=() if name in FAST else pytest.mark.slow, id=name.replace(" ", "-"))
-    for name in HARNESS.CASES
-]
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", case_params(HARNESS, FAST))
 def test_fpbench_computes_what_the_official_code_computes(name, tmp_path):
     kind, args = HARNESS.CASES[name]
-    if line := HARNESS.why_not(kind):
-        pytest.skip(line)
-    d = HARNESS.run(name, tmp_path)
+    d = run_case(HARNESS, name, tmp_path)
     assert d["logits"] < 1e-5
     assert d.get("init", 0.0) == 0.0  # the same initial context, bit for bit
     scale = max(1.0, d.get("grad_max", 1.0))

@@ -15,41 +15,20 @@ and test time, the selected groups identical.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).parents[1]
+from tests.peer import case_params, load_script, run_case
 
-
-def _official():
-    spec = importlib.util.spec_from_file_location("official", ROOT / "scripts/peer/official.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-OFFICIAL = _official()
+OFFICIAL = load_script("official")
 # one case of each in the default run; the rest: pytest -m slow
 FAST = {"coop end", "fedotp vit cot eps 0.1", "sgpt both phases, counts 5 1 0 3",
         "fedpr adam-svd, eps 0"}  # fmt: skip
-CASES = [
-    pytest.param(name, marks=() if name in FAST else pytest.mark.slow, id=name.replace(" ", "-"))
-    for name in OFFICIAL.CASES
-]
 
 
-def _need(kind: str) -> None:
-    if line := OFFICIAL.why_not(kind):
-        pytest.skip(line)
-
-
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", case_params(OFFICIAL, FAST))
 def test_fpbench_computes_what_the_official_code_computes(name, tmp_path):
     kind, args = OFFICIAL.CASES[name]
-    _need(kind)
-    d = OFFICIAL.run(name, tmp_path)
+    d = run_case(OFFICIAL, name, tmp_path)
     if kind == "fedpr":  # the projector, and the prompts after the projected Adam steps
         assert d["projector"] < 1e-6
         if args.get("eps", 1e-8) == 0:

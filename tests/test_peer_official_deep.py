@@ -10,36 +10,18 @@ its trainer's own `forward_backward`) and every trained tensor's gradient agree 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).parents[1]
+from tests.peer import case_params, load_script, run_case
 
-
-def _official():
-    path = ROOT / "scripts/peer/official_deep.py"
-    spec = importlib.util.spec_from_file_location("official_deep", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-OFFICIAL = _official()
+OFFICIAL = load_script("official_deep")
 FAST = {"plot 5 iterations"}  # one case in the default run; the rest: pytest -m slow
-CASES = [
-    pytest.param(name, marks=() if name in FAST else pytest.mark.slow, id=name.replace(" ", "-"))
-    for name in OFFICIAL.CASES
-]
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", case_params(OFFICIAL, FAST))
 def test_fpbench_computes_what_the_official_code_computes(name, tmp_path):
     kind, _ = OFFICIAL.CASES[name]
-    if line := OFFICIAL.why_not(kind):
-        pytest.skip(line)
-    d = OFFICIAL.run(name, tmp_path)
+    d = run_case(OFFICIAL, name, tmp_path)
     assert d["init"] == 0
     assert d.get("eot", 0) == 0  # MaPLe: the same pooled token
     assert d["logits"] < 1e-5

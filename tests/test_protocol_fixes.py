@@ -77,18 +77,12 @@ def test_every_reading_of_a_feeding_method_is_a_rule_of_its_papers_protocol():
 
 
 def test_methods_checked_against_official_code_are_those_the_differential_test_runs():
-    import importlib.util
-    from pathlib import Path
-
     from fpbench.registry import METHODS
+    from tests.peer import load_script
 
     kinds = set()
-    for name in ("official.py", "clip_reference.py", "official_deep.py", "official_clip_fl.py"):
-        path = Path(__file__).parents[1] / "scripts/peer" / name
-        spec = importlib.util.spec_from_file_location(name[:-3], path)
-        harness = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(harness)
-        kinds |= {kind for kind, _ in harness.CASES.values()}
+    for name in ("official", "clip_reference", "official_deep", "official_clip_fl"):
+        kinds |= {kind for kind, _ in load_script(name).CASES.values()}
     checked = {
         name for name in METHODS.names() if METHODS.get(name).all_readings()["official_check"]
         != "none"
