@@ -3,6 +3,9 @@ the kit that ships with fpbench; its names are re-exported here for the tests th
 
 from __future__ import annotations
 
+import os
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,46 @@ from fpbench.testing import (  # noqa: E402, F401  (names the test modules impor
 pytest_plugins = ["fpbench.testing"]  # the fixtures `tiny` and `fpbench_cache`
 
 
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The test's folder as the working directory, with `TINY_SUITE_TOML` as the suite "tiny"
+    (benchmarks/tiny.toml); a test module may define its own."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "tiny.toml").write_text(TINY_SUITE_TOML)
+    return tmp_path
+
+
 @pytest.fixture(autouse=True)
 def _own_cache_folder(fpbench_cache: Path) -> Path:
     """Every test gets its own fpbench cache folder (see `fpbench.testing.fpbench_cache`)."""
     return fpbench_cache
+
+
+PG_URL = os.environ.get("FPBENCH_TEST_PG_URL")
+
+
+@pytest.fixture
+def pg_database() -> Iterator[tuple[str, str]]:
+    """(URL, name) of a fresh, empty PostgreSQL database on the server of FPBENCH_TEST_PG_URL,
+    dropped after the test; skips where that is not set (.ci/run starts a server and sets it)."""
+    if not PG_URL:
+        pytest.skip("FPBENCH_TEST_PG_URL is not set (.ci/run starts a PostgreSQL server)")
+    pytest.importorskip("psycopg")
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    name = f"fpbench_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as con:
+        con.execute(text(f"CREATE DATABASE {name}"))
+    yield make_url(PG_URL).set(database=name).render_as_string(hide_password=False), name
+    with admin.connect() as con:
+        con.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
+    admin.dispose()
+
+
+@pytest.fixture
+def pg_url(pg_database: tuple[str, str]) -> str:
+    """The URL of a fresh, empty PostgreSQL database (see `pg_database`)."""
+    return pg_database[0]

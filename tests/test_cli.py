@@ -19,14 +19,6 @@ SUITE = TINY_SUITE_TOML
 runner = CliRunner()
 
 
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "benchmarks").mkdir()
-    (tmp_path / "benchmarks" / "tiny.toml").write_text(SUITE)
-    return tmp_path
-
-
 def invoke(*args: str):
     return runner.invoke(app, list(args))
 

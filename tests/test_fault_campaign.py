@@ -21,12 +21,10 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 from fpbench.store import Store
 from fpbench.store.check import broken_runs, check
@@ -277,24 +275,9 @@ def test_two_drivers_on_one_database_run_each_cell_once(folder, reference):
     _compare(folder, "two.db", reference, sorted(reference))
 
 
-@pytest.fixture
-def pg_url():
-    if not PG_URL:
-        pytest.skip("FPBENCH_TEST_PG_URL is not set (.ci/run starts a PostgreSQL server)")
-    pytest.importorskip("psycopg")
-    name = f"fpbench_fault_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as con:
-        con.execute(text(f"CREATE DATABASE {name}"))
-    yield make_url(PG_URL).set(database=name).render_as_string(hide_password=False), name
-    with admin.connect() as con:
-        con.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
-    admin.dispose()
-
-
-def test_postgres_dropping_every_connection_mid_run(folder, reference, fedvpt_key, pg_url):
+def test_postgres_dropping_every_connection_mid_run(folder, reference, fedvpt_key, pg_database):
     """What a server restart does to a client: every connection is cut between two rounds."""
-    url, name = pg_url
+    url, name = pg_database
     worker = _start(folder, "none", 0, url, "--method", "fedvpt")
     admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
     watch = create_engine(url)

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import sqlite3
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
 from sqlalchemy import create_engine, inspect, text
-from sqlalchemy.engine import make_url
 from typer.testing import CliRunner
 
 from fpbench.cli import app
@@ -140,25 +137,6 @@ def test_a_corrupt_dataset_leaves_no_database_behind(workdir):
     assert code == 2, stderr
     _one_error_line(stderr, "data_batch_1")
     assert not (workdir / "results").exists()
-
-
-PG_URL = os.environ.get("FPBENCH_TEST_PG_URL")
-
-
-@pytest.fixture
-def pg_url():
-    """A fresh, empty PostgreSQL database on the server of FPBENCH_TEST_PG_URL."""
-    if not PG_URL:
-        pytest.skip("FPBENCH_TEST_PG_URL is not set (.ci/run starts a PostgreSQL server)")
-    pytest.importorskip("psycopg")
-    name = f"fpbench_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as con:
-        con.execute(text(f"CREATE DATABASE {name}"))
-    yield make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
-    with admin.connect() as con:
-        con.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
-    admin.dispose()
 
 
 def test_a_postgres_database_of_another_program_is_refused_and_an_empty_one_created_late(pg_url):

@@ -11,14 +11,12 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
-from sqlalchemy import create_engine, event, text, update
-from sqlalchemy.engine import make_url
+from sqlalchemy import event, update
 from typer.testing import CliRunner
 
 from fpbench.cli import app
@@ -292,14 +290,6 @@ def test_sigkill_at_any_point_then_rerun_gives_identical_rows(tmp_path, uninterr
 # -- executors -------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "benchmarks").mkdir()
-    (tmp_path / "benchmarks" / "tiny.toml").write_text(SUITE)
-    return tmp_path
-
-
 @pytest.fixture(scope="module")
 def serial(tmp_path_factory) -> tuple[list, pd.DataFrame]:
     """The tiny suite's cells and their rows from a plain serial run."""
@@ -403,24 +393,6 @@ def test_unknown_launcher_and_missing_engine_are_user_errors(workdir, monkeypatc
 
 
 # -- PostgreSQL ------------------------------------------------------------------------------
-
-PG_URL = os.environ.get("FPBENCH_TEST_PG_URL")
-
-
-@pytest.fixture
-def pg_url():
-    """A fresh, empty PostgreSQL database on the server of FPBENCH_TEST_PG_URL."""
-    if not PG_URL:
-        pytest.skip("FPBENCH_TEST_PG_URL is not set (.ci/run starts a PostgreSQL server)")
-    pytest.importorskip("psycopg")
-    name = f"fpbench_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as con:
-        con.execute(text(f"CREATE DATABASE {name}"))
-    yield make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
-    with admin.connect() as con:
-        con.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
-    admin.dispose()
 
 
 def test_postgres_claims_race_and_workers_write_concurrently(pg_url, serial, tmp_path):

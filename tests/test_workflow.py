@@ -35,14 +35,6 @@ def invoke(*args: str):
     return runner.invoke(app, list(args))
 
 
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "benchmarks").mkdir()
-    (tmp_path / "benchmarks" / "tiny.toml").write_text(TINY_SUITE_TOML)
-    return tmp_path
-
-
 def fake_config(rounds: int) -> dict:
     """What `db check` (and so `db merge`) reads of a run's config."""
     return {"train": {"rounds": rounds}}
