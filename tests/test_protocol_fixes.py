@@ -83,7 +83,9 @@ def test_methods_checked_against_official_code_are_those_the_differential_test_r
     from fpbench.registry import METHODS
 
     kinds = set()
-    for name in ("official.py", "clip_reference.py", "official_deep.py", "official_clip_fl.py"):
+    harnesses = ("official.py", "clip_reference.py", "official_deep.py", "official_clip_fl.py",
+                 "official_pfedmoap.py")  # fmt: skip
+    for name in harnesses:
         path = Path(__file__).parents[1] / "scripts/peer" / name
         spec = importlib.util.spec_from_file_location(name[:-3], path)
         harness = importlib.util.module_from_spec(spec)
@@ -95,10 +97,10 @@ def test_methods_checked_against_official_code_are_those_the_differential_test_r
     }  # fmt: skip
     assert checked == {"promptfl", "fedotp", "sgpt", "fedpr", "zero-shot", "kgcoop", "cocoop",
                        "prograd", "maple", "promptsrc", "plot", "fedpgp", "fedclip",
-                       "promptfolio", "fedtpg", "dp-fpl"}  # fmt: skip
+                       "promptfolio", "fedtpg", "dp-fpl", "pfedmoap"}  # fmt: skip
     assert kinds == {"coop", "fedotp", "sgpt", "fedpr", "zsclip", "kgcoop", "cocoop", "prograd",
                      "maple", "promptsrc", "plot", "fedpgp", "fedclip", "promptfolio", "fedtpg",
-                     "dpfpl"}  # fmt: skip
+                     "dpfpl", "pfedmoap"}  # fmt: skip
 
 
 NEW_PATHS = {

@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""Differential check of fpbench's `pfedmoap` against the official pFedMoAP code, run
+unmodified from its checkout (ljaiverson/pFedMoAP, `trainers/pfedmoap.py`, checked at a481de3);
+the helpers (tiny random CLIP weights read by both sides, Dassl stand-ins, isolated imports) are
+those of `official.py` beside this file.
+
+The official `CustomCLIP` with its `MultiheadAttention` gate, on the same local context, gate
+tensors, non-local expert contexts (handed to it as the trainer's `download_nonlocal_ctx` does:
+`nonlocal_ctx`, then `_compute_nonlocal_text_features`), class names and images: logits and the
+cross-entropy gradients of the context and of all eight gate tensors, with experts and without
+(round one: the local logits alone). Which experts a client gets is not compared: the official
+"nearest" selection fails whenever it would rank (see fpbench/methods/pfedmoap.py); fpbench's is
+tested by hand in tests/methods/test_pfedmoap.py.
+
+Get the checkout next to the repository (or set FPBENCH_PEER_PFEDMOAP):
+
+    git clone https://github.com/ljaiverson/pFedMoAP ../peer/pFedMoAP
+
+`python scripts/peer/official_pfedmoap.py` prints the largest differences of every case;
+tests/test_peer_pfedmoap.py asserts them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import tempfile
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def _load_sibling() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "fpbench_peer_official", Path(__file__).with_name("official.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+REF = _load_sibling()
+PFEDMOAP = Path(os.environ.get("FPBENCH_PEER_PFEDMOAP", REF.PEER / "pFedMoAP"))
+GATE = {"q": "W_q", "k": "W_k", "v": "W_v", "o": "W_o"}  # fpbench's gate_w{x} -> official
+
+
+def load_official() -> tuple[Any, Any]:
+    """(clip.model module, trainers.pfedmoap module) of the checkout, imported unmodified.
+
+    Its `clip.py` reads $PROJECT for a download folder at import (never used here: the weights
+    come from a file); its trainers import a few more Dassl names than `official.py` stubs.
+    """
+    stubs = REF._dassl_stubs("Dassl.dassl")
+    more = ("Registry", "MetricMeter", "AverageMeter", "tolist_if_not", "count_num_param",
+            "save_checkpoint", "mkdir_if_missing", "resume_from_checkpoint")  # fmt: skip
+    for name in more:
+        setattr(stubs["Dassl.dassl.utils"], name, None)
+    data = types.ModuleType("Dassl.dassl.data")
+    data.DataManager = None
+    stubs["Dassl.dassl.data"] = data
+    unset = "PROJECT" not in os.environ
+    os.environ.setdefault("PROJECT", tempfile.gettempdir())
+    try:
+        with REF._isolated(PFEDMOAP, stubs):
+            return importlib.import_module("clip.model"), importlib.import_module(
+                "trainers.pfedmoap"
+            )
+    finally:
+        if unset:
+            del os.environ["PROJECT"]
+
+
+def pfedmoap_case(folder: Path, arch: str = "vit", n_ctx: int = 4, experts: int = 2,
+                  heads: int = 2, embed: int = 8, lmbda: float = 0.5, scaling: float = 10.0,
+                  batch: int = 4, seed: int = 0) -> dict[str, float]:  # fmt: skip
+    """The official pFedMoAP CustomCLIP against fpbench's `pfedmoap` forward, cross-entropy on
+    both sides, with `experts` non-local experts (0: round one, no gate).
+
+    Returns the largest absolute differences of `logits`, `grad_ctx`, `grad_gate` (over the
+    eight gate tensors; 0 without experts, where neither side's gate is used) and, for scale,
+    `grad_max`.
+    """
+    from fpbench.methods.base import Context, TaskInfo
+    from fpbench.methods.pfedmoap import PFedMoAP
+
+    clip_model, moap = load_official()
+    spec, size = (REF.VIT, 32) if arch == "vit" else (REF.RN, 64)
+    name = f"fpbench-peer-{arch}"
+    path, state = REF.weights(spec, name, folder)
+    theirs = REF.official_clip(clip_model, state, {"trainer": "PFEDMOAP"})
+    cfg = REF._cfg("PFEDMOAP", size, N_CTX=n_ctx, CTX_INIT="", CSC=False,
+                   CLASS_TOKEN_POSITION="end", PREC="fp32", NUM_EXPERTS=experts + 1,
+                   GATING_HEADS=heads, GATING_EMBED_DIM=embed, LMBDA=lmbda,
+                   SCALING=scaling)  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        official = moap.CustomCLIP(cfg, REF.CLASSES, theirs)
+    backbone = REF.fpbench_backbone(name, path)
+    c, n = len(REF.CLASSES), experts + 2  # clients: this one, its experts and one more
+    task = TaskInfo(c, n, torch.full((n, c), 1 / c), torch.full((n,), 8), tuple(REF.CLASSES),
+                    "peer")  # fmt: skip
+    ours = PFedMoAP(PFedMoAP.Config(n_ctx=n_ctx, num_experts=experts + 1, gating_heads=heads,
+                                    gating_embed_dim=embed, lmbda=lmbda, scaling=scaling),
+                    backbone, task)  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    start = ours.init_params(gen)
+    uploads = torch.randn(n, n_ctx, backbone.ctx_dim, generator=gen) * 0.3
+    chosen = torch.arange(1, experts + 1)  # this client is 0; its experts 1..experts
+    with torch.no_grad():
+        official.prompt_learner.ctx.copy_(start["ctx"])
+        for x, layer in GATE.items():
+            getattr(official.gating, layer).weight.copy_(start[f"gate_w{x}"])
+            getattr(official.gating, layer).bias.copy_(start[f"gate_b{x}"])
+    if experts:
+        official.nonlocal_ctx = [uploads[j].clone() for j in chosen.tolist()]
+        official._compute_nonlocal_text_features()
+    images = torch.randn(batch, 3, size, size, generator=gen)
+    labels = torch.arange(batch) % c
+    logits_theirs = official(images)
+    F.cross_entropy(logits_theirs, labels).backward()
+
+    params = {k: v.unsqueeze(0).clone().requires_grad_(True) for k, v in start.items()}
+    params["expert_ids"] = chosen.view(1, -1)
+    params["expert_mask"] = torch.ones(1, experts, dtype=torch.bool)
+    rows = torch.zeros(batch, dtype=torch.long)
+    ctx = Context(training=True, buffers={"uploads": uploads})
+    logits_ours = ours.forward(params, images, rows, ctx)
+    F.cross_entropy(logits_ours, labels).backward()
+    grad = official.prompt_learner.ctx.grad
+    out = {"logits": REF._diff(logits_ours, logits_theirs),
+           "grad_ctx": REF._diff(params["ctx"].grad[0], grad)}  # fmt: skip
+    gate = 0.0
+    for x, layer in GATE.items():
+        for mine, part in ((f"gate_w{x}", "weight"), (f"gate_b{x}", "bias")):
+            theirs_grad = getattr(getattr(official.gating, layer), part).grad
+            if theirs_grad is None:  # no experts: the official gate is not in the graph
+                theirs_grad = torch.zeros_like(params[mine][0])
+            gate = max(gate, REF._diff(params[mine].grad[0], theirs_grad))
+    out["grad_gate"] = gate
+    out["grad_max"] = float(grad.abs().max())
+    return out
+
+
+CASES = {
+    "pfedmoap vit, 2 experts": ("pfedmoap", {}),
+    "pfedmoap vit, no experts (round one)": ("pfedmoap", {"experts": 0}),
+    "pfedmoap vit, 3 experts, 4 heads, lambda 0.3": (
+        "pfedmoap",
+        {"experts": 3, "heads": 4, "embed": 16, "lmbda": 0.3, "scaling": 2.0},
+    ),
+    "pfedmoap rn, 2 experts": ("pfedmoap", {"arch": "rn"}),
+}
+
+
+def run(name: str, folder: Path) -> dict[str, float]:
+    kind, args = CASES[name]
+    return {"pfedmoap": pfedmoap_case}[kind](folder, **args)
+
+
+def why_not(kind: str) -> str | None:
+    """Why a kind of case cannot run here (its checkout is absent), or None."""
+    return REF.missing(PFEDMOAP, "ljaiverson/pFedMoAP", "FPBENCH_PEER_PFEDMOAP")
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (kind, _) in CASES.items():
+            if line := why_not(kind):
+                print(f"{name:44s} skipped: {line}")
+                continue
+            diffs = run(name, Path(tmp))
+            print(f"{name:44s} " + "  ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+
+
+if __name__ == "__main__":
+    main()
