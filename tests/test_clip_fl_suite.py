@@ -49,6 +49,7 @@ METHODS = {
     "overrides = { train = { max_local_steps = 1, momentum = 0.0 } }",
     # clip-test's features are 32 wide; round 2 trains with the other clients as experts
     "pfedmoap": "n_ctx = 4\ngating_embed_dim = 16\ngating_heads = 4",
+    "fedpha": "n_ctx = 4",
 }
 PAPERS = {
     "fedclip": "FedCLIP",
@@ -57,6 +58,7 @@ PAPERS = {
     "fedtpg": "FedTPG",
     "dp-fpl": "DP-FPL",
     "pfedmoap": "pFedMoAP",
+    "fedpha": "FedPHA",
 }
 
 

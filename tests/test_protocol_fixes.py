@@ -84,7 +84,7 @@ def test_methods_checked_against_official_code_are_those_the_differential_test_r
 
     kinds = set()
     harnesses = ("official.py", "clip_reference.py", "official_deep.py", "official_clip_fl.py",
-                 "official_pfedmoap.py")  # fmt: skip
+                 "official_pfedmoap.py", "official_fedpha.py")  # fmt: skip
     for name in harnesses:
         path = Path(__file__).parents[1] / "scripts/peer" / name
         spec = importlib.util.spec_from_file_location(name[:-3], path)
@@ -97,10 +97,10 @@ def test_methods_checked_against_official_code_are_those_the_differential_test_r
     }  # fmt: skip
     assert checked == {"promptfl", "fedotp", "sgpt", "fedpr", "zero-shot", "kgcoop", "cocoop",
                        "prograd", "maple", "promptsrc", "plot", "fedpgp", "fedclip",
-                       "promptfolio", "fedtpg", "dp-fpl", "pfedmoap"}  # fmt: skip
+                       "promptfolio", "fedtpg", "dp-fpl", "pfedmoap", "fedpha"}  # fmt: skip
     assert kinds == {"coop", "fedotp", "sgpt", "fedpr", "zsclip", "kgcoop", "cocoop", "prograd",
                      "maple", "promptsrc", "plot", "fedpgp", "fedclip", "promptfolio", "fedtpg",
-                     "dpfpl", "pfedmoap"}  # fmt: skip
+                     "dpfpl", "pfedmoap", "fedpha"}  # fmt: skip
 
 
 NEW_PATHS = {

@@ -1,0 +1,50 @@
+"""fpbench's `fedpha` against the official FedPHA code (CYFang6/FedPHA 1ab33df), by execution
+(scripts/peer/official_fedpha.py: the unmodified checkout by path, same weights, prompts and
+images): the initial prompts bit-identical, the evaluation logits, the training step's loss and
+both prompts' gradients (through the SVD) to fp32 rounding (1e-5 relative to the gradient
+scale). Without a checkout a case skips with one line saying how to get it."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+
+
+def _harness():
+    path = ROOT / "scripts/peer/official_fedpha.py"
+    spec = importlib.util.spec_from_file_location("official_fedpha", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+HARNESS = _harness()
+FAST = {"fedpha vit"}  # the rest: pytest -m slow
+CASES = [
+    pytest.param(name, marks=() if name in FAST else pytest.mark.slow, id=name.replace(" ", "-"))
+    for name in HARNESS.CASES
+]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_fpbench_computes_what_the_official_code_computes(name, tmp_path):
+    kind, _ = HARNESS.CASES[name]
+    if line := HARNESS.why_not(kind):
+        pytest.skip(line)
+    d = HARNESS.run(name, tmp_path)
+    scale = max(1.0, d["grad_max"])
+    assert d["init"] == 0 and d["logits"] < 1e-5 and d["loss"] < 1e-5, d
+    assert d["grad_global"] < 1e-5 * scale and d["grad_local"] < 1e-5 * scale, d
+    assert d["grad_max"] > 0, d
+
+
+def test_a_missing_checkout_is_one_line_saying_how_to_get_it(monkeypatch, tmp_path):
+    monkeypatch.setattr(HARNESS, "FEDPHA", tmp_path / "FedPHA")
+    assert HARNESS.why_not("fedpha") == (
+        f"official checkout not found at {tmp_path / 'FedPHA'}: git clone "
+        f"https://github.com/CYFang6/FedPHA {tmp_path / 'FedPHA'} (or set FPBENCH_PEER_FEDPHA)"
+    )
