@@ -84,7 +84,7 @@ def test_methods_checked_against_official_code_are_those_the_differential_test_r
 
     kinds = set()
     harnesses = ("official.py", "clip_reference.py", "official_deep.py", "official_clip_fl.py",
-                 "official_pfedmoap.py", "official_fedpha.py")  # fmt: skip
+                 "official_clip_fl_2025.py")  # fmt: skip
     for name in harnesses:
         path = Path(__file__).parents[1] / "scripts/peer" / name
         spec = importlib.util.spec_from_file_location(name[:-3], path)

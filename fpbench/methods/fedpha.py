@@ -74,7 +74,7 @@ class FedPHA(CoOpModel):
     inference = "personal"
     personal = frozenset({"local_ctx"})
     readings: ClassVar[dict[str, str]] = {
-        "official_check": "differential",  # trainers/GL_SVDMSE.py: tests/test_peer_fedpha.py
+        "official_check": "differential",  # trainers/GL_SVDMSE.py: tests/test_peer_clip_fl_2025.py
         # one local prompt length for every client (the official HE variant varies it)
         "local_lengths": "uniform",
     }

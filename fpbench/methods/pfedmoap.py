@@ -140,7 +140,7 @@ class PFedMoAP(CoOpModel):
     scores_new_clients = True
     personal = frozenset(GATE_NAMES)
     readings: ClassVar[dict[str, str]] = {
-        "official_check": "differential",  # trainers/pfedmoap.py: tests/test_peer_clip_fl.py
+        "official_check": "differential",  # trainers/pfedmoap.py: tests/test_peer_clip_fl_2025.py
         # the official clients train one after another and see this round's earlier uploads
         "expert_uploads": "previous-rounds",
         # official: a first-time client of a later round keeps the previous client's experts
