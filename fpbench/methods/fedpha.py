@@ -33,7 +33,7 @@ from pydantic import Field
 
 from fpbench.lazy import F, torch
 from fpbench.methods.base import Context, MethodConfig, Output
-from fpbench.methods.coop import CoOpModel
+from fpbench.methods.promptfolio import GlobalLocalPrompts
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
@@ -68,19 +68,14 @@ def pull_push(local: Tensor, global_: Tensor, projected: Tensor, alpha: float) -
 
 
 @METHODS.register()
-class FedPHA(CoOpModel):
+class FedPHA(GlobalLocalPrompts):
     name = "fedpha"
     Config = FedPHAConfig
-    inference = "personal"
-    personal = frozenset({"local_ctx"})
     readings: ClassVar[dict[str, str]] = {
         "official_check": "differential",  # trainers/GL_SVDMSE.py: tests/test_peer_clip_fl_2025.py
         # one local prompt length for every client (the official HE variant varies it)
         "local_lengths": "uniform",
     }
-
-    def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
-        return {"global_ctx": self.init_context(gen), "local_ctx": self.init_context(gen)}
 
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
