@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import math
 
+import pandas as pd
+import pytest
 import torch
 import torch.nn.functional as F
 
+from fpbench.engine.runner import run_cell
 from fpbench.methods.base import Context, Updates
 from fpbench.methods.pfedmoap import GATE_NAMES, PFedMoAPConfig, gate_mix, nearest_experts
+from fpbench.store import Store
 from fpbench.testing import MethodConformance
-from fpbench.testing.tiny import seeded_server, with_config
+from fpbench.testing.tiny import seeded_server, tiny_config, with_config
 from tests.methods.common import both_executors_agree, features_as_images
 
 
@@ -181,6 +185,41 @@ def test_executors_agree_with_experts(tiny):
     local = both_executors_agree(method, task, cfg, server)
     for g in GATE_NAMES:  # with experts the gates learn from the cross-entropy
         assert not torch.equal(local.params[g], start[g])
+
+
+class _Crash(Exception):
+    pass
+
+
+class _CrashAfter:
+    """A run observer that stops the run after one round (as a crash would)."""
+
+    def __init__(self, round_idx: int) -> None:
+        self.round_idx = round_idx
+
+    def cell_start(self, cfg, start_round):
+        pass
+
+    def round_end(self, cfg, round_idx, metrics):
+        if round_idx == self.round_idx:
+            raise _Crash()
+
+
+def test_a_resumed_run_keeps_uploads_and_gates(tmp_path, fpbench_cache):
+    """Stopped after round 1 (experts from round 2 on: the uploads and flags are server buffers),
+    resumed from its checkpoint: every stored value equals an uninterrupted run's."""
+    cfg = tiny_config("pfedmoap", rounds=3)
+    whole = Store(f"sqlite:///{tmp_path / 'whole.db'}")
+    assert run_cell(cfg, whole, checkpoint_dir=tmp_path / "ck1").status == "done"
+    split = Store(f"sqlite:///{tmp_path / 'split.db'}")
+    with pytest.raises(_Crash):
+        run_cell(cfg, split, checkpoint_dir=tmp_path / "ck2", observer=_CrashAfter(1))
+    assert run_cell(cfg, split, checkpoint_dir=tmp_path / "ck2").status == "done"
+    a, b = (s.metrics(aggregate_only=False) for s in (whole, split))
+    keys = ["round", "client_id", "name"]
+    a, b = (t.sort_values(keys, na_position="first").reset_index(drop=True) for t in (a, b))
+    assert len(a) and a["round"].max() == 2
+    pd.testing.assert_frame_equal(a.drop(columns="run_id"), b.drop(columns="run_id"))
 
 
 class TestPFedMoAPConformance(MethodConformance):
