@@ -22,7 +22,9 @@ averaged (by train size, over the round's clients); gates stay on their clients.
 Evaluation follows the official code: a client that trained with experts is scored with its
 last uploaded context, its gate and the experts nearest to it among the current uploads; one
 that trained only without experts, with its context alone; one that never trained, with the
-server's context (so new clients are scored).
+server's context (so new clients are scored). The official code scores a client it trained
+this round right after its training, with the experts it trained with; fpbench scores every
+client after the round, with the experts nearest among the round's uploads (declared).
 
 Defaults from the official code (ljaiverson/pFedMoAP, `trainers/pfedmoap.py`,
 `federated_main.py` and `train.sh`, commit a481de3): 16 context tokens N(0, 0.02^2), class
@@ -148,6 +150,8 @@ class PFedMoAP(CoOpModel):
         # official "nearest" fails (topk of a list) when more clients uploaded than experts
         "expert_selection": "nearest-l2",
         "gate_lr_schedule": "run-schedule",
+        # official: a client trained this round is scored at once, with its training's experts
+        "eval_experts": "after-round",
     }
 
     def __init__(self, cfg: MethodConfig, backbone: PromptedCLIP, task: TaskInfo) -> None:
