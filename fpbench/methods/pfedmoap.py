@@ -27,14 +27,16 @@ this round right after its training, with the experts it trained with; fpbench s
 client after the round, with the experts nearest among the round's uploads (declared).
 
 Defaults from the official code (ljaiverson/pFedMoAP, `trainers/pfedmoap.py`,
-`federated_main.py` and `train.sh`, commit a481de3): 16 context tokens N(0, 0.02^2), class
-token at the end, 10 experts, lambda 0.5, scaling 10, 8 heads on 128 pooled dimensions, gates
-with PyTorch's Linear init and their own SGD (lr 0.01, momentum 0.9, weight decay 5e-4, Dassl's
-defaults under `OPTIMGATING`). Adapted to fpbench, declared in `readings`: the official clients
-train one after another and a client picks its experts among the uploads of the clients trained
-before it in the same round; here every client of a round sees the previous rounds' uploads
-(lockstep). The official code leaves a first-time client of a later round (partial
-participation) with the previous client's experts in its model; here it has none (the
+`federated_main.py` and `train.sh`, commit a481de3): 16 context tokens N(0, 0.02^2), class token
+at the end, 10 experts, lambda 0.5, scaling 10, 8 heads on 128 pooled dimensions, gates with
+PyTorch's Linear init and their own SGD (lr 0.01, momentum 0.9, weight decay 5e-4, Dassl's
+defaults under `OPTIMGATING`); the context trains with the run's `train` settings (official
+`train.sh`: SGD lr 0.001, momentum 0.9, weight decay 5e-4, cosine over 5 local epochs after a
+warmup epoch, batch 16: set in the suite). Adapted to fpbench, declared in `readings`: the
+official clients train one after another and a client picks its experts among the uploads of the
+clients trained before it in the same round; here every client of a round sees the previous
+rounds' uploads (lockstep). The official code leaves a first-time client of a later round
+(partial participation) with the previous client's experts in its model; here it has none (the
 official comment's intent). The official "nearest" selection fails (topk of a list) whenever
 more clients uploaded than there are experts, so it only ran with every other client as an
 expert; fpbench ranks by distance as described. The gate's lr follows the run's schedule
