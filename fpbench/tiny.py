@@ -33,6 +33,8 @@ OFFLINE_ARGS: dict[str, dict[str, Any]] = {
     # deep prompts: clip-test has 2 layers per tower (the defaults prompt 9 of ViT-B/16's 12)
     "maple": {"prompt_depth": 2},
     "promptsrc": {"prompt_depth_text": 2, "prompt_depth_vision": 2},
+    # clip-test's features are 32 wide: the gate pools every 2nd (the default 128 needs >= 128)
+    "pfedmoap": {"gating_embed_dim": 16, "gating_heads": 4},
 }
 
 # The test-sized backbone of each backbone family (any other family gets vit-test)

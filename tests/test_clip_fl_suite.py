@@ -47,6 +47,9 @@ METHODS = {
     "fedtpg": "",
     "dp-fpl": "n_ctx = 4\nrank = 2\nepsilon = 0.4\n"
     "overrides = { train = { max_local_steps = 1, momentum = 0.0 } }",
+    # clip-test's features are 32 wide; round 2 trains with the other clients as experts
+    "pfedmoap": "n_ctx = 4\ngating_embed_dim = 16\ngating_heads = 4",
+    "fedpha": "n_ctx = 4",
 }
 PAPERS = {
     "fedclip": "FedCLIP",
@@ -54,6 +57,8 @@ PAPERS = {
     "promptfolio": "PromptFolio",
     "fedtpg": "FedTPG",
     "dp-fpl": "DP-FPL",
+    "pfedmoap": "pFedMoAP",
+    "fedpha": "FedPHA",
 }
 
 

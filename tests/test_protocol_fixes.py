@@ -81,7 +81,9 @@ def test_methods_checked_against_official_code_are_those_the_differential_test_r
     from tests.peer import load_script
 
     kinds = set()
-    for name in ("official", "clip_reference", "official_deep", "official_clip_fl"):
+    harnesses = ("official", "clip_reference", "official_deep", "official_clip_fl",
+                 "official_clip_fl_2025")  # fmt: skip
+    for name in harnesses:
         kinds |= {kind for kind, _ in load_script(name).CASES.values()}
     checked = {
         name for name in METHODS.names() if METHODS.get(name).all_readings()["official_check"]
@@ -89,10 +91,10 @@ def test_methods_checked_against_official_code_are_those_the_differential_test_r
     }  # fmt: skip
     assert checked == {"promptfl", "fedotp", "sgpt", "fedpr", "zero-shot", "kgcoop", "cocoop",
                        "prograd", "maple", "promptsrc", "plot", "fedpgp", "fedclip",
-                       "promptfolio", "fedtpg", "dp-fpl"}  # fmt: skip
+                       "promptfolio", "fedtpg", "dp-fpl", "pfedmoap", "fedpha"}  # fmt: skip
     assert kinds == {"coop", "fedotp", "sgpt", "fedpr", "zsclip", "kgcoop", "cocoop", "prograd",
                      "maple", "promptsrc", "plot", "fedpgp", "fedclip", "promptfolio", "fedtpg",
-                     "dpfpl"}  # fmt: skip
+                     "dpfpl", "pfedmoap", "fedpha"}  # fmt: skip
 
 
 NEW_PATHS = {

@@ -41,8 +41,8 @@ from pydantic import Field
 
 from fpbench.lazy import torch
 from fpbench.methods.base import Context, MethodConfig, Phase, ServerState, Updates
-from fpbench.methods.coop import CoOpModel
 from fpbench.methods.helpers import weighted_mean
+from fpbench.methods.promptfolio import GlobalLocalPrompts
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
@@ -142,11 +142,9 @@ def clip_noise(x: Tensor, noise: Tensor, clip: float) -> Tensor:
 
 
 @METHODS.register()
-class DPFPL(CoOpModel):
+class DPFPL(GlobalLocalPrompts):
     name = "dp-fpl"
     Config = DPFPLConfig
-    inference = "personal"
-    personal = frozenset({"local_ctx"})
     readings: ClassVar[dict[str, str]] = {
         "official_check": "differential",  # trainers/DP_FPL.py: tests/test_peer_clip_fl.py
         # a fpbench round is one official step; the server's Gaussian on the mean global
@@ -154,9 +152,6 @@ class DPFPL(CoOpModel):
         "global_noise": "client-drawn",
         "randomness": "per-run-client-round",
     }
-
-    def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
-        return {"global_ctx": self.init_context(gen), "local_ctx": self.init_context(gen)}
 
     def init_server(self, gen: torch.Generator) -> ServerState:
         server = super().init_server(gen)

@@ -55,21 +55,28 @@ def mix_features(global_: Tensor, local: Tensor, theta: float) -> Tensor:
     return (1.0 - theta) * global_ + theta * local
 
 
-@METHODS.register()
-class PromptFolio(CoOpModel):
-    name = "promptfolio"
-    Config = PromptFolioConfig
+class GlobalLocalPrompts(CoOpModel):
+    """Two CoOp contexts per client: `global_ctx`, averaged by the server, and `local_ctx`, kept
+    on the client, both drawn as CoOp's (global first); inference is personal. The base of
+    PromptFolio, DP-FPL and FedPHA, which differ in how they use the two."""
+
     inference = "personal"
     personal = frozenset({"local_ctx"})
+
+    def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
+        return {"global_ctx": self.init_context(gen), "local_ctx": self.init_context(gen)}
+
+
+@METHODS.register()
+class PromptFolio(GlobalLocalPrompts):
+    name = "promptfolio"
+    Config = PromptFolioConfig
     readings: ClassVar[dict[str, str]] = {
         "official_check": "differential",  # trainers/PromptFolio.py: tests/test_peer_clip_fl.py
         # each client's prompt with its own train size; the official code pairs them by the
         # position in the sampled order (equal under equal sizes)
         "aggregation_weights": "own-size",
     }
-
-    def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
-        return {"global_ctx": self.init_context(gen), "local_ctx": self.init_context(gen)}
 
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
