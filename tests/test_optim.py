@@ -81,6 +81,17 @@ def test_per_client_clipping_uses_each_clients_norm():
     torch.testing.assert_close(p, -torch.tensor([[0.6, 0.8], [0.3, 0.4]]), atol=1e-6, rtol=0)
 
 
+def test_a_clipped_group_that_no_gradient_reached_steps_nothing():
+    p, q = torch.ones(2, 3), torch.ones(2, 2)
+    opt = StackedSGD([p, q], lr=1.0, momentum=0.9, grad_clip=1.0)
+    opt.step(torch.ones(2, dtype=torch.bool))  # a gate that this round's forwards skipped
+    torch.testing.assert_close((p, q), (torch.ones(2, 3), torch.ones(2, 2)), atol=0, rtol=0)
+    q.grad = torch.tensor([[0.0, 2.0], [0.0, 0.5]])  # p still without one: q alone is clipped
+    opt.step(torch.ones(2, dtype=torch.bool))
+    want = torch.tensor([[1.0, 1.0 - 2.0 / (2.0 + 1e-6)], [1.0, 0.5]])
+    torch.testing.assert_close(q, want, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize(
     ("name", "torch_cls", "torch_kw"),
     [

@@ -38,13 +38,13 @@ class StackedOptimizer:
 
     def clip_(self) -> None:
         """Scale each client's gradients so their joint norm is at most grad_clip."""
-        if self.grad_clip is None:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if self.grad_clip is None or not grads:  # a group nothing reached this step
             return
-        sq = sum(p.grad.flatten(1).pow(2).sum(1) for p in self.params if p.grad is not None)
+        sq = sum(g.flatten(1).pow(2).sum(1) for g in grads)
         coef = (self.grad_clip / (sq.sqrt() + 1e-6)).clamp(max=1.0)  # (K,)
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.mul_(_rows(coef, p.grad))
+        for g in grads:
+            g.mul_(_rows(coef, g))
 
     @torch.no_grad()
     def step(self, mask: Tensor) -> None:
