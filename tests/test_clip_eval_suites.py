@@ -108,7 +108,7 @@ def test_smoke_clip_xdomain(tmp_path, monkeypatch):
 
 def test_smoke_flip_compare(tmp_path, monkeypatch):
     runs = _run("smoke-flip-compare", tmp_path, monkeypatch)
-    labels = "coop fedotp local zero-shot centralized cocoop kgcoop prograd plot proda fedclip"
+    labels = "coop fedotp local zero-shot centralized cocoop kgcoop prograd plot proda bpl fedclip"
     labels = (*labels.split(), "fedpgp", "promptfolio", "fedtpg", "dp-fpl", "pfedmoap", "fedpha",
               "maple", "promptsrc")  # fmt: skip
     assert set(runs) == {f"{label}/synthetic" for label in labels}

@@ -51,6 +51,8 @@ METHODS = {
     "pfedmoap": "n_ctx = 4\ngating_embed_dim = 16\ngating_heads = 4",
     "fedpha": "n_ctx = 4",
     "proda": "n_prompts = 3",
+    # the conditional posterior (the suites run the default, coopvpt)
+    "bpl": 'vpt_type = "cocoopvpt"\nn_samples = 2',
 }
 PAPERS = {
     "fedclip": "FedCLIP",
@@ -61,6 +63,7 @@ PAPERS = {
     "pfedmoap": "pFedMoAP",
     "fedpha": "FedPHA",
     "proda": "ProDA",
+    "bpl": "BPL",
 }
 
 
