@@ -50,6 +50,9 @@ METHODS = {
     # clip-test's features are 32 wide; round 2 trains with the other clients as experts
     "pfedmoap": "n_ctx = 4\ngating_embed_dim = 16\ngating_heads = 4",
     "fedpha": "n_ctx = 4",
+    "proda": "n_prompts = 3",
+    # the conditional posterior (the suites run the default, coopvpt)
+    "bpl": 'vpt_type = "cocoopvpt"\nn_samples = 2',
 }
 PAPERS = {
     "fedclip": "FedCLIP",
@@ -59,6 +62,8 @@ PAPERS = {
     "dp-fpl": "DP-FPL",
     "pfedmoap": "pFedMoAP",
     "fedpha": "FedPHA",
+    "proda": "ProDA",
+    "bpl": "BPL",
 }
 
 
