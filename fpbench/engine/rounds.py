@@ -383,7 +383,7 @@ def mark_untrained(
 ) -> EvalCounts:
     """Under `train.unseen_clients = "exclude"`, mark the personal methods' participating
     clients that no round has sampled yet (see `fpbench.engine.metrics`)."""
-    personal = [pop for pop in populations if pop.method.inference == "personal"]
+    personal = [pop for pop in populations if pop.method.inference.startswith("personal")]
     if rule != "exclude" or not personal:
         return counts
     mine = np.zeros(len(counts.total_local), dtype=bool)

@@ -52,7 +52,8 @@ if TYPE_CHECKING:
 
     from fpbench.backbones import PromptedViT
 
-Inference = Literal["global", "client-conditioned", "personal"]
+# the documented values of `Method.inference` (an author writes one of the strings)
+Inference = Literal["global", "client-conditioned", "personal", "personal-deploys"]
 
 
 class MethodConfig(BaseModel):
@@ -149,6 +150,11 @@ class Output(NamedTuple):
 def as_logits(out: Tensor | Output) -> Tensor:
     """The logits of a forward's result, whichever form it takes."""
     return out.logits if isinstance(out, Output) else out
+
+
+def adapts(method: object) -> bool:
+    """Whether a method overrides `Method.adapt` (adapts on client data before it is scored)."""
+    return getattr(type(method), "adapt", Method.adapt) is not Method.adapt
 
 
 @dataclass(frozen=True)
@@ -250,6 +256,10 @@ class Method:
 
     # -- optional declarations, with their defaults ----------------------------------------------
     Config: ClassVar[type[MethodConfig]] = MethodConfig  # the method's own settings
+    # how clients are scored: "global" (one model for all), "client-conditioned" (a model made
+    # for each client, new ones included), "personal" (each client's own; held-out clients are
+    # not applicable), "personal-deploys" (personal, and its evaluation `client_params` of a
+    # client that never trained is what it deploys to a new one: held-out clients are scored)
     inference: ClassVar[Inference] = "global"
     personal: ClassVar[frozenset[str]] = frozenset()  # parameter names kept per client
     # fpbench's readings where its paper and reference code leave a choice, one line each; a
@@ -257,11 +267,6 @@ class Method:
     # cell to them as the virtual config paths `readings.<key>` (fpbench.report.protocol).
     # `official_check`: whether a differential test runs the official code on the same inputs.
     readings: ClassVar[dict[str, str]] = {"official_check": "none"}
-
-    # a personal method that says what it deploys to a new client (its evaluation
-    # `client_params` of a client that never trained): held-out clients are then scored with it
-    # instead of not applicable
-    scores_new_clients: ClassVar[bool] = False
     # the backbone its forward needs: a prompted ViT, or CLIP (image and text towers)
     backbone_family: ClassVar[Literal["vit", "clip"]] = "vit"
 
@@ -342,18 +347,18 @@ class Method:
         is the engine's view of the test split, for diagnostics that score on it."""
         return {}
 
-    # -- optional hooks: local adaptation before evaluation (personal methods) -------------------
-    def adapt_samples(self) -> int:
-        """Train samples per client that `adapt` needs before evaluation; 0: no adaptation."""
-        return 0
-
+    # -- optional hook: local adaptation before evaluation (personal methods) --------------------
     def adapt(
-        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
+        self,
+        params: dict[str, Tensor],
+        draw: Callable[[int], tuple[Tensor, Tensor, Tensor]],
+        ctx: Context,
     ) -> dict[str, Tensor]:
-        """Personalise the eval params (K, ...) on one batch of each client's train data.
+        """Personalise the eval params (K, ...) on each client's train data before evaluation.
 
-        Called by the evaluation (gradients enabled) only when `adapt_samples() > 0`, e.g.
-        Per-FedAvg's one local step; default: unchanged.
+        `draw(n)` returns one fixed batch of n train samples of each of the K clients, as
+        (x, y, client_index); e.g. Per-FedAvg's one local step. Called with gradients enabled;
+        default: unchanged (and the engine then draws nothing).
         """
         return params
 
