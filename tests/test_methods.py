@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from fpbench.engine.inputs import FeatureCache, Inputs, owners
-from fpbench.methods.base import Context, Method, Output, ServerState, Updates, as_logits
+from fpbench.methods.base import (
+    Context,
+    Method,
+    Output,
+    Phase,
+    ServerState,
+    Updates,
+    adapts,
+    as_logits,
+)
 from fpbench.methods.helpers import per_client_linear, weighted_mean
 from fpbench.registry import METHODS
 from fpbench.testing import (
@@ -153,3 +162,21 @@ def test_every_method_declares_its_backbone_family():
     assert Method.backbone_family == "vit"
     assert set(families.values()) <= {"vit", "clip"}
     assert families["promptfl"] == families["coop-local"] == "clip" and families["fedvpt"] == "vit"
+
+
+def test_a_phase_checks_its_own_optimisers():
+    Phase("local", ("a",), 1, {"a": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9}})
+    with pytest.raises(ValueError, match="takes optimizer and lr"):
+        Phase("local", ("a",), 1, {"a": {"optimizer": "sgd"}})
+    with pytest.raises(ValueError, match="takes optimizer and lr"):
+        Phase("local", ("a",), 1, {"a": {"optimizer": "sgd", "lr": 0.1, "betas": (0.9, 0.99)}})
+    with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'"):
+        Phase("local", ("a",), 1, {"a": {"optimizer": "rmsprop", "lr": 0.1}})
+
+
+def test_adapt_is_detected_by_override():
+    class Adapting(_TwoLogits):
+        def adapt(self, params, draw, ctx):
+            return params
+
+    assert not adapts(_TwoLogits.__new__(_TwoLogits)) and adapts(Adapting.__new__(Adapting))

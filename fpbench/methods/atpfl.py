@@ -74,7 +74,7 @@ class ATPFL(TwinPromptModel):
         return {f"global_{k}": v.detach().clone() for k, v in params.items()}
 
     def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
-        return [Phase("local", PROMPTS, local_epochs)]
+        return [Phase("local", PROMPTS, local_epochs, self.visual_optimizer())]
 
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context

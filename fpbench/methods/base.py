@@ -159,7 +159,13 @@ def adapts(method: object) -> bool:
 
 @dataclass(frozen=True)
 class Phase:
-    """One block of local training: which parameters train, for how many epochs.
+    """One block of local training: which parameters train, for how many epochs, and which of
+    them train with their own optimiser instead of the run's `train` settings.
+
+    `optimizers` maps a tensor's name to its settings, as a plain dict: `optimizer` ("sgd" or
+    "adam") and `lr` (required), `momentum` and `weight_decay` (default 0), e.g. TPFL's pixel
+    prompt `{"optimizer": "sgd", "lr": 40.0, "momentum": 0.9}`. Its lr follows the run's
+    schedule: it is scaled by the same per-round factor as `train.lr`.
 
     Blocks below the first prompt a phase trains are kept for the phase by the backbone, found
     from the prompts' `requires_grad` (`fpbench.backbones.recall`): nothing to declare."""
@@ -167,19 +173,22 @@ class Phase:
     name: str
     trainable: tuple[str, ...]
     epochs: int
+    optimizers: Mapping[str, Mapping[str, Any]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
 
-
-@dataclass(frozen=True)
-class OptimizerSettings:
-    """A parameter's own optimiser, replacing the run's `train` settings for it.
-
-    The lr follows the run's schedule: it is scaled by the same per-round factor as `train.lr`.
-    """
-
-    optimizer: Literal["sgd", "adam"]
-    lr: float
-    momentum: float = 0.0
-    weight_decay: float = 0.0
+    def __post_init__(self) -> None:
+        for name, settings in self.optimizers.items():
+            keys = set(settings)
+            if not {"optimizer", "lr"} <= keys <= {"optimizer", "lr", "momentum", "weight_decay"}:
+                raise ValueError(
+                    f"phase {self.name!r}: the optimiser of {name!r} takes optimizer and lr, "
+                    f"optionally momentum and weight_decay; got {sorted(keys)}"
+                )
+            if settings["optimizer"] not in ("sgd", "adam"):
+                raise ValueError(
+                    f"phase {self.name!r}: unknown optimizer {settings['optimizer']!r}"
+                )
 
 
 @dataclass
@@ -294,10 +303,6 @@ class Method:
     def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
         """The local schedule over the parameter `names`; default one phase training all."""
         return [Phase("local", names, local_epochs)]
-
-    def optimizer_settings(self) -> dict[str, OptimizerSettings]:
-        """Parameters trained with their own optimiser (e.g. pixel prompts); others use `train`."""
-        return {}
 
     def loss(
         self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context

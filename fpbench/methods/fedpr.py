@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 from pydantic import Field
 
 from fpbench.lazy import torch
-from fpbench.methods.base import Context, OptimizerSettings, Phase, ServerState, Updates
+from fpbench.methods.base import Context, Phase, ServerState, Updates
 from fpbench.methods.fedvpt import DeepConfig, FedVPTDeep
 from fpbench.registry import METHODS
 
@@ -121,18 +121,20 @@ class FedPR(FedVPTDeep):
         out["prompt_update"] = torch.zeros_like(out["prompts"])  # (K, L, p, d)
         return out
 
-    def optimizer_settings(self) -> dict[str, OptimizerSettings]:
-        cfg = self.cfg
-        if cfg.head_optimizer == "run":
-            return {}
-        own = OptimizerSettings(
-            cfg.head_optimizer, cfg.head_lr, cfg.head_momentum, cfg.head_weight_decay
-        )
-        return {"head_w": own, "head_b": own}
-
     def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
-        # the global prompts stay fixed; the update Z and the head train
-        return [Phase("local", tuple(n for n in names if n != "prompts"), local_epochs)]
+        # the global prompts stay fixed; the update Z and the head train (the head with its own
+        # optimiser unless `head_optimizer = "run"`)
+        cfg = self.cfg
+        own: dict[str, dict[str, object]] = {}
+        if cfg.head_optimizer != "run":
+            head = {
+                "optimizer": cfg.head_optimizer,
+                "lr": cfg.head_lr,
+                "momentum": cfg.head_momentum,
+                "weight_decay": cfg.head_weight_decay,
+            }
+            own = {"head_w": head, "head_b": head}
+        return [Phase("local", tuple(n for n in names if n != "prompts"), local_epochs, own)]
 
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
