@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -180,3 +181,25 @@ def test_adapt_is_detected_by_override():
             return params
 
     assert not adapts(_TwoLogits.__new__(_TwoLogits)) and adapts(Adapting.__new__(Adapting))
+
+
+def test_a_config_with_presets_applies_them_and_must_declare_the_field():
+    from typing import ClassVar
+
+    from fpbench.methods.base import MethodConfig
+
+    class Rows(MethodConfig):
+        PRESETS: ClassVar[dict[str, dict[str, int]]] = {"table2": {"a": 3, "b": 4}}
+        preset: str | None = None
+        a: int = 1
+        b: int = 2
+
+    assert Rows(preset="table2", b=5).model_dump() == {"preset": "table2", "a": 3, "b": 5}
+    assert Rows().model_dump() == {"preset": None, "a": 1, "b": 2}
+    with pytest.raises(ValueError, match="unknown preset 'table9'; valid: table2"):
+        Rows(preset="table9")
+    with pytest.raises(TypeError, match=re.escape("declare `preset: str | None = None`")):
+
+        class NoField(MethodConfig):  # noqa: F841
+            PRESETS: ClassVar[dict[str, dict[str, int]]] = {"table2": {"a": 3}}
+            a: int = 1

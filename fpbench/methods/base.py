@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from fpbench.lazy import F, torch
 
@@ -57,27 +57,27 @@ Inference = Literal["global", "client-conditioned", "personal", "personal-deploy
 
 
 class MethodConfig(BaseModel):
-    """Base of every method's typed, frozen config."""
+    """Base of every method's typed, frozen config.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class PresetConfig(MethodConfig):
-    """A config with named settings (e.g. a paper's ablation rows): `preset = "name"`.
-
-    Subclasses set `PRESETS` (name -> field values); fields given explicitly win over the
-    preset's, and the stored config keeps the preset's name and every resolved value.
+    A config with named settings (e.g. a paper's ablation rows) sets `PRESETS` (name -> field
+    values) and declares the field `preset: str | None = None`; `preset = "name"` then applies
+    that row. Fields given explicitly win over the preset's, and the stored config keeps the
+    preset's name and every resolved value.
     """
 
+    model_config = ConfigDict(extra="forbid", frozen=True)
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
-    preset: str | None = Field(
-        None, description="a named setting of PRESETS; fields given explicitly override it"
-    )
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        if cls.PRESETS and "preset" not in cls.model_fields:
+            raise TypeError(f"{cls.__name__} sets PRESETS: declare `preset: str | None = None`")
 
     @model_validator(mode="before")
     @classmethod
     def _apply_preset(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or data.get("preset") is None:
+        if not cls.PRESETS or not isinstance(data, dict) or data.get("preset") is None:
             return data
         if data["preset"] not in cls.PRESETS:
             raise ValueError(f"unknown preset {data['preset']!r}; valid: {', '.join(cls.PRESETS)}")

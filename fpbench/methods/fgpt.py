@@ -34,8 +34,8 @@ from fpbench.lazy import F, torch
 from fpbench.methods.base import (
     Context,
     Method,
+    MethodConfig,
     Output,
-    PresetConfig,
     ServerState,
     TaskInfo,
     TestSplit,
@@ -75,8 +75,11 @@ PRESETS: dict[str, dict[str, object]] = {
 }
 
 
-class FGPTConfig(PresetConfig):
+class FGPTConfig(MethodConfig):
     PRESETS: ClassVar[dict[str, dict[str, object]]] = PRESETS
+    preset: str | None = Field(
+        None, description="a named setting of PRESETS; fields given explicitly override it"
+    )
 
     num_groups: int = Field(
         20,

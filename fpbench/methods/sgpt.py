@@ -58,9 +58,9 @@ from fpbench.lazy import F, torch
 from fpbench.methods.base import (
     Context,
     Method,
+    MethodConfig,
     Output,
     Phase,
-    PresetConfig,
     ServerState,
     TaskInfo,
     TestSplit,
@@ -130,8 +130,11 @@ SGPT_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-class SGPTConfig(PresetConfig):
+class SGPTConfig(MethodConfig):
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = SGPT_PRESETS
+    preset: str | None = Field(
+        None, description="a named setting of PRESETS; fields given explicitly override it"
+    )
     num_groups: int = Field(20, ge=1, description="G groups/keys (reference: CIFAR 20, Office 4)")
     shared_layers: tuple[int, ...] | Literal["all"] | None = Field(
         None,
