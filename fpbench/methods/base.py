@@ -107,19 +107,8 @@ class TaskInfo:
     train_idx: tuple[Tensor, ...] | None = None  # per client: its indices into train_images
     heldout: Tensor | None = None  # (N,) bool: held-out clients never train nor share
     train_labels: Tensor | None = None  # (n,) labels of train_images (PEP-FedPT's warm start)
-    # No test split: a metric that needs it reads the engine's `TestSplit` in `round_metrics`.
+    # No test split: a metric that needs it reads the engine's `test` in `round_metrics`.
     coarse_of_class: Tensor | None = None  # (C,) coarse class of each class; None: no hierarchy
-
-
-@dataclass(frozen=True)
-class TestSplit:
-    """What `round_metrics` may read of the test split, from the engine: its labels, and `map`,
-    which runs a function over its preprocessed images (e.g. a frozen query; frozen work in it
-    is recalled, as in evaluation); never the images themselves."""
-
-    __test__ = False  # not a pytest test class
-    labels: Tensor  # (M,)
-    map: Callable[[Callable[[Tensor], Tensor]], Tensor]  # fn: (B, 3, S, S) -> (B, ...); (M, ...)
 
 
 @dataclass(frozen=True)
@@ -347,9 +336,18 @@ class Method:
         """Tensors (down, up) exchanged per participating client (default: global params)."""
         return server.params, server.params
 
-    def round_metrics(self, server: ServerState, test: TestSplit | None = None) -> dict[str, float]:
-        """Method-specific scalars stored every round after aggregation (default: none); `test`
-        is the engine's view of the test split, for diagnostics that score on it."""
+    def round_metrics(
+        self,
+        server: ServerState,
+        test: Callable[[Callable[[Tensor], Tensor]], tuple[Tensor, Tensor]] | None = None,
+    ) -> dict[str, float]:
+        """Method-specific scalars stored every round after aggregation (default: none).
+
+        `test` is the engine's view of the test split, for diagnostics that score on it:
+        `test(fn)` runs fn: (B, 3, S, S) -> (B, ...) over its preprocessed images, without
+        gradients and with frozen work recalled as in evaluation, and returns (fn's outputs
+        (M, ...), the labels (M,)); never the images themselves. None: no (or an empty) test
+        split."""
         return {}
 
     # -- optional hook: local adaptation before evaluation (personal methods) --------------------

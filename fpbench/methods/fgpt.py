@@ -38,7 +38,6 @@ from fpbench.methods.base import (
     Output,
     ServerState,
     TaskInfo,
-    TestSplit,
     Updates,
 )
 from fpbench.methods.helpers import init_linear, init_prompts, per_client_linear
@@ -46,6 +45,8 @@ from fpbench.methods.keys import group_counts, select_groups
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torch import Tensor
 
     from fpbench.backbones import PromptedViT
@@ -363,7 +364,9 @@ class FGPT(Method):
         buffers.update({k: v.to(device) for k, v in sims.items()})
         return ServerState(params, server.personal, buffers)
 
-    def round_metrics(self, server: ServerState, test: TestSplit | None = None) -> dict[str, float]:
+    def round_metrics(
+        self, server: ServerState, test: Callable[..., tuple[Tensor, Tensor]] | None = None
+    ) -> dict[str, float]:
         """Table 11's prompt similarities of the last aggregation (where defined)."""
         return finite_similarities(server.buffers)
 

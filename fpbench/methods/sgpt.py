@@ -63,7 +63,6 @@ from fpbench.methods.base import (
     Phase,
     ServerState,
     TaskInfo,
-    TestSplit,
     Updates,
 )
 from fpbench.methods.clustering import cluster_accuracy, congruence, kmeans, overlap
@@ -73,6 +72,8 @@ from fpbench.methods.numerics import fp32
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torch import Tensor
 
     from fpbench.backbones import PromptedViT, ViTFeatures
@@ -455,7 +456,9 @@ class SGPT(Method):
             return base + ctx.earlier["select_counts"]
         return base
 
-    def round_metrics(self, server: ServerState, test: TestSplit | None = None) -> dict[str, float]:
+    def round_metrics(
+        self, server: ServerState, test: Callable[..., tuple[Tensor, Tensor]] | None = None
+    ) -> dict[str, float]:
         """Appendix D.2's congruence of the current keys' groups (nearest key, as at test time)
         with centralised k-means on the same frozen queries (see `congruence`), and Table 4's
         clustering accuracy on the test set against its coarse labels (`cluster_accuracy`),
@@ -470,10 +473,10 @@ class SGPT(Method):
             out |= {"cluster_overlap": acc, "congruence_kmeans": score, "cluster_purity": purity}
         coarse_of_class = self.task.coarse_of_class
         scored = self.cfg.cluster_metric and self.group_layers and coarse_of_class is not None
-        if scored and test is not None and len(test.labels):
-            queries = test.map(self.query)  # (M, dq)
+        if scored and test is not None:
+            queries, labels = test(self.query)  # (M, dq), (M,)
             groups = nearest_group(queries, server.params["keys"])  # (M,)
-            coarse = coarse_of_class.to(test.labels.device)[test.labels].to(groups.device)
+            coarse = coarse_of_class.to(labels.device)[labels].to(groups.device)
             out["acc_cluster"] = cluster_accuracy(groups, coarse, g, self.num_coarse)
         return out
 
