@@ -203,3 +203,17 @@ def test_a_config_with_presets_applies_them_and_must_declare_the_field():
         class NoField(MethodConfig):  # noqa: F841
             PRESETS: ClassVar[dict[str, dict[str, int]]] = {"table2": {"a": 3}}
             a: int = 1
+
+
+@pytest.mark.parametrize(
+    ("old", "hint"),
+    [
+        ("optimizer_settings", "Phase.optimizers"),
+        ("adapt_samples", "draw"),
+        ("scores_new_clients", "personal-deploys"),
+        ("readings", "method_readings.py"),
+    ],
+)
+def test_a_method_declaring_a_folded_name_is_refused(old, hint):
+    with pytest.raises(TypeError, match=re.escape(f"Old.{old} is no longer read: ") + ".*" + hint):
+        type("Old", (Method,), {old: None})

@@ -260,21 +260,8 @@ class Method:
     # client that never trained is what it deploys to a new one: held-out clients are scored)
     inference: ClassVar[Inference] = "global"
     personal: ClassVar[frozenset[str]] = frozenset()  # parameter names kept per client
-    # fpbench's readings where its paper and reference code leave a choice, one line each; a
-    # subclass's entries add to (or replace) its bases'. The paper protocols hold every feeding
-    # cell to them as the virtual config paths `readings.<key>` (fpbench.report.protocol).
-    # `official_check`: whether a differential test runs the official code on the same inputs.
-    readings: ClassVar[dict[str, str]] = {"official_check": "none"}
     # the backbone its forward needs: a prompted ViT, or CLIP (image and text towers)
     backbone_family: ClassVar[Literal["vit", "clip"]] = "vit"
-
-    @classmethod
-    def all_readings(cls) -> dict[str, str]:
-        """`readings` merged over the class and its bases (a subclass's entries win)."""
-        out: dict[str, str] = {}
-        for klass in reversed(cls.__mro__):
-            out.update(vars(klass).get("readings", {}))
-        return out
 
     # -- optional hooks: local training ----------------------------------------------------------
     def client_params(
@@ -370,3 +357,17 @@ class Method:
         self.cfg = cfg
         self.backbone = backbone
         self.task = task
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for old in _FOLDED.keys() & vars(cls).keys():  # a method written before #32's folds
+            raise TypeError(f"{cls.__name__}.{old} is no longer read: {_FOLDED[old]}")
+
+
+# names a method no longer declares (issue #32), and where their content went
+_FOLDED = {
+    "readings": "a method's readings are listed by name in fpbench/report/method_readings.py",
+    "optimizer_settings": "name a tensor's own optimiser in Phase.optimizers (`phases`)",
+    "adapt_samples": "adapt(params, draw, ctx) draws its own batch: draw(n)",
+    "scores_new_clients": 'set inference = "personal-deploys"',
+}

@@ -39,7 +39,7 @@ FedPR's Adam 0.1; `head_optimizer = "run"` trains it with the run's optimiser, a
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
@@ -99,14 +99,6 @@ def project_straight_through(update: Tensor, proj: Tensor) -> Tensor:
 class FedPR(FedVPTDeep):
     name = "fedpr"
     Config = FedPRConfig
-    readings: ClassVar[dict[str, str]] = {
-        # util/adam_svd.py (projector and projected Adam steps): tests/test_peer_official.py
-        "official_check": "differential",
-        # torch's Adam adds eps after the bias correction; FedPR's AdamSVD before it
-        "adam_eps": "after-bias-correction",
-        # FedPR keeps each client's AdamSVD (moments, step count) across rounds
-        "optimizer_state": "fresh-per-round",
-    }
 
     def init_server(self, gen: torch.Generator) -> ServerState:
         server = super().init_server(gen)

@@ -303,9 +303,6 @@ def _duplicates(layers: tuple[int, ...]) -> set[int]:
 class SGPT(Method):
     name = "sgpt"
     Config = SGPTConfig
-    readings: ClassVar[dict[str, str]] = {
-        "official_check": "differential",  # models/vit_models_pr.py: tests/test_peer_official.py
-    }
 
     def __init__(self, cfg: SGPTConfig, backbone: PromptedViT, task: TaskInfo) -> None:
         super().__init__(cfg, backbone, task)
