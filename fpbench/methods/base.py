@@ -15,11 +15,30 @@ work: the backbone recalls what depends on nothing the current phase trains
 statistics it records) and writes into nothing; what the engine hands it (`Context`) is
 read-only.
 
-Decisions (issue #32):
-* `adapt` / `adapt_samples` stay, as they are: Per-FedAvg's evaluation-time step needs data
-  that no other hook sees (one batch of each client's train split), and the engine must know
-  its size before it draws the batch; folding them into `client_params` would hand every method
-  data it does not need.
+Decisions (issue #32; counts in docs/method-interface.md):
+* `adapt` stays, `adapt_samples` folds into it: Per-FedAvg's evaluation-time step needs data
+  that no other hook sees (one batch of each client's train split); `adapt` receives `draw(n)`,
+  which draws that batch, so the size is the method's own argument, not a second hook. The
+  engine adapts only where `adapt` is overridden (`adapts`). Folding it into `client_params`
+  would hand every method data it does not need.
+* `optimizer_settings` and `OptimizerSettings` fold into `Phase.optimizers`: a tensor's own
+  optimiser is part of the local schedule, a plain dict per tensor (optimizer, lr, momentum,
+  weight_decay), checked when the phase is made.
+* `scores_new_clients` folds into `inference`, as the value "personal-deploys".
+* `PresetConfig` folds into `MethodConfig` (`PRESETS`, and a config with presets declares its
+  `preset` field: a field on every config would change every stored config).
+* `readings` leaves the interface: it is paper-protocol data, read only by the protocol checks,
+  listed by registry name in `fpbench/report/method_readings.py`.
+* `TestSplit` goes: `round_metrics`' `test` is a callable, `test(fn) -> (outputs, labels)`.
+  `Inference` is the documented set of values of `inference`, not a type a method imports.
+* `init_server`, `client_params` and `communication` stay hooks: of the 14 `init_server`
+  overrides 9 only add buffers to the default and 5 build another state (hypernetwork weights
+  with no client tensor, generated or pooled per-client prompts, per-client tables of their own
+  shape, earlier-round copies); the 7 `client_params` overrides generate, add or swap tensors
+  (a hypernetwork's output, DP keys, a zero update, MOON's global copy, GPA's mean at
+  evaluation); of the 9 `communication` overrides 2 send nothing and 7 count buffers, generated
+  rows or first-round-only tensors, often different up and down. No declaration covers them
+  without a rule as long as a hook.
 * `Context.earlier` stays, read-only: SGPT's reference code lets a client read the selection
   counts of the clients trained before it in the round ("sequential"), which only the reference
   executor can reproduce; it is always empty in lockstep, so no other method sees a difference.
