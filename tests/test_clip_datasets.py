@@ -260,9 +260,6 @@ class _TableMethod:
     def client_params(self, server, ids, training=True):
         return {"b": torch.zeros(len(ids), 3)}
 
-    def adapt_samples(self) -> int:
-        return 0
-
     def forward(self, params, x, rows, ctx):
         return torch.tensor(L)[x] + params["b"][rows]  # (B, 3)
 

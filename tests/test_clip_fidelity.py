@@ -45,7 +45,7 @@ def test_visual_prompt_follows_its_own_optimiser_and_the_run_schedule(tiny):
     cfg, _, method = tiny("tpfl", optimizer="adam", lr=0.002)
     phase = method.phases(1, ("ctx", "visual_prompt"))[0]
     tensors = [torch.zeros(2, 3), torch.zeros(2, 4)]
-    group = phase_optimizer(method, cfg.train, tensors, phase, lr=0.001)  # half of train.lr
+    group = phase_optimizer(cfg.train, tensors, phase, lr=0.001)  # half of train.lr
     adam, sgd = group.optimizers
     assert isinstance(adam, StackedAdam) and adam.params == [tensors[0]] and adam.lr == 0.001
     assert isinstance(sgd, StackedSGD) and sgd.params == [tensors[1]]

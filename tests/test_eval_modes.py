@@ -217,6 +217,16 @@ def test_a_method_whose_parameters_depend_on_the_classes_is_refused(method, eval
         build_populations(cfg, task, CPU)
 
 
+def test_a_method_that_adapts_on_client_data_is_refused():
+    cfg = _cell(
+        {"name": "per-fedavg"}, {"mode": "cross-dataset", "targets": [{"name": "synthetic"}]}
+    )
+    cfg = cfg.model_copy(update={"backbone": cfg.backbone.model_copy(update={"name": "vit-test"})})
+    task = build_task(cfg, CPU)
+    with pytest.raises(FpbenchError, match="adapts on each client's data before it is scored"):
+        build_populations(cfg, task, CPU)
+
+
 _BAD_SUITE = """
 name = "bad-mode"
 seeds = [0]

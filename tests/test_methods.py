@@ -4,12 +4,22 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
 from fpbench.engine.inputs import FeatureCache, Inputs, owners
-from fpbench.methods.base import Context, Method, Output, ServerState, Updates, as_logits
+from fpbench.methods.base import (
+    Context,
+    Method,
+    Output,
+    Phase,
+    ServerState,
+    Updates,
+    adapts,
+    as_logits,
+)
 from fpbench.methods.helpers import per_client_linear, weighted_mean
 from fpbench.registry import METHODS
 from fpbench.testing import (
@@ -153,3 +163,57 @@ def test_every_method_declares_its_backbone_family():
     assert Method.backbone_family == "vit"
     assert set(families.values()) <= {"vit", "clip"}
     assert families["promptfl"] == families["coop-local"] == "clip" and families["fedvpt"] == "vit"
+
+
+def test_a_phase_checks_its_own_optimisers():
+    Phase("local", ("a",), 1, {"a": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9}})
+    with pytest.raises(ValueError, match="takes optimizer and lr"):
+        Phase("local", ("a",), 1, {"a": {"optimizer": "sgd"}})
+    with pytest.raises(ValueError, match="takes optimizer and lr"):
+        Phase("local", ("a",), 1, {"a": {"optimizer": "sgd", "lr": 0.1, "betas": (0.9, 0.99)}})
+    with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'"):
+        Phase("local", ("a",), 1, {"a": {"optimizer": "rmsprop", "lr": 0.1}})
+
+
+def test_adapt_is_detected_by_override():
+    class Adapting(_TwoLogits):
+        def adapt(self, params, draw, ctx):
+            return params
+
+    assert not adapts(_TwoLogits.__new__(_TwoLogits)) and adapts(Adapting.__new__(Adapting))
+
+
+def test_a_config_with_presets_applies_them_and_must_declare_the_field():
+    from typing import ClassVar
+
+    from fpbench.methods.base import MethodConfig
+
+    class Rows(MethodConfig):
+        PRESETS: ClassVar[dict[str, dict[str, int]]] = {"table2": {"a": 3, "b": 4}}
+        preset: str | None = None
+        a: int = 1
+        b: int = 2
+
+    assert Rows(preset="table2", b=5).model_dump() == {"preset": "table2", "a": 3, "b": 5}
+    assert Rows().model_dump() == {"preset": None, "a": 1, "b": 2}
+    with pytest.raises(ValueError, match="unknown preset 'table9'; valid: table2"):
+        Rows(preset="table9")
+    with pytest.raises(TypeError, match=re.escape("declare `preset: str | None = None`")):
+
+        class NoField(MethodConfig):  # noqa: F841
+            PRESETS: ClassVar[dict[str, dict[str, int]]] = {"table2": {"a": 3}}
+            a: int = 1
+
+
+@pytest.mark.parametrize(
+    ("old", "hint"),
+    [
+        ("optimizer_settings", "Phase.optimizers"),
+        ("adapt_samples", "draw"),
+        ("scores_new_clients", "personal-deploys"),
+        ("readings", "method_readings.py"),
+    ],
+)
+def test_a_method_declaring_a_folded_name_is_refused(old, hint):
+    with pytest.raises(TypeError, match=re.escape(f"Old.{old} is no longer read: ") + ".*" + hint):
+        type("Old", (Method,), {old: None})

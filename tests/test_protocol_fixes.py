@@ -76,25 +76,48 @@ def test_every_reading_of_a_feeding_method_is_a_rule_of_its_papers_protocol():
         assert _covered(paper) == {}, paper
 
 
+def test_readings_name_registered_methods_and_a_method_declares_none():
+    import pytest
+
+    from fpbench.methods.base import Method
+    from fpbench.registry import METHODS
+    from fpbench.report.method_readings import READINGS, method_readings
+    from fpbench.report.protocol import readings_of
+
+    assert set(READINGS) <= set(METHODS.names())
+    assert method_readings("fedvpt") == {"official_check": "none"}
+    assert readings_of("atpfl") == {
+        "official_check": "none",
+        "optimizer_state": "fresh-per-round",
+        "z": "class-text-features+image-features",
+    }
+    with pytest.raises(Exception, match="no-such-method"):
+        readings_of("no-such-method")
+    with pytest.raises(TypeError, match="fpbench/report/method_readings.py"):
+
+        class Old(Method):  # noqa: F841
+            readings = {"official_check": "differential"}
+
+
 def test_methods_checked_against_official_code_are_those_the_differential_test_runs():
     from fpbench.registry import METHODS
+    from fpbench.report.method_readings import method_readings
     from tests.peer import load_script
 
     kinds = set()
     harnesses = ("official", "clip_reference", "official_deep", "official_clip_fl",
-                 "official_clip_fl_2025")  # fmt: skip
+                 "official_clip_fl_2025", "official_bpl")  # fmt: skip
     for name in harnesses:
         kinds |= {kind for kind, _ in load_script(name).CASES.values()}
     checked = {
-        name for name in METHODS.names() if METHODS.get(name).all_readings()["official_check"]
-        != "none"
+        name for name in METHODS.names() if method_readings(name)["official_check"] != "none"
     }  # fmt: skip
     assert checked == {"promptfl", "fedotp", "sgpt", "fedpr", "zero-shot", "kgcoop", "cocoop",
                        "prograd", "maple", "promptsrc", "plot", "fedpgp", "fedclip",
-                       "promptfolio", "fedtpg", "dp-fpl", "pfedmoap", "fedpha"}  # fmt: skip
+                       "promptfolio", "fedtpg", "dp-fpl", "pfedmoap", "fedpha", "bpl"}  # fmt: skip
     assert kinds == {"coop", "fedotp", "sgpt", "fedpr", "zsclip", "kgcoop", "cocoop", "prograd",
                      "maple", "promptsrc", "plot", "fedpgp", "fedclip", "promptfolio", "fedtpg",
-                     "dpfpl", "pfedmoap", "fedpha"}  # fmt: skip
+                     "dpfpl", "pfedmoap", "fedpha", "bpl"}  # fmt: skip
 
 
 NEW_PATHS = {

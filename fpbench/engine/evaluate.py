@@ -13,6 +13,7 @@ all classes.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import ExitStack
 
 import numpy as np
 import torch
@@ -23,7 +24,7 @@ from fpbench.engine.metrics import EvalCounts, expected_calibration_error, macro
 from fpbench.engine.precision import autocast, start_params
 from fpbench.engine.seeding import client_batches, derive_seed
 from fpbench.engine.task import Task
-from fpbench.methods.base import Context, Method, ServerState, as_logits
+from fpbench.methods.base import Context, Method, ServerState, adapts, as_logits
 
 
 @torch.no_grad()
@@ -184,9 +185,7 @@ def _evaluate_per_client(
     each sample's row, so one forward serves several clients, as in lockstep training.
     """
     data = task.data
-    heldout_ok = method.inference == "client-conditioned" or getattr(
-        method, "scores_new_clients", False
-    )
+    heldout_ok = method.inference in ("client-conditioned", "personal-deploys")
     clients = [
         c
         for c in (range(task.num_clients) if only is None else only)
@@ -242,18 +241,26 @@ def _adapt(
     ids: Tensor,
     ctx: Context,
 ) -> dict[str, Tensor]:
-    """`Method.adapt` on one fixed batch of each client's train data (e.g. Per-FedAvg's step)."""
-    n = method.adapt_samples()
-    if n == 0:
+    """`Method.adapt` on each client's train data (e.g. Per-FedAvg's step): its `draw(n)` gives
+    one fixed batch of n train samples of each client, recalled as any train batch."""
+    if not adapts(method):
         return params
-    batches = [
-        (client_batches(task.train_idx[c], n, derive_seed("adapt", c)) or [task.train_idx[c]])[0]
-        for c in ids.tolist()
-    ]
-    idx, rows = _flat(batches)
-    x = inputs.train(idx)
-    with torch.enable_grad(), inputs.recall(x, "train", idx):
-        return method.adapt(params, x, task.data.train_labels[idx], rows, ctx)
+    with torch.enable_grad(), ExitStack() as recalled:
+
+        def draw(n: int) -> tuple[Tensor, Tensor, Tensor]:
+            batches = [
+                (
+                    client_batches(task.train_idx[c], n, derive_seed("adapt", c))
+                    or [task.train_idx[c]]
+                )[0]
+                for c in ids.tolist()
+            ]
+            idx, rows = _flat(batches)
+            x = inputs.train(idx)
+            recalled.enter_context(inputs.recall(x, "train", idx))
+            return x, task.data.train_labels[idx], rows
+
+        return method.adapt(params, draw, ctx)
 
 
 def _correct(

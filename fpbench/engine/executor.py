@@ -150,7 +150,7 @@ def train_together(
             rows = [task.train_idx[c].to(device) for c in client_ids]
             hidden = PhaseStates(rows, len(task.data.train_labels))
         leaves = {n: p.detach().requires_grad_(n in phase.trainable) for n, p in params.items()}
-        opt = phase_optimizer(method, cfg, [leaves[n] for n in phase.trainable], phase, lr)
+        opt = phase_optimizer(cfg, [leaves[n] for n in phase.trainable], phase, lr)
         for epoch in range(phase.epochs):
             opt.scale_lr(epoch_factor(cfg, epoch, phase.epochs))
             seeds = [derive_seed(seed, round_idx, c, phase_idx, epoch) for c in client_ids]
@@ -179,13 +179,14 @@ def train_together(
 
 
 def phase_optimizer(
-    method: Method, cfg: TrainConfig, tensors: list[Tensor], phase: Phase, lr: float
+    cfg: TrainConfig, tensors: list[Tensor], phase: Phase, lr: float
 ) -> OptimizerGroup:
-    """The run's optimiser for a phase's tensors, plus one per tensor with its own settings.
+    """The run's optimiser for a phase's tensors, plus one per tensor with its own settings
+    (`Phase.optimizers`).
 
     A tensor's own lr is scaled by this round's schedule factor (lr / train.lr).
     """
-    own = method.optimizer_settings()
+    own = phase.optimizers
     shared = [t for n, t in zip(phase.trainable, tensors, strict=True) if n not in own]
     opts = []
     if shared:
@@ -205,11 +206,11 @@ def phase_optimizer(
             s = own[name]
             opts.append(
                 make_optimizer(
-                    s.optimizer,
+                    s["optimizer"],
                     [t],
-                    lr=s.lr * factor,
-                    momentum=s.momentum,
-                    weight_decay=s.weight_decay,
+                    lr=s["lr"] * factor,
+                    momentum=s.get("momentum", 0.0),
+                    weight_decay=s.get("weight_decay", 0.0),
                     grad_clip=cfg.grad_clip,
                 )
             )

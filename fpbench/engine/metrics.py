@@ -11,7 +11,7 @@
   "global accuracy").
 * `acc_heldout_mean` / `acc_heldout_worst`: the same on held-out clients, which never train;
   not applicable (absent) for personal methods, except those that say what they deploy to a new
-  client (`Method.scores_new_clients`, e.g. P-PT: the initial prompts and the federated head).
+  client (`inference = "personal-deploys"`, e.g. P-PT: the initial prompts and the federated head).
 * `clients_untrained` (personal methods, `train.unseen_clients = "exclude"`, the default): the
   participating clients not yet sampled in any round. They have no trained personal parameters
   (pFedPG / pFedHN would give them a random head or embedding), so they are left out of every

@@ -6,11 +6,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.build import resolve_precision
@@ -18,6 +20,7 @@ from fpbench.engine.cost import count_flops
 from fpbench.engine.eval_modes import derived
 from fpbench.engine.evaluate import evaluate
 from fpbench.engine.executor import LocalResult, concat_results, train_clients
+from fpbench.engine.inputs import Inputs
 from fpbench.engine.metrics import (
     EvalCounts,
     MetricRow,
@@ -41,7 +44,7 @@ from fpbench.engine.populations import (
 from fpbench.engine.seeding import derive_seed
 from fpbench.engine.task import Task
 from fpbench.errors import FpbenchError
-from fpbench.methods.base import ServerState, TestSplit, Updates
+from fpbench.methods.base import ServerState, Updates
 from fpbench.specs import RunConfig, TrainConfig
 from fpbench.store import Store
 
@@ -200,8 +203,7 @@ def play_round(
     rows = [(None, "loss_train", loss, len(client_ids))]
     for pop in populations:
         suffix = f"@{pop.key}" if len(populations) > 1 else ""
-        test = TestSplit(task.data.test_labels, pop.inputs.test_map)
-        metrics = pop.method.round_metrics(servers[pop.key], test)
+        metrics = pop.method.round_metrics(servers[pop.key], view_of_test(task, pop.inputs))
         rows += [(None, f"{k}{suffix}", v, None) for k, v in metrics.items()]
     if r == 0:  # a property of the method, stored once (the largest over backbones)
         count = max(params_trainable(s.params, s.personal) for s in servers.values())
@@ -210,6 +212,17 @@ def play_round(
         seen = client_ids if seen is None else seen
         rows += evaluate_populations(populations, servers, task, cfg, precision, history, r, seen)
     return pack(servers), rows, {"loss_train": loss, "bytes_up": up, "bytes_down": down}
+
+
+def view_of_test(
+    task: Task, inputs: Inputs
+) -> Callable[[Callable[[Tensor], Tensor]], tuple[Tensor, Tensor]] | None:
+    """What `Method.round_metrics` may read of the test split: fn's outputs over its images
+    and its labels; None where the split is empty."""
+    labels = task.data.test_labels
+    if not len(labels):
+        return None
+    return lambda fn: (inputs.test_map(fn), labels)
 
 
 def _train_population(
@@ -383,7 +396,7 @@ def mark_untrained(
 ) -> EvalCounts:
     """Under `train.unseen_clients = "exclude"`, mark the personal methods' participating
     clients that no round has sampled yet (see `fpbench.engine.metrics`)."""
-    personal = [pop for pop in populations if pop.method.inference == "personal"]
+    personal = [pop for pop in populations if pop.method.inference.startswith("personal")]
     if rule != "exclude" or not personal:
         return counts
     mine = np.zeros(len(counts.total_local), dtype=bool)

@@ -11,6 +11,7 @@ from fpbench.data.base import ImageDataset
 from fpbench.engine.task import Task
 from fpbench.errors import FpbenchError
 from fpbench.lazy import torch
+from fpbench.methods.base import adapts
 
 if TYPE_CHECKING:
     from fpbench.engine.inputs import Inputs
@@ -49,7 +50,7 @@ def method_for(method: Method, task: Task, where: str) -> Method:
         FpbenchError: the method's parameters depend on the class count (it cannot be scored
             on other classes), or it adapts on local data before scoring.
     """
-    if method.adapt_samples() > 0:
+    if adapts(method):
         raise FpbenchError(
             f"method {method.name} adapts on each client's data before it is scored; {where} "
             "scores clients without local data: use another method"

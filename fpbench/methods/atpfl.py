@@ -24,7 +24,7 @@ model-contrastive loss this one mirrors.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 
@@ -54,9 +54,6 @@ def info_nce(z: Tensor, positive: Tensor, negative: Tensor, temperature: float) 
 
 @METHODS.register()
 class ATPFL(TwinPromptModel):
-    readings: ClassVar[dict[str, str]] = {
-        "z": "class-text-features+image-features",  # text prompt; visual prompt
-    }
     name = "atpfl"
     Config = ATPFLConfig
     personal = frozenset({"prev_ctx", "prev_visual", "has_prev"})
@@ -74,7 +71,7 @@ class ATPFL(TwinPromptModel):
         return {f"global_{k}": v.detach().clone() for k, v in params.items()}
 
     def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
-        return [Phase("local", PROMPTS, local_epochs)]
+        return [Phase("local", PROMPTS, local_epochs, self.visual_optimizer())]
 
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context

@@ -15,11 +15,30 @@ work: the backbone recalls what depends on nothing the current phase trains
 statistics it records) and writes into nothing; what the engine hands it (`Context`) is
 read-only.
 
-Decisions (issue #32):
-* `adapt` / `adapt_samples` stay, as they are: Per-FedAvg's evaluation-time step needs data
-  that no other hook sees (one batch of each client's train split), and the engine must know
-  its size before it draws the batch; folding them into `client_params` would hand every method
-  data it does not need.
+Decisions (issue #32; counts in docs/method-interface.md):
+* `adapt` stays, `adapt_samples` folds into it: Per-FedAvg's evaluation-time step needs data
+  that no other hook sees (one batch of each client's train split); `adapt` receives `draw(n)`,
+  which draws that batch, so the size is the method's own argument, not a second hook. The
+  engine adapts only where `adapt` is overridden (`adapts`). Folding it into `client_params`
+  would hand every method data it does not need.
+* `optimizer_settings` and `OptimizerSettings` fold into `Phase.optimizers`: a tensor's own
+  optimiser is part of the local schedule, a plain dict per tensor (optimizer, lr, momentum,
+  weight_decay), checked when the phase is made.
+* `scores_new_clients` folds into `inference`, as the value "personal-deploys".
+* `PresetConfig` folds into `MethodConfig` (`PRESETS`, and a config with presets declares its
+  `preset` field: a field on every config would change every stored config).
+* `readings` leaves the interface: it is paper-protocol data, read only by the protocol checks,
+  listed by registry name in `fpbench/report/method_readings.py`.
+* `TestSplit` goes: `round_metrics`' `test` is a callable, `test(fn) -> (outputs, labels)`.
+  `Inference` is the documented set of values of `inference`, not a type a method imports.
+* `init_server`, `client_params` and `communication` stay hooks: of the 14 `init_server`
+  overrides 9 only add buffers to the default and 5 build another state (hypernetwork weights
+  with no client tensor, generated or pooled per-client prompts, per-client tables of their own
+  shape, earlier-round copies); the 7 `client_params` overrides generate, add or swap tensors
+  (a hypernetwork's output, DP keys, a zero update, MOON's global copy, GPA's mean at
+  evaluation); of the 9 `communication` overrides 2 send nothing and 7 count buffers, generated
+  rows or first-round-only tensors, often different up and down. No declaration covers them
+  without a rule as long as a hook.
 * `Context.earlier` stays, read-only: SGPT's reference code lets a client read the selection
   counts of the clients trained before it in the round ("sequential"), which only the reference
   executor can reproduce; it is always empty in lockstep, so no other method sees a difference.
@@ -33,7 +52,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from fpbench.lazy import F, torch
 
@@ -52,31 +71,32 @@ if TYPE_CHECKING:
 
     from fpbench.backbones import PromptedViT
 
-Inference = Literal["global", "client-conditioned", "personal"]
+# the documented values of `Method.inference` (an author writes one of the strings)
+Inference = Literal["global", "client-conditioned", "personal", "personal-deploys"]
 
 
 class MethodConfig(BaseModel):
-    """Base of every method's typed, frozen config."""
+    """Base of every method's typed, frozen config.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class PresetConfig(MethodConfig):
-    """A config with named settings (e.g. a paper's ablation rows): `preset = "name"`.
-
-    Subclasses set `PRESETS` (name -> field values); fields given explicitly win over the
-    preset's, and the stored config keeps the preset's name and every resolved value.
+    A config with named settings (e.g. a paper's ablation rows) sets `PRESETS` (name -> field
+    values) and declares the field `preset: str | None = None`; `preset = "name"` then applies
+    that row. Fields given explicitly win over the preset's, and the stored config keeps the
+    preset's name and every resolved value.
     """
 
+    model_config = ConfigDict(extra="forbid", frozen=True)
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
-    preset: str | None = Field(
-        None, description="a named setting of PRESETS; fields given explicitly override it"
-    )
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        if cls.PRESETS and "preset" not in cls.model_fields:
+            raise TypeError(f"{cls.__name__} sets PRESETS: declare `preset: str | None = None`")
 
     @model_validator(mode="before")
     @classmethod
     def _apply_preset(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or data.get("preset") is None:
+        if not cls.PRESETS or not isinstance(data, dict) or data.get("preset") is None:
             return data
         if data["preset"] not in cls.PRESETS:
             raise ValueError(f"unknown preset {data['preset']!r}; valid: {', '.join(cls.PRESETS)}")
@@ -106,19 +126,8 @@ class TaskInfo:
     train_idx: tuple[Tensor, ...] | None = None  # per client: its indices into train_images
     heldout: Tensor | None = None  # (N,) bool: held-out clients never train nor share
     train_labels: Tensor | None = None  # (n,) labels of train_images (PEP-FedPT's warm start)
-    # No test split: a metric that needs it reads the engine's `TestSplit` in `round_metrics`.
+    # No test split: a metric that needs it reads the engine's `test` in `round_metrics`.
     coarse_of_class: Tensor | None = None  # (C,) coarse class of each class; None: no hierarchy
-
-
-@dataclass(frozen=True)
-class TestSplit:
-    """What `round_metrics` may read of the test split, from the engine: its labels, and `map`,
-    which runs a function over its preprocessed images (e.g. a frozen query; frozen work in it
-    is recalled, as in evaluation); never the images themselves."""
-
-    __test__ = False  # not a pytest test class
-    labels: Tensor  # (M,)
-    map: Callable[[Callable[[Tensor], Tensor]], Tensor]  # fn: (B, 3, S, S) -> (B, ...); (M, ...)
 
 
 @dataclass(frozen=True)
@@ -151,9 +160,20 @@ def as_logits(out: Tensor | Output) -> Tensor:
     return out.logits if isinstance(out, Output) else out
 
 
+def adapts(method: object) -> bool:
+    """Whether a method overrides `Method.adapt` (adapts on client data before it is scored)."""
+    return getattr(type(method), "adapt", Method.adapt) is not Method.adapt
+
+
 @dataclass(frozen=True)
 class Phase:
-    """One block of local training: which parameters train, for how many epochs.
+    """One block of local training: which parameters train, for how many epochs, and which of
+    them train with their own optimiser instead of the run's `train` settings.
+
+    `optimizers` maps a tensor's name to its settings, as a plain dict: `optimizer` ("sgd" or
+    "adam") and `lr` (required), `momentum` and `weight_decay` (default 0), e.g. TPFL's pixel
+    prompt `{"optimizer": "sgd", "lr": 40.0, "momentum": 0.9}`. Its lr follows the run's
+    schedule: it is scaled by the same per-round factor as `train.lr`.
 
     Blocks below the first prompt a phase trains are kept for the phase by the backbone, found
     from the prompts' `requires_grad` (`fpbench.backbones.recall`): nothing to declare."""
@@ -161,19 +181,22 @@ class Phase:
     name: str
     trainable: tuple[str, ...]
     epochs: int
+    optimizers: Mapping[str, Mapping[str, Any]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
 
-
-@dataclass(frozen=True)
-class OptimizerSettings:
-    """A parameter's own optimiser, replacing the run's `train` settings for it.
-
-    The lr follows the run's schedule: it is scaled by the same per-round factor as `train.lr`.
-    """
-
-    optimizer: Literal["sgd", "adam"]
-    lr: float
-    momentum: float = 0.0
-    weight_decay: float = 0.0
+    def __post_init__(self) -> None:
+        for name, settings in self.optimizers.items():
+            keys = set(settings)
+            if not {"optimizer", "lr"} <= keys <= {"optimizer", "lr", "momentum", "weight_decay"}:
+                raise ValueError(
+                    f"phase {self.name!r}: the optimiser of {name!r} takes optimizer and lr, "
+                    f"optionally momentum and weight_decay; got {sorted(keys)}"
+                )
+            if settings["optimizer"] not in ("sgd", "adam"):
+                raise ValueError(
+                    f"phase {self.name!r}: unknown optimizer {settings['optimizer']!r}"
+                )
 
 
 @dataclass
@@ -250,28 +273,14 @@ class Method:
 
     # -- optional declarations, with their defaults ----------------------------------------------
     Config: ClassVar[type[MethodConfig]] = MethodConfig  # the method's own settings
+    # how clients are scored: "global" (one model for all), "client-conditioned" (a model made
+    # for each client, new ones included), "personal" (each client's own; held-out clients are
+    # not applicable), "personal-deploys" (personal, and its evaluation `client_params` of a
+    # client that never trained is what it deploys to a new one: held-out clients are scored)
     inference: ClassVar[Inference] = "global"
     personal: ClassVar[frozenset[str]] = frozenset()  # parameter names kept per client
-    # fpbench's readings where its paper and reference code leave a choice, one line each; a
-    # subclass's entries add to (or replace) its bases'. The paper protocols hold every feeding
-    # cell to them as the virtual config paths `readings.<key>` (fpbench.report.protocol).
-    # `official_check`: whether a differential test runs the official code on the same inputs.
-    readings: ClassVar[dict[str, str]] = {"official_check": "none"}
-
-    # a personal method that says what it deploys to a new client (its evaluation
-    # `client_params` of a client that never trained): held-out clients are then scored with it
-    # instead of not applicable
-    scores_new_clients: ClassVar[bool] = False
     # the backbone its forward needs: a prompted ViT, or CLIP (image and text towers)
     backbone_family: ClassVar[Literal["vit", "clip"]] = "vit"
-
-    @classmethod
-    def all_readings(cls) -> dict[str, str]:
-        """`readings` merged over the class and its bases (a subclass's entries win)."""
-        out: dict[str, str] = {}
-        for klass in reversed(cls.__mro__):
-            out.update(vars(klass).get("readings", {}))
-        return out
 
     # -- optional hooks: local training ----------------------------------------------------------
     def client_params(
@@ -289,10 +298,6 @@ class Method:
     def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
         """The local schedule over the parameter `names`; default one phase training all."""
         return [Phase("local", names, local_epochs)]
-
-    def optimizer_settings(self) -> dict[str, OptimizerSettings]:
-        """Parameters trained with their own optimiser (e.g. pixel prompts); others use `train`."""
-        return {}
 
     def loss(
         self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
@@ -337,23 +342,32 @@ class Method:
         """Tensors (down, up) exchanged per participating client (default: global params)."""
         return server.params, server.params
 
-    def round_metrics(self, server: ServerState, test: TestSplit | None = None) -> dict[str, float]:
-        """Method-specific scalars stored every round after aggregation (default: none); `test`
-        is the engine's view of the test split, for diagnostics that score on it."""
+    def round_metrics(
+        self,
+        server: ServerState,
+        test: Callable[[Callable[[Tensor], Tensor]], tuple[Tensor, Tensor]] | None = None,
+    ) -> dict[str, float]:
+        """Method-specific scalars stored every round after aggregation (default: none).
+
+        `test` is the engine's view of the test split, for diagnostics that score on it:
+        `test(fn)` runs fn: (B, 3, S, S) -> (B, ...) over its preprocessed images, without
+        gradients and with frozen work recalled as in evaluation, and returns (fn's outputs
+        (M, ...), the labels (M,)); never the images themselves. None: no (or an empty) test
+        split."""
         return {}
 
-    # -- optional hooks: local adaptation before evaluation (personal methods) -------------------
-    def adapt_samples(self) -> int:
-        """Train samples per client that `adapt` needs before evaluation; 0: no adaptation."""
-        return 0
-
+    # -- optional hook: local adaptation before evaluation (personal methods) --------------------
     def adapt(
-        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
+        self,
+        params: dict[str, Tensor],
+        draw: Callable[[int], tuple[Tensor, Tensor, Tensor]],
+        ctx: Context,
     ) -> dict[str, Tensor]:
-        """Personalise the eval params (K, ...) on one batch of each client's train data.
+        """Personalise the eval params (K, ...) on each client's train data before evaluation.
 
-        Called by the evaluation (gradients enabled) only when `adapt_samples() > 0`, e.g.
-        Per-FedAvg's one local step; default: unchanged.
+        `draw(n)` returns one fixed batch of n train samples of each of the K clients, as
+        (x, y, client_index); e.g. Per-FedAvg's one local step. Called with gradients enabled;
+        default: unchanged (and the engine then draws nothing).
         """
         return params
 
@@ -362,3 +376,17 @@ class Method:
         self.cfg = cfg
         self.backbone = backbone
         self.task = task
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for old in _FOLDED.keys() & vars(cls).keys():  # a method written before #32's folds
+            raise TypeError(f"{cls.__name__}.{old} is no longer read: {_FOLDED[old]}")
+
+
+# names a method no longer declares (issue #32), and where their content went
+_FOLDED = {
+    "readings": "a method's readings are listed by name in fpbench/report/method_readings.py",
+    "optimizer_settings": "name a tensor's own optimiser in Phase.optimizers (`phases`)",
+    "adapt_samples": "adapt(params, draw, ctx) draws its own batch: draw(n)",
+    "scores_new_clients": 'set inference = "personal-deploys"',
+}

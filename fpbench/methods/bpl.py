@@ -21,7 +21,7 @@ The official code draws eps afresh at every forward (torch.randn, its batch size
 draw per image), at test time too. fpbench's forward is deterministic (both client executors and
 a resumed run must compute the same values), so the L draws eps (L, d) are a server buffer,
 drawn anew each round from the run's seed and shared by every client, step and image of that
-round, and by the evaluation after it (READINGS).
+round, and by the evaluation after it (`fpbench/report/method_readings.py`).
 
 Adapted to FL as FLiP does: every client trains ctx and the posterior's parameters on its own
 data, the server averages them weighted by train size (FedAvg); inference: the global ones.
@@ -42,15 +42,6 @@ from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
     from torch import Tensor
-
-# The choices this port makes where BPL's paper and official code are silent or differ (the lead
-# moves these into the method interface's declarations).
-READINGS = {
-    "official_check": "differential",  # trainers/vpt.py: tests/test_peer_bpl.py
-    "mc_noise": "per-round-buffer",  # official: fresh torch.randn per forward (batch size 1)
-    "batch": "per-sample",  # official: batch size 1 (its bias broadcast needs it)
-    "fl_aggregation": "fedavg-all",
-}
 
 MLP = ("w1", "b1", "w2", "b2", "w3", "b3")
 

@@ -15,7 +15,7 @@ the server averages both weighted by train size (FedAvg); inference: the global 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 
@@ -42,9 +42,6 @@ class CoCoOpConfig(MethodConfig):
 class CoCoOp(CoOpModel):
     name = "cocoop"
     Config = CoCoOpConfig
-    readings: ClassVar[dict[str, str]] = {
-        "official_check": "differential",  # trainers/cocoop.py: tests/test_peer_clip_reference.py
-    }
 
     @property
     def n_ctx(self) -> int:

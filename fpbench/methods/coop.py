@@ -50,11 +50,6 @@ class CoOpModel(Method):
 
     Config = CoOpConfig
     backbone_family: ClassVar[str] = "clip"
-    readings: ClassVar[dict[str, str]] = {
-        # each client's optimiser and lr schedule start anew every round, without warmup (the
-        # reference code of PromptFL and FedOTP keeps one, with Dassl's warmup: declared)
-        "optimizer_state": "fresh-per-round",
-    }
 
     def __init__(self, cfg: MethodConfig, backbone: PromptedCLIP, task: TaskInfo) -> None:
         from fpbench.backbones.clip import PromptedCLIP

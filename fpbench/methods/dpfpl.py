@@ -22,8 +22,8 @@ step, so a fpbench round is one step (`max_local_steps = 1`, SGD without momentu
 client every round, set in the suite): the server's uniform mean of the clients' one-step
 global prompts is then the official averaged-gradient step. The server's noise is drawn by the
 clients instead, N(0, std^2 / N) each, whose mean has the official N(0, (std / N)^2) (declared
-in `readings`). Randomness (v0, noise) is seeded per (run, client, round) from generators of
-fpbench's own: it repeats over the steps of a round where a round has several.
+in `method_readings`). Randomness (v0, noise) is seeded per (run, client, round) from generators
+of fpbench's own: it repeats over the steps of a round where a round has several.
 
 Defaults from the official code (linhhtran/DP-FPL, `trainers/DP_FPL.py`, `federated_main.py`,
 commit cce74b4): 16 context tokens, rank 8, clip C = 10, delta = 1e-5, epsilon 0 (no noise;
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 
@@ -145,13 +145,6 @@ def clip_noise(x: Tensor, noise: Tensor, clip: float) -> Tensor:
 class DPFPL(GlobalLocalPrompts):
     name = "dp-fpl"
     Config = DPFPLConfig
-    readings: ClassVar[dict[str, str]] = {
-        "official_check": "differential",  # trainers/DP_FPL.py: tests/test_peer_clip_fl.py
-        # a fpbench round is one official step; the server's Gaussian on the mean global
-        # gradient is drawn by the clients, N(0, std^2 / N) each (the same distribution)
-        "global_noise": "client-drawn",
-        "randomness": "per-run-client-round",
-    }
 
     def init_server(self, gen: torch.Generator) -> ServerState:
         server = super().init_server(gen)

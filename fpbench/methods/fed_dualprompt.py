@@ -42,7 +42,6 @@ from fpbench.methods.base import (
     Output,
     ServerState,
     TaskInfo,
-    TestSplit,
     Updates,
 )
 from fpbench.methods.fgpt import (
@@ -55,6 +54,8 @@ from fpbench.methods.keys import group_counts, key_cosines
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torch import Tensor
 
     from fpbench.backbones import PromptedViT
@@ -164,6 +165,8 @@ class FedDualPrompt(Method):
         buffers = dict(new.buffers) | {k: v.to(e.device) for k, v in sims.items()}
         return ServerState(new.params, new.personal, buffers)
 
-    def round_metrics(self, server: ServerState, test: TestSplit | None = None) -> dict[str, float]:
+    def round_metrics(
+        self, server: ServerState, test: Callable[..., tuple[Tensor, Tensor]] | None = None
+    ) -> dict[str, float]:
         """FGPT Table 11's prompt similarities of the last aggregation (where defined)."""
         return finite_similarities(server.buffers)

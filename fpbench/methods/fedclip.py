@@ -22,12 +22,12 @@ client's part of the step, which is the client's minibatch of the reference code
 `loss = "cross-entropy"` is fpbench's C-way reading (cross-entropy over every class's text),
 offered for comparison. The official optimiser is Adam lr 5e-5, betas (0.9, 0.98), eps 1e-6,
 weight decay 0.2 (L2), new every round, batch 32, 1 local epoch: set in the suite
-(fpbench's Adam has beta2 0.999 and eps 1e-8: declared in `readings`).
+(fpbench's Adam has beta2 0.999 and eps 1e-8: declared in `method_readings`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
@@ -66,14 +66,6 @@ def adapter_attention(feats: Tensor, params: dict[str, Tensor], client_index: Te
 class FedCLIP(CoOpModel):
     name = "fedclip"
     Config = FedCLIPConfig
-    readings: ClassVar[dict[str, str]] = {
-        "official_check": "differential",  # fedclip/methods/fed_at_clip.py: test_peer_clip_fl
-        # fpbench's Adam; the official (0.9, 0.98), eps 1e-6: TrainConfig has no beta2/eps
-        "adam_beta2_eps": "0.999, 1e-8",
-        # a client's batch of one sample has zero contrastive loss; the official code skips it
-        # (no optimiser step), fpbench steps (weight decay and momentum still move the adapter)
-        "single_sample_batch": "zero-loss-step",
-    }
 
     def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
         e = self.backbone.embed_dim

@@ -22,7 +22,7 @@ underflow at eps = 0.01. `ot = "sinkhorn"` is the balanced variant (b = 1/N).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
@@ -79,11 +79,6 @@ def transport_plan(
 @METHODS.register()
 class FedOTP(CoOpModel):
     name = "fedotp"
-    readings: ClassVar[dict[str, str]] = {
-        "official_check": "differential",  # trainers/GLP_OT.py: tests/test_peer_official.py
-        "ot_stop": "per-problem",  # the official code: when the batch's mean change converges
-        "ot_precision": "fp64",  # the official code: the model's dtype
-    }
     Config = FedOTPConfig
     inference = "personal"
     personal = frozenset({"local_ctx"})

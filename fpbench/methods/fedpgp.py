@@ -24,12 +24,12 @@ tensor N(0, 0.02^2), rank r = 8 and mu = 0.5 (the script's; the argparse default
 tau = 0.5, SGD lr 1e-3 constant, 2 local epochs, batch = shots (set in the suite). The script
 also sets `NUM_PROMPT=2`, which tiles two independent prompt sets into 2C output columns with
 labels in [0, C) (the second set acts as distractor classes); fpbench keeps the argparse default
-and the paper's one prompt set, since its scores are C-way (declared in `readings`).
+and the paper's one prompt set, since its scores are C-way (declared in `method_readings`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
@@ -65,11 +65,6 @@ class FedPGP(CoOpModel):
     Config = FedPGPConfig
     inference = "personal"
     personal = frozenset({"U", "V"})
-    readings: ClassVar[dict[str, str]] = {
-        "official_check": "differential",  # trainers/fedpgp.py: tests/test_peer_clip_fl.py
-        # the script's NUM_PROMPT=2 (2C columns, a distractor copy): not reproduced, C-way scores
-        "num_prompts": "1",
-    }
 
     def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
         m, r, d = self.cfg.n_ctx, self.cfg.bottleneck, self.backbone.ctx_dim

@@ -27,7 +27,7 @@ prompt set (and fail); fpbench applies the position to all three.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
@@ -71,11 +71,6 @@ def pull_push(local: Tensor, global_: Tensor, projected: Tensor, alpha: float) -
 class FedPHA(GlobalLocalPrompts):
     name = "fedpha"
     Config = FedPHAConfig
-    readings: ClassVar[dict[str, str]] = {
-        "official_check": "differential",  # trainers/GL_SVDMSE.py: tests/test_peer_clip_fl_2025.py
-        # one local prompt length for every client (the official HE variant varies it)
-        "local_lengths": "uniform",
-    }
 
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context

@@ -39,12 +39,12 @@ FedPR's Adam 0.1; `head_optimizer = "run"` trains it with the run's optimiser, a
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
 from fpbench.lazy import torch
-from fpbench.methods.base import Context, OptimizerSettings, Phase, ServerState, Updates
+from fpbench.methods.base import Context, Phase, ServerState, Updates
 from fpbench.methods.fedvpt import DeepConfig, FedVPTDeep
 from fpbench.registry import METHODS
 
@@ -99,14 +99,6 @@ def project_straight_through(update: Tensor, proj: Tensor) -> Tensor:
 class FedPR(FedVPTDeep):
     name = "fedpr"
     Config = FedPRConfig
-    readings: ClassVar[dict[str, str]] = {
-        # util/adam_svd.py (projector and projected Adam steps): tests/test_peer_official.py
-        "official_check": "differential",
-        # torch's Adam adds eps after the bias correction; FedPR's AdamSVD before it
-        "adam_eps": "after-bias-correction",
-        # FedPR keeps each client's AdamSVD (moments, step count) across rounds
-        "optimizer_state": "fresh-per-round",
-    }
 
     def init_server(self, gen: torch.Generator) -> ServerState:
         server = super().init_server(gen)
@@ -121,18 +113,20 @@ class FedPR(FedVPTDeep):
         out["prompt_update"] = torch.zeros_like(out["prompts"])  # (K, L, p, d)
         return out
 
-    def optimizer_settings(self) -> dict[str, OptimizerSettings]:
-        cfg = self.cfg
-        if cfg.head_optimizer == "run":
-            return {}
-        own = OptimizerSettings(
-            cfg.head_optimizer, cfg.head_lr, cfg.head_momentum, cfg.head_weight_decay
-        )
-        return {"head_w": own, "head_b": own}
-
     def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
-        # the global prompts stay fixed; the update Z and the head train
-        return [Phase("local", tuple(n for n in names if n != "prompts"), local_epochs)]
+        # the global prompts stay fixed; the update Z and the head train (the head with its own
+        # optimiser unless `head_optimizer = "run"`)
+        cfg = self.cfg
+        own: dict[str, dict[str, object]] = {}
+        if cfg.head_optimizer != "run":
+            head = {
+                "optimizer": cfg.head_optimizer,
+                "lr": cfg.head_lr,
+                "momentum": cfg.head_momentum,
+                "weight_decay": cfg.head_weight_decay,
+            }
+            own = {"head_w": head, "head_b": head}
+        return [Phase("local", tuple(n for n in names if n != "prompts"), local_epochs, own)]
 
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context

@@ -29,7 +29,7 @@ width is CLIP's joint width (the official hard-codes 512, which is ViT-B/16's; R
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
@@ -85,12 +85,6 @@ def generate(p: dict[str, Tensor], text: Tensor, keep: Tensor, heads: int) -> Te
 class FedTPG(CoOpModel):
     name = "fedtpg"
     Config = FedTPGConfig
-    readings: ClassVar[dict[str, str]] = {
-        "official_check": "differential",  # model/prompt_net.py, FedTPG.py: test_peer_clip_fl
-        "generator_precision": "fp32",  # the official casts the generator to fp16
-        # at evaluation the generator sees every class of the dataset; training: the client's
-        "eval_class_set": "all",
-    }
 
     def __init__(self, cfg: MethodConfig, backbone, task) -> None:
         super().__init__(cfg, backbone, task)

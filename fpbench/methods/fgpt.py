@@ -34,11 +34,10 @@ from fpbench.lazy import F, torch
 from fpbench.methods.base import (
     Context,
     Method,
+    MethodConfig,
     Output,
-    PresetConfig,
     ServerState,
     TaskInfo,
-    TestSplit,
     Updates,
 )
 from fpbench.methods.helpers import init_linear, init_prompts, per_client_linear
@@ -46,6 +45,8 @@ from fpbench.methods.keys import group_counts, select_groups
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torch import Tensor
 
     from fpbench.backbones import PromptedViT
@@ -75,8 +76,11 @@ PRESETS: dict[str, dict[str, object]] = {
 }
 
 
-class FGPTConfig(PresetConfig):
+class FGPTConfig(MethodConfig):
     PRESETS: ClassVar[dict[str, dict[str, object]]] = PRESETS
+    preset: str | None = Field(
+        None, description="a named setting of PRESETS; fields given explicitly override it"
+    )
 
     num_groups: int = Field(
         20,
@@ -360,7 +364,9 @@ class FGPT(Method):
         buffers.update({k: v.to(device) for k, v in sims.items()})
         return ServerState(params, server.personal, buffers)
 
-    def round_metrics(self, server: ServerState, test: TestSplit | None = None) -> dict[str, float]:
+    def round_metrics(
+        self, server: ServerState, test: Callable[..., tuple[Tensor, Tensor]] | None = None
+    ) -> dict[str, float]:
         """Table 11's prompt similarities of the last aggregation (where defined)."""
         return finite_similarities(server.buffers)
 

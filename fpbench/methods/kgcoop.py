@@ -17,7 +17,7 @@ server averages it weighted by train size (FedAvg, as PromptFL); inference: the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
@@ -63,10 +63,6 @@ def knowledge_distance(text: Tensor, anchor: Tensor, distance: str = "cosine") -
 class KgCoOp(CoOpModel):
     name = "kgcoop"
     Config = KgCoOpConfig
-    readings: ClassVar[dict[str, str]] = {
-        "official_check": "differential",  # trainers/kgcoop.py: tests/test_peer_clip_reference.py
-        "kg_distance": "code-cosine",  # the paper's eq. 5: squared L2 (distance = "squared-l2")
-    }
 
     def anchor(self, device: torch.device) -> Tensor:
         """The hand-crafted class text features (C, E), computed once per device."""

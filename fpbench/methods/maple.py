@@ -16,7 +16,7 @@ learners; inference is global. Defaults from the reference config
 (`configs/trainers/MaPLe/vit_b16_c2_ep5_batch4_2ctx.yaml`): n_ctx = 2, init "a photo of a",
 J = 9; its recipe (SGD lr 0.0035, batch 4, 5 epochs, cosine) is the suite's `train` settings.
 The reference runs CLIP and the prompts in fp16 (its deep prompts are cast to fp16 as they
-enter); fpbench keeps the prompts in fp32 (declared in `readings`).
+enter); fpbench keeps the prompts in fp32 (declared in `method_readings`).
 """
 
 from __future__ import annotations
@@ -138,12 +138,6 @@ class MaPLe(Method):
     name = "maple"
     Config = MaPLeConfig
     backbone_family: ClassVar[str] = "clip"
-    readings: ClassVar[dict[str, str]] = {
-        "official_check": "differential",  # trainers/maple.py: tests/test_peer_official_deep.py
-        "optimizer_state": "fresh-per-round",  # as fpbench's other CLIP methods
-        "precision": "fp32-prompts",  # the reference: fp16 CLIP and prompts
-        "fl_aggregation": "fedavg-all",  # every prompt and coupling function (FLiP's adaptation)
-    }
 
     def __init__(self, cfg: MaPLeConfig, backbone: PromptedCLIP, task: TaskInfo) -> None:
         from fpbench.backbones.clip import check_vit

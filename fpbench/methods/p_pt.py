@@ -31,6 +31,5 @@ class PPTConfig(VPTConfig):
 class PPT(ShallowPromptModel):
     name = "p-pt"
     Config = PPTConfig
-    inference = "personal"
+    inference = "personal-deploys"  # new clients: initial prompts + federated head (docstring)
     personal = frozenset({"prompts"})
-    scores_new_clients = True  # initial prompts + federated head (module docstring)

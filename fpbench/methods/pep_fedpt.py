@@ -49,9 +49,9 @@ from fpbench.lazy import F, torch
 from fpbench.methods.base import (
     Context,
     Method,
+    MethodConfig,
     Output,
     Phase,
-    PresetConfig,
     ServerState,
     TaskInfo,
     Updates,
@@ -95,8 +95,11 @@ PRESETS: dict[str, dict[str, object]] = {
 }
 
 
-class PEPConfig(PresetConfig):
+class PEPConfig(MethodConfig):
     PRESETS: ClassVar[dict[str, dict[str, object]]] = PRESETS
+    preset: str | None = Field(
+        None, description="a named setting of PRESETS; fields given explicitly override it"
+    )
 
     num_shared: int = Field(1, ge=1, description="n_S shared prompts at block 0; paper: 1")
     ccmp_layers: tuple[int, ...] | None = Field(

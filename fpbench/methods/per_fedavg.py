@@ -29,6 +29,8 @@ from fpbench.methods.fedvpt import ShallowPromptModel, VPTConfig
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torch import Tensor
 
 
@@ -97,12 +99,13 @@ class PerFedAvg(ShallowPromptModel):
         out = torch.zeros(len(y), device=per.device, dtype=per.dtype)
         return out.masked_scatter(outer, per * (n_all / n_out.clamp(min=1))[rows].to(per.dtype))
 
-    def adapt_samples(self) -> int:
-        return self.cfg.adapt_batch
-
     def adapt(
-        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
+        self,
+        params: dict[str, Tensor],
+        draw: Callable[[int], tuple[Tensor, Tensor, Tensor]],
+        ctx: Context,
     ) -> dict[str, Tensor]:
+        x, y, client_index = draw(self.cfg.adapt_batch)
         leaves = {n: p.detach().requires_grad_() for n, p in params.items()}
         adapted = self.inner_step(leaves, x, y, client_index, ctx)
         return {n: p.detach() for n, p in adapted.items()}

@@ -26,27 +26,25 @@ server's context (so new clients are scored). The official code scores a client 
 this round right after its training, with the experts it trained with; fpbench scores every
 client after the round, with the experts nearest among the round's uploads (declared).
 
-Defaults from the official code (ljaiverson/pFedMoAP, `trainers/pfedmoap.py`,
-`federated_main.py` and `train.sh`, commit a481de3): 16 context tokens N(0, 0.02^2), class token
-at the end, 10 experts, lambda 0.5, scaling 10, 8 heads on 128 pooled dimensions, gates with
-PyTorch's Linear init and their own SGD (lr 0.01, momentum 0.9, weight decay 5e-4, Dassl's
-defaults under `OPTIMGATING`); the context trains with the run's `train` settings (official
-`train.sh`: SGD lr 0.001, momentum 0.9, weight decay 5e-4, cosine over 5 local epochs after a
-warmup epoch, batch 16: set in the suite). Adapted to fpbench, declared in `readings`: the
-official clients train one after another and a client picks its experts among the uploads of the
-clients trained before it in the same round; here every client of a round sees the previous
-rounds' uploads (lockstep). The official code leaves a first-time client of a later round
-(partial participation) with the previous client's experts in its model; here it has none (the
-official comment's intent). The official "nearest" selection fails (topk of a list) whenever
-more clients uploaded than there are experts, so it only ran with every other client as an
-expert; fpbench ranks by distance as described. The gate's lr follows the run's schedule
-(official: constant), the run is fp32 (official: fp16), and the gate's dropout argument is
-unused in the official code, as here.
-"""
+Defaults from the official code (ljaiverson/pFedMoAP, `trainers/pfedmoap.py`, `federated_main.py`
+and `train.sh`, commit a481de3): 16 context tokens N(0, 0.02^2), class token at the end, 10
+experts, lambda 0.5, scaling 10, 8 heads on 128 pooled dimensions, gates with PyTorch's Linear init
+and their own SGD (lr 0.01, momentum 0.9, weight decay 5e-4, Dassl's defaults under `OPTIMGATING`);
+the context trains with the run's `train` settings (official `train.sh`: SGD lr 0.001, momentum
+0.9, weight decay 5e-4, cosine over 5 local epochs after a warmup epoch, batch 16: set in the
+suite). Adapted to fpbench, declared in `fpbench/report/method_readings.py`: the official clients
+train one after another and a client picks its experts among the uploads of the clients trained
+before it in the same round; here every client of a round sees the previous rounds' uploads
+(lockstep). The official code leaves a first-time client of a later round (partial participation)
+with the previous client's experts in its model; here it has none (the official comment's intent).
+The official "nearest" selection fails (topk of a list) whenever more clients uploaded than there
+are experts, so it only ran with every other client as an expert; fpbench ranks by distance as
+described. The gate's lr follows the run's schedule (official: constant), the run is fp32
+(official: fp16), and the gate's dropout argument is unused in the official code, as here."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
@@ -55,7 +53,6 @@ from fpbench.lazy import torch
 from fpbench.methods.base import (
     Context,
     MethodConfig,
-    OptimizerSettings,
     Phase,
     ServerState,
     TaskInfo,
@@ -140,21 +137,8 @@ def nearest_experts(
 class PFedMoAP(CoOpModel):
     name = "pfedmoap"
     Config = PFedMoAPConfig
-    inference = "personal"
-    scores_new_clients = True
+    inference = "personal-deploys"
     personal = frozenset(GATE_NAMES)
-    readings: ClassVar[dict[str, str]] = {
-        "official_check": "differential",  # trainers/pfedmoap.py: tests/test_peer_clip_fl_2025.py
-        # the official clients train one after another and see this round's earlier uploads
-        "expert_uploads": "previous-rounds",
-        # official: a first-time client of a later round keeps the previous client's experts
-        "first_time_experts": "none",
-        # official "nearest" fails (topk of a list) when more clients uploaded than experts
-        "expert_selection": "nearest-l2",
-        "gate_lr_schedule": "run-schedule",
-        # official: a client trained this round is scored at once, with its training's experts
-        "eval_experts": "after-round",
-    }
 
     def __init__(self, cfg: MethodConfig, backbone: PromptedCLIP, task: TaskInfo) -> None:
         super().__init__(cfg, backbone, task)
@@ -207,12 +191,11 @@ class PFedMoAP(CoOpModel):
         return out
 
     def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
-        return [Phase("local", ("ctx", *GATE_NAMES), local_epochs)]
-
-    def optimizer_settings(self) -> dict[str, OptimizerSettings]:
+        """One phase; the gate trains with its own SGD (the official code's second optimiser)."""
         cfg = self.cfg
-        own = OptimizerSettings("sgd", cfg.gating_lr, cfg.gating_momentum, cfg.gating_weight_decay)
-        return dict.fromkeys(GATE_NAMES, own)
+        own = {"optimizer": "sgd", "lr": cfg.gating_lr, "momentum": cfg.gating_momentum,
+               "weight_decay": cfg.gating_weight_decay}  # fmt: skip
+        return [Phase("local", ("ctx", *GATE_NAMES), local_epochs, dict.fromkeys(GATE_NAMES, own))]
 
     def upload_features(self, uploads: Tensor) -> Tensor:
         """Normalised class features (N, C, E) of every client's upload (no gradient; once per

@@ -15,10 +15,10 @@ Adapted to FL: the N contexts are averaged by FedAvg (weighted by train size); i
 global. Defaults from the reference (`scripts/main.sh`, `train.py`, `configs/trainers/PLOT/
 rn50.yaml`): N = 4 prompts of 16 tokens, class token at the end, eps = 0.1, stop when the mean
 change of u is below 1e-2, at most 100 iterations; its recipe (SGD lr 0.002, batch 128 (32 in
-the paper), cosine) is the suite's `train` settings. Deviations (`readings`): the stopping rule
-applies to each (image, class) problem on its own (the reference: to the batch's mean change),
-the plan is solved in float64; the reference adds the global (pooled) CLIP logits on ImageNet
-only (`add_global_logits`).
+the paper), cosine) is the suite's `train` settings. Deviations (`method_readings`): the
+stopping rule applies to each (image, class) problem on its own (the reference: to the batch's
+mean change), the plan is solved in float64; the reference adds the global (pooled) CLIP
+logits on ImageNet only (`add_global_logits`).
 """
 
 from __future__ import annotations
@@ -57,13 +57,6 @@ class PLOT(Method):
     name = "plot"
     Config = PLOTConfig
     backbone_family: ClassVar[str] = "clip"
-    readings: ClassVar[dict[str, str]] = {
-        "official_check": "differential",  # plot-coop/trainers/plot.py: test_peer_official_deep
-        "optimizer_state": "fresh-per-round",  # as fpbench's other CLIP methods
-        "ot_stop": "per-problem",  # the reference: when the batch's mean change of u converges
-        "ot_precision": "fp64",  # the reference: the model's dtype
-        "fl_aggregation": "fedavg-all",
-    }
 
     def __init__(self, cfg: PLOTConfig, backbone: PromptedCLIP, task: TaskInfo) -> None:
         super().__init__(cfg, backbone, task)

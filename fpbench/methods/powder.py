@@ -35,7 +35,7 @@ are per task here, not per image) and the continual consolidation step. Powder's
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 
@@ -69,10 +69,6 @@ def generation_weights(query: Tensor, candidates: Tensor, available: Tensor, tau
 @METHODS.register()
 class Powder(CoOpModel):
     name = "powder"
-    readings: ClassVar[dict[str, str]] = {
-        "adaptation": "task-prompt-per-client",  # see the module docstring
-        "generation": "positively-correlated-only",  # none correlated: the global prompt
-    }
     Config = PowderConfig
     inference = "client-conditioned"
 

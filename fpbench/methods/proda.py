@@ -14,11 +14,11 @@ A diversity term adds w times the mean absolute cosine similarity between the P 
 features without a class name ("SOT ctx EOT"), over the pairs p != q.
 
 ProDA's authors released no code. The reference is FLiP's reimplementation (github 0-ml/flip,
-`flcore/models/clip/ProDA.py` and `ProDAPromptLearner` in `flcore/models/text/prompt.py`, read
-at commit 80572ee); from it: the surrogate above (its divisor P + 1), w = 1, 4 context tokens
-N(0, 0.02^2) (FLiP's `--num_context`), every prompt's class token at the end (its prompt
-builder uses the "end" prompts only), evaluation with the mean of the normalised features (not
-renormalised). Not from it, declared in READINGS: FLiP runs ProDA with one prompt
+`flcore/models/clip/ProDA.py` and `ProDAPromptLearner` in `flcore/models/text/prompt.py`, read at
+commit 80572ee); from it: the surrogate above (its divisor P + 1), w = 1, 4 context tokens N(0,
+0.02^2) (FLiP's `--num_context`), every prompt's class token at the end (its prompt builder uses
+the "end" prompts only), evaluation with the mean of the normalised features (not renormalised).
+Not from it, declared in `fpbench/report/method_readings.py`: FLiP runs ProDA with one prompt
 (`--num_prompt` 1), which makes the covariance and the diversity term vanish, i.e. CoOp; the
 default here is P = 4 (`n_prompts = 1` is FLiP's run), every prompt encoded at every step (the
 paper samples a mini-batch of prompts from a larger collection; FLiP's `prompt_batch_size`).
@@ -43,16 +43,6 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from fpbench.backbones.clip import PromptedCLIP
-
-# The choices this port makes where ProDA's paper and FLiP's code are silent or differ (the lead
-# moves these into the method interface's declarations).
-READINGS = {
-    "official_check": "none",  # no official code; FLiP's reimplementation not run (see report)
-    "n_prompts": "fpbench-4",  # FLiP's --num_prompt 1 reduces ProDA to CoOp
-    "prompt_batch": "all-prompts",  # the paper: a sampled mini-batch of prompts per step
-    "covariance_divisor": "code-P+1",  # FLiP's divisor of the summed squared deviations
-    "fl_aggregation": "fedavg-all",
-}
 
 
 class ProDAConfig(MethodConfig):

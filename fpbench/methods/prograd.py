@@ -22,7 +22,7 @@ FedAvg of the context weighted by train size; inference: the global context.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 
@@ -84,11 +84,6 @@ def distillation(logits: Tensor, teacher: Tensor, t: float) -> Tensor:
 class ProGrad(CoOpModel):
     name = "prograd"
     Config = ProGradConfig
-    readings: ClassVar[dict[str, str]] = {
-        "official_check": "differential",  # prograd.py + Dassl's step: test_peer_clip_reference
-        "zero_kl_gradient": "no-projection",  # the official code divides by its zero norm
-        "prompt_text": "official",  # "X..X <template words> name.": extra BPE tokens stay fixed
-    }
 
     @property
     def template(self) -> str:

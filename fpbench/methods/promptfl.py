@@ -11,8 +11,6 @@ client. Defaults: CoOp's 16 random context vectors, class token at the end.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from fpbench.methods.coop import CoOpModel
 from fpbench.registry import METHODS
 
@@ -20,6 +18,3 @@ from fpbench.registry import METHODS
 @METHODS.register()
 class PromptFL(CoOpModel):
     name = "promptfl"
-    readings: ClassVar[dict[str, str]] = {
-        "official_check": "differential",  # CoOp's trainers/coop.py: tests/test_peer_official.py
-    }

@@ -19,14 +19,14 @@ sets SGD lr 0.002, a per-epoch cosine schedule with one warmup epoch and 5 local
 script's batch is 16 (`--train_batch_size`): set in the suite. The official server pairs the
 sampled clients' prompts with the train sizes by position in the sampled order (its
 `average_weights` indexes the list of uploads by client id); fpbench weights each client's
-prompt by its own size, which is the same when sizes are equal (declared in `readings`). The
-official middle / front class-token branches build only the first of the two prompt sets (and
-fail); fpbench applies the position to both.
+prompt by its own size, which is the same when sizes are equal (declared in
+`method_readings`). The official middle / front class-token branches build only the first of
+the two prompt sets (and fail); fpbench applies the position to both.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
@@ -71,12 +71,6 @@ class GlobalLocalPrompts(CoOpModel):
 class PromptFolio(GlobalLocalPrompts):
     name = "promptfolio"
     Config = PromptFolioConfig
-    readings: ClassVar[dict[str, str]] = {
-        "official_check": "differential",  # trainers/PromptFolio.py: tests/test_peer_clip_fl.py
-        # each client's prompt with its own train size; the official code pairs them by the
-        # position in the sampled order (equal under equal sizes)
-        "aggregation_weights": "own-size",
-    }
 
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context

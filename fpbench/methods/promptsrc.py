@@ -135,13 +135,6 @@ class PromptSRC(Method):
     name = "promptsrc"
     Config = PromptSRCConfig
     backbone_family: ClassVar[str] = "clip"
-    readings: ClassVar[dict[str, str]] = {
-        "official_check": "differential",  # trainers/promptsrc.py: tests/test_peer_official_deep.py
-        "optimizer_state": "fresh-per-round",  # as fpbench's other CLIP methods
-        "precision": "fp32-prompts",  # the reference: fp16 CLIP and prompts
-        "fl_aggregation": "fedavg-all",
-        "gpa": "server-over-rounds",  # the reference: over the epochs of one centralised run
-    }
 
     def __init__(self, cfg: PromptSRCConfig, backbone: PromptedCLIP, task: TaskInfo) -> None:
         from fpbench.backbones.clip import check_vit

@@ -37,7 +37,7 @@ gamma = 0.8, S_s = 8, S_l = 8, SGD lr 0.01, batch 16, 1 local epoch (set in the 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
@@ -89,10 +89,6 @@ def separation_loss(local: Tensor, global_: Tensor, gamma: float) -> Tensor:
 @METHODS.register()
 class SDFed(CoOpModel):
     name = "sdfed"
-    readings: ClassVar[dict[str, str]] = {
-        "d": "normalised-class-text-features",  # averaged over the classes in the losses
-        "projector_every": "local-step",  # Algorithm 1 (sec. 4.2.5 says once per round)
-    }
     Config = SDFedConfig
     inference = "personal"
     personal = frozenset({"local_prompt", "local_len"})

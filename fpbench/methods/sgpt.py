@@ -58,12 +58,11 @@ from fpbench.lazy import F, torch
 from fpbench.methods.base import (
     Context,
     Method,
+    MethodConfig,
     Output,
     Phase,
-    PresetConfig,
     ServerState,
     TaskInfo,
-    TestSplit,
     Updates,
 )
 from fpbench.methods.clustering import cluster_accuracy, congruence, kmeans, overlap
@@ -73,6 +72,8 @@ from fpbench.methods.numerics import fp32
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torch import Tensor
 
     from fpbench.backbones import PromptedViT, ViTFeatures
@@ -130,8 +131,11 @@ SGPT_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-class SGPTConfig(PresetConfig):
+class SGPTConfig(MethodConfig):
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = SGPT_PRESETS
+    preset: str | None = Field(
+        None, description="a named setting of PRESETS; fields given explicitly override it"
+    )
     num_groups: int = Field(20, ge=1, description="G groups/keys (reference: CIFAR 20, Office 4)")
     shared_layers: tuple[int, ...] | Literal["all"] | None = Field(
         None,
@@ -299,9 +303,6 @@ def _duplicates(layers: tuple[int, ...]) -> set[int]:
 class SGPT(Method):
     name = "sgpt"
     Config = SGPTConfig
-    readings: ClassVar[dict[str, str]] = {
-        "official_check": "differential",  # models/vit_models_pr.py: tests/test_peer_official.py
-    }
 
     def __init__(self, cfg: SGPTConfig, backbone: PromptedViT, task: TaskInfo) -> None:
         super().__init__(cfg, backbone, task)
@@ -452,7 +453,9 @@ class SGPT(Method):
             return base + ctx.earlier["select_counts"]
         return base
 
-    def round_metrics(self, server: ServerState, test: TestSplit | None = None) -> dict[str, float]:
+    def round_metrics(
+        self, server: ServerState, test: Callable[..., tuple[Tensor, Tensor]] | None = None
+    ) -> dict[str, float]:
         """Appendix D.2's congruence of the current keys' groups (nearest key, as at test time)
         with centralised k-means on the same frozen queries (see `congruence`), and Table 4's
         clustering accuracy on the test set against its coarse labels (`cluster_accuracy`),
@@ -467,10 +470,10 @@ class SGPT(Method):
             out |= {"cluster_overlap": acc, "congruence_kmeans": score, "cluster_purity": purity}
         coarse_of_class = self.task.coarse_of_class
         scored = self.cfg.cluster_metric and self.group_layers and coarse_of_class is not None
-        if scored and test is not None and len(test.labels):
-            queries = test.map(self.query)  # (M, dq)
+        if scored and test is not None:
+            queries, labels = test(self.query)  # (M, dq), (M,)
             groups = nearest_group(queries, server.params["keys"])  # (M,)
-            coarse = coarse_of_class.to(test.labels.device)[test.labels].to(groups.device)
+            coarse = coarse_of_class.to(labels.device)[labels].to(groups.device)
             out["acc_cluster"] = cluster_accuracy(groups, coarse, g, self.num_coarse)
         return out
 

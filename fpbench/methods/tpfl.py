@@ -23,13 +23,13 @@ positions, so only the padding and fixed-patch patterns are executor-invariant.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
 from fpbench.backbones.clip_prompts import PixelPrompter
 from fpbench.lazy import F, torch
-from fpbench.methods.base import Context, OptimizerSettings
+from fpbench.methods.base import Context, Phase
 from fpbench.methods.coop import CoOpConfig, CoOpModel
 from fpbench.registry import METHODS
 
@@ -73,13 +73,20 @@ class TwinPromptModel(CoOpModel):
             visual = torch.zeros_like(visual)
         return {"ctx": ctx, "visual_prompt": visual}
 
-    def optimizer_settings(self) -> dict[str, OptimizerSettings]:
+    def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
+        return [Phase("local", names, local_epochs, self.visual_optimizer())]
+
+    def visual_optimizer(self) -> dict[str, dict[str, Any]]:
+        """The pixel prompt's own optimiser (`Phase.optimizers`); none when it is `shared`."""
         cfg = self.cfg
         if cfg.visual_optimizer == "shared":
             return {}
-        own = OptimizerSettings(
-            cfg.visual_optimizer, cfg.visual_lr, cfg.visual_momentum, cfg.visual_weight_decay
-        )
+        own = {
+            "optimizer": cfg.visual_optimizer,
+            "lr": cfg.visual_lr,
+            "momentum": cfg.visual_momentum,
+            "weight_decay": cfg.visual_weight_decay,
+        }
         return {"visual_prompt": own}
 
     def image_features(self, x: Tensor, visual: Tensor | None = None) -> Tensor:

@@ -34,7 +34,7 @@ runs every baseline at 8, set in the suite).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from fpbench.lazy import F, torch
 from fpbench.methods.base import Context, ServerState, Updates
@@ -82,10 +82,6 @@ def dual_head(prompt_logits: Tensor, proto_logits: Tensor, valid: Tensor | None 
 @METHODS.register()
 class UOPP(CoOpModel):
     name = "uopp"
-    readings: ClassVar[dict[str, str]] = {
-        "adaptation": "one-prompt-pooled-prototypes",  # see the module docstring
-        "dual_head_confidence": "calibrated",  # max softmax of the standardised logits
-    }
 
     def init_server(self, gen: torch.Generator) -> ServerState:
         params = self.init_params(gen)

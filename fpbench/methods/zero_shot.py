@@ -10,12 +10,12 @@ the suite's rounds (each computes the zero-shot loss on the sampled clients' tra
 a step) and evaluates and stores them like any other method's, so the row sits beside the others.
 
 Datasets without a CoOp template (CIFAR, Office, DomainNet, synthetic ...) get CoOp's generic
-"a photo of a {}." (declared in `readings`); `template` overrides the choice.
+"a photo of a {}." (declared in `method_readings`); `template` overrides the choice.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 
@@ -76,10 +76,6 @@ class ZeroShotConfig(MethodConfig):
 class ZeroShot(CoOpModel):
     name = "zero-shot"
     Config = ZeroShotConfig
-    readings: ClassVar[dict[str, str]] = {
-        "official_check": "differential",  # zsclip.py: tests/test_peer_clip_reference.py
-        "template_without_coop_entry": "a photo of a {}.",
-    }
 
     @property
     def template(self) -> str:

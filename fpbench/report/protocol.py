@@ -7,9 +7,9 @@ feeding a table are those its cells select (suite, method, dataset, partition la
 `config`, as `fpbench table --paper` selects runs), taken from `fpbench.suites.load_suite`.
 
 A rule pins one dotted path of `RunConfig.model_dump(mode="json")` (or the virtual path `seeds`:
-the sorted seeds of each cell over its seeds; or `readings.<key>`: what the method's code
-declares it does where paper and reference code leave a choice, `Method.readings`, leaf paths
-like any other and not the `[[readings]]` metric blocks below) to the paper's `value`, or,
+the sorted seeds of each cell over its seeds; or `readings.<key>`: what the method's code does
+where paper and reference code leave a choice, declared in `fpbench.report.method_readings`, leaf
+paths like any other and not the `[[readings]]` metric blocks below) to the paper's `value`, or,
 where the rule declares a `deviation`, to what fpbench runs instead (`deviation.runs`, with a
 one-line `reason`).
 TOML has no null: the string "null" stands for None. A `match` maps run labels (suite, method,
@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from fpbench.errors import FpbenchError
+from fpbench.report.method_readings import method_readings
 from fpbench.report.paper import (
     PAPERS_DIR,
     SELECT,
@@ -57,7 +58,7 @@ UNSTATED = "unstated"
 NULL = "null"
 SEEDS = "seeds"
 CONFIG = "config"
-READINGS = "readings"  # virtual config section: the method class's readings
+READINGS = "readings"  # virtual config section: the method's readings (method_readings)
 REL_TOL = 1e-9
 
 
@@ -286,10 +287,12 @@ def _fed(cfg: Any, tables: set[int]) -> FedCell:
 
 
 def readings_of(method: str) -> dict[str, str]:
-    """The method's readings (`Method.readings`), seen by the rules as `readings.<key>`."""
+    """The method's readings (`fpbench.report.method_readings`), seen by the rules as
+    `readings.<key>`."""
     from fpbench.registry import METHODS
 
-    return METHODS.get(method).all_readings()
+    METHODS.get(method)  # an unknown method fails here, with the registry's message
+    return method_readings(method)
 
 
 # -- checking --------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ def test_fedpr_head_takes_its_own_optimiser_the_prompts_keep_the_runs(tiny):
     (phase,) = method.phases(1, tuple(params))
     assert set(phase.trainable) == {"prompt_update", "head_w", "head_b"}
     tensors = [params[n] for n in phase.trainable]
-    group = phase_optimizer(method, cfg.train, tensors, phase, lr=0.05)  # round 1: x 0.5
+    group = phase_optimizer(cfg.train, tensors, phase, lr=0.05)  # round 1: x 0.5
     by_tensor = {id(t): opt for opt in group.optimizers for t in opt.params}
     names = ("prompt_update", "head_w", "head_b")
     prompt, head_w, head_b = (by_tensor[id(params[n])] for n in names)
@@ -88,6 +88,8 @@ def test_fedpr_head_takes_its_own_optimiser_the_prompts_keep_the_runs(tiny):
         assert isinstance(head, StackedSGD)
         assert (head.lr, head.momentum, head.weight_decay) == (0.015, 0.9, 1e-5)
     method.cfg = method.Config()  # "run": the head shares the run's optimiser
-    group = phase_optimizer(method, cfg.train, tensors, phase, lr=0.05)
+    (phase,) = method.phases(1, tuple(params))
+    assert dict(phase.optimizers) == {}
+    group = phase_optimizer(cfg.train, tensors, phase, lr=0.05)
     (only,) = group.optimizers
     assert isinstance(only, StackedAdam) and len(only.params) == 3

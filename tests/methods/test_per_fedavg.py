@@ -58,9 +58,14 @@ def test_per_fedavg_takes_one_local_step_before_evaluation(tiny):
     seen = []
     plain_adapt = method.adapt
 
-    def spy(params, x, y, rows, ctx):
-        seen.append((rows.clone(), y.clone()))
-        out = plain_adapt(params, x, y, rows, ctx)
+    def spy(params, draw, ctx):
+        def drawn(n):
+            assert n == 5  # the config's adapt_batch
+            x, y, rows = draw(n)
+            seen.append((rows.clone(), y.clone()))
+            return x, y, rows
+
+        out = plain_adapt(params, drawn, ctx)
         assert all(not torch.equal(out[k], params[k]) for k in params)  # one step moved them
         return out
 
@@ -78,7 +83,8 @@ def test_per_fedavg_takes_one_local_step_before_evaluation(tiny):
     x = method.backbone.preprocess(task.data.train_images[:3])
     y = task.data.train_labels[:3]
     start = method.client_params(server, torch.tensor([0]), training=False)
-    stepped = plain_adapt(start, x, y, torch.zeros(3, dtype=torch.long), Context(training=False))
+    rows = torch.zeros(3, dtype=torch.long)
+    stepped = plain_adapt(start, lambda n: (x, y, rows), Context(training=False))
     theta = {k: v.clone().requires_grad_() for k, v in start.items()}
     F.cross_entropy(
         method.forward(theta, x, torch.zeros(3, dtype=torch.long), Context(training=True)), y

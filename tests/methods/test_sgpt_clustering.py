@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from fpbench.engine.inputs import Inputs
+from fpbench.engine.rounds import view_of_test
 from fpbench.engine.runner import run_cell
-from fpbench.methods.base import TaskInfo, TestSplit
+from fpbench.methods.base import TaskInfo
 from fpbench.methods.clustering import (
     _centres,
     cluster_accuracy,
@@ -137,17 +138,17 @@ def test_cluster_accuracy_matches_one_to_one_not_by_majority():
     assert cluster_accuracy(collapsed, torch.arange(4).repeat(2), 4, 4) == pytest.approx(1 / 4)
 
 
-def _test_split(method, task) -> TestSplit:
+def _test_split(method, task):
     """The engine's view of the tiny task's test split for `method` (no feature cache)."""
-    return TestSplit(task.data.test_labels, Inputs.of(method, task).test_map)
+    return view_of_test(task, Inputs.of(method, task))
 
 
 def test_acc_cluster_of_a_collapsed_select_is_the_largest_coarse_share(tiny):
     _, task, _ = tiny("sgpt")
     method = _sgpt(tiny, num_groups=3)
     test = _test_split(method, task)
-    queries = test.map(method.query)
-    assert len(queries) == len(task.data.test_labels)
+    queries, labels = test(method.query)
+    assert len(queries) == len(task.data.test_labels) and torch.equal(labels, task.data.test_labels)
     server = method.init_server(torch.Generator().manual_seed(0))
     mean = queries.mean(0)  # ReLU'd queries: every test sample picks the middle key
     server.params["keys"] = torch.stack([-mean, mean, -mean])
@@ -179,7 +180,7 @@ def test_no_coarse_labels_no_acc_cluster(tiny):
     out = method.round_metrics(server, _test_split(method, task))
     assert "acc_cluster" not in out
     assert "congruence_kmeans" in out  # the other metrics are still there
-    never = TestSplit(task.data.test_labels, lambda fn: pytest.fail("test queries computed"))
+    never = lambda fn: pytest.fail("test queries computed")  # noqa: E731
     for off in (_sgpt(tiny, preset="shared-only"), _sgpt(tiny, cluster_metric=False)):
         gen = torch.Generator().manual_seed(0)
         assert "acc_cluster" not in off.round_metrics(off.init_server(gen), never)
@@ -218,3 +219,11 @@ def test_only_the_cells_of_table_4_and_fig_6a_record_the_diagnostics(suite, repo
     on = {c.method.label for c in cells if c.method.args.get("cluster_metric")}
     assert on == reporting
     assert len(on) < len({c.method.label for c in cells})  # the other rows pay nothing
+
+
+def test_an_empty_test_split_gives_no_test_view(tiny):
+    _, task, method = tiny("sgpt")
+    data = dataclasses.replace(
+        task.data, test_images=task.data.test_images[:0], test_labels=task.data.test_labels[:0]
+    )
+    assert view_of_test(dataclasses.replace(task, data=data), Inputs.of(method, task)) is None
