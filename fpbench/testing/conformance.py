@@ -9,6 +9,7 @@ import torch
 
 from fpbench.engine.executor import LocalResult, train_clients
 from fpbench.engine.inputs import FeatureCache, Inputs
+from fpbench.engine.numerics import cell_numerics
 from fpbench.methods.base import Updates
 from fpbench.testing.tiny import seeded_server
 
@@ -16,11 +17,14 @@ Tiny = Callable  # the `tiny` fixture: tiny(method, **train) -> (cfg, task, meth
 
 
 def _round(method, task, cfg, executor: str, server=None) -> tuple:
+    """One round of local training in the cell's numerics, as the runner computes it (without
+    them, CPU matmuls may round differently from one call to the next)."""
     server = server or seeded_server(method)
     ids = task.trainable_clients()
-    local = train_clients(
-        method, server, task, ids, cfg.train, round_idx=0, seed=cfg.seed, executor=executor
-    )
+    with cell_numerics(cfg):
+        local = train_clients(
+            method, server, task, ids, cfg.train, round_idx=0, seed=cfg.seed, executor=executor
+        )
     return server, local
 
 
