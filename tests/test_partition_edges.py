@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fpbench.errors import FpbenchError
-from fpbench.partition import make_clients
+from fpbench.partition import _keep_shots, base, make_clients
 from fpbench.partition.label import _joint
 from tests.test_partition import assert_valid, make_data
 
@@ -83,3 +83,53 @@ def test_natural_with_no_users_says_so() -> None:
     )
     with pytest.raises(FpbenchError, match="has 0 users: set num_clients = 0"):
         make_clients("natural", {"num_clients": 1, "min_train": 0}, empty, seed=0)
+
+
+def test_disjoint_classes_with_one_class_per_client_and_its_error() -> None:
+    data = make_data(num_classes=4, train_per=5, test_per=2)
+    clients = make_clients("disjoint-classes", {"num_clients": 4}, data, seed=0)
+    y = data.train_labels.numpy()
+    assert sorted(y[c.train_idx][0] for c in clients) == [0, 1, 2, 3]
+    assert all(len(set(y[c.train_idx].tolist())) == 1 for c in clients)
+    with pytest.raises(FpbenchError) as info:
+        make_clients("disjoint-classes", {"num_clients": 5}, data, seed=0)
+    assert str(info.value) == (
+        "partition.num_clients = 5 exceeds the number of classes (4) for partition "
+        "'disjoint-classes'; use at most 4 clients"
+    )
+
+
+def test_disjoint_classes_class_seed_fixes_the_blocks_whatever_the_run_seed() -> None:
+    data = make_data(num_classes=12, train_per=3, test_per=1)
+    y = data.train_labels.numpy()
+    want = np.array_split(np.random.default_rng(2023).permutation(12), 3)
+    for seed in (0, 1):
+        clients = make_clients(
+            "disjoint-classes", {"num_clients": 3, "class_seed": 2023}, data, seed
+        )
+        assert [sorted(set(y[c.train_idx].tolist())) for c in clients] == [
+            sorted(b.tolist()) for b in want
+        ]
+
+
+def test_domains_of_needs_both_splits_and_gives_int64() -> None:
+    data = make_data(num_classes=2, train_per=4, test_per=2, num_domains=2)
+    d_train, d_test = base.domains_of(data)
+    assert d_train.dtype == np.int64 and d_test.dtype == np.int64
+    assert np.array_equal(d_test, data.test_domains.numpy())
+    for half in ({"test_domains": None}, {"train_domains": None}):
+        with pytest.raises(FpbenchError) as info:
+            base.domains_of(dataclasses.replace(data, **half))
+        assert str(info.value) == "dataset 'tiny' has no per-sample domains"
+
+
+def test_shots_keep_the_first_of_each_class_in_the_drawn_order() -> None:
+    """The kept samples are the first `shots` of each class in `rng.permutation` order: a
+    stable sort, so one seed keeps the same samples on every machine."""
+    y = np.repeat([0, 1], 100)
+    c = base.make_client(0, np.arange(200), np.arange(4), y, 2)
+    kept = _keep_shots(c, y, 3, 2, np.random.default_rng(7))
+    drawn = np.arange(200)[np.random.default_rng(7).permutation(200)]
+    want = [i for k in (0, 1) for i in drawn[y[drawn] == k][:3]]
+    assert kept.train_idx.tolist() == sorted(want)
+    assert kept.test_idx.tolist() == [0, 1, 2, 3] and kept.class_prior.tolist() == [0.5, 0.5]
