@@ -11,7 +11,12 @@ import torch
 
 from fpbench.errors import FpbenchError
 from fpbench.partition import _keep_shots, base, make_clients
-from fpbench.partition.base import _dirichlet_once, dirichlet_split, local_test_sets
+from fpbench.partition.base import (
+    _dirichlet_once,
+    _largest_remainder,
+    dirichlet_split,
+    local_test_sets,
+)
 from fpbench.partition.label import _joint
 from tests.test_partition import assert_valid, make_data
 
@@ -239,3 +244,53 @@ def test_dirichlet_min_size_is_reached_exactly_or_said_impossible() -> None:
     )
     with pytest.raises(FpbenchError, match=r"min_size = 3 is impossible: 2 clients x 3 > 5"):
         dirichlet_split(np.arange(5), np.zeros(5, np.int64), 2, 0.5, 3, 5, ScriptedRng())
+
+
+def test_largest_remainder_gives_tied_remainders_to_the_first() -> None:
+    """Nine weights of 2 and eight of 1 (sum 26), 6 to give: every 2 has remainder 6 * 2 / 26,
+    the largest; the first six of them get one each."""
+    twos = [0, 1, 3, 4, 7, 10, 11, 13, 16]
+    w = np.array([2.0 if i in twos else 1.0 for i in range(17)])
+    assert np.flatnonzero(_largest_remainder(6, w)).tolist() == twos[:6]
+
+
+@pytest.mark.parametrize(
+    ("parts", "n_test", "sizes"),
+    [
+        # clients 0 and 2 get nothing by quota; each takes one from client 1, the largest
+        ([[0], list(range(1, 101)), [101]], 4, [1, 2, 1]),
+        ([list(range(100)), [100]], 2, [1, 1]),  # a donor with two gives one
+        ([list(range(100)), [100]], 1, [1, 0]),  # a donor with one keeps it
+    ],
+)
+def test_the_fix_up_takes_from_the_largest_holder_while_it_keeps_one(parts, n_test, sizes):
+    n_train = sum(len(p) for p in parts)
+    tests = local_test_sets(
+        [np.array(p) for p in parts],
+        np.zeros(n_train, np.int64),
+        np.zeros(n_test, np.int64),
+        np.random.default_rng(0),
+    )
+    assert [t.size for t in tests] == sizes
+    assert sorted(np.concatenate(tests).tolist()) == list(range(n_test))
+
+
+def test_clients_hold_int64_indices_and_a_read_only_prior() -> None:
+    labels = np.array([0, 1, 1, 2])
+    c = base.make_client(3, np.array([3, 1, 2]), np.empty(0), labels, 4, domain=1, heldout=True)
+    assert c.train_idx.tolist() == [1, 2, 3] and c.test_idx.dtype == np.int64
+    assert c.class_prior.tolist() == [0.0, 2 / 3, 1 / 3, 0.0]
+    assert not c.class_prior.flags.writeable and not c.train_idx.flags.writeable
+    assert (c.id, c.domain, c.heldout) == (3, 1, True)
+    data = make_data(num_classes=2, train_per=2, test_per=2)
+    assert base.train_labels(data).dtype == np.int64 and base.test_labels(data).dtype == np.int64
+
+
+def test_min_train_error_names_the_first_small_client_and_the_partition() -> None:
+    data = make_data(num_classes=2, train_per=2, test_per=1)
+    with pytest.raises(FpbenchError) as info:
+        make_clients("disjoint-classes", {"num_clients": 2, "shots": 1, "min_train": 2}, data, 0)
+    assert str(info.value) == (
+        "partition.min_train = 2: client 0 of partition 'disjoint-classes' has 1 train samples "
+        "(2 clients below); use fewer clients, more shots or a larger dataset"
+    )
