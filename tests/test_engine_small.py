@@ -1,0 +1,142 @@
+"""The engine's small modules on their own: checkpoints, seeds, precision, the numerics context
+and the observer's result (each pinned where a mutation run found it loose, issue #31)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from fpbench.backbones import frozen_linear
+from fpbench.engine import checkpoint, numerics, precision
+from fpbench.engine.observer import CellResult, Observer
+from fpbench.engine.seeding import client_batches, derive_seed
+from fpbench.methods.base import ServerState
+
+
+def _state() -> ServerState:
+    return ServerState(
+        params={"p": torch.tensor([1.0, 2.0])},
+        personal={"q": torch.tensor([[3.0]])},
+        buffers={"b": torch.tensor([4])},
+    )
+
+
+def test_checkpoint_names_and_binding() -> None:
+    assert checkpoint.checkpoint_path(Path("a/b"), "key1") == Path("a/b/key1.pt")
+    assert checkpoint.folder_for(Path("ck"), "db-id") == Path("ck/db-id")
+    assert checkpoint.binding("db-id", 7) == "db-id:7"
+
+
+def test_a_checkpoint_round_trips_and_leaves_no_temporary_file(tmp_path: Path) -> None:
+    path = tmp_path / "new" / "k.pt"
+    ckpt = checkpoint.Checkpoint("k", 3, _state(), [{"acc": 0.5}], 12.5)
+    checkpoint.save(path, ckpt, bound_to="db:1")
+    assert sorted(p.name for p in path.parent.iterdir()) == ["k.pt"]
+    assert checkpoint.saved_round(path) == (3, "db:1")
+    got = checkpoint.load(path, "k", torch.device("cpu"), bound_to="db:1")
+    assert (got.run_key, got.round, got.history, got.elapsed_s) == ("k", 3, [{"acc": 0.5}], 12.5)
+    for part, want in _state().state_dict().items():
+        mine = got.server.state_dict()[part]
+        assert mine.keys() == want.keys()
+        assert all(torch.equal(mine[n], t) and mine[n].dtype == t.dtype for n, t in want.items())
+    checkpoint.save(path, ckpt)  # unbound: only a load that asks for no binding takes it
+    assert checkpoint.saved_round(path) == (3, None)
+    assert checkpoint.load(path, "k", torch.device("cpu")).round == 3
+    assert checkpoint.load(path, "k", torch.device("cpu"), bound_to="db:1") is None
+
+
+def test_a_checkpoint_of_another_run_or_binding_or_unreadable_is_ignored(
+    tmp_path: Path, caplog
+) -> None:
+    path = tmp_path / "k.pt"
+    cpu = torch.device("cpu")
+    assert checkpoint.load(path, "k", cpu) is None and checkpoint.saved_round(path) is None
+    checkpoint.save(path, checkpoint.Checkpoint("k", 2, _state(), [], 1.0), bound_to="db:1")
+    assert checkpoint.load(path, "other", cpu) is None
+    with caplog.at_level(logging.WARNING, logger=checkpoint.log.name):
+        assert checkpoint.load(path, "k", cpu, bound_to="db:2") is None
+    assert caplog.messages == [
+        f"ignoring checkpoint {path}: it was written for db:1, not for this run (db:2); "
+        "the run restarts"
+    ]
+    caplog.clear()
+    path.write_bytes(b"not a checkpoint")
+    with caplog.at_level(logging.WARNING, logger=checkpoint.log.name):
+        assert checkpoint.load(path, "k", cpu) is None
+    assert checkpoint.saved_round(path) is None
+    assert caplog.messages == [
+        f"ignoring unreadable checkpoint {path} (UnpicklingError); the run restarts"
+    ]
+
+
+def test_derive_seed_is_the_sha256_of_the_joined_parts_less_one_bit() -> None:
+    digest = hashlib.sha256(b"7/client-sampling/3").digest()
+    want = int.from_bytes(digest[:8], "little") >> 1
+    assert derive_seed(7, "client-sampling", 3) == want < 2**63
+    assert derive_seed(7, "client-sampling", 3) != derive_seed(7, "client-sampling", 4)
+
+
+def test_client_batches_are_a_seeded_permutation_cut_into_batches() -> None:
+    idx = torch.tensor([10, 11, 12, 13, 14])
+    order = torch.randperm(5, generator=torch.Generator().manual_seed(3))
+    batches = client_batches(idx, 2, seed=3)
+    assert [b.tolist() for b in batches] == [
+        idx[order[:2]].tolist(),
+        idx[order[2:4]].tolist(),
+        idx[order[4:]].tolist(),
+    ]
+
+
+def _autocast_cpu() -> tuple[bool, torch.dtype]:
+    return frozen_linear._cpu_autocast(), torch.get_autocast_dtype("cpu")
+
+
+def test_bf16_precisions_autocast_in_bf16_and_fp32_does_not() -> None:
+    cpu = torch.device("cpu")
+    for name in ("bf16", "bf16-frozen"):
+        with precision.autocast(cpu, name):
+            assert _autocast_cpu() == (True, torch.bfloat16)
+    with precision.autocast(cpu, "fp32"):
+        assert not frozen_linear._cpu_autocast()
+
+
+def test_start_params_are_computed_outside_autocast_and_moved_to_the_device() -> None:
+    seen = []
+
+    class Method:
+        def client_params(self, server, client_ids, training):
+            seen.append((server, client_ids.tolist(), training, frozen_linear._cpu_autocast()))
+            return {"p": torch.ones(2, dtype=torch.float64)}
+
+    cpu = torch.device("cpu")
+    with precision.autocast(cpu, "bf16"):
+        out = precision.start_params(Method(), "server", torch.tensor([1, 2]), cpu)
+        precision.start_params(Method(), "server", torch.tensor([0]), cpu, training=False)
+    assert seen == [("server", [1, 2], True, False), ("server", [0], False, False)]
+    assert list(out) == ["p"] and out["p"].device == cpu and out["p"].dtype == torch.float64
+
+
+def test_cell_numerics_sets_the_mode_threads_and_linear_backend_and_restores_them() -> None:
+    before = (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads())
+    other = "blas" if frozen_linear._backend == "onednn" else "onednn"
+    backend = frozen_linear._backend
+    cfg = SimpleNamespace(
+        runtime=SimpleNamespace(deterministic=not before[0], threads=1, cpu_linear=other)
+    )
+    with numerics.cell_numerics(cfg):
+        assert torch.are_deterministic_algorithms_enabled() is (not before[0])
+        assert torch.get_num_threads() == 1 and frozen_linear._backend == other
+    assert frozen_linear._backend == backend
+    assert torch.are_deterministic_algorithms_enabled() is before[0]
+
+
+def test_a_cell_result_has_no_error_unless_given_and_the_observer_ignores_calls() -> None:
+    assert CellResult("cfg", "done").error is None
+    assert CellResult("cfg", "failed", "boom").error == "boom"
+    seen = Observer()
+    assert seen.cell_start(None, 0) is None and seen.round_end(None, 0, {}) is None
+    assert seen.stage(None, "x", 0, 1) is None and seen.cell_end(None) is None
