@@ -3,6 +3,7 @@ and the observer's result (each pinned where a mutation run found it loose, issu
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import logging
 from pathlib import Path
@@ -32,7 +33,7 @@ def test_checkpoint_names_and_binding() -> None:
 
 
 def test_a_checkpoint_round_trips_and_leaves_no_temporary_file(tmp_path: Path) -> None:
-    path = tmp_path / "new" / "k.pt"
+    path = tmp_path / "new" / "folders" / "k.pt"
     ckpt = checkpoint.Checkpoint("k", 3, _state(), [{"acc": 0.5}], 12.5)
     checkpoint.save(path, ckpt, bound_to="db:1")
     assert sorted(p.name for p in path.parent.iterdir()) == ["k.pt"]
@@ -140,3 +141,20 @@ def test_a_cell_result_has_no_error_unless_given_and_the_observer_ignores_calls(
     seen = Observer()
     assert seen.cell_start(None, 0) is None and seen.round_end(None, 0, {}) is None
     assert seen.stage(None, "x", 0, 1) is None and seen.cell_end(None) is None
+
+
+def test_a_checkpoint_holding_more_than_tensors_and_plain_data_is_not_unpickled(
+    tmp_path: Path,
+) -> None:
+    """Read with `weights_only`: a file holding any other Python object is unreadable."""
+    path = tmp_path / "k.pt"
+    torch.save({"run_key": "k", "round": 1, "binding": None, "when": dt.date(2020, 1, 1)}, path)
+    assert checkpoint.saved_round(path) is None
+    assert checkpoint.load(path, "k", torch.device("cpu")) is None
+
+
+def test_bf16_means_bf16_on_cuda_too_not_autocast_s_fp16_default(monkeypatch) -> None:
+    made = []
+    monkeypatch.setattr(torch, "autocast", lambda device, **kw: made.append((device, kw)))
+    precision.autocast(torch.device("cuda"), "bf16")
+    assert made == [("cuda", {"dtype": torch.bfloat16})]
