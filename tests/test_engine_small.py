@@ -148,7 +148,9 @@ def test_a_checkpoint_holding_more_than_tensors_and_plain_data_is_not_unpickled(
 ) -> None:
     """Read with `weights_only`: a file holding any other Python object is unreadable."""
     path = tmp_path / "k.pt"
-    torch.save({"run_key": "k", "round": 1, "binding": None, "when": dt.date(2020, 1, 1)}, path)
+    checkpoint.save(path, checkpoint.Checkpoint("k", 1, _state(), [], 1.0))
+    blob = torch.load(path, weights_only=True)
+    torch.save({**blob, "when": dt.date(2020, 1, 1)}, path)  # a whole checkpoint, and a date
     assert checkpoint.saved_round(path) is None
     assert checkpoint.load(path, "k", torch.device("cpu")) is None
 
