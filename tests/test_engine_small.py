@@ -6,13 +6,17 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import logging
+import resource
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
+from torch.utils.flop_counter import flop_registry
 
 from fpbench.backbones import frozen_linear
-from fpbench.engine import checkpoint, numerics, precision
+from fpbench.engine import checkpoint, cost, numerics, precision
+from fpbench.engine.frozen_cache import read_entry, write_entry
 from fpbench.engine.observer import CellResult, Observer
 from fpbench.engine.seeding import client_batches, derive_seed
 from fpbench.methods.base import ServerState
@@ -160,3 +164,38 @@ def test_bf16_means_bf16_on_cuda_too_not_autocast_s_fp16_default(monkeypatch) ->
     monkeypatch.setattr(torch, "autocast", lambda device, **kw: made.append((device, kw)))
     precision.autocast(torch.device("cuda"), "bf16")
     assert made == [("cuda", {"dtype": torch.bfloat16})]
+
+
+def test_a_frozen_cache_entry_holding_a_foreign_object_is_not_unpickled(tmp_path: Path) -> None:
+    path = tmp_path / "entry.pt"
+    assert write_entry(path, "key", torch.arange(3.0))
+    entry = torch.load(path, weights_only=True)
+    assert torch.equal(read_entry(path, "key"), torch.arange(3.0))
+    torch.save({**entry, "when": dt.date(2020, 1, 1)}, path)  # a whole entry, and a date
+    assert read_entry(path, "key") is None
+
+
+def test_onednn_s_linear_is_registered_as_a_matrix_product(monkeypatch) -> None:
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if op is None:
+        pytest.skip("this torch has no oneDNN linear")
+    formula = flop_registry[op]
+    cost._register_onednn_linear()  # registered at import: a second call changes nothing
+    assert flop_registry[op] is formula
+    monkeypatch.delitem(flop_registry, op)
+    cost._register_onednn_linear()
+    # x (4, 3, 5) times W^T with W (7, 5): 12 rows x 7 outputs x 5 multiply-adds, 2 FLOPs each
+    assert flop_registry[op]((4, 3, 5), (7, 5), None, "none", [], "") == 2 * 12 * 7 * 5
+
+
+def test_counting_is_true_only_inside_count_flops() -> None:
+    assert not cost.counting()
+    with cost.count_flops():
+        assert cost.counting()
+    assert not cost.counting()
+
+
+def test_maxrss_is_the_process_peak_in_bytes() -> None:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    peak = cost.maxrss()
+    assert before <= peak <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
