@@ -199,3 +199,25 @@ def test_maxrss_is_the_process_peak_in_bytes() -> None:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     peak = cost.maxrss()
     assert before <= peak <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def test_a_failed_frozen_cache_write_warns_once_from_the_caller_and_never_raises(
+    tmp_path: Path, monkeypatch
+) -> None:
+    def full(obj, f, *args, **kwargs):
+        Path(f).write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    def stuck(self, missing_ok=False):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(torch, "save", full)
+    monkeypatch.setattr(Path, "unlink", stuck)  # the leftover cannot be removed either
+    path = tmp_path / "sub" / "entry.pt"
+    with pytest.warns(UserWarning) as caught:
+        assert write_entry(path, "key", torch.arange(3.0)) is False
+    assert [str(w.message) for w in caught] == [
+        f"cannot keep frozen values in {str(path.parent)!r} (No space left on device); they stay "
+        "in memory for this process only"
+    ]
+    assert caught[0].filename == __file__  # stacklevel 2: the line that asked to keep them
