@@ -221,3 +221,22 @@ def test_a_failed_frozen_cache_write_warns_once_from_the_caller_and_never_raises
         "in memory for this process only"
     ]
     assert caught[0].filename == __file__  # stacklevel 2: the line that asked to keep them
+
+
+def test_peak_memory_reads_the_source_its_start_chose(monkeypatch) -> None:
+    asked = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: asked.append(d) or 7000)
+    monkeypatch.setattr(cost, "_vmhwm", lambda: 4096)
+    monkeypatch.setattr(cost, "maxrss", lambda: 999)
+    gpu = torch.device("cuda", 1)
+    peaks = {}
+    for source, device in (("cuda", gpu), ("vmhwm", None), ("maxrss", None), ("", None)):
+        peak = cost.PeakMemory(device or torch.device("cpu"))
+        peak.source = source
+        peaks[source] = peak.read()
+    assert peaks == {"cuda": 7000, "vmhwm": 4096, "maxrss": 999, "": None}
+    assert asked == [gpu]
+    monkeypatch.setattr(cost, "_vmhwm", lambda: None)  # the mark became unreadable
+    peak = cost.PeakMemory(torch.device("cpu"))
+    peak.source = "vmhwm"
+    assert peak.read() == 999
