@@ -15,7 +15,7 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 from fpbench.backbones import frozen_linear
-from fpbench.engine import checkpoint, cost, numerics, precision
+from fpbench.engine import checkpoint, cost, frozen_cache, numerics, precision
 from fpbench.engine.frozen_cache import read_entry, write_entry
 from fpbench.engine.observer import CellResult, Observer
 from fpbench.engine.seeding import client_batches, derive_seed
@@ -240,3 +240,18 @@ def test_peak_memory_reads_the_source_its_start_chose(monkeypatch) -> None:
     peak = cost.PeakMemory(torch.device("cpu"))
     peak.source = "vmhwm"
     assert peak.read() == 999
+
+
+def test_the_weights_digest_is_kept_until_a_tensor_is_replaced_or_changed(monkeypatch) -> None:
+    model = torch.nn.Linear(2, 1)
+    first = frozen_cache.weights_digest(model)
+    hashed = []
+    bytes_of = frozen_cache._bytes
+    monkeypatch.setattr(frozen_cache, "_bytes", lambda t: hashed.append(1) or bytes_of(t))
+    assert frozen_cache.weights_digest(model) == first and hashed == []  # kept, not redone
+    with torch.no_grad():
+        same = model.bias.detach().clone()
+    model.bias = torch.nn.Parameter(same)  # another tensor, same values and version
+    assert frozen_cache.weights_digest(model) == first and len(hashed) == 2
+    model.bias = torch.nn.Parameter(same + 1)  # a new tensor, version 0 like the one before
+    assert frozen_cache.weights_digest(model) != first
