@@ -254,3 +254,30 @@ def test_the_weights_digest_is_redone_when_a_tensor_is_replaced() -> None:
     assert bias._version == model.bias._version
     model.bias = bias
     assert frozen_cache.weights_digest(model) != first
+
+
+def test_the_numerics_of_a_frozen_pass_name_what_sets_its_bits(monkeypatch) -> None:
+    monkeypatch.setattr(frozen_cache, "_cpu_name", lambda: "Some CPU")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    monkeypatch.setattr(frozen_linear, "_backend", "blas")
+    assert frozen_cache.numerics(torch.device("cpu"), "tf32") == {
+        "precision": "fp32",
+        "torch": torch.__version__,
+        "deterministic": True,
+        "device": "cpu:Some CPU",
+        "threads": 3,
+        "cpu_linear": "blas",
+    }
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: asked.append(d) or "H100")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    gpu = torch.device("cuda", 0)
+    assert frozen_cache.numerics(gpu, "tf32") == {
+        "precision": "tf32",
+        "torch": torch.__version__,
+        "deterministic": True,
+        "device": "cuda:H100",
+        "cuda": "12.8",
+    }
+    assert asked == [gpu]
