@@ -1033,3 +1033,60 @@ def test_create_says_so_when_no_database_appeared(db_path: Path, monkeypatch) ->
             ownership.create(engine)
     finally:
         engine.dispose()
+
+
+def test_a_foreign_database_s_tables_are_cut_after_six(tmp_path: Path) -> None:
+    def listed(count: int) -> str:
+        db = tmp_path / f"t{count}.db"
+        with sqlite3.connect(db) as con:
+            for i in range(count):
+                con.execute(f"CREATE TABLE t{i} (x)")
+        with pytest.raises(FpbenchError) as info:
+            ownership.probe(create_engine(f"sqlite:///{db}"))
+        return str(info.value).split("its tables: ")[1].split("; it lacks")[0]
+
+    assert listed(6) == "t0, t1, t2, t3, t4, t5"
+    assert listed(7) == "t0, t1, t2, t3, t4, t5, ..."
+
+
+def test_the_probe_reads_a_file_through_a_read_only_uri_and_leaves_no_stray_file(
+    db_path: Path, tmp_path: Path, monkeypatch
+) -> None:
+    with Store(Store.url_from_path_or_url(str(db_path))) as made:
+        make_run(made)
+    opened: list[tuple[str, dict]] = []
+    connect = sqlite3.connect
+
+    def spy(target: str, **kwargs):
+        opened.append((target, kwargs))
+        return connect(target, **kwargs)
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)  # a file name taken as a path would be made here
+    monkeypatch.setattr(ownership.sqlite3, "connect", spy)
+    before = db_path.read_bytes()
+    engine = create_engine(f"sqlite:///{db_path}")
+    try:
+        assert ownership.probe(engine) is ownership.State.FPBENCH
+    finally:
+        engine.dispose()
+    # without uri=True a SQLite built without SQLITE_USE_URI takes "file:...?mode=ro" as a name
+    assert opened == [(f"{db_path.absolute().as_uri()}?mode=ro", {"uri": True})]
+    assert list(cwd.iterdir()) == []  # beside the file only SQLite's own WAL companions
+    assert {p.name for p in db_path.parent.iterdir()} <= {
+        f"results.db{s}" for s in ("", "-wal", "-shm")
+    }
+    assert db_path.read_bytes() == before
+
+
+def test_a_server_url_gets_an_engine_that_pings_before_reuse(monkeypatch) -> None:
+    pytest.importorskip("psycopg")
+    monkeypatch.setattr(repo, "probe", lambda engine: ownership.State.ABSENT)  # no server here
+    store = Store("postgresql+psycopg://user@db.invalid/results")
+    try:
+        engine = store._engine
+        assert engine.url.render_as_string() == "postgresql+psycopg://user@db.invalid/results"
+        assert engine.pool._pre_ping is True
+    finally:
+        store._engine.dispose()
