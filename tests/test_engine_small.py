@@ -256,6 +256,18 @@ def test_the_weights_digest_is_redone_when_a_tensor_is_replaced() -> None:
     assert frozen_cache.weights_digest(model) != first
 
 
+def test_the_weights_digest_is_kept_while_no_tensor_changes(monkeypatch) -> None:
+    model = torch.nn.Linear(2, 1)
+    first = frozen_cache.weights_digest(model)
+    hashed = []
+    monkeypatch.setattr(frozen_cache, "_bytes", lambda t: hashed.append(t) or memoryview(b""))
+    assert frozen_cache.weights_digest(model) == first and hashed == []  # kept: nothing hashed
+    with torch.no_grad():
+        model.weight[0, 0] += 1  # in place: a new version
+    frozen_cache.weights_digest(model)
+    assert [t is p for t, p in zip(hashed, (model.weight, model.bias), strict=True)] == [True, True]
+
+
 def test_the_numerics_of_a_frozen_pass_name_what_sets_its_bits(monkeypatch) -> None:
     monkeypatch.setattr(frozen_cache, "_cpu_name", lambda: "Some CPU")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)

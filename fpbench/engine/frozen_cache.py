@@ -23,6 +23,7 @@ import os
 import platform
 import uuid
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,20 +40,29 @@ SUFFIX = ".pt"
 FrozenPrecision = Literal["fp32", "tf32", "bf16"]
 
 
+# module -> (digest, ((name, weak reference to the tensor, its version), ...))
+_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def weights_digest(model: nn.Module) -> str:
     """SHA-256 of every parameter and buffer of `model` (names, dtypes, shapes and bytes);
-    kept on the module until one of its tensors is replaced or changed in place."""
-    state = model.state_dict()
-    versions = tuple((id(t), t._version) for t in state.values())
-    found = getattr(model, "_fpbench_weights_digest", None)
-    if found is not None and found[1] == versions:
-        return found[0]
+    kept for the module until one of its tensors is replaced (by identity, not by `id`, which a
+    new tensor may reuse) or changed in place (its version)."""
+    state = model.state_dict(keep_vars=True)  # the module's own tensors, not fresh detached ones
+    found = _DIGESTS.get(model)
+    if found is not None and len(found[1]) == len(state):
+        same = all(
+            name == n and ref() is t and version == t._version
+            for (n, ref, version), (name, t) in zip(found[1], state.items(), strict=True)
+        )
+        if same:
+            return found[0]
     h = hashlib.sha256()
     for name, t in state.items():
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         h.update(_bytes(t))
     digest = h.hexdigest()
-    model._fpbench_weights_digest = (digest, versions)  # type: ignore[assignment]
+    _DIGESTS[model] = (digest, tuple((n, weakref.ref(t), t._version) for n, t in state.items()))
     return digest
 
 
