@@ -1,0 +1,165 @@
+"""Edge cases of fpbench/report that its mutation run (issue #31) found untested: each expected
+value is worked out by hand in the comment beside it."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from scipy import stats
+
+from fpbench.errors import FpbenchError
+from fpbench.report.compare import compare_methods, paired_test
+from fpbench.report.paper import Results, fill_paper, load_paper
+from fpbench.report.protocol import Finding
+from fpbench.report.readings import Reading, load_readings, parse_readings
+from tests.test_report import Rows
+
+# -- protocol --------------------------------------------------------------------------------
+
+
+def test_a_finding_names_a_declared_deviation_and_all_its_tables():
+    finding = Finding(2, (1, 3), "s: m/d/p", "train.lr", 0.1, 0.2, "sec. 4", declared=True)
+    assert str(finding) == (
+        "table(s) 1,3, cell s: m/d/p: train.lr = 0.2, protocol declared deviation 0.1 (sec. 4)"
+    )
+
+
+# -- compare ---------------------------------------------------------------------------------
+
+
+def test_compare_keeps_the_cells_in_first_seen_order_within_a_metric():
+    r = Rows()
+    run = iter(range(1, 100))
+    for ds in ("svhn", "cifar100"):  # svhn first: not alphabetical
+        for method, v in (("fedavg", 0.5), ("sgpt", 0.6)):
+            r.add(next(run), method, 0, 9, "acc_global", v, ds=ds)
+    found = compare_methods(r.frame(), "fedavg", "sgpt", ["acc_global"])
+    assert found["dataset"].tolist() == ["svhn", "cifar100"]
+
+
+def test_paired_test_rejects_only_below_alpha():
+    # differences 0.1, 0.05, 0.15, 0.1: at alpha = their p exactly, "no difference" stands and
+    # the interval's low end is 0 (up to rounding)
+    a, b = [0.1, 0.2, 0.3, 0.4], [0.2, 0.25, 0.45, 0.5]
+    p = float(stats.ttest_rel(b, a).pvalue)
+    got = paired_test(a, b, p)
+    assert got["p"] == p and got["verdict"] == "within seed noise"
+    assert got["ci_low"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_paired_test_rounding_tolerance_is_relative_to_the_mean_and_at_least_1e_12():
+    # differences 1000 and 1000 + 1e-10: sd 7.1e-11 is below 1e-12 * 1000, so they are equal
+    big = paired_test([0.0, 0.0], [1000.0, 1000.0 + 1e-10])
+    assert (big["std_diff"], big["t"], big["p"]) == (0.0, math.inf, 0.0)
+    # differences 0.5 -+ 1.0607e-12: sd 1.5e-12 is above 1e-12 * max(0.5, 1), so it is kept
+    d = 1.5e-12 / math.sqrt(2)
+    small = paired_test([0.0, 0.0], [0.5 - d, 0.5 + d])
+    assert small["std_diff"] == pytest.approx(1.5e-12, rel=1e-3)
+
+
+# -- paper: the derived metrics ----------------------------------------------------------------
+
+DERIVED = """
+paper = "toy"
+[[tables]]
+number = 1
+caption = "toy"
+suite = "toy"
+rank = "none"
+columns = [
+  { key = "wall", label = "s/round", metric = "wall_s_per_round" },
+  { key = "rounds", label = "rounds", metric = "rounds_to_target", target = 0.6 },
+  { key = "secs", label = "secs", metric = "wall_s_to_target", target = 0.6 },
+  { key = "bytes", label = "bytes", metric = "bytes_to_target", target = 0.6 },
+  { key = "pooled", label = "p", metric = "rounds_to_target", target_metric = "acc_pooled" },
+  { key = "any", label = "any", metric = "rounds_to_target" },
+  { key = "params", label = "params", metric = "params_to_target", target = 0.6 },
+]
+rows = [{ key = "m", label = "M", method = "m", dataset = "d" }]
+[tables.cells]
+"m.pooled" = { target = 0.6 }
+[tables.values]
+m = ["-", "-", "-", "-", "-", "-", "-"]
+"""
+
+
+def _derived(tmp_path: Path, with_rounds: bool = True):
+    (tmp_path / "toy.toml").write_text(DERIVED)
+    rows, rounds = [], []
+    curves = {  # run 1 of method m reaches 0.6 exactly at round 1; run 2 is another method's
+        1: {"acc_global": [0.5, 0.6, 0.9, 0.7], "acc_pooled": [0.1, 0.2, 0.3, 0.65]},
+        2: {"acc_global": [0.9, 0.9, 0.9, 0.9], "acc_pooled": [0.9, 0.9, 0.9, 0.9]},
+    }
+    for run_id, method in ((1, "m"), (2, "other")):
+        for name, curve in curves[run_id].items():
+            for rnd, value in enumerate(curve):
+                rows.append({"run_id": run_id, "suite": "toy", "method": method, "dataset": "d",
+                             "partition": "p", "seed": 0, "round": rnd, "name": name,
+                             "value": value})  # fmt: skip
+        for rnd, wall in enumerate([1.0, 2.0, 3.0, 10.0] if run_id == 1 else [100.0] * 4):
+            rounds.append({"run_id": run_id, "round": rnd, "wall_s": wall,
+                           "bytes_up": 10 * (rnd + 1), "bytes_down": 100 * (rnd + 1)})  # fmt: skip
+    results = Results(pd.DataFrame(rows), {}, pd.DataFrame(rounds) if with_rounds else None)
+    (filled,) = fill_paper(load_paper("toy", tmp_path), results)
+    return {c.column: c.mean for c in filled.cells}
+
+
+def test_derived_metrics_read_the_cells_own_curve_and_rounds(tmp_path):
+    means = _derived(tmp_path)
+    assert means["wall"] == 2.5  # median of run 1's 1, 2, 3, 10 s (run 2's 100 s left out)
+    assert means["rounds"] == 2.0  # 0.6 reached (>=) at round 1: rounds 0 and 1
+    assert means["secs"] == 3.0  # 1 + 2 s
+    assert means["bytes"] == 330.0  # up 10 + 20, down 100 + 200
+    assert means["pooled"] == 4.0  # acc_pooled first reaches 0.6 at round 3
+    assert means["any"] == 1.0  # no target: 0, reached at round 0
+    assert means["params"] == 75.0  # down 100 + 200 bytes / 4 to 1 client per round (default)
+
+
+def test_derived_metrics_without_round_rows_fill_nothing(tmp_path):
+    assert set(_derived(tmp_path, with_rounds=False).values()) == {None}
+
+
+# -- readings --------------------------------------------------------------------------------
+
+
+def test_a_reading_keeps_its_reason_and_globs():
+    blocks = [
+        {"tables": [1], "metric": "acc_global", "source": "s", "columns": "c*"},
+        {"tables": [2], "metric": "acc_pooled", "source": "t", "rows": ["a", "!b"],
+         "reason": "why"},
+    ]  # fmt: skip
+    assert parse_readings({"readings": blocks}) == [
+        Reading(1, (1,), ("c*",), (), "acc_global", "s", ""),
+        Reading(2, (2,), (), ("a", "!b"), "acc_pooled", "t", "why"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "block, message",
+    [
+        ({"tables": [1], "metric": "m", "source": "s", "colour": 1},
+         r"<memory> readings block 2: needs tables, metric, source \(optional columns, rows, "
+         r"reason\); unknown \['colour'\], missing \[\]$"),
+        ({"tables": [1], "metric": "m"},
+         r"<memory> readings block 2: needs .*; unknown \[\], missing \['source'\]$"),
+        ({"tables": ["1"], "metric": "m", "source": "s"},
+         r"^<memory> readings block 2: tables must be a list of table numbers$"),
+        ({"tables": [1], "metric": "m", "source": "s", "columns": 3},
+         r"^<memory> readings block 2: columns is a glob or a list of globs, got 3$"),
+        ({"tables": [1], "metric": "m", "source": "s", "rows": ["a", 2]},
+         r"^<memory> readings block 2: rows is a glob or a list of globs, got \['a', 2\]$"),
+    ],
+)  # fmt: skip
+def test_a_malformed_reading_is_one_clear_error_naming_its_block(block, message):
+    good = {"tables": [1], "metric": "m", "source": "s"}
+    with pytest.raises(FpbenchError, match=message):
+        parse_readings({"readings": [good, block]})
+
+
+def test_a_reading_error_names_the_paper_file(tmp_path):
+    (tmp_path / "toy.toml").write_text('[[readings]]\ntables = [1]\nmetric = "m"\n')
+    with pytest.raises(FpbenchError, match=r"^toy.toml readings block 1: needs "):
+        load_readings("toy", tmp_path)
