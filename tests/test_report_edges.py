@@ -12,9 +12,11 @@ from scipy import stats
 
 from fpbench.errors import FpbenchError
 from fpbench.report.compare import compare_methods, paired_test
-from fpbench.report.paper import Results, fill_paper, load_paper
+from fpbench.report.paper import Cell, Results, fill_paper, load_paper, parse_reported
+from fpbench.report.paper_cells import decimals, diff_text, ours_text
 from fpbench.report.protocol import Finding
 from fpbench.report.readings import Reading, load_readings, parse_readings
+from fpbench.report.tables import flat_parts, render
 from tests.test_report import Rows
 
 # -- protocol --------------------------------------------------------------------------------
@@ -163,3 +165,78 @@ def test_a_reading_error_names_the_paper_file(tmp_path):
     (tmp_path / "toy.toml").write_text('[[readings]]\ntables = [1]\nmetric = "m"\n')
     with pytest.raises(FpbenchError, match=r"^toy.toml readings block 1: needs "):
         load_readings("toy", tmp_path)
+
+
+# -- paper cells -----------------------------------------------------------------------------
+
+
+def _cell(reported: str, metric: str | None = "acc_global", **kw) -> Cell:
+    spec = {"method": "m"} if metric is None else {"method": "m", "metric": metric}
+    return Cell("r", "c", spec, parse_reported(reported), **kw)
+
+
+@pytest.mark.parametrize(
+    "reported, metric, places",
+    [
+        ("84.6", "acc_global", 1),  # as many as the paper prints
+        ("84.612", "rounds_to_target", 3),
+        ("7", "rounds_to_target", 0),  # a count printed whole: whole
+        ("7", None, 0),  # no metric: not an accuracy
+        ("7", "acc_global", 2),  # an accuracy printed whole: 2
+        ("-", "rounds_to_target", 2),  # nothing printed: 2
+    ],
+)
+def test_a_cell_shows_as_many_decimals_as_the_paper_prints(reported, metric, places):
+    assert decimals(_cell(reported, metric)) == places
+
+
+def test_a_cell_shows_its_std_only_over_several_runs():
+    assert ours_text(_cell("84.6")) == "—"
+    assert ours_text(_cell("84.6", mean=85.25, std=0.0, n=1)) == "85.2"
+    assert ours_text(_cell("84.6", mean=85.25, std=None, n=2)) == "85.2"
+    assert ours_text(_cell("84.6", mean=85.25, std=0.5, n=2)) == "85.2 ± 0.5"
+
+
+def test_a_missing_cell_hint_names_every_config_path():
+    spec = {"suite": "s", "method": "m", "dataset": "d", "metric": "acc_global",
+            "config": {"train": {"local_epochs": 2, "lr": 0.1}}}  # fmt: skip
+    cell = Cell("r", "c", spec, parse_reported("1.0"))
+    assert cell.hint() == "needs suite s: m/d train.local_epochs=2 train.lr=0.1 · acc_global"
+
+
+def test_hints_of_reference_cells_inputs_and_cells_without_a_suite():
+    def hint(**spec) -> str:
+        return Cell("r", "c", spec, parse_reported("1.0")).hint()
+
+    assert hint(method="m") == "reference only (not produced by fpbench)"
+    assert hint(metric="acc_global") == "reference only (not produced by fpbench)"
+    assert hint(method="m", dataset="d", metric="acc_global") == "needs suite ?: m/d · acc_global"
+    assert hint(method="m", dataset="d", metric="acc_global", needs="images") == (
+        "needs images (suite ?: m/d)"
+    )
+
+
+def test_a_cell_without_a_paper_value_shows_no_difference():
+    assert diff_text(_cell("-", mean=85.25, std=None, n=1)) == ""
+    assert diff_text(_cell("84.6", mean=85.25, std=None, n=1)) == "+0.7"  # 0.65000000000001
+
+
+# -- tables ----------------------------------------------------------------------------------
+
+
+def test_flat_parts_join_the_column_levels_for_the_terminal():
+    table = pd.DataFrame(
+        {("c10", "acc"): ["1", "2"], ("c10", "loss"): ["3", "4"]},
+        index=pd.Index(["a", "b"], name="method"),
+    )
+    assert flat_parts(table) == (
+        ["method"], ["c10 / acc", "c10 / loss"], [["a", "1", "3"], ["b", "2", "4"]]
+    )  # fmt: skip
+
+
+def test_latex_of_a_table_without_columns_has_one_header_line():
+    table = pd.DataFrame(index=pd.Index(["a", "b"], name="method"))
+    assert render(table, "latex") == (
+        "\\begin{tabular}{l}\n\\toprule\nmethod \\\\\n\\midrule\na \\\\\nb \\\\\n"
+        "\\bottomrule\n\\end{tabular}\n"
+    )
