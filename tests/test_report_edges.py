@@ -12,8 +12,18 @@ from scipy import stats
 
 from fpbench.errors import FpbenchError
 from fpbench.report.compare import compare_methods, paired_test
-from fpbench.report.paper import Cell, Results, fill_paper, load_paper, parse_reported
-from fpbench.report.paper_cells import decimals, diff_text, ours_text
+from fpbench.report.paper import (
+    Cell,
+    FilledTable,
+    Paper,
+    PaperTable,
+    Results,
+    fill_paper,
+    load_paper,
+    parse_reported,
+    scale_of,
+)
+from fpbench.report.paper_cells import decimals, diff_text, footer, ours_text, paper_text
 from fpbench.report.protocol import Finding
 from fpbench.report.readings import Reading, load_readings, parse_readings
 from fpbench.report.tables import flat_parts, render
@@ -219,6 +229,36 @@ def test_hints_of_reference_cells_inputs_and_cells_without_a_suite():
 def test_a_cell_without_a_paper_value_shows_no_difference():
     assert diff_text(_cell("-", mean=85.25, std=None, n=1)) == ""
     assert diff_text(_cell("84.6", mean=85.25, std=None, n=1)) == "+0.7"  # 0.65000000000001
+
+
+def test_scale_is_the_cells_own_or_percent_for_accuracies():
+    assert scale_of({"metric": "acc_global", "scale": 1}) == 1.0
+    assert scale_of({"metric": "acc_global"}) == 100.0
+    assert scale_of({"metric": "loss"}) == 1.0
+
+
+def _filled(note: str) -> FilledTable:
+    table = PaperTable("toy", 1, "c", (), (), {}, {}, {}, note=note)
+    cells = [
+        Cell("r1", "c", {"suite": "a", "method": "m", "metric": "acc"}, parse_reported("1"), 0.5,
+             None, 1),
+        Cell("r2", "c", {"suite": "c", "method": "m", "metric": "acc"}, parse_reported("-")),
+        Cell("r3", "c", {"suite": "b", "method": "m", "metric": "acc"}, parse_reported("2")),
+        Cell("r4", "c", {"method": "m", "metric": "acc"}, parse_reported("3")),
+        Cell("r5", "c", {}, parse_reported("4")),  # reference only: not counted
+    ]  # fmt: skip
+    return FilledTable(Paper("toy", "t", "", (table,)), table, cells)
+
+
+def test_the_footer_names_the_note_and_the_suites_still_to_run():
+    filled = _filled("accuracy in %")
+    assert filled.missing_suites() == ["b", "c"]
+    assert footer(filled) == [
+        "note: accuracy in %",
+        "3 of 5 cells have no runs yet; fill: `fpbench run --suite b` and `fpbench run --suite c`",
+    ]
+    assert footer(_filled(""))[0].startswith("3 of 5 cells")
+    assert [paper_text(c) for c in filled.cells[:2]] == ["1", "—"]
 
 
 # -- tables ----------------------------------------------------------------------------------
