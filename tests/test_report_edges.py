@@ -70,6 +70,10 @@ def test_paired_test_rounding_tolerance_is_relative_to_the_mean_and_at_least_1e_
     d = 1.5e-12 / math.sqrt(2)
     small = paired_test([0.0, 0.0], [0.5 - d, 0.5 + d])
     assert small["std_diff"] == pytest.approx(1.5e-12, rel=1e-3)
+    # differences 0 and 1.414213562373095e-12 (found by stepping through floats): their sd is
+    # 1e-12 exactly, the tolerance itself, which still counts as rounding
+    edge = paired_test([0.0, 0.0], [0.0, 1.414213562373095e-12])
+    assert (edge["std_diff"], edge["t"], edge["p"]) == (0.0, math.inf, 0.0)
 
 
 # -- paper: the derived metrics ----------------------------------------------------------------
