@@ -120,6 +120,7 @@ def _derived(tmp_path: Path, with_rounds: bool = True):
                            "bytes_up": 10 * (rnd + 1), "bytes_down": 100 * (rnd + 1)})  # fmt: skip
     results = Results(pd.DataFrame(rows), {}, pd.DataFrame(rounds) if with_rounds else None)
     (filled,) = fill_paper(load_paper("toy", tmp_path), results)
+    assert {c.std for c in filled.cells} == {None}  # one run each (or none): no std
     return {c.column: c.mean for c in filled.cells}
 
 
@@ -132,6 +133,36 @@ def test_derived_metrics_read_the_cells_own_curve_and_rounds(tmp_path):
     assert means["pooled"] == 4.0  # acc_pooled first reaches 0.6 at round 3
     assert means["any"] == 1.0  # no target: 0, reached at round 0
     assert means["params"] == 75.0  # down 100 + 200 bytes / 4 to 1 client per round (default)
+
+
+MARKS = """
+paper = "toy"
+[[tables]]
+number = 1
+caption = "toy"
+suite = "toy"
+columns = [{ key = "acc", label = "Acc", dataset = "d", metric = "acc_global" }]
+rows = [
+  { key = "a", label = "A", method = "a" },
+  { key = "b", label = "B", method = "b" },
+  { key = "c", label = "C", method = "c" },
+]
+[tables.values]
+a = ["60.0"]
+b = ["70.0"]
+c = ["50.0"]
+"""
+
+
+def test_without_a_rank_the_best_two_of_each_column_are_marked(tmp_path):
+    (tmp_path / "toy.toml").write_text(MARKS)
+    rows = [{"run_id": i, "suite": "toy", "method": m, "dataset": "d", "partition": "p",
+             "seed": 0, "round": 0, "name": "acc_global", "value": v}
+            for i, (m, v) in enumerate([("a", 0.8), ("b", 0.6), ("c", 0.7)])]  # fmt: skip
+    (filled,) = fill_paper(load_paper("toy", tmp_path), Results(pd.DataFrame(rows)))
+    assert [(c.row, c.mark, c.paper_mark) for c in filled.cells] == [
+        ("a", "best", "second"), ("b", "", "best"), ("c", "second", ""),
+    ]  # fmt: skip
 
 
 def test_derived_metrics_without_round_rows_fill_nothing(tmp_path):
