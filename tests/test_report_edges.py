@@ -26,7 +26,7 @@ from fpbench.report.paper import (
 from fpbench.report.paper_cells import decimals, diff_text, footer, ours_text, paper_text
 from fpbench.report.protocol import Finding
 from fpbench.report.readings import Reading, load_readings, parse_readings
-from fpbench.report.tables import flat_parts, render
+from fpbench.report.tables import flat_parts, render, summary_stats
 from tests.test_report import Rows
 
 # -- protocol --------------------------------------------------------------------------------
@@ -141,28 +141,41 @@ paper = "toy"
 number = 1
 caption = "toy"
 suite = "toy"
-columns = [{ key = "acc", label = "Acc", dataset = "d", metric = "acc_global" }]
+columns = [
+  { key = "acc", label = "Acc", dataset = "d", metric = "acc_global" },
+  { key = "loss", label = "Loss", dataset = "d", metric = "loss", higher_is_better = false },
+  { key = "solo", label = "Solo", dataset = "d", metric = "acc_pooled" },
+]
 rows = [
   { key = "a", label = "A", method = "a" },
   { key = "b", label = "B", method = "b" },
   { key = "c", label = "C", method = "c" },
 ]
 [tables.values]
-a = ["60.0"]
-b = ["70.0"]
-c = ["50.0"]
+a = ["60.0", "1.0", "<5"]
+b = ["70.0", "2.0", "3.0"]
+c = ["50.0", "-", "-"]
 """
 
 
-def test_without_a_rank_the_best_two_of_each_column_are_marked(tmp_path):
+def test_marks_rank_each_column_by_its_direction_and_need_two_values(tmp_path):
     (tmp_path / "toy.toml").write_text(MARKS)
+    runs = {
+        "a": {"acc_global": 0.8, "loss": 0.3, "acc_pooled": 0.9},
+        "b": {"acc_global": 0.6, "loss": 0.2},
+        "c": {"acc_global": 0.7, "loss": 0.25},
+    }
     rows = [{"run_id": i, "suite": "toy", "method": m, "dataset": "d", "partition": "p",
-             "seed": 0, "round": 0, "name": "acc_global", "value": v}
-            for i, (m, v) in enumerate([("a", 0.8), ("b", 0.6), ("c", 0.7)])]  # fmt: skip
+             "seed": 0, "round": 0, "name": name, "value": v}
+            for i, m in enumerate(runs) for name, v in runs[m].items()]  # fmt: skip
     (filled,) = fill_paper(load_paper("toy", tmp_path), Results(pd.DataFrame(rows)))
-    assert [(c.row, c.mark, c.paper_mark) for c in filled.cells] == [
-        ("a", "best", "second"), ("b", "", "best"), ("c", "second", ""),
-    ]  # fmt: skip
+    marks = {(c.row, c.column): (c.mark, c.paper_mark) for c in filled.cells}
+    # no rank given: per column, the higher the better
+    assert [marks[r, "acc"] for r in "abc"] == [("best", "second"), ("", "best"), ("second", "")]
+    # loss: the lower the better (ours 0.3, 0.2, 0.25; the paper's 1.0, 2.0)
+    assert [marks[r, "loss"] for r in "abc"] == [("", "best"), ("best", "second"), ("second", "")]
+    # one value of ours (a) and one of the paper's (b; "<5" is a bound): nothing to rank
+    assert [marks[r, "solo"] for r in "abc"] == [("", "")] * 3
 
 
 def test_derived_metrics_without_round_rows_fill_nothing(tmp_path):
@@ -315,3 +328,10 @@ def test_latex_of_a_table_without_columns_has_one_header_line():
         "\\begin{tabular}{l}\n\\toprule\nmethod \\\\\n\\midrule\na \\\\\nb \\\\\n"
         "\\bottomrule\n\\end{tabular}\n"
     )
+
+
+def test_summary_stats_of_nothing_names_the_suite_to_run():
+    with pytest.raises(
+        FpbenchError, match="^no results for suite toy; run `fpbench run --suite toy"
+    ):
+        summary_stats(pd.DataFrame(), ["acc_global"], suite="toy")
