@@ -150,11 +150,13 @@ rows = [
   { key = "a", label = "A", method = "a" },
   { key = "b", label = "B", method = "b" },
   { key = "c", label = "C", method = "c" },
+  { key = "ref", label = "Reference" },
 ]
 [tables.values]
 a = ["60.0", "1.0", "<5"]
 b = ["70.0", "2.0", "3.0"]
 c = ["50.0", "-", "-"]
+ref = ["55.0", "-", "-"]
 """
 
 
@@ -176,6 +178,8 @@ def test_marks_rank_each_column_by_its_direction_and_need_two_values(tmp_path):
     assert [marks[r, "loss"] for r in "abc"] == [("", "best"), ("best", "second"), ("second", "")]
     # one value of ours (a) and one of the paper's (b; "<5" is a bound): nothing to rank
     assert [marks[r, "solo"] for r in "abc"] == [("", "")] * 3
+    # a row without a method is the paper's reference: no run fills it
+    assert {(c.n, c.runs, c.mean) for c in filled.cells if c.row == "ref"} == {(0, 0, None)}
 
 
 def test_derived_metrics_without_round_rows_fill_nothing(tmp_path):
@@ -271,6 +275,9 @@ def test_hints_of_reference_cells_inputs_and_cells_without_a_suite():
     assert hint(method="m", dataset="d", metric="acc_global") == "needs suite ?: m/d · acc_global"
     assert hint(method="m", dataset="d", metric="acc_global", needs="images") == (
         "needs images (suite ?: m/d)"
+    )
+    assert hint(suite="s", method="m", metric="acc_global", needs="images") == (
+        "needs images (suite s: m)"
     )
 
 
