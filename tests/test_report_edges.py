@@ -24,9 +24,10 @@ from fpbench.report.paper import (
     scale_of,
 )
 from fpbench.report.paper_cells import decimals, diff_text, footer, ours_text, paper_text
-from fpbench.report.protocol import Finding
+from fpbench.report.protocol import Finding, check, check_paper, paper_coverage, same
 from fpbench.report.readings import Reading, load_readings, parse_readings
 from fpbench.report.tables import flat_parts, render, summary_stats
+from tests.test_paper_protocols import TINY_PAPER, _paper
 from tests.test_report import Rows
 
 # -- protocol --------------------------------------------------------------------------------
@@ -37,6 +38,50 @@ def test_a_finding_names_a_declared_deviation_and_all_its_tables():
     assert str(finding) == (
         "table(s) 1,3, cell s: m/d/p: train.lr = 0.2, protocol declared deviation 0.1 (sec. 4)"
     )
+
+
+def test_protocol_equality_never_compares_across_kinds():
+    assert not same(1, "1") and not same([1], 1) and not same(1, [1])
+    assert not same({"a": 1}, "a") and not same({"a": 1}, {"a": 2})
+    assert not same({"a": 1}, {"b": 1}) and same({"a": [1, 2.0]}, {"a": [1.0, 2]})
+
+
+def test_a_glob_rule_reports_every_cell_and_names_its_block(tmp_path):
+    paper, blocks, cells = _paper(
+        tmp_path,
+        '[[protocol]]\ntables = [1]\nrules = [{ path = "train.augment.*", value = false, '
+        'source = "s" }]\n',
+    )
+    found = check(paper, blocks, cells)  # rotate 0.0 is not False, in both cells
+    assert sorted((f.block, f.cell, f.path) for f in found) == [
+        (1, "tiny: fedvpt/synthetic/pathological", "train.augment.rotate"),
+        (1, "tiny: head-tune/synthetic/pathological", "train.augment.rotate"),
+    ]
+
+
+def test_a_protocol_error_names_the_paper_block_and_tables(tmp_path):
+    paper, blocks, cells = _paper(
+        tmp_path,
+        '[[protocol]]\ntables = [1]\nmatch = { method = "sgpt" }\n'
+        'rules = [{ path = "train.rounds", value = 2, source = "x" }]\n',
+    )
+    with pytest.raises(FpbenchError, match=r"^tiny protocol block 1 \(tables \[1\]\): matches no"):
+        check(paper, blocks, cells)
+
+
+def test_check_paper_reads_paper_and_protocol_from_the_given_root(tmp_path):
+    rule = (
+        '[[protocol]]\ntables = [1]\nrules = [{ path = "train.rounds", value = 11, source = "x" }]'
+    )
+    (tmp_path / "tiny.toml").write_text(
+        TINY_PAPER.replace('suite = "tiny"', 'suite = "smoke"') + rule + "\n"
+    )
+    found = check_paper("tiny", tmp_path)  # the smoke suite runs 10 rounds
+    assert sorted(f.cell for f in found) == [
+        f"smoke: {m}/synthetic/{p}" for m in ("fedvpt", "head-tune") for p in ("dir-0.3", "path-s4")
+    ]
+    assert {f.got for f in found} == {10}
+    assert paper_coverage("tiny", tmp_path).kinds["train.rounds"] == "pinned"
 
 
 # -- compare ---------------------------------------------------------------------------------
