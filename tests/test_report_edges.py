@@ -24,7 +24,15 @@ from fpbench.report.paper import (
     scale_of,
 )
 from fpbench.report.paper_cells import decimals, diff_text, footer, ours_text, paper_text
-from fpbench.report.protocol import Finding, check, check_paper, paper_coverage, same
+from fpbench.report.protocol import (
+    Finding,
+    check,
+    check_paper,
+    deviations,
+    paper_coverage,
+    parse_protocol,
+    same,
+)
 from fpbench.report.readings import Reading, load_readings, parse_readings
 from fpbench.report.tables import flat_parts, render, summary_stats
 from tests.test_paper_protocols import TINY_PAPER, _paper
@@ -67,6 +75,42 @@ def test_a_protocol_error_names_the_paper_block_and_tables(tmp_path):
     )
     with pytest.raises(FpbenchError, match=r"^tiny protocol block 1 \(tables \[1\]\): matches no"):
         check(paper, blocks, cells)
+
+    paper, blocks, cells = _paper(
+        tmp_path,
+        '[[protocol]]\ntables = [1]\nrules = [{ path = "train.roundz", value = 2, source = "x" }]',
+    )
+    with pytest.raises(FpbenchError, match=r"^tiny protocol block 1 \(tables \[1\]\): path 'train"):
+        check(paper, blocks, cells)
+
+
+def test_every_rule_of_a_block_reports_its_findings(tmp_path):
+    paper, blocks, cells = _paper(
+        tmp_path,
+        '[[protocol]]\ntables = [1]\nmatch = { method = "fedvpt" }\nrules = [\n'
+        '  { path = "train.rounds", value = 3, source = "x" },\n'
+        '  { path = "train.batch_size", value = 40, source = "y" },\n]\n',
+    )
+    assert [(f.path, f.got) for f in check(paper, blocks, cells)] == [
+        ("train.rounds", 2), ("train.batch_size", 8),
+    ]  # fmt: skip
+
+
+def test_deviations_show_each_match_of_block_and_rule():
+    dev = {"runs": 2, "reason": "r"}
+    rows = deviations(parse_protocol({"protocol": [{
+        "tables": [1, 2], "match": {"method": ["fed*", "sgpt"]},
+        "rules": [
+            {"path": "a", "value": 1, "source": "s", "deviation": dev,
+             "match": {"method": "!fedvpt", "config": {"train": {"lr": 0.1, "rounds": 5}}}},
+            {"path": "b", "value": [1, 2], "source": "s", "deviation": dev,
+             "match": {"dataset": "c*"}},
+        ],
+    }]}))  # fmt: skip
+    assert [(r["tables"], r["match"], r["paper"]) for r in rows] == [
+        ("1, 2", "method=fed*,sgpt method=!fedvpt train.lr=0.1 train.rounds=5", "1"),
+        ("1, 2", "method=fed*,sgpt dataset=c*", "[1, 2]"),
+    ]
 
 
 def test_check_paper_reads_paper_and_protocol_from_the_given_root(tmp_path):
