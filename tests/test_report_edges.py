@@ -1,0 +1,433 @@
+"""Edge cases of fpbench/report that its mutation run (issue #31) found untested: each expected
+value is worked out by hand in the comment beside it."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from scipy import stats
+
+from fpbench.errors import FpbenchError
+from fpbench.report.compare import compare_methods, paired_test
+from fpbench.report.paper import (
+    Cell,
+    FilledTable,
+    Paper,
+    PaperTable,
+    Results,
+    fill_paper,
+    load_paper,
+    parse_reported,
+    scale_of,
+)
+from fpbench.report.paper_cells import decimals, diff_text, footer, ours_text, paper_text
+from fpbench.report.protocol import (
+    Finding,
+    check,
+    check_paper,
+    deviations,
+    paper_coverage,
+    parse_protocol,
+    same,
+)
+from fpbench.report.readings import Reading, load_readings, parse_readings
+from fpbench.report.tables import flat_parts, render, summary_stats
+from tests.test_paper_protocols import TINY_PAPER, _paper
+from tests.test_report import Rows
+
+# -- protocol --------------------------------------------------------------------------------
+
+
+def test_a_finding_names_a_declared_deviation_and_all_its_tables():
+    finding = Finding(2, (1, 3), "s: m/d/p", "train.lr", 0.1, 0.2, "sec. 4", declared=True)
+    assert str(finding) == (
+        "table(s) 1,3, cell s: m/d/p: train.lr = 0.2, protocol declared deviation 0.1 (sec. 4)"
+    )
+
+
+def test_protocol_equality_never_compares_across_kinds():
+    assert not same(1, "1") and not same([1], 1) and not same(1, [1])
+    assert not same({"a": 1}, "a") and not same({"a": 1}, {"a": 2})
+    assert not same({"a": 1}, {"b": 1}) and same({"a": [1, 2.0]}, {"a": [1.0, 2]})
+
+
+def test_a_glob_rule_reports_every_cell_and_names_its_block(tmp_path):
+    paper, blocks, cells = _paper(
+        tmp_path,
+        '[[protocol]]\ntables = [1]\nrules = [{ path = "train.augment.*", value = false, '
+        'source = "s" }]\n',
+    )
+    found = check(paper, blocks, cells)  # rotate 0.0 is not False, in both cells
+    assert sorted((f.block, f.cell, f.path) for f in found) == [
+        (1, "tiny: fedvpt/synthetic/pathological", "train.augment.rotate"),
+        (1, "tiny: head-tune/synthetic/pathological", "train.augment.rotate"),
+    ]
+
+
+def test_a_protocol_error_names_the_paper_block_and_tables(tmp_path):
+    paper, blocks, cells = _paper(
+        tmp_path,
+        '[[protocol]]\ntables = [1]\nmatch = { method = "sgpt" }\n'
+        'rules = [{ path = "train.rounds", value = 2, source = "x" }]\n',
+    )
+    with pytest.raises(FpbenchError, match=r"^tiny protocol block 1 \(tables \[1\]\): matches no"):
+        check(paper, blocks, cells)
+
+    paper, blocks, cells = _paper(
+        tmp_path,
+        '[[protocol]]\ntables = [1]\nrules = [{ path = "train.roundz", value = 2, source = "x" }]',
+    )
+    with pytest.raises(FpbenchError, match=r"^tiny protocol block 1 \(tables \[1\]\): path 'train"):
+        check(paper, blocks, cells)
+
+
+def test_every_rule_of_a_block_reports_its_findings(tmp_path):
+    paper, blocks, cells = _paper(
+        tmp_path,
+        '[[protocol]]\ntables = [1]\nmatch = { method = "fedvpt" }\nrules = [\n'
+        '  { path = "train.rounds", value = 3, source = "x" },\n'
+        '  { path = "train.batch_size", value = 40, source = "y" },\n]\n',
+    )
+    assert [(f.path, f.got) for f in check(paper, blocks, cells)] == [
+        ("train.rounds", 2), ("train.batch_size", 8),
+    ]  # fmt: skip
+
+
+def test_deviations_show_each_match_of_block_and_rule():
+    dev = {"runs": 2, "reason": "r"}
+    rows = deviations(parse_protocol({"protocol": [{
+        "tables": [1, 2], "match": {"method": ["fed*", "sgpt"]},
+        "rules": [
+            {"path": "a", "value": 1, "source": "s", "deviation": dev,
+             "match": {"method": "!fedvpt", "config": {"train": {"lr": 0.1, "rounds": 5}}}},
+            {"path": "b", "value": [1, 2], "source": "s", "deviation": dev,
+             "match": {"dataset": "c*"}},
+        ],
+    }]}))  # fmt: skip
+    assert [(r["tables"], r["match"], r["paper"]) for r in rows] == [
+        ("1, 2", "method=fed*,sgpt method=!fedvpt train.lr=0.1 train.rounds=5", "1"),
+        ("1, 2", "method=fed*,sgpt dataset=c*", "[1, 2]"),
+    ]
+
+
+def test_check_paper_reads_paper_and_protocol_from_the_given_root(tmp_path):
+    rule = (
+        '[[protocol]]\ntables = [1]\nrules = [{ path = "train.rounds", value = 11, source = "x" }]'
+    )
+    (tmp_path / "tiny.toml").write_text(
+        TINY_PAPER.replace('suite = "tiny"', 'suite = "smoke"') + rule + "\n"
+    )
+    found = check_paper("tiny", tmp_path)  # the smoke suite runs 10 rounds
+    assert sorted(f.cell for f in found) == [
+        f"smoke: {m}/synthetic/{p}" for m in ("fedvpt", "head-tune") for p in ("dir-0.3", "path-s4")
+    ]
+    assert {f.got for f in found} == {10}
+    assert paper_coverage("tiny", tmp_path).kinds["train.rounds"] == "pinned"
+
+
+# -- compare ---------------------------------------------------------------------------------
+
+
+def test_compare_keeps_the_cells_in_first_seen_order_within_a_metric():
+    r = Rows()
+    run = iter(range(1, 100))
+    for ds in ("svhn", "cifar100"):  # svhn first: not alphabetical
+        for method, v in (("fedavg", 0.5), ("sgpt", 0.6)):
+            r.add(next(run), method, 0, 9, "acc_global", v, ds=ds)
+    found = compare_methods(r.frame(), "fedavg", "sgpt", ["acc_global"])
+    assert found["dataset"].tolist() == ["svhn", "cifar100"]
+
+
+def test_paired_test_rejects_only_below_alpha():
+    # differences 0.1, 0.05, 0.15, 0.1: at alpha = their p exactly, "no difference" stands and
+    # the interval's low end is 0 (up to rounding)
+    a, b = [0.1, 0.2, 0.3, 0.4], [0.2, 0.25, 0.45, 0.5]
+    p = float(stats.ttest_rel(b, a).pvalue)
+    got = paired_test(a, b, p)
+    assert got["p"] == p and got["verdict"] == "within seed noise"
+    assert got["ci_low"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_paired_test_rounding_tolerance_is_relative_to_the_mean_and_at_least_1e_12():
+    # differences 1000 and 1000 + 1e-10: sd 7.1e-11 is below 1e-12 * 1000, so they are equal
+    big = paired_test([0.0, 0.0], [1000.0, 1000.0 + 1e-10])
+    assert (big["std_diff"], big["t"], big["p"]) == (0.0, math.inf, 0.0)
+    # differences 0.5 -+ 1.0607e-12: sd 1.5e-12 is above 1e-12 * max(0.5, 1), so it is kept
+    d = 1.5e-12 / math.sqrt(2)
+    small = paired_test([0.0, 0.0], [0.5 - d, 0.5 + d])
+    assert small["std_diff"] == pytest.approx(1.5e-12, rel=1e-3)
+    # differences 0 and 1.414213562373095e-12 (found by stepping through floats): their sd is
+    # 1e-12 exactly, the tolerance itself, which still counts as rounding
+    edge = paired_test([0.0, 0.0], [0.0, 1.414213562373095e-12])
+    assert (edge["std_diff"], edge["t"], edge["p"]) == (0.0, math.inf, 0.0)
+
+
+# -- paper: the derived metrics ----------------------------------------------------------------
+
+DERIVED = """
+paper = "toy"
+[[tables]]
+number = 1
+caption = "toy"
+suite = "toy"
+rank = "none"
+columns = [
+  { key = "wall", label = "s/round", metric = "wall_s_per_round" },
+  { key = "rounds", label = "rounds", metric = "rounds_to_target", target = 0.6 },
+  { key = "secs", label = "secs", metric = "wall_s_to_target", target = 0.6 },
+  { key = "bytes", label = "bytes", metric = "bytes_to_target", target = 0.6 },
+  { key = "pooled", label = "p", metric = "rounds_to_target", target_metric = "acc_pooled" },
+  { key = "any", label = "any", metric = "rounds_to_target" },
+  { key = "params", label = "params", metric = "params_to_target", target = 0.6 },
+]
+rows = [{ key = "m", label = "M", method = "m", dataset = "d" }]
+[tables.cells]
+"m.pooled" = { target = 0.6 }
+[tables.values]
+m = ["-", "-", "-", "-", "-", "-", "-"]
+"""
+
+
+def _derived(tmp_path: Path, with_rounds: bool = True):
+    (tmp_path / "toy.toml").write_text(DERIVED)
+    rows, rounds = [], []
+    curves = {  # run 1 of method m reaches 0.6 exactly at round 1; run 2 is another method's
+        1: {"acc_global": [0.5, 0.6, 0.9, 0.7], "acc_pooled": [0.1, 0.2, 0.3, 0.65]},
+        2: {"acc_global": [0.9, 0.9, 0.9, 0.9], "acc_pooled": [0.9, 0.9, 0.9, 0.9]},
+    }
+    for run_id, method in ((1, "m"), (2, "other")):
+        for name, curve in curves[run_id].items():
+            for rnd, value in enumerate(curve):
+                rows.append({"run_id": run_id, "suite": "toy", "method": method, "dataset": "d",
+                             "partition": "p", "seed": 0, "round": rnd, "name": name,
+                             "value": value})  # fmt: skip
+        for rnd, wall in enumerate([1.0, 2.0, 3.0, 10.0] if run_id == 1 else [100.0] * 4):
+            rounds.append({"run_id": run_id, "round": rnd, "wall_s": wall,
+                           "bytes_up": 10 * (rnd + 1), "bytes_down": 100 * (rnd + 1)})  # fmt: skip
+    results = Results(pd.DataFrame(rows), {}, pd.DataFrame(rounds) if with_rounds else None)
+    (filled,) = fill_paper(load_paper("toy", tmp_path), results)
+    assert {c.std for c in filled.cells} == {None}  # one run each (or none): no std
+    return {c.column: c.mean for c in filled.cells}
+
+
+def test_derived_metrics_read_the_cells_own_curve_and_rounds(tmp_path):
+    means = _derived(tmp_path)
+    assert means["wall"] == 2.5  # median of run 1's 1, 2, 3, 10 s (run 2's 100 s left out)
+    assert means["rounds"] == 2.0  # 0.6 reached (>=) at round 1: rounds 0 and 1
+    assert means["secs"] == 3.0  # 1 + 2 s
+    assert means["bytes"] == 330.0  # up 10 + 20, down 100 + 200
+    assert means["pooled"] == 4.0  # acc_pooled first reaches 0.6 at round 3
+    assert means["any"] == 1.0  # no target: 0, reached at round 0
+    assert means["params"] == 75.0  # down 100 + 200 bytes / 4 to 1 client per round (default)
+
+
+MARKS = """
+paper = "toy"
+[[tables]]
+number = 1
+caption = "toy"
+suite = "toy"
+columns = [
+  { key = "acc", label = "Acc", dataset = "d", metric = "acc_global" },
+  { key = "loss", label = "Loss", dataset = "d", metric = "loss", higher_is_better = false },
+  { key = "solo", label = "Solo", dataset = "d", metric = "acc_pooled" },
+]
+rows = [
+  { key = "a", label = "A", method = "a" },
+  { key = "b", label = "B", method = "b" },
+  { key = "c", label = "C", method = "c" },
+  { key = "ref", label = "Reference" },
+]
+[tables.values]
+a = ["60.0", "1.0", "<5"]
+b = ["70.0", "2.0", "3.0"]
+c = ["50.0", "-", "-"]
+ref = ["55.0", "-", "-"]
+"""
+
+
+def test_marks_rank_each_column_by_its_direction_and_need_two_values(tmp_path):
+    (tmp_path / "toy.toml").write_text(MARKS)
+    runs = {
+        "a": {"acc_global": 0.8, "loss": 0.3, "acc_pooled": 0.9},
+        "b": {"acc_global": 0.6, "loss": 0.2},
+        "c": {"acc_global": 0.7, "loss": 0.25},
+    }
+    rows = [{"run_id": i, "suite": "toy", "method": m, "dataset": "d", "partition": "p",
+             "seed": 0, "round": 0, "name": name, "value": v}
+            for i, m in enumerate(runs) for name, v in runs[m].items()]  # fmt: skip
+    (filled,) = fill_paper(load_paper("toy", tmp_path), Results(pd.DataFrame(rows)))
+    marks = {(c.row, c.column): (c.mark, c.paper_mark) for c in filled.cells}
+    # no rank given: per column, the higher the better
+    assert [marks[r, "acc"] for r in "abc"] == [("best", "second"), ("", "best"), ("second", "")]
+    # loss: the lower the better (ours 0.3, 0.2, 0.25; the paper's 1.0, 2.0)
+    assert [marks[r, "loss"] for r in "abc"] == [("", "best"), ("best", "second"), ("second", "")]
+    # one value of ours (a) and one of the paper's (b; "<5" is a bound): nothing to rank
+    assert [marks[r, "solo"] for r in "abc"] == [("", "")] * 3
+    # a row without a method is the paper's reference: no run fills it
+    assert {(c.n, c.runs, c.mean) for c in filled.cells if c.row == "ref"} == {(0, 0, None)}
+
+
+def test_derived_metrics_without_round_rows_fill_nothing(tmp_path):
+    assert set(_derived(tmp_path, with_rounds=False).values()) == {None}
+
+
+# -- readings --------------------------------------------------------------------------------
+
+
+def test_a_reading_keeps_its_reason_and_globs():
+    blocks = [
+        {"tables": [1], "metric": "acc_global", "source": "s", "columns": "c*"},
+        {"tables": [2], "metric": "acc_pooled", "source": "t", "rows": ["a", "!b"],
+         "reason": "why"},
+    ]  # fmt: skip
+    assert parse_readings({"readings": blocks}) == [
+        Reading(1, (1,), ("c*",), (), "acc_global", "s", ""),
+        Reading(2, (2,), (), ("a", "!b"), "acc_pooled", "t", "why"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "block, message",
+    [
+        ({"tables": [1], "metric": "m", "source": "s", "colour": 1},
+         r"<memory> readings block 2: needs tables, metric, source \(optional columns, rows, "
+         r"reason\); unknown \['colour'\], missing \[\]$"),
+        ({"tables": [1], "metric": "m"},
+         r"<memory> readings block 2: needs .*; unknown \[\], missing \['source'\]$"),
+        ({"tables": ["1"], "metric": "m", "source": "s"},
+         r"^<memory> readings block 2: tables must be a list of table numbers$"),
+        ({"tables": [1], "metric": "m", "source": "s", "columns": 3},
+         r"^<memory> readings block 2: columns is a glob or a list of globs, got 3$"),
+        ({"tables": [1], "metric": "m", "source": "s", "rows": ["a", 2]},
+         r"^<memory> readings block 2: rows is a glob or a list of globs, got \['a', 2\]$"),
+    ],
+)  # fmt: skip
+def test_a_malformed_reading_is_one_clear_error_naming_its_block(block, message):
+    good = {"tables": [1], "metric": "m", "source": "s"}
+    with pytest.raises(FpbenchError, match=message):
+        parse_readings({"readings": [good, block]})
+
+
+def test_a_reading_error_names_the_paper_file(tmp_path):
+    (tmp_path / "toy.toml").write_text('[[readings]]\ntables = [1]\nmetric = "m"\n')
+    with pytest.raises(FpbenchError, match=r"^toy.toml readings block 1: needs "):
+        load_readings("toy", tmp_path)
+
+
+# -- paper cells -----------------------------------------------------------------------------
+
+
+def _cell(reported: str, metric: str | None = "acc_global", **kw) -> Cell:
+    spec = {"method": "m"} if metric is None else {"method": "m", "metric": metric}
+    return Cell("r", "c", spec, parse_reported(reported), **kw)
+
+
+@pytest.mark.parametrize(
+    "reported, metric, places",
+    [
+        ("84.6", "acc_global", 1),  # as many as the paper prints
+        ("84.612", "rounds_to_target", 3),
+        ("7", "rounds_to_target", 0),  # a count printed whole: whole
+        ("7", None, 0),  # no metric: not an accuracy
+        ("7", "acc_global", 2),  # an accuracy printed whole: 2
+        ("-", "rounds_to_target", 2),  # nothing printed: 2
+    ],
+)
+def test_a_cell_shows_as_many_decimals_as_the_paper_prints(reported, metric, places):
+    assert decimals(_cell(reported, metric)) == places
+
+
+def test_a_cell_shows_its_std_only_over_several_runs():
+    assert ours_text(_cell("84.6")) == "—"
+    assert ours_text(_cell("84.6", mean=85.25, std=0.0, n=1)) == "85.2"
+    assert ours_text(_cell("84.6", mean=85.25, std=None, n=2)) == "85.2"
+    assert ours_text(_cell("84.6", mean=85.25, std=0.5, n=2)) == "85.2 ± 0.5"
+
+
+def test_a_missing_cell_hint_names_every_config_path():
+    spec = {"suite": "s", "method": "m", "dataset": "d", "metric": "acc_global",
+            "config": {"train": {"local_epochs": 2, "lr": 0.1}}}  # fmt: skip
+    cell = Cell("r", "c", spec, parse_reported("1.0"))
+    assert cell.hint() == "needs suite s: m/d train.local_epochs=2 train.lr=0.1 · acc_global"
+
+
+def test_hints_of_reference_cells_inputs_and_cells_without_a_suite():
+    def hint(**spec) -> str:
+        return Cell("r", "c", spec, parse_reported("1.0")).hint()
+
+    assert hint(method="m") == "reference only (not produced by fpbench)"
+    assert hint(metric="acc_global") == "reference only (not produced by fpbench)"
+    assert hint(method="m", dataset="d", metric="acc_global") == "needs suite ?: m/d · acc_global"
+    assert hint(method="m", dataset="d", metric="acc_global", needs="images") == (
+        "needs images (suite ?: m/d)"
+    )
+    assert hint(suite="s", method="m", metric="acc_global", needs="images") == (
+        "needs images (suite s: m)"
+    )
+
+
+def test_a_cell_without_a_paper_value_shows_no_difference():
+    assert diff_text(_cell("-", mean=85.25, std=None, n=1)) == ""
+    assert diff_text(_cell("84.6", mean=85.25, std=None, n=1)) == "+0.7"  # 0.65000000000001
+
+
+def test_scale_is_the_cells_own_or_percent_for_accuracies():
+    assert scale_of({"metric": "acc_global", "scale": 1}) == 1.0
+    assert scale_of({"metric": "acc_global"}) == 100.0
+    assert scale_of({"metric": "loss"}) == 1.0
+
+
+def _filled(note: str) -> FilledTable:
+    table = PaperTable("toy", 1, "c", (), (), {}, {}, {}, note=note)
+    cells = [
+        Cell("r1", "c", {"suite": "a", "method": "m", "metric": "acc"}, parse_reported("1"), 0.5,
+             None, 1),
+        Cell("r2", "c", {"suite": "c", "method": "m", "metric": "acc"}, parse_reported("-")),
+        Cell("r3", "c", {"suite": "b", "method": "m", "metric": "acc"}, parse_reported("2")),
+        Cell("r4", "c", {"method": "m", "metric": "acc"}, parse_reported("3")),
+        Cell("r5", "c", {}, parse_reported("4")),  # reference only: not counted
+    ]  # fmt: skip
+    return FilledTable(Paper("toy", "t", "", (table,)), table, cells)
+
+
+def test_the_footer_names_the_note_and_the_suites_still_to_run():
+    filled = _filled("accuracy in %")
+    assert filled.missing_suites() == ["b", "c"]
+    assert footer(filled) == [
+        "note: accuracy in %",
+        "3 of 5 cells have no runs yet; fill: `fpbench run --suite b` and `fpbench run --suite c`",
+    ]
+    assert footer(_filled(""))[0].startswith("3 of 5 cells")
+    assert [paper_text(c) for c in filled.cells[:2]] == ["1", "—"]
+
+
+# -- tables ----------------------------------------------------------------------------------
+
+
+def test_flat_parts_join_the_column_levels_for_the_terminal():
+    table = pd.DataFrame(
+        {("c10", "acc"): ["1", "2"], ("c10", "loss"): ["3", "4"]},
+        index=pd.Index(["a", "b"], name="method"),
+    )
+    assert flat_parts(table) == (
+        ["method"], ["c10 / acc", "c10 / loss"], [["a", "1", "3"], ["b", "2", "4"]]
+    )  # fmt: skip
+
+
+def test_latex_of_a_table_without_columns_has_one_header_line():
+    table = pd.DataFrame(index=pd.Index(["a", "b"], name="method"))
+    assert render(table, "latex") == (
+        "\\begin{tabular}{l}\n\\toprule\nmethod \\\\\n\\midrule\na \\\\\nb \\\\\n"
+        "\\bottomrule\n\\end{tabular}\n"
+    )
+
+
+def test_summary_stats_of_nothing_names_the_suite_to_run():
+    with pytest.raises(
+        FpbenchError, match="^no results for suite toy; run `fpbench run --suite toy"
+    ):
+        summary_stats(pd.DataFrame(), ["acc_global"], suite="toy")
