@@ -3,9 +3,11 @@ clients' train data) and `zero-shot`, from the pooled task to a suite run throug
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 
+import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -36,6 +38,24 @@ def test_pooled_task_is_one_client_holding_the_trainable_clients_data(fpbench_ca
     assert p.aggregation_weights.tolist() == [float(len(expected))]
     some = pooled(task, ids[::-1][:2])  # a round's clients, in the round's order
     assert torch.equal(some.train_idx[0], torch.cat([task.train_idx[c] for c in ids[::-1][:2]]))
+    # its one client: the union's indices and prior, the first client's local test set, no
+    # domain, trainable; FedAvg weighs it by its train size even under domain-size weights
+    (client,) = p.clients
+    assert client.id == 0 and not client.heldout and p.heldout.tolist() == [False]
+    assert client.train_idx.tolist() == expected.tolist()
+    assert client.class_prior.dtype == np.float64
+    np.testing.assert_allclose(client.class_prior, prior.double().numpy(), rtol=1e-6)
+    first = ids[0]
+    assert client.test_idx.tolist() == task.clients[first].test_idx.tolist()
+    assert len(p.test_idx) == 1 and torch.equal(p.test_idx[0], task.test_idx[first])
+    in_domains = dataclasses.replace(
+        task,
+        clients=[dataclasses.replace(c, domain=c.id % 2) for c in task.clients],
+        aggregation_sizes=torch.tensor([5.0, 6.0, 7.0, 8.0]),
+    )
+    p = pooled(in_domains)
+    assert p.clients[0].domain is None and p.aggregation_sizes is None
+    assert p.aggregation_weights.tolist() == [float(len(expected))]
 
 
 def test_a_centralized_round_trains_the_pooled_client_alone_and_scores_every_client(

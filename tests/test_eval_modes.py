@@ -3,6 +3,8 @@ of the trained prompts on other class names, against an independent computation.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -61,6 +63,37 @@ def test_without_domain_reindexes_the_others_and_keeps_the_held_out_test_images(
     assert held.test_images[:, 0, 0, 0].tolist() == [1, 3] and held.test_labels.tolist() == [1, 2]
     with pytest.raises(FpbenchError, match="no domain 'd7'; its domains: d0, d1, d2"):
         without_domain(data, "d7")
+
+
+def test_without_domain_carries_sizes_identity_and_the_held_domains_train_samples():
+    """The rest keeps the other domains' full sizes and a tagged identity; the held-out domain
+    is domain 0 of its own (long) domain tensors, with its train samples too. Two domains are
+    enough; a dataset that names domains must give them per test sample."""
+    data = dataclasses.replace(
+        _data([0, 1, 2, 0, 1], [0, 1, 2, 2], [0, 1, 2, 2, 1], [2, 1, 0, 1]),
+        domain_train_sizes=torch.tensor([50, 30, 20]),
+        identity="toy-7",
+    )
+    rest, held = without_domain(data, "d1")
+    assert rest.domain_train_sizes.tolist() == [50, 20]
+    assert held.domain_train_sizes.tolist() == [30]
+    assert (rest.identity, held.identity) == ("toy-7/without-d1", "toy-7/domain-d1")
+    assert held.train_images[:, 0, 0, 0].tolist() == [1, 4] and held.train_labels.tolist() == [1, 1]
+    assert held.train_domains.tolist() == [0, 0] and held.test_domains.tolist() == [0, 0]
+    assert held.train_domains.dtype == held.test_domains.dtype == torch.long
+    last, held = without_domain(data, "d2")  # the last index: nothing above it moves
+    assert last.domain_train_sizes.tolist() == [50, 30]
+    assert held.domain_train_sizes.tolist() == [20]
+    two = dataclasses.replace(
+        _data([0, 1, 2], [0, 1], [0, 1, 1], [1, 0]), domain_names=["d0", "d1"]
+    )
+    rest, held = without_domain(two, "d0")
+    assert rest.domain_names == ["d1"] and rest.train_domains.tolist() == [0, 0]
+    assert held.test_images[:, 0, 0, 0].tolist() == [1]
+    with pytest.raises(FpbenchError, match="none \\(a single-domain dataset\\)$"):
+        without_domain(_data([0], [0]), "d0")
+    with pytest.raises(AssertionError):
+        without_domain(dataclasses.replace(data, test_domains=None), "d1")
 
 
 def test_harmonic_mean_and_cross_dataset_mean():
