@@ -102,6 +102,7 @@ def test_ctrl_c_while_preparing_is_an_interruption_of_no_round(store, tmp_path, 
     with pytest.raises(CellInterrupted) as info:
         run_cell(cfg, store, checkpoint_dir=tmp_path)
     assert info.value.round is None and info.value.cfg is cfg
+    assert info.value.args == (cfg.run_key,)  # the CLI prints str(e) when it has args
     assert store.find_run(cfg.run_key) is None
 
 

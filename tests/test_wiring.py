@@ -593,3 +593,30 @@ def test_a_cell_trains_and_evaluates_in_its_numerics(tmp_path, monkeypatch, runt
     assert set(seen) == want
     assert (torch.are_deterministic_algorithms_enabled(), frozen_linear._backend) == before
     assert torch.get_num_threads() == own
+
+
+def test_a_round_evaluates_with_the_runs_batch_size_inputs_and_label_space(tiny, monkeypatch):
+    """`evaluate_populations` hands `evaluate` the population's method, the round's server, the
+    run's eval batch size, the population's inputs, the precision and `local_label_space`.
+
+    Catches `label_space` dropped (every run evaluated over all classes) and another batch size.
+    """
+    from fpbench.engine.build import build_populations
+    from fpbench.testing.tiny import seeded_server
+
+    cfg, task, _ = tiny("fedvpt", rounds=1, local_label_space="client", eval_batch_size=5)
+    (pop,) = build_populations(cfg, task, torch.device("cpu"))
+    calls = []
+    evaluate = rounds.evaluate
+
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(rounds, "evaluate", spy)
+    server, rows, _ = rounds.play_round([pop], seeded_server(pop.method), task, cfg, 0, [1, 2], [])
+    ((args, kwargs),) = calls
+    assert args[0] is pop.method and args[2] is task and args[4] is pop.inputs
+    assert torch.equal(args[1].params["prompts"], server.params["prompts"])
+    assert args[3:] == (5, pop.inputs, "fp32")
+    assert kwargs == {"label_space": "client", "clients": None}
