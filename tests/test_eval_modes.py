@@ -51,6 +51,19 @@ def test_class_split_is_coops_base_first_half_rounded_up():
     # an even count splits in halves
     four = class_split(_data([0, 1, 2, 3], [3, 2], names=["a", "b", "c", "d"]))
     assert [d.class_names for d in four] == [["a", "b"], ["c", "d"]]
+    # two classes are enough; the halves' identities are tagged; coarse groups follow
+    two = dataclasses.replace(
+        _data([0, 1, 1], [1, 0], names=["a", "b"]),
+        identity="toy-3",
+        coarse_of_class=torch.tensor([7, 8]),
+    )
+    base, novel = class_split(two)
+    assert (base.class_names, novel.class_names) == (["a"], ["b"])
+    assert (base.identity, novel.identity) == ("toy-3/base", "toy-3/novel")
+    assert (base.coarse_of_class.tolist(), novel.coarse_of_class.tolist()) == ([7], [8])
+    with pytest.raises(FpbenchError) as info:
+        class_split(_data([0], [0], names=["a"]))
+    assert str(info.value) == "base-to-novel needs at least 2 classes; toy has 1"
 
 
 def test_without_domain_reindexes_the_others_and_keeps_the_held_out_test_images():
