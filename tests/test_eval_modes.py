@@ -245,11 +245,19 @@ def test_cross_dataset_scores_each_target_with_its_class_names():
     assert out["acc_xd_other-set"] == pytest.approx(expected)
 
 
+_FIVE = {"num_classes": 5, "image_size": 16, "train_per_class": 1, "test_per_class": 1}
+
+
 @pytest.mark.parametrize(
     ("method", "evaluation"),
     [
         ({"name": "promptfl", "n_ctx": 4, "csc": True}, {"mode": "base2novel"}),
         ({"name": "fedvpt"}, {"mode": "cross-dataset", "targets": [{"name": "synthetic"}]}),
+        # a target of as many classes as the run's: only the probe with one more class tells
+        (
+            {"name": "fedvpt"},
+            {"mode": "cross-dataset", "targets": [{"name": "synthetic", "args": _FIVE}]},
+        ),
     ],
 )
 def test_a_method_whose_parameters_depend_on_the_classes_is_refused(method, evaluation):
@@ -259,8 +267,14 @@ def test_a_method_whose_parameters_depend_on_the_classes_is_refused(method, eval
             update={"backbone": cfg.backbone.model_copy(update={"name": "vit-test"})}
         )
     task = build_task(cfg, CPU)
-    with pytest.raises(FpbenchError, match="cannot be scored on other classes"):
+    with pytest.raises(FpbenchError) as info:
         build_populations(cfg, task, CPU)
+    assert str(info.value) == (
+        f"method {method['name']} cannot be scored on other classes (evaluation mode "
+        f"{evaluation['mode']}): its trained parameters depend on the number of classes "
+        "(class-specific context or a classifier head); use a method that builds its "
+        "classifier from the class names"
+    )
 
 
 _BAD_SUITE = """
@@ -331,3 +345,50 @@ def test_a_personal_method_is_scored_with_each_trained_clients_own_prompts():
             logits = as_logits(target.method.forward(params, x, rows, Context(training=False)))
         accs.append((logits.argmax(-1) == data.test_labels).float().mean().item())
     assert out["acc_novel"] == pytest.approx(sum(accs) / 2)
+
+
+def test_a_scoring_task_is_the_runs_clients_without_local_data_over_the_other_set(tiny):
+    """`scoring_task` and `task_info`: the run's clients (sizes, held-out flags) with no local
+    samples and uniform priors over the other set's classes; a method's view of it carries the
+    set's data, and other class names (with no coarse groups) where given."""
+    from fpbench.engine.scoring import scoring_task, task_info
+
+    _, task, _ = tiny("promptfl")
+    base, novel = class_split(task.data)
+    novel = dataclasses.replace(novel, coarse_of_class=torch.tensor([4, 5, 6]))
+    st = scoring_task(novel, task)
+    n = task.num_clients
+    assert st.data is novel and st.clients is task.clients
+    assert st.train_sizes is task.train_sizes and st.heldout is task.heldout
+    assert [t.tolist() for t in st.train_idx + st.test_idx] == [[]] * (2 * n)
+    assert {t.dtype for t in st.train_idx + st.test_idx} == {torch.long}
+    assert torch.equal(st.priors, torch.full((n, 3), 1 / 3))
+    info = task_info(st)
+    assert (info.num_classes, info.num_clients, info.class_names) == (
+        3,
+        n,
+        tuple(novel.class_names),
+    )
+    assert torch.equal(info.class_priors, torch.full((n, 3), 1 / 3))
+    assert info.dataset == novel.name and info.train_images is novel.train_images
+    assert info.train_labels is novel.train_labels and info.coarse_of_class is novel.coarse_of_class
+    assert info.train_sizes is task.train_sizes and info.heldout is task.heldout
+    assert info.train_idx == tuple(st.train_idx)
+    names = task_info(st, ["x", "y", "z", "w"])
+    assert (names.num_classes, names.class_names) == (4, ("x", "y", "z", "w"))
+    assert torch.equal(names.class_priors, torch.full((n, 4), 1 / 4))
+    assert names.coarse_of_class is None
+
+
+def test_a_method_that_adapts_before_scoring_is_refused():
+    from types import SimpleNamespace
+
+    from fpbench.engine.scoring import method_for
+
+    adapting = SimpleNamespace(name="perfedavg", adapt_samples=lambda: 4)
+    with pytest.raises(FpbenchError) as info:
+        method_for(adapting, None, "base-to-novel")
+    assert str(info.value) == (
+        "method perfedavg adapts on each client's data before it is scored; base-to-novel "
+        "scores clients without local data: use another method"
+    )
