@@ -51,6 +51,16 @@ def test_class_split_is_coops_base_first_half_rounded_up():
     # an even count splits in halves
     four = class_split(_data([0, 1, 2, 3], [3, 2], names=["a", "b", "c", "d"]))
     assert [d.class_names for d in four] == [["a", "b"], ["c", "d"]]
+    assert base.identity is None  # none to tag
+    # per-sample domains and users follow their samples
+    users = dataclasses.replace(
+        _data([0, 4, 1, 3, 2, 0], [3, 0, 4, 2, 1], [0, 1, 2, 0, 1, 2], [0, 1, 2, 0, 1]),
+        train_users=torch.tensor([5, 6, 7, 8, 9, 4]),
+    )
+    base, novel = class_split(users)
+    assert base.train_domains.tolist() == [0, 2, 1, 2] and base.test_domains.tolist() == [1, 0, 1]
+    assert base.train_users.tolist() == [5, 7, 9, 4] and novel.train_users.tolist() == [6, 8]
+    assert novel.test_domains.tolist() == [0, 2]
     # two classes are enough; the halves' identities are tagged; coarse groups follow
     two = dataclasses.replace(
         _data([0, 1, 1], [1, 0], names=["a", "b"]),
@@ -97,6 +107,7 @@ def test_without_domain_carries_sizes_identity_and_the_held_domains_train_sample
     last, held = without_domain(data, "d2")  # the last index: nothing above it moves
     assert last.domain_train_sizes.tolist() == [50, 30]
     assert held.domain_train_sizes.tolist() == [20]
+    assert held.train_domains.tolist() == [0, 0] and held.test_domains.tolist() == [0]
     two = dataclasses.replace(
         _data([0, 1, 2], [0, 1], [0, 1, 1], [1, 0]), domain_names=["d0", "d1"]
     )

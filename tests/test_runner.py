@@ -4,8 +4,11 @@ the failing step planted by a monkeypatch (no round trains unless the test needs
 
 from __future__ import annotations
 
+import datetime as dt
+
 import pytest
 import torch
+from sqlalchemy import update
 
 import fpbench
 import fpbench.engine.runner as runner
@@ -16,6 +19,7 @@ from fpbench.engine.seeding import derive_seed
 from fpbench.errors import FpbenchError
 from fpbench.methods.base import ServerState
 from fpbench.store import ClaimLost, Store
+from fpbench.store.models import Run
 from tests.conftest import tiny_config
 
 
@@ -303,3 +307,24 @@ def test_another_runs_checkpoint_is_not_checked(tmp_path, bound_to):
     _saved(tmp_path, cfg, 2, bound_to)
     runner.check_resumable(cfg, _Rounds([]), 7, tmp_path)
     runner.check_resumable(cfg, _Rounds([]), 7, tmp_path / "none")  # no checkpoint at all
+
+
+def test_a_crash_while_building_takes_over_a_claim_stale_by_the_cells_timeout(
+    store, tmp_path, monkeypatch
+):
+    """A claim silent for longer than `claim_timeout` (here 60 s of 600 s's default) is taken
+    over when the crash is recorded, as when the cell starts."""
+    cfg = tiny_config(rounds=1)
+    monkeypatch.setattr(runner, "build_populations", _raise(_Boom("no method")))
+    with pytest.raises(_Boom):
+        run_cell(cfg, store, checkpoint_dir=tmp_path)
+    run_id = store.find_run(cfg.run_key).id
+    beat = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=120)
+    with store._session.begin() as s:
+        stale = dict(status="running", owner="elsewhere:1:z", heartbeat_at=beat, error=None)
+        s.execute(update(Run).where(Run.id == run_id).values(**stale))
+    with pytest.raises(_Boom):
+        run_cell(cfg, store, checkpoint_dir=tmp_path, claim_timeout=60)
+    record = store.find_run(cfg.run_key)
+    assert (record.status, record.error) == ("failed", "_Boom: no method")
+    assert record.owner != "elsewhere:1:z"
