@@ -396,10 +396,11 @@ def test_a_method_that_adapts_before_scoring_is_refused():
 
     from fpbench.engine.scoring import method_for
 
-    adapting = SimpleNamespace(name="perfedavg", adapt_samples=lambda: 4)
+    adapting = SimpleNamespace(name="perfedavg", adapt_samples=lambda: 1)
     with pytest.raises(FpbenchError) as info:
         method_for(adapting, None, "base-to-novel")
     assert str(info.value) == (
         "method perfedavg adapts on each client's data before it is scored; base-to-novel "
         "scores clients without local data: use another method"
     )
+
