@@ -403,4 +403,3 @@ def test_a_method_that_adapts_before_scoring_is_refused():
         "method perfedavg adapts on each client's data before it is scored; base-to-novel "
         "scores clients without local data: use another method"
     )
-
