@@ -284,3 +284,23 @@ def test_client_label_space_masks_each_clients_classes_without_train_data(tiny, 
     assert own.ece_local[scored].tolist() == pytest.approx([want_ece[c] for c in scored])
     np.testing.assert_array_equal(own.global_acc, every.global_acc)
     np.testing.assert_array_equal(own.f1_global, every.f1_global)
+
+
+def test_a_checkpoint_bound_to_another_database_is_not_resumed(tmp_path):
+    """A checkpoint of the same cell in another database, copied into this one's folder: the
+    round loop loads it against this run's binding, ignores it and starts at round 0."""
+    import shutil
+
+    cfg = tiny_config(rounds=2)
+    ck = tmp_path / "ck"
+    with Store(f"sqlite:///{tmp_path / 'a.db'}") as a, pytest.raises(_Crash):
+        run_cell(cfg, a, checkpoint_dir=ck, observer=_CrashAfter(0))
+    src = ckpt_io.checkpoint_path(ckpt_io.folder_for(ck, a.database_id), cfg.run_key)
+    with Store(f"sqlite:///{tmp_path / 'b.db'}") as b:
+        dst = ckpt_io.checkpoint_path(ckpt_io.folder_for(ck, b.database_id), cfg.run_key)
+        dst.parent.mkdir(parents=True)
+        shutil.copy(src, dst)
+        starts = _Starts()
+        assert run_cell(cfg, b, checkpoint_dir=ck, observer=starts).status == "done"
+        assert starts.rounds == [0]
+        assert b.rounds(b.find_run(cfg.run_key).id)["round"].tolist() == [0, 1]
