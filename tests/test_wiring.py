@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import math
 import os
+import time
 
 import numpy as np
 import pytest
@@ -74,6 +75,7 @@ class Spied:
         self.costs: list[dict] = []  # Store.record_cost's keyword arguments
         self.run = None  # the stored run record
         self.probed: list[tuple[ServerState, torch.Tensor]] = []  # round_metrics: server, labels
+        self.elapsed = 0.0  # the whole run_cell call's time, seconds
 
 
 class _Recorder(Observer):
@@ -145,7 +147,9 @@ def spied(tmp_path_factory):
         mp.setattr(FedVPT, "round_metrics", probe)
         with Store(f"sqlite:///{tmp / 'r.db'}") as store:
             observer = _Recorder(seen)
+            start = time.perf_counter()
             assert run_cell(cfg, store, checkpoint_dir=tmp, observer=observer).status == "done"
+            seen.elapsed = time.perf_counter() - start
             rows = store.metrics(aggregate_only=False)
             seen.run = store.find_run(cfg.run_key)
             per_round = store.rounds(seen.run.id)
@@ -339,6 +343,7 @@ def test_a_runs_time_and_cost_are_its_rounds(spied):
     cfg, seen, rows, per_round = spied
     assert per_round["round"].tolist() == [0, 1]
     assert seen.run.wall_s == pytest.approx(per_round["wall_s"].sum(), rel=1e-9)
+    assert (per_round["wall_s"] > 0).all() and per_round["wall_s"].sum() < seen.elapsed
     assert [sorted(k for k, v in c.items() if v is not None) for c in seen.costs] == [
         ["owner", "round_flops"],
         ["owner", "peak_mem_bytes"],
