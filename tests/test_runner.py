@@ -328,3 +328,30 @@ def test_a_crash_while_building_takes_over_a_claim_stale_by_the_cells_timeout(
     record = store.find_run(cfg.run_key)
     assert (record.status, record.error) == ("failed", "_Boom: no method")
     assert record.owner != "elsewhere:1:z"
+
+
+class _TakenOverAfter(Observer):
+    """After round 0 another driver takes the run's claim."""
+
+    def __init__(self, store: Store, cfg) -> None:
+        self.store, self.cfg = store, cfg
+
+    def round_end(self, cfg, round_idx, metrics):
+        if round_idx == 0:
+            run_id = self.store.find_run(self.cfg.run_key).id
+            beat = dt.datetime.now(dt.timezone.utc)
+            with self.store._session.begin() as s:
+                other = dict(owner="elsewhere:1:z", heartbeat_at=beat)
+                s.execute(update(Run).where(Run.id == run_id).values(**other))
+
+
+def test_a_round_written_after_the_claim_is_taken_is_refused(store, tmp_path):
+    """The round loop writes each round under the cell's claim: once another driver holds it,
+    round 1 is not stored and the cell is skipped with the claim's error."""
+    cfg = tiny_config(rounds=2)
+    result = run_cell(cfg, store, checkpoint_dir=tmp_path, observer=_TakenOverAfter(store, cfg))
+    record = store.find_run(cfg.run_key)
+    assert result.status == "skipped"
+    assert result.error.startswith(f"run {record.id}: claim of ")
+    assert result.error.endswith(" was taken over by another driver")
+    assert store.last_round(record.id) == 0 and record.owner == "elsewhere:1:z"
