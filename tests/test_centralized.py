@@ -166,3 +166,28 @@ def test_cocoop_kgcoop_and_prograd_run_through_the_cli(tmp_path, fpbench_cache):
         "cocoop", "kgcoop", "prograd"
     ]  # fmt: skip
     assert scored == 3 and all(u > 0 for u in up)  # each evaluated; each uploads what it trains
+
+
+def test_centralized_refuses_model_het_and_any_non_global_or_personal_method():
+    """`check_centralized`'s three refusals, word for word: model_het; a method that is not
+    global though it keeps nothing personal; a global one that keeps personal tensors."""
+    from types import SimpleNamespace
+
+    central = SimpleNamespace(train=SimpleNamespace(centralized=True), model_het=None)
+    with pytest.raises(FpbenchError) as info:
+        check_centralized(SimpleNamespace(**{**vars(central), "model_het": object()}), [])
+    assert str(info.value) == "train.centralized cannot be combined with model_het"
+
+    def refused(inference, personal):
+        pop = SimpleNamespace(
+            method=SimpleNamespace(name="m", inference=inference, personal=personal)
+        )
+        with pytest.raises(FpbenchError) as info:
+            check_centralized(central, [pop])
+        return str(info.value)
+
+    needs = "train.centralized needs a method with global inference and no personal tensors; m"
+    assert refused("client-conditioned", {}) == f"{needs} has inference 'client-conditioned'"
+    assert refused("global", {"head": 1, "bias": 2}) == (
+        f"{needs} has inference 'global' and personal ['bias', 'head']"
+    )
