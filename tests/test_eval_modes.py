@@ -403,3 +403,21 @@ def test_a_method_that_adapts_before_scoring_is_refused():
         "method perfedavg adapts on each client's data before it is scored; base-to-novel "
         "scores clients without local data: use another method"
     )
+
+
+def test_a_run_stores_the_modes_scores_beside_its_own(tmp_path):
+    """Through `run_cell`, a personal method's base-to-novel round stores `acc_novel` (over the
+    clients trained so far), `acc_base` = `acc_global` and their harmonic mean."""
+    from fpbench.engine.runner import run_cell
+    from fpbench.store import Store
+
+    cfg = _cell({"name": "fedotp", "n_ctx": 4}, {"mode": "base2novel"})
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"participation": 0.34})})
+    with Store(f"sqlite:///{tmp_path / 'r.db'}") as store:
+        assert run_cell(cfg, store, checkpoint_dir=tmp_path).status == "done"
+        rows = store.metrics()
+    got = rows[rows["round"] == 0].set_index("name")["value"]
+    base, novel = got["acc_global"], got["acc_novel"]
+    assert "ece_novel" in got
+    assert got["acc_base"] == base
+    assert got["acc_hm"] == pytest.approx(2 * base * novel / (base + novel))
