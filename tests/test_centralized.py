@@ -3,9 +3,11 @@ clients' train data) and `zero-shot`, from the pooled task to a suite run throug
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 
+import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -36,6 +38,24 @@ def test_pooled_task_is_one_client_holding_the_trainable_clients_data(fpbench_ca
     assert p.aggregation_weights.tolist() == [float(len(expected))]
     some = pooled(task, ids[::-1][:2])  # a round's clients, in the round's order
     assert torch.equal(some.train_idx[0], torch.cat([task.train_idx[c] for c in ids[::-1][:2]]))
+    # its one client: the union's indices and prior, the first client's local test set, no
+    # domain, trainable; FedAvg weighs it by its train size even under domain-size weights
+    (client,) = p.clients
+    assert client.id == 0 and not client.heldout and p.heldout.tolist() == [False]
+    assert client.train_idx.tolist() == expected.tolist()
+    assert client.class_prior.dtype == np.float64
+    np.testing.assert_allclose(client.class_prior, prior.double().numpy(), rtol=1e-6)
+    first = ids[0]
+    assert client.test_idx.tolist() == task.clients[first].test_idx.tolist()
+    assert len(p.test_idx) == 1 and torch.equal(p.test_idx[0], task.test_idx[first])
+    in_domains = dataclasses.replace(
+        task,
+        clients=[dataclasses.replace(c, domain=c.id % 2) for c in task.clients],
+        aggregation_sizes=torch.tensor([5.0, 6.0, 7.0, 8.0]),
+    )
+    p = pooled(in_domains)
+    assert p.clients[0].domain is None and p.aggregation_sizes is None
+    assert p.aggregation_weights.tolist() == [float(len(expected))]
 
 
 def test_a_centralized_round_trains_the_pooled_client_alone_and_scores_every_client(
@@ -146,3 +166,28 @@ def test_cocoop_kgcoop_and_prograd_run_through_the_cli(tmp_path, fpbench_cache):
         "cocoop", "kgcoop", "prograd"
     ]  # fmt: skip
     assert scored == 3 and all(u > 0 for u in up)  # each evaluated; each uploads what it trains
+
+
+def test_centralized_refuses_model_het_and_any_non_global_or_personal_method():
+    """`check_centralized`'s three refusals, word for word: model_het; a method that is not
+    global though it keeps nothing personal; a global one that keeps personal tensors."""
+    from types import SimpleNamespace
+
+    central = SimpleNamespace(train=SimpleNamespace(centralized=True), model_het=None)
+    with pytest.raises(FpbenchError) as info:
+        check_centralized(SimpleNamespace(**{**vars(central), "model_het": object()}), [])
+    assert str(info.value) == "train.centralized cannot be combined with model_het"
+
+    def refused(inference, personal):
+        pop = SimpleNamespace(
+            method=SimpleNamespace(name="m", inference=inference, personal=personal)
+        )
+        with pytest.raises(FpbenchError) as info:
+            check_centralized(central, [pop])
+        return str(info.value)
+
+    needs = "train.centralized needs a method with global inference and no personal tensors; m"
+    assert refused("client-conditioned", {}) == f"{needs} has inference 'client-conditioned'"
+    assert refused("global", {"head": 1, "bias": 2}) == (
+        f"{needs} has inference 'global' and personal ['bias', 'head']"
+    )

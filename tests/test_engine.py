@@ -246,3 +246,61 @@ def test_how_a_cell_is_named_in_errors_and_on_its_record():
     stored = runner.stored_config(auto, cpu)
     dumped = auto.model_dump(mode="json")
     assert stored == {**dumped, "runtime": {**dumped["runtime"], "precision": "fp32"}}
+
+
+@pytest.mark.parametrize("name", ["fedvpt", "local"])
+def test_client_label_space_masks_each_clients_classes_without_train_data(tiny, name):
+    """`label_space="client"`: a client's local predictions are the argmax over the classes it
+    has train samples of (its confidences from those logits too); the full test split keeps
+    every class. Class 2's bias is raised by 10, so the unmasked model predicts 2 everywhere
+    and the clients without class 2 differ between the two."""
+    from fpbench.engine.metrics import expected_calibration_error
+
+    cfg, task, method = tiny(name)
+    server = method.init_server(torch.Generator().manual_seed(0))
+    (server.params or server.personal)["head_b"][..., 2] += 10.0  # global or per client
+    every = evaluate(method, server, task, batch_size=7)
+    own = evaluate(method, server, task, batch_size=7, label_space="client")
+    scored = [c for c in range(task.num_clients) if name == "fedvpt" or not task.heldout[c]]
+    want_all, want_own, want_ece = {}, {}, {}
+    for c in scored:
+        idx = task.test_idx[c]
+        x = method.backbone.preprocess(task.data.test_images[idx])
+        row = torch.tensor([0 if name == "fedvpt" else c])
+        params = method.client_params(server, row, training=False)
+        rows = torch.zeros(len(idx), dtype=torch.long)
+        with torch.no_grad():
+            logits = method.forward(params, x, rows, Context(training=False)).float()
+        labels = task.data.test_labels[idx]
+        masked = logits.masked_fill(~(task.priors[c] > 0), float("-inf"))
+        want_all[c] = int((logits.argmax(-1) == labels).sum())
+        hit = masked.argmax(-1) == labels
+        want_own[c] = int(hit.sum())
+        conf = masked.softmax(-1).amax(-1)
+        want_ece[c] = expected_calibration_error(conf.numpy(), hit.numpy())
+    assert {c: int(every.correct_local[c]) for c in scored} == want_all
+    assert {c: int(own.correct_local[c]) for c in scored} == want_own
+    assert want_own != want_all  # the masks matter here
+    assert own.ece_local[scored].tolist() == pytest.approx([want_ece[c] for c in scored])
+    np.testing.assert_array_equal(own.global_acc, every.global_acc)
+    np.testing.assert_array_equal(own.f1_global, every.f1_global)
+
+
+def test_a_checkpoint_bound_to_another_database_is_not_resumed(tmp_path):
+    """A checkpoint of the same cell in another database, copied into this one's folder: the
+    round loop loads it against this run's binding, ignores it and starts at round 0."""
+    import shutil
+
+    cfg = tiny_config(rounds=2)
+    ck = tmp_path / "ck"
+    with Store(f"sqlite:///{tmp_path / 'a.db'}") as a, pytest.raises(_Crash):
+        run_cell(cfg, a, checkpoint_dir=ck, observer=_CrashAfter(0))
+    src = ckpt_io.checkpoint_path(ckpt_io.folder_for(ck, a.database_id), cfg.run_key)
+    with Store(f"sqlite:///{tmp_path / 'b.db'}") as b:
+        dst = ckpt_io.checkpoint_path(ckpt_io.folder_for(ck, b.database_id), cfg.run_key)
+        dst.parent.mkdir(parents=True)
+        shutil.copy(src, dst)
+        starts = _Starts()
+        assert run_cell(cfg, b, checkpoint_dir=ck, observer=starts).status == "done"
+        assert starts.rounds == [0]
+        assert b.rounds(b.find_run(cfg.run_key).id)["round"].tolist() == [0, 1]

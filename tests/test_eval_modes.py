@@ -3,6 +3,8 @@ of the trained prompts on other class names, against an independent computation.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -49,6 +51,29 @@ def test_class_split_is_coops_base_first_half_rounded_up():
     # an even count splits in halves
     four = class_split(_data([0, 1, 2, 3], [3, 2], names=["a", "b", "c", "d"]))
     assert [d.class_names for d in four] == [["a", "b"], ["c", "d"]]
+    assert base.identity is None  # none to tag
+    # per-sample domains and users follow their samples
+    users = dataclasses.replace(
+        _data([0, 4, 1, 3, 2, 0], [3, 0, 4, 2, 1], [0, 1, 2, 0, 1, 2], [0, 1, 2, 0, 1]),
+        train_users=torch.tensor([5, 6, 7, 8, 9, 4]),
+    )
+    base, novel = class_split(users)
+    assert base.train_domains.tolist() == [0, 2, 1, 2] and base.test_domains.tolist() == [1, 0, 1]
+    assert base.train_users.tolist() == [5, 7, 9, 4] and novel.train_users.tolist() == [6, 8]
+    assert novel.test_domains.tolist() == [0, 2]
+    # two classes are enough; the halves' identities are tagged; coarse groups follow
+    two = dataclasses.replace(
+        _data([0, 1, 1], [1, 0], names=["a", "b"]),
+        identity="toy-3",
+        coarse_of_class=torch.tensor([7, 8]),
+    )
+    base, novel = class_split(two)
+    assert (base.class_names, novel.class_names) == (["a"], ["b"])
+    assert (base.identity, novel.identity) == ("toy-3/base", "toy-3/novel")
+    assert (base.coarse_of_class.tolist(), novel.coarse_of_class.tolist()) == ([7], [8])
+    with pytest.raises(FpbenchError) as info:
+        class_split(_data([0], [0], names=["a"]))
+    assert str(info.value) == "base-to-novel needs at least 2 classes; toy has 1"
 
 
 def test_without_domain_reindexes_the_others_and_keeps_the_held_out_test_images():
@@ -61,6 +86,38 @@ def test_without_domain_reindexes_the_others_and_keeps_the_held_out_test_images(
     assert held.test_images[:, 0, 0, 0].tolist() == [1, 3] and held.test_labels.tolist() == [1, 2]
     with pytest.raises(FpbenchError, match="no domain 'd7'; its domains: d0, d1, d2"):
         without_domain(data, "d7")
+
+
+def test_without_domain_carries_sizes_identity_and_the_held_domains_train_samples():
+    """The rest keeps the other domains' full sizes and a tagged identity; the held-out domain
+    is domain 0 of its own (long) domain tensors, with its train samples too. Two domains are
+    enough; a dataset that names domains must give them per test sample."""
+    data = dataclasses.replace(
+        _data([0, 1, 2, 0, 1], [0, 1, 2, 2], [0, 1, 2, 2, 1], [2, 1, 0, 1]),
+        domain_train_sizes=torch.tensor([50, 30, 20]),
+        identity="toy-7",
+    )
+    rest, held = without_domain(data, "d1")
+    assert rest.domain_train_sizes.tolist() == [50, 20]
+    assert held.domain_train_sizes.tolist() == [30]
+    assert (rest.identity, held.identity) == ("toy-7/without-d1", "toy-7/domain-d1")
+    assert held.train_images[:, 0, 0, 0].tolist() == [1, 4] and held.train_labels.tolist() == [1, 1]
+    assert held.train_domains.tolist() == [0, 0] and held.test_domains.tolist() == [0, 0]
+    assert held.train_domains.dtype == held.test_domains.dtype == torch.long
+    last, held = without_domain(data, "d2")  # the last index: nothing above it moves
+    assert last.domain_train_sizes.tolist() == [50, 30]
+    assert held.domain_train_sizes.tolist() == [20]
+    assert held.train_domains.tolist() == [0, 0] and held.test_domains.tolist() == [0]
+    two = dataclasses.replace(
+        _data([0, 1, 2], [0, 1], [0, 1, 1], [1, 0]), domain_names=["d0", "d1"]
+    )
+    rest, held = without_domain(two, "d0")
+    assert rest.domain_names == ["d1"] and rest.train_domains.tolist() == [0, 0]
+    assert held.test_images[:, 0, 0, 0].tolist() == [1]
+    with pytest.raises(FpbenchError, match="none \\(a single-domain dataset\\)$"):
+        without_domain(_data([0], [0]), "d0")
+    with pytest.raises(AssertionError):
+        without_domain(dataclasses.replace(data, test_domains=None), "d1")
 
 
 def test_harmonic_mean_and_cross_dataset_mean():
@@ -199,11 +256,19 @@ def test_cross_dataset_scores_each_target_with_its_class_names():
     assert out["acc_xd_other-set"] == pytest.approx(expected)
 
 
+_FIVE = {"num_classes": 5, "image_size": 16, "train_per_class": 1, "test_per_class": 1}
+
+
 @pytest.mark.parametrize(
     ("method", "evaluation"),
     [
         ({"name": "promptfl", "n_ctx": 4, "csc": True}, {"mode": "base2novel"}),
         ({"name": "fedvpt"}, {"mode": "cross-dataset", "targets": [{"name": "synthetic"}]}),
+        # a target of as many classes as the run's: only the probe with one more class tells
+        (
+            {"name": "fedvpt"},
+            {"mode": "cross-dataset", "targets": [{"name": "synthetic", "args": _FIVE}]},
+        ),
     ],
 )
 def test_a_method_whose_parameters_depend_on_the_classes_is_refused(method, evaluation):
@@ -213,8 +278,14 @@ def test_a_method_whose_parameters_depend_on_the_classes_is_refused(method, eval
             update={"backbone": cfg.backbone.model_copy(update={"name": "vit-test"})}
         )
     task = build_task(cfg, CPU)
-    with pytest.raises(FpbenchError, match="cannot be scored on other classes"):
+    with pytest.raises(FpbenchError) as info:
         build_populations(cfg, task, CPU)
+    assert str(info.value) == (
+        f"method {method['name']} cannot be scored on other classes (evaluation mode "
+        f"{evaluation['mode']}): its trained parameters depend on the number of classes "
+        "(class-specific context or a classifier head); use a method that builds its "
+        "classifier from the class names"
+    )
 
 
 def test_a_method_that_adapts_on_client_data_is_refused():
@@ -295,3 +366,68 @@ def test_a_personal_method_is_scored_with_each_trained_clients_own_prompts():
             logits = as_logits(target.method.forward(params, x, rows, Context(training=False)))
         accs.append((logits.argmax(-1) == data.test_labels).float().mean().item())
     assert out["acc_novel"] == pytest.approx(sum(accs) / 2)
+
+
+def test_a_scoring_task_is_the_runs_clients_without_local_data_over_the_other_set(tiny):
+    """`scoring_task` and `task_info`: the run's clients (sizes, held-out flags) with no local
+    samples and uniform priors over the other set's classes; a method's view of it carries the
+    set's data, and other class names (with no coarse groups) where given."""
+    from fpbench.engine.scoring import scoring_task, task_info
+
+    _, task, _ = tiny("promptfl")
+    base, novel = class_split(task.data)
+    novel = dataclasses.replace(novel, coarse_of_class=torch.tensor([4, 5, 6]))
+    st = scoring_task(novel, task)
+    n = task.num_clients
+    assert st.data is novel and st.clients is task.clients
+    assert st.train_sizes is task.train_sizes and st.heldout is task.heldout
+    assert [t.tolist() for t in st.train_idx + st.test_idx] == [[]] * (2 * n)
+    assert {t.dtype for t in st.train_idx + st.test_idx} == {torch.long}
+    assert torch.equal(st.priors, torch.full((n, 3), 1 / 3))
+    info = task_info(st)
+    assert (info.num_classes, info.num_clients, info.class_names) == (
+        3,
+        n,
+        tuple(novel.class_names),
+    )
+    assert torch.equal(info.class_priors, torch.full((n, 3), 1 / 3))
+    assert info.dataset == novel.name and info.train_images is novel.train_images
+    assert info.train_labels is novel.train_labels and info.coarse_of_class is novel.coarse_of_class
+    assert info.train_sizes is task.train_sizes and info.heldout is task.heldout
+    assert info.train_idx == tuple(st.train_idx)
+    names = task_info(st, ["x", "y", "z", "w"])
+    assert (names.num_classes, names.class_names) == (4, ("x", "y", "z", "w"))
+    assert torch.equal(names.class_priors, torch.full((n, 4), 1 / 4))
+    assert names.coarse_of_class is None
+
+
+def test_a_method_that_adapts_before_scoring_is_refused():
+    from types import SimpleNamespace
+
+    from fpbench.engine.scoring import method_for
+
+    adapting = SimpleNamespace(name="perfedavg", adapt_samples=lambda: 1)
+    with pytest.raises(FpbenchError) as info:
+        method_for(adapting, None, "base-to-novel")
+    assert str(info.value) == (
+        "method perfedavg adapts on each client's data before it is scored; base-to-novel "
+        "scores clients without local data: use another method"
+    )
+
+
+def test_a_run_stores_the_modes_scores_beside_its_own(tmp_path):
+    """Through `run_cell`, a personal method's base-to-novel round stores `acc_novel` (over the
+    clients trained so far), `acc_base` = `acc_global` and their harmonic mean."""
+    from fpbench.engine.runner import run_cell
+    from fpbench.store import Store
+
+    cfg = _cell({"name": "fedotp", "n_ctx": 4}, {"mode": "base2novel"})
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"participation": 0.34})})
+    with Store(f"sqlite:///{tmp_path / 'r.db'}") as store:
+        assert run_cell(cfg, store, checkpoint_dir=tmp_path).status == "done"
+        rows = store.metrics()
+    got = rows[rows["round"] == 0].set_index("name")["value"]
+    base, novel = got["acc_global"], got["acc_novel"]
+    assert "ece_novel" in got
+    assert got["acc_base"] == base
+    assert got["acc_hm"] == pytest.approx(2 * base * novel / (base + novel))

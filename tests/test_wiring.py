@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import math
 import os
+import time
 
 import numpy as np
 import pytest
@@ -74,6 +75,7 @@ class Spied:
         self.costs: list[dict] = []  # Store.record_cost's keyword arguments
         self.run = None  # the stored run record
         self.probed: list[tuple[ServerState, torch.Tensor]] = []  # round_metrics: server, labels
+        self.elapsed = 0.0  # the whole run_cell call's time, seconds
 
 
 class _Recorder(Observer):
@@ -146,7 +148,9 @@ def spied(tmp_path_factory):
         mp.setattr(FedVPT, "round_metrics", probe)
         with Store(f"sqlite:///{tmp / 'r.db'}") as store:
             observer = _Recorder(seen)
+            start = time.perf_counter()
             assert run_cell(cfg, store, checkpoint_dir=tmp, observer=observer).status == "done"
+            seen.elapsed = time.perf_counter() - start
             rows = store.metrics(aggregate_only=False)
             seen.run = store.find_run(cfg.run_key)
             per_round = store.rounds(seen.run.id)
@@ -340,6 +344,7 @@ def test_a_runs_time_and_cost_are_its_rounds(spied):
     cfg, seen, rows, per_round = spied
     assert per_round["round"].tolist() == [0, 1]
     assert seen.run.wall_s == pytest.approx(per_round["wall_s"].sum(), rel=1e-9)
+    assert (per_round["wall_s"] > 0).all() and per_round["wall_s"].sum() < seen.elapsed
     assert [sorted(k for k, v in c.items() if v is not None) for c in seen.costs] == [
         ["owner", "round_flops"],
         ["owner", "peak_mem_bytes"],
@@ -594,3 +599,30 @@ def test_a_cell_trains_and_evaluates_in_its_numerics(tmp_path, monkeypatch, runt
     assert set(seen) == want
     assert (torch.are_deterministic_algorithms_enabled(), frozen_linear._backend) == before
     assert torch.get_num_threads() == own
+
+
+def test_a_round_evaluates_with_the_runs_batch_size_inputs_and_label_space(tiny, monkeypatch):
+    """`evaluate_populations` hands `evaluate` the population's method, the round's server, the
+    run's eval batch size, the population's inputs, the precision and `local_label_space`.
+
+    Catches `label_space` dropped (every run evaluated over all classes) and another batch size.
+    """
+    from fpbench.engine.build import build_populations
+    from fpbench.testing.tiny import seeded_server
+
+    cfg, task, _ = tiny("fedvpt", rounds=1, local_label_space="client", eval_batch_size=5)
+    (pop,) = build_populations(cfg, task, torch.device("cpu"))
+    calls = []
+    evaluate = rounds.evaluate
+
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(rounds, "evaluate", spy)
+    server, rows, _ = rounds.play_round([pop], seeded_server(pop.method), task, cfg, 0, [1, 2], [])
+    ((args, kwargs),) = calls
+    assert args[0] is pop.method and args[2] is task and args[4] is pop.inputs
+    assert torch.equal(args[1].params["prompts"], server.params["prompts"])
+    assert args[3:] == (5, pop.inputs, "fp32")
+    assert kwargs == {"label_space": "client", "clients": None}

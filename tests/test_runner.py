@@ -1,0 +1,357 @@
+"""A cell's lifecycle in `run_cell` / `run_suite`: what is stored when building fails, when the
+claim is lost or taken, on Ctrl-C, and when the rounds crash; each on the tiny federation with
+the failing step planted by a monkeypatch (no round trains unless the test needs one)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+import torch
+from sqlalchemy import update
+
+import fpbench
+import fpbench.engine.runner as runner
+from fpbench.engine import checkpoint as ckpt_io
+from fpbench.engine.observer import CellResult, Observer
+from fpbench.engine.runner import CellInterrupted, run_cell, run_suite
+from fpbench.engine.seeding import derive_seed
+from fpbench.errors import FpbenchError
+from fpbench.methods.base import ServerState
+from fpbench.store import ClaimLost, Store
+from fpbench.store.models import Run
+from tests.conftest import tiny_config
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+@pytest.fixture
+def store(tmp_path):
+    with Store(f"sqlite:///{tmp_path / 'r.db'}") as s:
+        yield s
+
+
+def _raise(error: BaseException):
+    def fail(*args, **kwargs):
+        raise error
+
+    return fail
+
+
+def test_a_crash_while_building_is_stored_as_failed_with_its_record(store, tmp_path, monkeypatch):
+    """A bug while building the methods is recorded (a run, failed, its error and traceback),
+    with the cell's identity, versions and device."""
+    cfg = tiny_config(rounds=1)
+    monkeypatch.setattr(runner, "build_populations", _raise(_Boom("no method")))
+    with pytest.raises(_Boom):
+        run_cell(cfg, store, checkpoint_dir=tmp_path)
+    record = store.find_run(cfg.run_key)
+    assert (record.status, record.error) == ("failed", "_Boom: no method")
+    assert "raise error" in record.traceback and record.traceback.endswith("_Boom: no method\n")
+    assert record.owner is not None and store.last_round(record.id) is None
+    assert (record.suite, record.method, record.dataset, record.partition, record.seed) == (
+        cfg.suite,
+        cfg.method.label,
+        cfg.dataset.label,
+        cfg.partition.label,
+        cfg.seed,
+    )
+    assert (record.fpbench_version, record.torch_version) == (
+        fpbench.__version__,
+        torch.__version__,
+    )
+    assert record.device == runner._device_name(torch.device("cpu"), cfg)
+    assert record.config == runner.stored_config(cfg, torch.device("cpu"))
+
+
+def test_a_crash_while_building_leaves_a_run_another_driver_holds(store, tmp_path, monkeypatch):
+    """The failure is stored only under a claim: a run another driver took meanwhile stays its."""
+    cfg = tiny_config(rounds=1)
+    monkeypatch.setattr(runner, "build_populations", _raise(_Boom("no method")))
+    monkeypatch.setattr(Store, "claim_run", lambda self, run_id, owner, **kw: False)
+    with pytest.raises(_Boom):
+        run_cell(cfg, store, checkpoint_dir=tmp_path)
+    record = store.find_run(cfg.run_key)
+    assert (record.status, record.error, record.traceback) == ("pending", None, None)
+
+
+def test_a_user_error_while_building_writes_no_run(store, tmp_path, monkeypatch):
+    cfg = tiny_config(rounds=1)
+    monkeypatch.setattr(runner, "build_populations", _raise(FpbenchError("no weights")))
+    with pytest.raises(FpbenchError, match="no weights"):
+        run_cell(cfg, store, checkpoint_dir=tmp_path)
+    assert store.find_run(cfg.run_key) is None
+
+
+def test_the_global_torch_seed_is_the_runs_before_building(store, tmp_path, monkeypatch):
+    """`torch.manual_seed(derive_seed(seed, "torch"))` before the task and methods are built."""
+    cfg = tiny_config(rounds=1).model_copy(update={"seed": 3})
+    seeds = []
+
+    def spy(*args, **kwargs):
+        seeds.append(torch.initial_seed())
+        raise FpbenchError("stop here")
+
+    monkeypatch.setattr(runner, "build_task", spy)
+    with pytest.raises(FpbenchError):
+        run_cell(cfg, store, checkpoint_dir=tmp_path)
+    assert seeds == [derive_seed(3, "torch")]
+
+
+def test_ctrl_c_while_preparing_is_an_interruption_of_no_round(store, tmp_path, monkeypatch):
+    cfg = tiny_config(rounds=1)
+    monkeypatch.setattr(runner, "build_task", _raise(KeyboardInterrupt()))
+    with pytest.raises(CellInterrupted) as info:
+        run_cell(cfg, store, checkpoint_dir=tmp_path)
+    assert info.value.round is None and info.value.cfg is cfg
+    assert info.value.args == (cfg.run_key,)  # the CLI prints str(e) when it has args
+    assert store.find_run(cfg.run_key) is None
+
+
+class _Stages(Observer):
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def stage(self, cfg, what, done, total):
+        self.calls.append((cfg, what, done, total))
+
+
+def test_data_preparation_is_reported_as_a_stage_of_the_cell(store, tmp_path, monkeypatch):
+    cfg = tiny_config(rounds=1)
+    monkeypatch.setattr(runner, "build_populations", _raise(FpbenchError("stop here")))
+    observer = _Stages()
+    with pytest.raises(FpbenchError):
+        run_cell(cfg, store, checkpoint_dir=tmp_path, observer=observer)
+    prep = [c for c in observer.calls if c[1] == "preparing data"]
+    assert prep == [(cfg, "preparing data", 0, 1), (cfg, "preparing data", 1, 1)]
+
+
+def test_a_claim_held_elsewhere_skips_the_cell_before_training(store, tmp_path, monkeypatch):
+    cfg = tiny_config(rounds=1)
+    monkeypatch.setattr(Store, "claim_run", lambda self, run_id, owner, **kw: False)
+    monkeypatch.setattr(runner, "run_rounds", _raise(AssertionError("trained")))
+    result = run_cell(cfg, store, checkpoint_dir=tmp_path)
+    assert (result.status, result.error) == ("skipped", "claimed by another driver")
+    assert store.find_run(cfg.run_key).status == "pending"
+
+
+def test_a_claim_lost_during_the_rounds_skips_the_cell(store, tmp_path, monkeypatch):
+    cfg = tiny_config(rounds=1)
+    monkeypatch.setattr(runner, "run_rounds", _raise(ClaimLost("run 1: claim taken over")))
+    result = run_cell(cfg, store, checkpoint_dir=tmp_path)
+    assert (result.status, result.error) == ("skipped", "run 1: claim taken over")
+
+
+def test_a_claim_lost_at_the_end_skips_the_cell(store, tmp_path, monkeypatch):
+    cfg = tiny_config(rounds=1)
+    record_cost = Store.record_cost
+
+    def lost_at_end(self, run_id, **kw):
+        if "peak_mem_bytes" in kw:
+            raise ClaimLost("gone at the end")
+        return record_cost(self, run_id, **kw)
+
+    monkeypatch.setattr(Store, "record_cost", lost_at_end)
+    result = run_cell(cfg, store, checkpoint_dir=tmp_path)
+    assert (result.status, result.error) == ("skipped", "gone at the end")
+    assert store.find_run(cfg.run_key).status == "running"
+
+
+def test_a_claim_taken_before_the_finish_skips_the_cell(store, tmp_path, monkeypatch):
+    cfg = tiny_config(rounds=1)
+    monkeypatch.setattr(Store, "finish_run", lambda self, *a, **kw: False)
+    result = run_cell(cfg, store, checkpoint_dir=tmp_path)
+    assert (result.status, result.error) == ("skipped", "claim taken over by another driver")
+    folder = ckpt_io.folder_for(tmp_path, store.database_id)
+    assert ckpt_io.checkpoint_path(folder, cfg.run_key).exists()  # not finished: kept
+
+
+class _InterruptAt(Observer):
+    def __init__(self, round_idx: int) -> None:
+        self.round_idx = round_idx
+
+    def round_end(self, cfg, round_idx, metrics):
+        if round_idx == self.round_idx:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("after, resume_at", [(None, 0), (0, 1)])
+def test_ctrl_c_in_the_rounds_stores_where_to_resume(
+    store, tmp_path, monkeypatch, after, resume_at
+):
+    """Interrupted after round k is stored: the cell resumes at k + 1 (0 if none is stored)."""
+    cfg = tiny_config(rounds=2)
+    if after is None:
+        monkeypatch.setattr(runner, "run_rounds", _raise(KeyboardInterrupt()))
+    observer = Observer() if after is None else _InterruptAt(after)
+    with pytest.raises(CellInterrupted) as info:
+        run_cell(cfg, store, checkpoint_dir=tmp_path, observer=observer)
+    assert info.value.round == resume_at and info.value.cfg is cfg
+    record = store.find_run(cfg.run_key)
+    assert (record.status, record.error) == (
+        "interrupted",
+        f"interrupted at round {resume_at} (Ctrl-C)",
+    )
+
+
+def test_a_crash_in_the_rounds_stores_the_error_traceback_and_peak_memory(
+    store, tmp_path, monkeypatch
+):
+    cfg = tiny_config(rounds=1)
+    monkeypatch.setattr(runner, "run_rounds", _raise(_Boom("round broke")))
+    monkeypatch.setattr(runner.PeakMemory, "read", lambda self: 1234)
+    with pytest.raises(_Boom):
+        run_cell(cfg, store, checkpoint_dir=tmp_path)
+    record = store.find_run(cfg.run_key)
+    assert (record.status, record.error) == ("failed", "_Boom: round broke")
+    assert record.traceback.endswith("_Boom: round broke\n")
+    assert record.peak_mem_bytes == 1234
+
+
+def test_a_finished_cell_keeps_its_params_and_drops_a_torn_checkpoint(store, tmp_path, monkeypatch):
+    cfg = tiny_config(rounds=1)
+    kept = []
+    monkeypatch.setattr(runner, "keep_params", lambda *args: kept.append(args))
+    run_rounds = runner.run_rounds
+
+    def torn_write(cfg, populations, task, store, run_id, folder, *rest):
+        torn = ckpt_io.checkpoint_path(folder, cfg.run_key).with_suffix(".tmp")
+        torn.parent.mkdir(parents=True, exist_ok=True)
+        torn.write_text("torn")
+        return run_rounds(cfg, populations, task, store, run_id, folder, *rest)
+
+    monkeypatch.setattr(runner, "run_rounds", torn_write)
+    monkeypatch.setattr(runner.PeakMemory, "read", lambda self: 99)
+    assert run_cell(cfg, store, checkpoint_dir=tmp_path).status == "done"
+    folder = ckpt_io.folder_for(tmp_path, store.database_id)
+    assert kept == [(store.url, folder, cfg.run_key)]
+    assert not ckpt_io.checkpoint_path(folder, cfg.run_key).with_suffix(".tmp").exists()
+    record = store.find_run(cfg.run_key)
+    assert (record.status, record.peak_mem_bytes) == ("done", 99)
+
+
+class _Ends(Observer):
+    def __init__(self) -> None:
+        self.results: list[CellResult] = []
+
+    def cell_end(self, result):
+        self.results.append(result)
+
+
+def test_a_suite_goes_on_after_a_crashed_cell_but_stops_at_a_user_error(
+    store, tmp_path, monkeypatch
+):
+    """A crash is the cell's result (failed, with its error) and the next cell runs; an
+    `FpbenchError` (bad input) stops the suite."""
+    plain = tiny_config(rounds=1)
+    crash = plain.model_copy(update={"seed": 1})
+    run_rounds = runner.run_rounds
+
+    def crash_seed_1(cfg, *args):
+        if cfg.seed == 1:
+            raise _Boom("seed 1 broke")
+        return run_rounds(cfg, *args)
+
+    monkeypatch.setattr(runner, "run_rounds", crash_seed_1)
+    observer = _Ends()
+    results = run_suite([crash, plain], store, checkpoint_dir=tmp_path, observer=observer)
+    assert [(r.cfg, r.status, r.error) for r in results] == [
+        (crash, "failed", "_Boom: seed 1 broke"),
+        (plain, "done", None),
+    ]
+    assert observer.results == results
+    monkeypatch.setattr(runner, "build_task", _raise(FpbenchError("no data")))
+    with pytest.raises(FpbenchError, match="no data"):
+        run_suite([plain.model_copy(update={"seed": 2}), plain], store, checkpoint_dir=tmp_path)
+
+
+class _Rounds:
+    """What `check_resumable` reads of a store: its identity and a run's stored rounds."""
+
+    def __init__(self, stored: list[int]) -> None:
+        self.database_id, self.stored = "db1", stored
+
+    def round_numbers(self, run_id: int) -> list[int]:
+        return self.stored if run_id == 7 else list(range(10))
+
+
+def _saved(tmp_path, cfg, round_idx: int, bound_to: str | None):
+    path = ckpt_io.checkpoint_path(tmp_path, cfg.run_key)
+    empty = ckpt_io.Checkpoint(cfg.run_key, round_idx, ServerState({}, {}, {}), [], 0.0)
+    ckpt_io.save(path, empty, bound_to)
+    return path
+
+
+@pytest.mark.parametrize("bound_to", ["db1:7", None])
+def test_a_checkpoint_ahead_of_the_stored_rounds_is_refused(tmp_path, bound_to):
+    """Its own checkpoint (or an unbound one) at round 2 over stored rounds {0}: refused, naming
+    the missing span; with rounds 0..2 stored it resumes."""
+    cfg = tiny_config(rounds=4)
+    path = _saved(tmp_path, cfg, 2, bound_to)
+    with pytest.raises(FpbenchError) as info:
+        runner.check_resumable(cfg, _Rounds([0]), 7, tmp_path)
+    assert str(info.value) == (
+        f"cannot resume cell {runner.cell_label(cfg)} ({cfg.run_key}): its checkpoint {path} is "
+        "at round 2 but the database lacks rounds 1-2; delete the checkpoint to run the cell "
+        "again from round 0"
+    )
+    runner.check_resumable(cfg, _Rounds([0, 1, 2]), 7, tmp_path)
+
+
+@pytest.mark.parametrize("bound_to", ["db2:7", "db1:8"])
+def test_another_runs_checkpoint_is_not_checked(tmp_path, bound_to):
+    """Bound to another database or run, `load` ignores it (the cell restarts): no refusal."""
+    cfg = tiny_config(rounds=4)
+    _saved(tmp_path, cfg, 2, bound_to)
+    runner.check_resumable(cfg, _Rounds([]), 7, tmp_path)
+    runner.check_resumable(cfg, _Rounds([]), 7, tmp_path / "none")  # no checkpoint at all
+
+
+def test_a_crash_while_building_takes_over_a_claim_stale_by_the_cells_timeout(
+    store, tmp_path, monkeypatch
+):
+    """A claim silent for longer than `claim_timeout` (here 60 s of 600 s's default) is taken
+    over when the crash is recorded, as when the cell starts."""
+    cfg = tiny_config(rounds=1)
+    monkeypatch.setattr(runner, "build_populations", _raise(_Boom("no method")))
+    with pytest.raises(_Boom):
+        run_cell(cfg, store, checkpoint_dir=tmp_path)
+    run_id = store.find_run(cfg.run_key).id
+    beat = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=120)
+    with store._session.begin() as s:
+        stale = dict(status="running", owner="elsewhere:1:z", heartbeat_at=beat, error=None)
+        s.execute(update(Run).where(Run.id == run_id).values(**stale))
+    with pytest.raises(_Boom):
+        run_cell(cfg, store, checkpoint_dir=tmp_path, claim_timeout=60)
+    record = store.find_run(cfg.run_key)
+    assert (record.status, record.error) == ("failed", "_Boom: no method")
+    assert record.owner != "elsewhere:1:z"
+
+
+class _TakenOverAfter(Observer):
+    """After round 0 another driver takes the run's claim."""
+
+    def __init__(self, store: Store, cfg) -> None:
+        self.store, self.cfg = store, cfg
+
+    def round_end(self, cfg, round_idx, metrics):
+        if round_idx == 0:
+            run_id = self.store.find_run(self.cfg.run_key).id
+            beat = dt.datetime.now(dt.timezone.utc)
+            with self.store._session.begin() as s:
+                other = dict(owner="elsewhere:1:z", heartbeat_at=beat)
+                s.execute(update(Run).where(Run.id == run_id).values(**other))
+
+
+def test_a_round_written_after_the_claim_is_taken_is_refused(store, tmp_path):
+    """The round loop writes each round under the cell's claim: once another driver holds it,
+    round 1 is not stored and the cell is skipped with the claim's error."""
+    cfg = tiny_config(rounds=2)
+    result = run_cell(cfg, store, checkpoint_dir=tmp_path, observer=_TakenOverAfter(store, cfg))
+    record = store.find_run(cfg.run_key)
+    assert result.status == "skipped"
+    assert result.error.startswith(f"run {record.id}: claim of ")
+    assert result.error.endswith(" was taken over by another driver")
+    assert store.last_round(record.id) == 0 and record.owner == "elsewhere:1:z"
