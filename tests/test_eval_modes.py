@@ -402,13 +402,16 @@ def test_a_scoring_task_is_the_runs_clients_without_local_data_over_the_other_se
 
 
 def test_a_method_that_adapts_before_scoring_is_refused():
-    from types import SimpleNamespace
-
     from fpbench.engine.scoring import method_for
 
-    adapting = SimpleNamespace(name="perfedavg", adapt_samples=lambda: 1)
+    class Adapting:  # what `adapts` looks for: an override of `Method.adapt`
+        name = "perfedavg"
+
+        def adapt(self, params, draw, ctx):
+            return params
+
     with pytest.raises(FpbenchError) as info:
-        method_for(adapting, None, "base-to-novel")
+        method_for(Adapting(), None, "base-to-novel")
     assert str(info.value) == (
         "method perfedavg adapts on each client's data before it is scored; base-to-novel "
         "scores clients without local data: use another method"
