@@ -67,3 +67,21 @@ def pg_database() -> Iterator[tuple[str, str]]:
 def pg_url(pg_database: tuple[str, str]) -> str:
     """The URL of a fresh, empty PostgreSQL database (see `pg_database`)."""
     return pg_database[0]
+
+
+class Crash(Exception):
+    """What `CrashAfter` raises."""
+
+
+class CrashAfter:
+    """A run observer that stops the run after round `round_idx` is stored (as a crash would)."""
+
+    def __init__(self, round_idx: int) -> None:
+        self.round_idx = round_idx
+
+    def cell_start(self, cfg, start_round):
+        pass
+
+    def round_end(self, cfg, round_idx, metrics):
+        if round_idx == self.round_idx:
+            raise Crash()

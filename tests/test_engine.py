@@ -14,7 +14,7 @@ from fpbench.engine.runner import run_cell
 from fpbench.engine.seeding import derive_seed
 from fpbench.methods.base import Context
 from fpbench.store import Store
-from tests.conftest import tiny_config
+from tests.conftest import Crash, CrashAfter, tiny_config
 
 
 def test_sampling_schedule_is_seeded_and_respects_participation():
@@ -78,22 +78,6 @@ def test_personal_evaluation_skips_heldout(tiny):
     assert pd.isna(ev.global_acc[held]).all() and not pd.isna(ev.global_acc[~held]).any()
 
 
-class _Crash(Exception):
-    pass
-
-
-class _CrashAfter:
-    def __init__(self, round_idx: int) -> None:
-        self.round_idx = round_idx
-
-    def cell_start(self, cfg, start_round):
-        pass
-
-    def round_end(self, cfg, round_idx, metrics):
-        if round_idx == self.round_idx:
-            raise _Crash()
-
-
 class _Starts:
     """Records the round each cell starts at."""
 
@@ -118,8 +102,8 @@ def test_killed_run_resumes_where_it_stopped_with_identical_results(tmp_path):
     assert run_cell(cfg, whole, checkpoint_dir=tmp_path / "ck1").status == "done"
 
     split = Store(f"sqlite:///{tmp_path / 'split.db'}")
-    with pytest.raises(_Crash):
-        run_cell(cfg, split, checkpoint_dir=tmp_path / "ck2", observer=_CrashAfter(1))
+    with pytest.raises(Crash):
+        run_cell(cfg, split, checkpoint_dir=tmp_path / "ck2", observer=CrashAfter(1))
     record = split.find_run(cfg.run_key)
     assert record.status == "failed" and split.last_round(record.id) == 1
     checkpoint = tmp_path / "ck2" / split.database_id / f"{cfg.run_key}.pt"  # its database's
@@ -293,8 +277,8 @@ def test_a_checkpoint_bound_to_another_database_is_not_resumed(tmp_path):
 
     cfg = tiny_config(rounds=2)
     ck = tmp_path / "ck"
-    with Store(f"sqlite:///{tmp_path / 'a.db'}") as a, pytest.raises(_Crash):
-        run_cell(cfg, a, checkpoint_dir=ck, observer=_CrashAfter(0))
+    with Store(f"sqlite:///{tmp_path / 'a.db'}") as a, pytest.raises(Crash):
+        run_cell(cfg, a, checkpoint_dir=ck, observer=CrashAfter(0))
     src = ckpt_io.checkpoint_path(ckpt_io.folder_for(ck, a.database_id), cfg.run_key)
     with Store(f"sqlite:///{tmp_path / 'b.db'}") as b:
         dst = ckpt_io.checkpoint_path(ckpt_io.folder_for(ck, b.database_id), cfg.run_key)

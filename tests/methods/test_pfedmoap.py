@@ -16,6 +16,7 @@ from fpbench.methods.pfedmoap import GATE_NAMES, PFedMoAPConfig, gate_mix, neare
 from fpbench.store import Store
 from fpbench.testing import MethodConformance
 from fpbench.testing.tiny import seeded_server, tiny_config, with_config
+from tests.conftest import Crash, CrashAfter
 from tests.methods.common import both_executors_agree, features_as_images
 
 
@@ -187,24 +188,6 @@ def test_executors_agree_with_experts(tiny):
         assert not torch.equal(local.params[g], start[g])
 
 
-class _Crash(Exception):
-    pass
-
-
-class _CrashAfter:
-    """A run observer that stops the run after one round (as a crash would)."""
-
-    def __init__(self, round_idx: int) -> None:
-        self.round_idx = round_idx
-
-    def cell_start(self, cfg, start_round):
-        pass
-
-    def round_end(self, cfg, round_idx, metrics):
-        if round_idx == self.round_idx:
-            raise _Crash()
-
-
 def test_a_resumed_run_keeps_uploads_and_gates(tmp_path, fpbench_cache):
     """Stopped after round 1 (experts from round 2 on: the uploads and flags are server buffers),
     resumed from its checkpoint: every stored value equals an uninterrupted run's."""
@@ -212,8 +195,8 @@ def test_a_resumed_run_keeps_uploads_and_gates(tmp_path, fpbench_cache):
     whole = Store(f"sqlite:///{tmp_path / 'whole.db'}")
     assert run_cell(cfg, whole, checkpoint_dir=tmp_path / "ck1").status == "done"
     split = Store(f"sqlite:///{tmp_path / 'split.db'}")
-    with pytest.raises(_Crash):
-        run_cell(cfg, split, checkpoint_dir=tmp_path / "ck2", observer=_CrashAfter(1))
+    with pytest.raises(Crash):
+        run_cell(cfg, split, checkpoint_dir=tmp_path / "ck2", observer=CrashAfter(1))
     assert run_cell(cfg, split, checkpoint_dir=tmp_path / "ck2").status == "done"
     a, b = (s.metrics(aggregate_only=False) for s in (whole, split))
     keys = ["round", "client_id", "name"]
