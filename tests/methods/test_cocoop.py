@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fpbench.methods.base import Context
@@ -60,5 +61,6 @@ def test_each_image_is_scored_with_its_own_shifted_prompts(tiny, monkeypatch):
     torch.testing.assert_close(method.forward(zero, feats, rows, Context(False)), coop)
 
 
+@pytest.mark.slow  # tests/test_methods.py runs the same checks on every method by default
 class TestCoCoOpConformance(MethodConformance):
     method = "cocoop"

@@ -107,5 +107,6 @@ def test_global_prompt_averaged_local_kept(tiny):
     assert torch.equal(new.personal["local_ctx"][1], server.personal["local_ctx"][1])
 
 
+@pytest.mark.slow  # tests/test_methods.py runs the same checks on every method by default
 class TestFedPHAConformance(MethodConformance):
     method = "fedpha"

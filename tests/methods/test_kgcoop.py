@@ -3,6 +3,7 @@ the aux loss the forward adds."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -56,5 +57,6 @@ def test_training_forward_adds_w_times_each_rows_distance_to_the_template(tiny, 
     torch.testing.assert_close(eval_logits, out.logits)
 
 
+@pytest.mark.slow  # tests/test_methods.py runs the same checks on every method by default
 class TestKgCoOpConformance(MethodConformance):
     method = "kgcoop"

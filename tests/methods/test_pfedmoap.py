@@ -205,5 +205,6 @@ def test_a_resumed_run_keeps_uploads_and_gates(tmp_path, fpbench_cache):
     pd.testing.assert_frame_equal(a.drop(columns="run_id"), b.drop(columns="run_id"))
 
 
+@pytest.mark.slow  # tests/test_methods.py runs the same checks on every method by default
 class TestPFedMoAPConformance(MethodConformance):
     method = "pfedmoap"

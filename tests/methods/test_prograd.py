@@ -95,5 +95,6 @@ def test_loss_gradient_is_each_clients_projected_gradient(tiny, lam, monkeypatch
     assert conflicts == 2  # these inputs exercise the projection for both clients
 
 
+@pytest.mark.slow  # tests/test_methods.py runs the same checks on every method by default
 class TestProGradConformance(MethodConformance):
     method = "prograd"

@@ -83,5 +83,6 @@ def test_a_round_trains_nothing_and_scores_each_clients_data(tiny, monkeypatch):
     assert method.communication(server) == ({}, {})
 
 
+@pytest.mark.slow  # tests/test_methods.py runs the same checks on every method by default
 class TestZeroShotConformance(MethodConformance):
     method = "zero-shot"
