@@ -31,14 +31,11 @@ Decisions (issue #32; counts in docs/method-interface.md):
   listed by registry name in `fpbench/report/method_readings.py`.
 * `TestSplit` goes: `round_metrics`' `test` is a callable, `test(fn) -> (outputs, labels)`.
   `Inference` is the documented set of values of `inference`, not a type a method imports.
-* `init_server`, `client_params` and `communication` stay hooks: of the 16 `init_server`
-  overrides 11 only add buffers to the default and 5 build another state (hypernetwork weights
-  with no client tensor, generated or pooled per-client prompts, per-client tables of their own
-  shape, earlier-round copies); the 8 `client_params` overrides generate, add or swap tensors
-  (a hypernetwork's output, DP keys, a zero update, MOON's global copy, GPA's mean at
-  evaluation); of the 10 `communication` overrides 2 send nothing and 8 count buffers, generated
-  rows or first-round-only tensors, often different up and down. No declaration covers them
-  without a rule as long as a hook.
+* `init_server`, `client_params` and `communication` stay hooks: their overrides do different
+  kinds of work (buffers added or another server state built; tensors generated, added or
+  swapped; buffers, generated rows or first-round-only tensors counted as sent, often different
+  up and down), so no declaration covers them without a rule as long as a hook. The overrides,
+  method by method, are counted in docs/method-interface.md.
 * `Context.earlier` stays, read-only: SGPT's reference code lets a client read the selection
   counts of the clients trained before it in the round ("sequential"), which only the reference
   executor can reproduce; it is always empty in lockstep, so no other method sees a difference.

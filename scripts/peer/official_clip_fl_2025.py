@@ -38,6 +38,7 @@ import tempfile
 import types
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -69,16 +70,9 @@ def load_official() -> tuple[Any, Any]:
     data = types.ModuleType("Dassl.dassl.data")
     data.DataManager = None
     stubs["Dassl.dassl.data"] = data
-    unset = "PROJECT" not in os.environ
-    os.environ.setdefault("PROJECT", tempfile.gettempdir())
-    try:
-        with REF._isolated(PFEDMOAP, stubs):
-            return importlib.import_module("clip.model"), importlib.import_module(
-                "trainers.pfedmoap"
-            )
-    finally:
-        if unset:
-            del os.environ["PROJECT"]
+    project = {"PROJECT": os.environ.get("PROJECT", tempfile.gettempdir())}
+    with mock.patch.dict(os.environ, project), REF._isolated(PFEDMOAP, stubs):
+        return importlib.import_module("clip.model"), importlib.import_module("trainers.pfedmoap")
 
 
 def pfedmoap_case(folder: Path, arch: str = "vit", n_ctx: int = 4, experts: int = 2,
