@@ -10,8 +10,8 @@ attribute descriptions for every class (the official `attributes/<dataset>.json`
 gives its normalised feature t (E). With the image's patch tokens X (N, w, after the
 positional embedding) and the M = sum_c D_c description features T (M, E) of all classes:
 
-    K = LN_ctx(T W_t^T + b_t)                           (M, w)   the text as keys and values
-    A = MHA(LN(X), K, K)                                (N, w)   4 heads
+    V = T W_t^T + b_t                                   (M, w)   the text as values
+    A = MHA(LN(X), LN_ctx(V), V)                        (N, w)   4 heads, keys LN_ctx(V)
     H = A + FF(A),  FF(a) = W_2 (u * gelu(g)) + b_2,  [u, g] = W_1 LN_ff(a) + b_1  (GEGLU)
     P = adaptive average pool of H over the N patches to 4 tokens           (4, w)
 
@@ -192,15 +192,15 @@ def layer_norm(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
     return F.layer_norm(x, w.shape, w, b, 1e-5)
 
 
-def cross_attention(q: Tensor, kv: Tensor, p: dict[str, Tensor], heads: int) -> Tensor:
-    """Multi-head attention of queries q (n, N, w) to one key/value set kv (M, w)."""
+def cross_attention(q: Tensor, k: Tensor, v: Tensor, p: dict[str, Tensor], heads: int) -> Tensor:
+    """Multi-head attention of queries q (n, N, w) to one set of keys k and values v (M, w)."""
     n, length, w = q.shape
     wq, wk, wv = p["attn_in_w"].chunk(3)
     bq, bk, bv = p["attn_in_b"].chunk(3)
     dh = w // heads
     q = F.linear(q, wq, bq).view(n, length, heads, dh).transpose(1, 2)  # (n, h, N, dh)
-    k = F.linear(kv, wk, bk).view(-1, heads, dh).transpose(0, 1)  # (h, M, dh)
-    v = F.linear(kv, wv, bv).view(-1, heads, dh).transpose(0, 1)
+    k = F.linear(k, wk, bk).view(-1, heads, dh).transpose(0, 1)  # (h, M, dh)
+    v = F.linear(v, wv, bv).view(-1, heads, dh).transpose(0, 1)
     att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(dh), dim=-1)  # (n, h, N, M)
     out = (att @ v).transpose(1, 2).reshape(n, length, w)
     return F.linear(out, p["attn_out_w"], p["attn_out_b"])
@@ -219,8 +219,9 @@ def visual_prompts(
 ) -> Tensor:
     """One client's prompts (n, P, w) from patch tokens (n, N, w) and description features
     text (M, E)."""
-    keys = layer_norm(F.linear(text, p["text_w"], p["text_b"]), p["norm_ctx_w"], p["norm_ctx_b"])
-    a = cross_attention(layer_norm(patches, p["norm_w"], p["norm_b"]), keys, p, heads)
+    values = F.linear(text, p["text_w"], p["text_b"])
+    keys = layer_norm(values, p["norm_ctx_w"], p["norm_ctx_b"])  # the official PreNorm: keys only
+    a = cross_attention(layer_norm(patches, p["norm_w"], p["norm_b"]), keys, values, p, heads)
     h = a + feed_forward(a, p)
     return F.adaptive_avg_pool1d(h.transpose(1, 2), n_prompts).transpose(1, 2)
 

@@ -115,8 +115,9 @@ def test_cross_attention_equals_torchs_multihead_attention():
         "attn_out_b": mha.out_proj.bias,
     }
     q, kv = torch.randn(3, 5, w, generator=gen), torch.randn(7, w, generator=gen)
-    want, _ = mha(q, kv.expand(3, -1, -1), kv.expand(3, -1, -1))
-    torch.testing.assert_close(cross_attention(q, kv, p, heads), want, atol=1e-6, rtol=1e-5)
+    k, v = torch.randn(7, w, generator=gen), kv
+    want, _ = mha(q, k.expand(3, -1, -1), v.expand(3, -1, -1))
+    torch.testing.assert_close(cross_attention(q, k, v, p, heads), want, atol=1e-6, rtol=1e-5)
 
 
 def test_cross_attention_with_equal_scores_averages_the_values():
@@ -129,7 +130,7 @@ def test_cross_attention_with_equal_scores_averages_the_values():
         "attn_out_b": torch.tensor([0.5, -1.0]),
     }
     kv = torch.tensor([[1.0, 2.0], [3.0, -4.0]])  # mean (2, -1)
-    got = cross_attention(torch.randn(1, 3, w), kv, p, heads=1)
+    got = cross_attention(torch.randn(1, 3, w), torch.randn(2, w), kv, p, heads=1)
     torch.testing.assert_close(got, torch.tensor([[4.5, -2.0]]).expand(1, 3, 2))
 
 
@@ -150,7 +151,7 @@ def test_feed_forward_is_geglu_after_a_layer_norm():
 
 def test_prompts_are_the_pooled_patch_blocks_of_attention_plus_feed_forward(tiny):
     # with the feed-forward's output zero and identity maps, H = A = mean value for every patch
-    # (W_k = 0), so each of the P pooled prompts is LN_ctx(T W_t^T + b_t) averaged over M
+    # (W_k = 0), so each of the P pooled prompts is T W_t^T + b_t (not layer-normed) over M
     _, _, method = tiny("fedmvp")
     p = {k: v.clone() for k, v in seeded_server(method).params.items()}
     w = method.width
@@ -158,13 +159,14 @@ def test_prompts_are_the_pooled_patch_blocks_of_attention_plus_feed_forward(tiny
     p["attn_out_w"], p["ff2_w"], p["ff2_b"] = torch.eye(w), torch.zeros(w, 4 * w), torch.zeros(w)
     gen = torch.Generator().manual_seed(1)
     text, patches = torch.randn(5, method.backbone.embed_dim, generator=gen), torch.randn(2, 4, w)
-    keys = torch.nn.functional.layer_norm(text @ p["text_w"].T + p["text_b"], (w,))
+    values = text @ p["text_w"].T + p["text_b"]
     got = visual_prompts(p, patches, text, heads=4, n_prompts=2)
-    torch.testing.assert_close(got, keys.mean(0).expand(2, 2, w), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, values.mean(0).expand(2, 2, w), atol=1e-5, rtol=1e-5)
     # the seeded net: each prompt is the mean of its block of N / P = 2 consecutive patches
     p = seeded_server(method).params
     q = torch.nn.functional.layer_norm(patches, (w,))
-    a = cross_attention(q, keys, p, heads=4)
+    keys = torch.nn.functional.layer_norm(values, (w,))  # LN_ctx at init: keys, not values
+    a = cross_attention(q, keys, values, p, heads=4)
     h = a + feed_forward(a, p)
     got = visual_prompts(p, patches, text, heads=4, n_prompts=2)
     torch.testing.assert_close(got, (h[:, [0, 2]] + h[:, [1, 3]]) / 2, atol=1e-5, rtol=1e-5)
