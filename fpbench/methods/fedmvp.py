@@ -188,6 +188,16 @@ def class_descriptions(
     return out
 
 
+def require_descriptions(cells: list) -> None:
+    """Fail fast, before a suite writes anything, when a FedMVP cell that needs descriptions
+    has no readable attributes file for its dataset (its classes are checked when it starts)."""
+    for cell in cells:
+        if cell.method.name == FedMVP.name:
+            cfg = FedMVPConfig(**cell.method.args)
+            if cfg.missing_descriptions == "error":
+                class_descriptions(cfg, cell.dataset.name, ())
+
+
 def layer_norm(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
     return F.layer_norm(x, w.shape, w, b, 1e-5)
 

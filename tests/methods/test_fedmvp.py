@@ -269,3 +269,53 @@ def test_a_resnet_backbone_and_a_bad_head_count_are_refused(tiny):
     backbone = create_backbone("clip-test-rn")
     with pytest.raises(FpbenchError, match="needs a ViT CLIP"):
         type(method)(FedMVPConfig(missing_descriptions="class-name"), backbone, method.task)
+
+
+SUITE = """
+name = "fedmvp-tiny"
+seeds = [0]
+[defaults]
+backbone = { name = "clip-test" }
+dataset = { num_classes = 6, image_size = 16, train_per_class = 8, test_per_class = 4 }
+partition = { num_clients = 2, heldout_frac = 0.0, shots = 4 }
+train = { rounds = 1, batch_size = 8, eval_every = 1, eval_last = 1, summary_window = 1 }
+[[datasets]]
+name = "synthetic"
+[[partitions]]
+name = "iid"
+[[methods]]
+name = "fedmvp"
+"""
+
+
+def _run_cli(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from fpbench.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FPBENCH_DATA", str(tmp_path / "data"))
+    (tmp_path / "suite.toml").write_text(SUITE)
+    db = tmp_path / "r.db"
+    return CliRunner().invoke(app, ["run", "--suite", "suite.toml", "--db", str(db)]), db
+
+
+def test_a_suite_reads_the_descriptions_from_the_folder_the_environment_names(
+    tmp_path, monkeypatch
+):
+    import sqlite3
+
+    _write(tmp_path / "attrs", "synthetic", {n: ["a tail", "stripes"] for n in NAMES})
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "attrs"))
+    result, db = _run_cli(tmp_path, monkeypatch)
+    assert result.exit_code == 0, result.output
+    with sqlite3.connect(db) as con:
+        assert con.execute("select method, status from runs").fetchall() == [("fedmvp", "done")]
+
+
+def test_a_suite_without_descriptions_fails_before_writing_anything(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    result, db = _run_cli(tmp_path, monkeypatch)
+    assert result.exit_code != 0
+    assert "fedmvp needs attribute descriptions of the 'synthetic' classes" in result.output
+    assert not db.exists()
