@@ -342,11 +342,13 @@ class FedMVP(Method):
     def consistency(self, feats: Tensor, x: Tensor) -> Tensor:
         """1 - cos(f, z) per sample (B,), z the frozen feature of the flipped image (its
         expectation over the official coin with flip = "expected")."""
+        from fpbench.backbones.recall import recalled
+
         clip, flip = self.backbone, self.cfg.flip
         with torch.no_grad():
             z = [] if flip == "always" else [clip.encode_image(x)]
-            if flip != "never":
-                z.append(clip.encode_image(x.flip(-1)))
+            if flip != "never":  # a value of the images alone: kept by the frozen store
+                z.append(recalled("cls-hflip", lambda t: clip.model.encode_image(t.flip(-1)), x))
         cos = [(feats * F.normalize(t.float(), dim=-1)).sum(-1) for t in z]
         return 1.0 - sum(cos) / len(cos)
 
