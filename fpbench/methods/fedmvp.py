@@ -40,7 +40,9 @@ Declared readings (also in `fpbench/report/method_readings.py`):
   loss of a round is below 0.5, the client freezes the attention and trains rank-8 LoRA factors
   of it, which the server's model never applies) is not offered;
 * the official client forwards every batch of a round but steps once, on the last batch's
-  loss (`federated/client.py:88-111`); fpbench steps on every batch, as the paper describes;
+  loss (`federated/client.py:88-111`); fpbench's engine steps on every batch (the suites'
+  recipe); `train.max_local_steps = 1` comes closest to the official schedule (one step a
+  round, on the round's first batch);
 * the descriptions are read by path, never shipped: `attributes_dir`, or the folder named by
   $FPBENCH_FEDMVP_ATTRIBUTES (e.g. the official checkout's `attributes/`). A class without
   descriptions is an error unless `missing_descriptions = "class-name"`, which gives it the

@@ -20,6 +20,7 @@ from fpbench.methods.fedmvp import (
     class_descriptions,
     cross_attention,
     feed_forward,
+    patch_tokens,
     sentence,
     visual_prompts,
 )
@@ -171,6 +172,19 @@ def test_prompts_are_the_pooled_patch_blocks_of_attention_plus_feed_forward(tiny
     got = visual_prompts(p, patches, text, heads=4, n_prompts=2)
     torch.testing.assert_close(got, (h[:, [0, 2]] + h[:, [1, 3]]) / 2, atol=1e-5, rtol=1e-5)
     assert (got[:, 0] - got[:, 1]).abs().max() > 1e-3
+
+
+def test_the_patch_tokens_are_those_entering_ln_pre_after_the_cls_token(tiny):
+    _, task, method = tiny("fedmvp")
+    visual = method.backbone.model.visual
+    x = method.backbone.preprocess(task.data.train_images[:2])
+    seen = []
+    hook = visual.ln_pre.register_forward_hook(lambda mod, args, out: seen.append(args[0]))
+    with torch.no_grad():
+        visual(x)
+    hook.remove()
+    assert seen[0].shape == (2, 5, 32)  # CLS + 2 x 2 patches of 8 px, width 32
+    torch.testing.assert_close(patch_tokens(method.backbone, x), seen[0][:, 1:])
 
 
 def test_logits_average_the_descriptions_and_the_prompts_enter_the_image_encoder(tiny, tmp_path):
