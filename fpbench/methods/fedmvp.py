@@ -157,10 +157,17 @@ def _read(path: Path) -> dict[str, list[str]]:
     return data
 
 
+def _loose(name: str) -> str:
+    """A class name for matching: underscores as spaces, single-spaced, lower case."""
+    return " ".join(name.replace("_", " ").split()).lower()
+
+
 def class_descriptions(
     cfg: FedMVPConfig, dataset: str, class_names: tuple[str, ...]
 ) -> list[list[str]]:
-    """Each class's raw descriptions (a class with none: [""]), from the dataset's file."""
+    """Each class's raw descriptions (a class with none: [""]), from the dataset's file: the
+    key equal to the name with underscores as spaces (the official match), else the one equal
+    up to case and spacing."""
     stem = TEMPLATES.get(dataset, (dataset.replace("-", "_"),))[0]
     folder = attributes_folder(cfg)
     path = folder / f"{stem}.json" if folder else None
@@ -175,10 +182,10 @@ def class_descriptions(
             f"attributes_dir or ${ENV_VAR} at a folder holding {stem}.json "
             f"({{class name: [descriptions]}}), e.g. {SOURCE}"
         )
+    loose = {_loose(k): v for k, v in (found or {}).items()}
     out, missing = [], []
     for name in class_names:
-        key = name.replace("_", " ")
-        descs = (found or {}).get(key, (found or {}).get(name))
+        descs = (found or {}).get(name.replace("_", " "), loose.get(_loose(name)))
         if descs is None:
             missing.append(name)
         out.append(list(descs) if descs else [""])

@@ -79,6 +79,11 @@ def test_descriptions_are_read_by_class_name_with_underscores_as_spaces(tmp_path
     assert got == [["white fur"], [""]]  # an empty list is the one empty description
     monkeypatch.setenv(ENV_VAR, str(tmp_path))  # the environment names the folder too
     assert class_descriptions(FedMVPConfig(), "oxford-pets", ("pug",)) == [[""]]
+    # up to case and spacing where no key is equal (the official code would drop the class)
+    assert class_descriptions(cfg, "oxford-pets", ("Great  Pyrenees", "CAT")) == [
+        ["white fur"],
+        ["x"],
+    ]
 
 
 def test_missing_descriptions_fail_clearly_unless_the_setting_allows_them(tmp_path, monkeypatch):
