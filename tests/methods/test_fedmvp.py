@@ -338,3 +338,16 @@ def test_a_suite_without_descriptions_fails_before_writing_anything(tmp_path, mo
     assert result.exit_code != 0
     assert "fedmvp needs attribute descriptions of the 'synthetic' classes" in result.output
     assert not db.exists()
+
+
+def test_an_estimate_measures_a_fedmvp_cell_on_fake_data_without_descriptions(
+    tmp_path, monkeypatch
+):
+    # fake data has fake class names: the measured cell gives each the empty description
+    from fpbench.measure.estimate import estimate
+    from fpbench.suites import load_suite
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    (tmp_path / "suite.toml").write_text(SUITE)
+    found = estimate(load_suite(str(tmp_path / "suite.toml")), torch.device("cpu"), rounds=1)
+    assert [e.shape.method for e in found] == ["fedmvp"] and found[0].measured.train_round_s > 0
