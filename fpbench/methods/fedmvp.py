@@ -22,7 +22,17 @@ trained tensors (W_t, b_t, the two layer norms, the attention and the feed-forwa
 FedAvg'd with a uniform mean over the clients that trained (the official server); inference
 is global.
 
-Defaults from the official code: alpha 10 (`config/defaults.py:101`, `Launch_FL.py:106`), 4
+The official client's LoRA stage (`federated/client.py:91-101`): once a client's loss falls
+below 0.5, it freezes the attention block (the layer norms, the attention and the
+feed-forward; W_t, b_t still train) and trains rank-8 factors that put each input of the
+attention through x + x A B (queries before LN, keys before LN_ctx, values), A and B both
+N(0, 0.02^2). The switch is for good; the server averages every tensor (a frozen block and
+unused factors count as the client got them) and its model never applies LoRA, so scoring
+is without it. fpbench keeps which clients switched in a server buffer (`lora_on`) and, where
+none has, leaves the factors out of local training.
+
+Defaults from the official code: LoRA threshold 0.5 (`federated/client.py:74`) and rank 8
+(`model/FedMVP.py:154`), alpha 10 (`config/defaults.py:101`, `Launch_FL.py:106`), 4
 heads (`model/FedMVP.py:205`), 4 prompt tokens (`model/FedMVP.py:104`), feed-forward width 4w
 (`model/FedMVP.py:65`), PyTorch's default inits (`nn.Linear`, `nn.MultiheadAttention`,
 `nn.LayerNorm`). The official widths are ViT-B/16's (768, 512); fpbench reads them from the
@@ -36,9 +46,11 @@ Declared readings (also in `fpbench/report/method_readings.py`):
   global RNG); fpbench's forward is deterministic, so `flip = "expected"` (default) takes that
   coin's expectation, 1 - (cos(f, z) + cos(f, z_flipped)) / 2; "always" and "never" are the
   two outcomes;
-* the LoRA stage of the official client (`federated/client.py:91-101`: once the last batch's
-  loss of a round is below 0.5, the client freezes the attention and trains rank-8 LoRA factors
-  of it, which the server's model never applies) is not offered;
+* the LoRA switch: the official client compares the loss of its round's last batch with the
+  threshold (`lora_threshold`, 0.5); fpbench the round's mean training loss over the client's
+  samples (recorded by the forward, read by `aggregate`). The official freeze comes before
+  the switching round's step, which then moves W_t, b_t alone: fpbench's server counts that
+  round's attention block as the client got it; `lora_threshold = None` never switches;
 * the official client forwards every batch of a round but steps once, on the last batch's
   loss (`federated/client.py:88-111`); fpbench's engine steps on every batch (the suites'
   recipe); `train.max_local_steps = 1` comes closest to the official schedule (one step a
@@ -67,6 +79,7 @@ from fpbench.methods.base import (
     Method,
     MethodConfig,
     Output,
+    Phase,
     ServerState,
     TaskInfo,
     Updates,
@@ -103,6 +116,8 @@ NAMES = (
     "attn_in_b", "attn_out_w", "attn_out_b", "ff_norm_w", "ff_norm_b", "ff1_w", "ff1_b",
     "ff2_w", "ff2_b",
 )  # fmt: skip
+FROZEN_BY_LORA = NAMES[2:]  # the cross-attention block (not W_t, b_t): frozen once LoRA is on
+LORA = ("lora_qa", "lora_qb", "lora_ka", "lora_kb", "lora_va", "lora_vb")
 
 
 class FedMVPConfig(MethodConfig):
@@ -113,6 +128,10 @@ class FedMVPConfig(MethodConfig):
     flip: Literal["expected", "always", "never"] = Field(
         "expected", description="the official coin flip's expectation, or one of its outcomes"
     )
+    lora_threshold: float | None = Field(
+        0.5, description="a client switches to LoRA once a round's mean loss is below (None: never)"
+    )
+    lora_rank: int = Field(8, ge=1, description="rank of the LoRA factors (official: 8)")
     aggregation: Literal["uniform", "size"] = Field(
         "uniform", description="server mean: uniform over trained clients (official) or by size"
     )
@@ -233,14 +252,29 @@ def feed_forward(a: Tensor, p: dict[str, Tensor]) -> Tensor:
     return F.linear(u * F.gelu(g), p["ff2_w"], p["ff2_b"])
 
 
+def lora(x: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """x + x A B."""
+    return x + x @ a @ b
+
+
 def visual_prompts(
-    p: dict[str, Tensor], patches: Tensor, text: Tensor, heads: int, n_prompts: int
+    p: dict[str, Tensor],
+    patches: Tensor,
+    text: Tensor,
+    heads: int,
+    n_prompts: int,
+    with_lora: bool = False,
 ) -> Tensor:
     """One client's prompts (n, P, w) from patch tokens (n, N, w) and description features
-    text (M, E)."""
+    text (M, E); `with_lora`: the attention's three inputs through x + x A B first."""
     values = F.linear(text, p["text_w"], p["text_b"])
-    keys = layer_norm(values, p["norm_ctx_w"], p["norm_ctx_b"])  # the official PreNorm: keys only
-    a = cross_attention(layer_norm(patches, p["norm_w"], p["norm_b"]), keys, values, p, heads)
+    queries, keys = patches, values
+    if with_lora:
+        queries = lora(patches, p["lora_qa"], p["lora_qb"])
+        keys = lora(values, p["lora_ka"], p["lora_kb"])
+        values = lora(values, p["lora_va"], p["lora_vb"])
+    keys = layer_norm(keys, p["norm_ctx_w"], p["norm_ctx_b"])  # the official PreNorm: keys only
+    a = cross_attention(layer_norm(queries, p["norm_w"], p["norm_b"]), keys, values, p, heads)
     h = a + feed_forward(a, p)
     return F.adaptive_avg_pool1d(h.transpose(1, 2), n_prompts).transpose(1, 2)
 
@@ -317,7 +351,13 @@ class FedMVP(Method):
         ff1_w, ff1_b = init_linear(gen, 2 * m * w, w)
         ff2_w, ff2_b = init_linear(gen, w, m * w)
         ones, zeros = torch.ones(w), torch.zeros(w)
-        return {
+        out = {}
+        if self.cfg.lora_threshold is not None:  # N(0, 0.02^2), both factors (official)
+            r = self.cfg.lora_rank
+            for name in LORA:
+                shape = (w, r) if name.endswith("a") else (r, w)
+                out[name] = torch.randn(*shape, generator=gen) * 0.02
+        return out | {
             "text_w": text_w, "text_b": text_b,
             "norm_w": ones.clone(), "norm_b": zeros.clone(),
             "norm_ctx_w": ones.clone(), "norm_ctx_b": zeros.clone(),
@@ -332,11 +372,16 @@ class FedMVP(Method):
         patches = patch_tokens(self.backbone, x).float()
         _, text = self.text_features(x.device)
         parts, order = [], []
+        on, cfg = params.get("lora_on"), self.cfg
         for k in client_index.unique().tolist():
             sel = (client_index == k).nonzero().squeeze(1)
             one = {n: params[n][k] for n in NAMES}
+            with_lora = on is not None and bool(on[k])
+            if with_lora:  # the attention block frozen, its inputs through the LoRA factors
+                one |= {n: one[n].detach() for n in FROZEN_BY_LORA}
+                one |= {n: params[n][k] for n in LORA}
             parts.append(
-                visual_prompts(one, patches[sel], text, self.cfg.heads, self.cfg.n_prompts)
+                visual_prompts(one, patches[sel], text, cfg.heads, cfg.n_prompts, with_lora)
             )
             order.append(sel)
         return torch.cat(parts)[torch.argsort(torch.cat(order))]
@@ -361,22 +406,79 @@ class FedMVP(Method):
         cos = [(feats * F.normalize(t.float(), dim=-1)).sum(-1) for t in z]
         return 1.0 - sum(cos) / len(cos)
 
+    def init_server(self, gen: torch.Generator) -> ServerState:
+        """The default state, and the buffer `lora_on` (N,): which clients train LoRA."""
+        server = super().init_server(gen)
+        if self.cfg.lora_threshold is not None:
+            server.buffers["lora_on"] = torch.zeros(self.task.num_clients, dtype=torch.bool)
+        return server
+
+    def client_params(
+        self, server: ServerState, client_ids: Tensor, training: bool = True
+    ) -> dict[str, Tensor]:
+        """Adds `lora_on` (K,), never trained, once any client switched to LoRA (in training
+        only: the official server's model never applies LoRA); before, the LoRA factors are
+        left out (nothing would train them). Decided on the whole federation, so that every
+        grouping of the round's clients gets the same tensors."""
+        out = super().client_params(server, client_ids, training)
+        if "lora_on" in server.buffers:
+            on = server.buffers["lora_on"]
+            if training and bool(on.any()):
+                out["lora_on"] = on[client_ids.to(on.device)]
+            else:
+                out = {n: v for n, v in out.items() if n not in LORA}
+        return out
+
+    def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
+        return [Phase("local", tuple(n for n in names if n != "lora_on"), local_epochs)]
+
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
     ) -> Tensor | Output:
+        """Logits; in training, the consistency term as the auxiliary loss and, with the LoRA
+        stage, each row's summed loss and sample count (`loss_sum`, `samples`, (K,)): what
+        `aggregate` decides the switch by."""
         weights, _ = self.text_features(x.device)
         feats = self.image_features(params, x, client_index)
         logits = self.backbone.logit_scale * feats @ weights.T
         if not ctx.training:
             return logits
-        return Output(logits, self.cfg.alpha * self.consistency(feats, x))
+        aux = self.cfg.alpha * self.consistency(feats, x)
+        if self.cfg.lora_threshold is None or ctx.labels is None:
+            return Output(logits, aux)
+        with torch.no_grad():
+            loss = F.cross_entropy(logits, ctx.labels, reduction="none") + aux
+            k = len(params["text_w"])
+            stats = {
+                "loss_sum": loss.new_zeros(k).index_add(0, client_index, loss),
+                "samples": loss.new_zeros(k).index_add(0, client_index, torch.ones_like(loss)),
+            }
+        return Output(logits, aux, stats)
 
     def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
-        if self.cfg.aggregation == "size":
-            return super().aggregate(server, updates)
-        k = len(updates.client_ids)
+        """The mean of the trained tensors; a client whose round's mean loss is below
+        `lora_threshold` switches to LoRA. A client on LoRA after the round counts the attention
+        block as it got it (frozen, the switching round's step included, as the official freeze
+        comes before its backward), one not on LoRA in it counts the LoRA factors so."""
+        ids, trained = updates.client_ids, dict(updates.params)
+        on = server.buffers.get("lora_on")
+        if on is not None:
+            was = now = on[ids.to(on.device)]
+            if "loss_sum" in updates.stats:
+                mean = updates.stats["loss_sum"] / updates.stats["samples"].clamp(min=1)
+                now = was | (mean.to(on.device) < self.cfg.lora_threshold)
+            for names, keep in ((FROZEN_BY_LORA, now), (LORA, ~was)):
+                for n in (n for n in names if n in trained):
+                    old = server.params[n].unsqueeze(0).to(trained[n].device)
+                    rows = keep.view(-1, *[1] * (old.dim() - 1)).to(trained[n].device)
+                    trained[n] = torch.where(rows, old, trained[n])
+        w = updates.weights.float() if self.cfg.aggregation == "size" else torch.ones(len(ids))
+        w = w / w.sum()
         params = {}
-        for n in server.params:
-            t = updates.params[n]
-            params[n] = weighted_mean(t, torch.full((k,), 1.0 / k, dtype=t.dtype, device=t.device))
-        return ServerState(params, server.personal, server.buffers)
+        for n, old in server.params.items():  # a round without LoRA leaves its factors out
+            t = trained.get(n)
+            params[n] = old if t is None else weighted_mean(t, w.to(t.device, t.dtype))
+        new = ServerState(params, server.personal, dict(server.buffers))
+        if on is not None:
+            new.buffers = {**new.buffers, "lora_on": on.index_copy(0, ids.to(on.device), now)}
+        return new

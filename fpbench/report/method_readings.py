@@ -51,9 +51,9 @@ READINGS: dict[str, dict[str, str]] = {
         **DIFFERENTIAL,  # model/FedMVP.py, federated/client.py: tests/test_peer_fedmvp.py
         # the official batch flip is a fair coin per step; fpbench takes its expectation
         "flip": "expected",
-        # the official client switches to LoRA factors of the attention once a round's last
-        # batch loss is below 0.5 (never applied by the server's model): not offered
-        "lora_stage": "not-offered",
+        # the official client switches to LoRA factors of the attention once its round's last
+        # batch loss is below 0.5; fpbench's switch reads the round's mean training loss
+        "lora_switch": "round-mean-loss",
         # the official client forwards every batch of a round and steps once, on the last
         "local_steps": "every-batch",
         "fl_aggregation": "uniform-mean",

@@ -86,6 +86,11 @@ NAMES = {
     "ff2_w": "crossattn.cross_attend_blocks.1.net.3.weight",
     "ff2_b": "crossattn.cross_attend_blocks.1.net.3.bias",
 }  # fmt: skip
+LORA = {
+    "lora_qa": "cross_loraparams.cross_queryA", "lora_qb": "cross_loraparams.cross_queryB",
+    "lora_ka": "cross_loraparams.cross_keyA", "lora_kb": "cross_loraparams.cross_keyB",
+    "lora_va": "cross_loraparams.cross_valueA", "lora_vb": "cross_loraparams.cross_valueB",
+}  # fmt: skip
 FLIPS = {"never": lambda x: x, "always": lambda x: x.flip(-1)}
 
 
@@ -111,14 +116,16 @@ def _cwd(folder: Path):
 
 
 def fedmvp_case(folder: Path, dataset: str = "caltech101", flip: str = "never",
-                alpha: float = 10.0, batch: int = 2,
+                alpha: float = 10.0, batch: int = 2, lora: bool = False,
                 seed: int = 0) -> dict[str, float]:  # fmt: skip
-    """The official FedMVP module and client loss against fpbench's `fedmvp`.
+    """The official FedMVP module and client loss against fpbench's `fedmvp`; `lora`: a client
+    after its switch (the official `use_lora`, the attention frozen, the LoRA factors in).
 
     Returns the largest absolute differences of `logits`, `loss` and `grad` (over the 16
-    prompt-net tensors) and, for scale, `grad_max`.
+    prompt-net tensors, or with `lora` over W_t, b_t and the 6 LoRA factors, the attention's
+    gradients being none on both sides) and, for scale, `grad_max`.
     """
-    from fpbench.methods.base import Context, TaskInfo
+    from fpbench.methods.base import Context, TaskInfo, as_logits
     from fpbench.methods.fedmvp import FedMVP
 
     clip_model, mvp = load_official()
@@ -142,8 +149,13 @@ def fedmvp_case(folder: Path, dataset: str = "caltech101", flip: str = "never",
     gen = torch.Generator().manual_seed(seed)
     start = ours.init_params(gen)
     with torch.no_grad():
-        for mine, name in NAMES.items():
+        for mine, name in (NAMES | LORA).items():
             learner.get_parameter(name).copy_(start[mine])
+    names = NAMES  # the tensors whose gradients are compared
+    if lora:  # as the official client switches (federated/client.py:95-101)
+        learner.crossattn.requires_grad_(False)
+        learner.use_lora = True
+        names = {m: n for m, n in (NAMES | LORA).items() if m in LORA or m.startswith("text_")}
     images = torch.randn(batch, 3, 32, 32, generator=gen)
     labels = torch.arange(batch) % c
 
@@ -157,12 +169,21 @@ def fedmvp_case(folder: Path, dataset: str = "caltech101", flip: str = "never",
     loss_theirs.backward()
 
     params = {k: v.unsqueeze(0).clone().requires_grad_(True) for k, v in start.items()}
+    if lora:
+        params["lora_on"] = torch.ones(1, dtype=torch.bool)
     rows = torch.zeros(batch, dtype=torch.long)
-    loss = ours.loss(params, images, labels, rows, Context(training=True, labels=labels)).mean()
+    train = Context(training=True, labels=labels)
+    loss, _ = ours.loss(params, images, labels, rows, train)
+    loss = loss.mean()
     loss.backward()
-    with torch.no_grad():
-        logits_ours = ours.forward(params, images, rows, Context(training=False))
-    grads = [(params[m].grad[0], learner.get_parameter(n).grad) for m, n in NAMES.items()]
+    with torch.no_grad():  # the official module applies LoRA in evaluation too, fpbench's never
+        out = ours.forward(params, images, rows, train if lora else Context(False))
+        logits_ours = as_logits(out)
+    frozen = [m for m in NAMES if m not in names]
+    if any(params[m].grad is not None or learner.get_parameter(NAMES[m]).grad is not None
+           for m in frozen):  # fmt: skip
+        raise AssertionError("a frozen attention tensor got a gradient")
+    grads = [(params[m].grad[0], learner.get_parameter(n).grad) for m, n in names.items()]
     return {
         "logits": REF._diff(logits_ours, logits_theirs),
         "loss": REF._diff(loss, loss_theirs),
@@ -176,6 +197,7 @@ CASES = {
     "fedmvp caltech101, flip always, alpha 2": ("fedmvp", {"flip": "always", "alpha": 2.0}),
     "fedmvp flowers102 (suffix), expected flip": ("fedmvp", {"dataset": "flowers102",
                                                               "flip": "expected", "batch": 3}),
+    "fedmvp caltech101, after the switch to LoRA": ("fedmvp", {"lora": True}),
 }  # fmt: skip
 
 

@@ -20,6 +20,7 @@ from fpbench.methods.fedmvp import (
     class_descriptions,
     cross_attention,
     feed_forward,
+    lora,
     patch_tokens,
     sentence,
     visual_prompts,
@@ -27,7 +28,7 @@ from fpbench.methods.fedmvp import (
 from fpbench.testing import MethodConformance
 
 from ..conftest import seeded_server
-from .common import stacked_constants
+from .common import both_executors_agree, stacked_constants
 
 NAMES = ("c0", "c1", "c2", "c3", "c4", "c5")
 
@@ -245,7 +246,8 @@ def test_each_sample_uses_its_own_clients_prompt_net(tiny):
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for v in two.values():
-            v[1] += 0.3 * torch.randn(v[1].shape, generator=gen)
+            if v.is_floating_point():
+                v[1] += 0.3 * torch.randn(v[1].shape, generator=gen)
         x = method.backbone.preprocess(task.data.train_images[:4])
         rows = torch.tensor([1, 0, 1, 0])
         both = method.forward(two, x, rows, Context(training=False))
@@ -264,7 +266,9 @@ def test_the_server_mean_is_uniform_over_the_clients_that_trained(tiny):
     trained = stacked_constants(server.params, [1.0, 3.0])
     updates = Updates(trained, torch.tensor([0, 2]), torch.tensor([1.0, 3.0]))
     new = method.aggregate(server, updates)
-    assert all(torch.equal(v, torch.full_like(v, 2.0)) for v in new.params.values())
+    for name, v in new.params.items():  # no client trained with LoRA: its factors as they were
+        want = server.params[name] if name.startswith("lora") else torch.full_like(v, 2.0)
+        assert torch.equal(v, want), name
     sized = _on(method, aggregation="size", missing_descriptions="class-name")
     new = sized.aggregate(server, updates)
     torch.testing.assert_close(new.params["ff1_w"], torch.full_like(new.params["ff1_w"], 2.5))
@@ -279,6 +283,10 @@ def test_init_follows_pytorchs_modules_and_the_backbones_widths(tiny):
     assert p["attn_in_w"].abs().max() <= math.sqrt(6 / (4 * w))  # xavier_uniform
     assert p["ff2_w"].abs().max() <= 1 / math.sqrt(4 * w)  # nn.Linear's default
     assert torch.equal(p["norm_ctx_w"], torch.ones(w)) and not p["attn_in_b"].any()
+    assert p["lora_qa"].shape == (w, 8) and p["lora_vb"].shape == (8, w)
+    assert 0.01 < p["lora_ka"].std() < 0.03  # N(0, 0.02^2)
+    no_lora = _on(method, lora_threshold=None, missing_descriptions="class-name")
+    assert not any(n.startswith("lora") for n in seeded_server(no_lora).params)
 
 
 def test_a_resnet_backbone_and_a_bad_head_count_are_refused(tiny):
@@ -351,3 +359,98 @@ def test_an_estimate_measures_a_fedmvp_cell_on_fake_data_without_descriptions(
     (tmp_path / "suite.toml").write_text(SUITE)
     found = estimate(load_suite(str(tmp_path / "suite.toml")), torch.device("cpu"), rounds=1)
     assert [e.shape.method for e in found] == ["fedmvp"] and found[0].measured.train_round_s > 0
+
+
+def test_lora_adds_x_a_b_to_each_input_and_zero_b_changes_nothing():
+    x, a, b = torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0], [0.5]]), torch.tensor([[2.0, -1.0]])
+    torch.testing.assert_close(lora(x, a, b), torch.tensor([[5.0, 0.0]]))  # x + (2) [2, -1]
+    gen = torch.Generator().manual_seed(4)
+    p = {k: torch.randn(v.shape, generator=gen) * 0.3 for k, v in _net(32).items()}
+    patches, text = torch.randn(2, 4, 32, generator=gen), torch.randn(5, 32, generator=gen)
+    plain = visual_prompts(p, patches, text, 4, 2)
+    zero_b = p | {n: torch.zeros_like(p[n]) for n in ("lora_qb", "lora_kb", "lora_vb")}
+    torch.testing.assert_close(visual_prompts(zero_b, patches, text, 4, 2, True), plain)
+    assert (visual_prompts(p, patches, text, 4, 2, True) - plain).abs().max() > 1e-3
+
+
+def _net(w: int) -> dict:
+    from fpbench.methods.fedmvp import LORA, NAMES
+
+    shapes = {
+        "text_w": (w, 32),
+        "attn_in_w": (3 * w, w),
+        "attn_in_b": (3 * w,),
+        "attn_out_w": (w, w),
+        "ff1_w": (8 * w, w),
+        "ff1_b": (8 * w,),
+        "ff2_w": (w, 4 * w),
+    }
+    lora_shapes = {n: (w, 8) if n.endswith("a") else (8, w) for n in LORA}
+    return {n: torch.zeros(shapes.get(n, lora_shapes.get(n, (w,)))) for n in (*NAMES, *LORA)}
+
+
+def test_a_switched_client_trains_lora_and_the_text_map_not_the_attention(tiny):
+    _, task, method = tiny("fedmvp")
+    server = seeded_server(method)
+    server.buffers["lora_on"][1] = True
+    params = method.client_params(server, torch.tensor([0, 1]))
+    assert params["lora_on"].tolist() == [False, True]
+    scored = method.client_params(server, torch.tensor([1]), training=False)
+    assert not {"lora_on", "lora_qa"} & set(scored)  # the server's model never applies LoRA
+    before = method.client_params(seeded_server(method), torch.tensor([0, 1]))
+    assert not {"lora_on", "lora_qa"} & set(before)  # nobody on LoRA: nothing to train there
+    leaves = {n: v.requires_grad_(v.is_floating_point()) for n, v in params.items()}
+    x = method.backbone.preprocess(task.data.train_images[:4])
+    rows, y = torch.tensor([0, 1, 1, 0]), torch.tensor([0, 1, 2, 3])
+    method.loss(leaves, x, y, rows, Context(training=True, labels=y))[0].mean().backward()
+    grad = {n: v.grad for n, v in leaves.items() if v.is_floating_point()}
+    for n in ("attn_in_w", "ff1_w", "norm_w"):  # row 1 (LoRA on) leaves its attention alone
+        assert grad[n][0].abs().max() > 0 and not grad[n][1].any(), n
+    for n in ("lora_qa", "lora_kb", "lora_va"):  # only row 1 uses its factors
+        assert not grad[n][0].any() and grad[n][1].abs().max() > 0, n
+    assert grad["text_w"][1].abs().max() > 0
+
+
+def test_lora_switch_and_its_mean_by_hand(tiny):
+    # two clients: 0 (LoRA already on) and 2 (off); their round's mean losses 0.4 and 1.5
+    _, _, method = tiny("fedmvp")
+    server = seeded_server(method)
+    server.buffers["lora_on"][0] = True
+    trained = stacked_constants(server.params, [1.0, 3.0])
+    stats = {"loss_sum": torch.tensor([0.8, 3.0]), "samples": torch.tensor([2.0, 2.0])}
+    new = method.aggregate(server, Updates(trained, torch.tensor([0, 2]), torch.ones(2), stats))
+    s = server.params
+    torch.testing.assert_close(new.params["text_w"], torch.full_like(s["text_w"], 2.0))
+    torch.testing.assert_close(new.params["ff1_w"], (s["ff1_w"] + 3.0) / 2)  # 0's: frozen
+    torch.testing.assert_close(new.params["lora_qa"], (1.0 + s["lora_qa"]) / 2)  # 2's: unused
+    assert new.buffers["lora_on"].tolist() == [True, False, False, False]
+    stats = {"loss_sum": torch.tensor([3.0, 0.9]), "samples": torch.tensor([2.0, 2.0])}
+    new = method.aggregate(server, Updates(trained, torch.tensor([0, 2]), torch.ones(2), stats))
+    assert new.buffers["lora_on"].tolist() == [True, False, True, False]  # 0.45 < 0.5: on
+    # 2 switched in this round: its attention counts as it got it too (the official freeze
+    # comes before the step), its W_t still trained; its factors were not used yet
+    torch.testing.assert_close(new.params["ff1_w"], s["ff1_w"])
+    torch.testing.assert_close(new.params["text_w"], torch.full_like(s["text_w"], 2.0))
+    torch.testing.assert_close(new.params["lora_qa"], (1.0 + s["lora_qa"]) / 2)
+    no_stats = method.aggregate(server, Updates(trained, torch.tensor([0, 2]), torch.ones(2)))
+    assert torch.equal(no_stats.buffers["lora_on"], server.buffers["lora_on"])
+    assert server.buffers["lora_on"].tolist() == [True, False, False, False]  # not written
+
+
+def test_the_round_loss_stats_are_each_rows_summed_loss(tiny):
+    _, task, method = tiny("fedmvp")
+    params = method.client_params(seeded_server(method), torch.tensor([0, 1]))
+    x = method.backbone.preprocess(task.data.train_images[:3])
+    rows, y = torch.tensor([1, 0, 1]), torch.tensor([0, 1, 2])
+    with torch.no_grad():
+        loss, stats = method.loss(params, x, y, rows, Context(training=True, labels=y))
+    torch.testing.assert_close(stats["loss_sum"], torch.stack([loss[1], loss[0] + loss[2]]))
+    assert stats["samples"].tolist() == [1.0, 2.0]
+
+
+def test_both_executors_agree_with_some_clients_on_lora(tiny):
+    cfg, task, method = tiny("fedmvp")
+    server = seeded_server(method)
+    server.buffers["lora_on"][task.trainable_clients()[0]] = True
+    out = both_executors_agree(method, task, cfg, server)
+    assert set(out.stats) == {"loss_sum", "samples"} and out.stats["samples"].min() > 0
