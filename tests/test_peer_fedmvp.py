@@ -5,7 +5,8 @@ saying how to get it.
 
 Logits, the client's loss (cross-entropy plus alpha times the flip-consistency term, each flip
 outcome fixed; fpbench's "expected" against the mean of the two) and the gradients of all 16
-prompt-net tensors, to fp32 rounding (1e-5 relative to the gradient scale).
+prompt-net tensors, to fp32 rounding (1e-5 relative to the gradient scale); after the switch to
+LoRA, those of the text map and the LoRA factors.
 """
 
 from __future__ import annotations

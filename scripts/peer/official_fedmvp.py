@@ -11,7 +11,10 @@ both sides) and images; its logits and the client's loss CE + ALPHA * vis_score,
 fpbench's forward and per-sample loss averaged, and the gradients of every prompt-net tensor.
 The official batch flip is a coin (torchvision's RandomHorizontalFlip on the batch): each
 outcome is fixed in turn by replacing the module's `flip_transform`, and fpbench's default
-("expected") is checked against the mean of the two official losses.
+("expected") is checked against the mean of the two official losses. After the switch to LoRA
+(a client as `federated/client.py:95-101` leaves it: `use_lora`, the attention frozen), the
+training logits, the loss and the gradients of W_t, b_t and the six LoRA factors, with no
+gradient of the frozen attention on either side.
 
 Three things the published code lacks are supplied here, nothing else is changed: the module
 `model.prompt_net` that `model/FedMVP.py` imports (absent from the repository; nothing of it is

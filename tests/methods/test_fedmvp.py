@@ -454,3 +454,32 @@ def test_both_executors_agree_with_some_clients_on_lora(tiny):
     server.buffers["lora_on"][task.trainable_clients()[0]] = True
     out = both_executors_agree(method, task, cfg, server)
     assert set(out.stats) == {"loss_sum", "samples"} and out.stats["samples"].min() > 0
+
+
+def test_two_rounds_switch_every_client_then_train_only_the_text_map_and_lora(tiny):
+    # threshold 100: every client's round-1 loss is below it, so round 2 trains with LoRA
+    from fpbench.engine.executor import train_clients
+
+    cfg, task, method = tiny("fedmvp")
+    method = _on(method, lora_threshold=100.0, missing_descriptions="class-name")
+    ids = task.trainable_clients()
+    server = seeded_server(method)
+    for round_idx in (0, 1):
+        local = train_clients(method, server, task, ids, cfg.train, round_idx=round_idx, seed=0)
+        weights = task.train_sizes[local.client_ids]
+        new = method.aggregate(
+            server, Updates(local.params, local.client_ids, weights, local.stats)
+        )
+        if round_idx == 0:  # the switching round: only W_t, b_t move; the factors not used
+            assert set(local.params) == {n for n in server.params if not n.startswith("lora")}
+            assert new.buffers["lora_on"][ids].all()
+            for n in ("ff1_w", "attn_in_w", "lora_qa"):  # (a mean of equal copies: rounding)
+                torch.testing.assert_close(new.params[n], server.params[n], atol=1e-7, rtol=1e-6)
+        else:  # on LoRA: the factors train, the attention block stays as it was
+            assert local.params["lora_on"].all()
+            assert not torch.equal(new.params["lora_qa"], server.params["lora_qa"])
+            torch.testing.assert_close(
+                new.params["attn_in_w"], server.params["attn_in_w"], atol=1e-7, rtol=1e-6
+            )
+        assert not torch.equal(new.params["text_w"], server.params["text_w"])
+        server = new
