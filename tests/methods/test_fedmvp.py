@@ -448,6 +448,7 @@ def test_the_round_loss_stats_are_each_rows_summed_loss(tiny):
     assert stats["samples"].tolist() == [1.0, 2.0]
 
 
+@pytest.mark.slow  # a round under both executors; tests/test_methods.py checks round one
 def test_both_executors_agree_with_some_clients_on_lora(tiny):
     cfg, task, method = tiny("fedmvp")
     server = seeded_server(method)
