@@ -35,6 +35,8 @@ OFFLINE_ARGS: dict[str, dict[str, Any]] = {
     "promptsrc": {"prompt_depth_text": 2, "prompt_depth_vision": 2},
     # clip-test's features are 32 wide: the gate pools every 2nd (the default 128 needs >= 128)
     "pfedmoap": {"gating_embed_dim": 16, "gating_heads": 4},
+    # FedMVP's attribute descriptions: none for the synthetic classes (its module docstring)
+    "fedmvp": {"missing_descriptions": "class-name"},
 }
 
 # The test-sized backbone of each backbone family (any other family gets vit-test)

@@ -110,7 +110,7 @@ def test_smoke_flip_compare(tmp_path, monkeypatch):
     runs = _run("smoke-flip-compare", tmp_path, monkeypatch)
     labels = "coop fedotp local zero-shot centralized cocoop kgcoop prograd plot proda bpl fedclip"
     labels = (*labels.split(), "fedpgp", "promptfolio", "fedtpg", "dp-fpl", "pfedmoap", "fedpha",
-              "maple", "promptsrc")  # fmt: skip
+              "maple", "promptsrc", "fedmvp")  # fmt: skip
     assert set(runs) == {f"{label}/synthetic" for label in labels}
     for run in runs.values():  # every method of the twin stores both settings' metrics
         both = {"acc_global", "acc_local_mean", "ece_global", "ece_local_mean"}

@@ -53,6 +53,8 @@ METHODS = {
     "proda": "n_prompts = 3",
     # the conditional posterior (the suites run the default, coopvpt)
     "bpl": 'vpt_type = "cocoopvpt"\nn_samples = 2',
+    # no attribute descriptions of the synthetic classes: each gets the one empty description
+    "fedmvp": 'missing_descriptions = "class-name"',
 }
 PAPERS = {
     "fedclip": "FedCLIP",
@@ -64,6 +66,7 @@ PAPERS = {
     "fedpha": "FedPHA",
     "proda": "ProDA",
     "bpl": "BPL",
+    "fedmvp": "FedMVP",
 }
 
 

@@ -106,7 +106,7 @@ def test_methods_checked_against_official_code_are_those_the_differential_test_r
 
     kinds = set()
     harnesses = ("official", "clip_reference", "official_deep", "official_clip_fl",
-                 "official_clip_fl_2025", "official_bpl")  # fmt: skip
+                 "official_clip_fl_2025", "official_bpl", "official_fedmvp")  # fmt: skip
     for name in harnesses:
         kinds |= {kind for kind, _ in load_script(name).CASES.values()}
     checked = {
@@ -114,10 +114,11 @@ def test_methods_checked_against_official_code_are_those_the_differential_test_r
     }  # fmt: skip
     assert checked == {"promptfl", "fedotp", "sgpt", "fedpr", "zero-shot", "kgcoop", "cocoop",
                        "prograd", "maple", "promptsrc", "plot", "fedpgp", "fedclip",
-                       "promptfolio", "fedtpg", "dp-fpl", "pfedmoap", "fedpha", "bpl"}  # fmt: skip
+                       "promptfolio", "fedtpg", "dp-fpl", "pfedmoap", "fedpha", "bpl",
+                       "fedmvp"}  # fmt: skip
     assert kinds == {"coop", "fedotp", "sgpt", "fedpr", "zsclip", "kgcoop", "cocoop", "prograd",
                      "maple", "promptsrc", "plot", "fedpgp", "fedclip", "promptfolio", "fedtpg",
-                     "dpfpl", "pfedmoap", "fedpha", "bpl"}  # fmt: skip
+                     "dpfpl", "pfedmoap", "fedpha", "bpl", "fedmvp"}  # fmt: skip
 
 
 NEW_PATHS = {

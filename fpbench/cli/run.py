@@ -165,6 +165,7 @@ def run(
     _passive_waits()  # before torch is imported
     from fpbench.data.prepared import data_root as data_root_of
     from fpbench.data.prepared import require_present
+    from fpbench.methods.fedmvp import require_descriptions
     from fpbench.methods.gpt_fl import require_generated
     from fpbench.store import Store
 
@@ -205,6 +206,7 @@ def run(
     needed = [name for c in cells for name in _datasets_of(c)]  # cross-dataset targets too
     require_present(needed, data_root_of())  # before anything is written
     require_generated(cells)  # GPT-FL's generated images, likewise
+    require_descriptions(cells)  # FedMVP's attribute descriptions, likewise
     url = Store.url_from_path_or_url(db if "://" in db else Path(db).absolute())
     dispatch = Dispatch(
         launcher=launcher,

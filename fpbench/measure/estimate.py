@@ -216,12 +216,14 @@ def fake_dataset(shape: Shape, device: torch.device, seed: int = 0) -> ImageData
 
 def _offline_args(cfg: RunConfig) -> RunConfig:
     """The cell with every method setting that would load weights turned off (e.g. FGPT's
-    pretrained timm select encoder), so nothing downloads."""
+    pretrained timm select encoder), so nothing downloads, and FedMVP's fake classes with the
+    one empty description each (fake data has no attribute descriptions: its cross-attention is
+    measured on C keys, the official files give about 10 C)."""
     fields = METHODS.get(cfg.method.name).Config.model_fields
     args = dict(cfg.method.args)
-    for key in ("select_pretrained",):
+    for key, value in (("select_pretrained", False), ("missing_descriptions", "class-name")):
         if key in fields:
-            args[key] = False
+            args[key] = value
     return cfg.model_copy(update={"method": cfg.method.model_copy(update={"args": args})})
 
 

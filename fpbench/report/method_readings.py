@@ -46,6 +46,18 @@ READINGS: dict[str, dict[str, str]] = {
         # (no optimiser step), fpbench steps (weight decay and momentum still move the adapter)
         "single_sample_batch": "zero-loss-step",
     },
+    "fedmvp": {
+        **COOP,  # the official client keeps its SGD momentum and cosine schedule across rounds
+        **DIFFERENTIAL,  # model/FedMVP.py, federated/client.py: tests/test_peer_fedmvp.py
+        # the official batch flip is a fair coin per step; fpbench takes its expectation
+        "flip": "expected",
+        # the official client switches to LoRA factors of the attention once its round's last
+        # batch loss is below 0.5; fpbench's switch reads the round's mean training loss
+        "lora_switch": "round-mean-loss",
+        # the official client forwards every batch of a round and steps once, on the last
+        "local_steps": "every-batch",
+        "fl_aggregation": "uniform-mean",
+    },
     "fedotp": {
         **COOP,
         **DIFFERENTIAL,  # trainers/GLP_OT.py: tests/test_peer_official.py
