@@ -34,7 +34,14 @@ from fpbench.report.protocol import (
     same,
 )
 from fpbench.report.readings import Reading, load_readings, parse_readings
-from fpbench.report.tables import flat_parts, render, summary_stats
+from fpbench.report.tables import (
+    finished_only,
+    flat_parts,
+    render,
+    seeds_note,
+    summary_stats,
+    unfinished_note,
+)
 from tests.test_paper_protocols import TINY_PAPER, _paper
 from tests.test_report import Rows
 
@@ -431,3 +438,87 @@ def test_summary_stats_of_nothing_names_the_suite_to_run():
         FpbenchError, match="^no results for suite toy; run `fpbench run --suite toy"
     ):
         summary_stats(pd.DataFrame(), ["acc_global"], suite="toy")
+
+
+def test_nothing_stored_at_all_names_the_command_to_run():
+    with pytest.raises(
+        FpbenchError,
+        match=r"^no results in the database; run `fpbench run --suite <name>` first$",
+    ):
+        summary_stats(pd.DataFrame(), ["acc_global"])
+
+
+def _seeded(counts: dict[str, int], part: str = "dir") -> pd.DataFrame:
+    """acc_global rows of one run per seed: `counts` maps a method to its number of seeds."""
+    r, run = Rows(), 0
+    for method, n in counts.items():
+        for seed in range(n):
+            run += 1
+            r.add(run, method, seed, 9, "acc_global", 0.5, ds="syn", part=part)
+    return r.frame()
+
+
+def test_seeds_note_lists_the_odd_cells_in_first_seen_order():
+    # counts 2, 2, 1, 1: a tie of 1 and 2 seeds, the larger (2) is the usual count; zeta is
+    # seen before alpha and listed first
+    metrics = _seeded({"m1": 2, "m2": 2, "zeta": 1, "alpha": 1})
+    assert seeds_note(metrics, ["acc_global"]) == (
+        "each cell: mean ± std over 2 seeds, except zeta / syn / dir (acc_global): 1; "
+        "alpha / syn / dir (acc_global): 1"
+    )
+    assert seeds_note(_seeded({"m1": 1}), ["acc_global"]) == "each cell: mean ± std over 1 seed"
+
+
+def test_seeds_note_groups_only_by_the_labels_the_table_has():
+    metrics = _seeded({"m1": 2, "m2": 2, "m3": 1}).drop(columns="partition")
+    assert seeds_note(metrics, ["acc_global"]) == (
+        "each cell: mean ± std over 2 seeds, except m3 / syn (acc_global): 1"
+    )
+
+
+def test_seeds_note_shows_six_odd_cells_then_counts_the_rest():
+    metrics = _seeded({**{f"u{i}": 2 for i in range(9)}, **{f"o{i}": 1 for i in range(8)}})
+    shown = "; ".join(f"o{i} / syn / dir (acc_global): 1" for i in range(6))
+    assert seeds_note(metrics, ["acc_global"]) == (
+        f"each cell: mean ± std over 2 seeds, except {shown}; and 2 more"
+    )
+
+
+def _runs(n: int) -> pd.DataFrame:
+    statuses = ["running", "failed", "interrupted", "running", "failed", "done", "pending"]
+    return pd.DataFrame({
+        "id": range(1, n + 1),
+        "method": [f"m{i}" for i in range(n)],
+        "dataset": ["syn"] * n,
+        "partition": ["dir"] * n,
+        "seed": [0] * n,
+        "status": statuses[:n],
+        "last_round": pd.array([3, None, 0, 5, 7, 9, None][:n], dtype="Int64"),
+    })  # fmt: skip
+
+
+def test_unfinished_runs_are_running_failed_or_interrupted_runs_with_rows():
+    runs = _runs(7)  # run 2 failed before storing a round; 6 is done, 7 pending
+    metrics = pd.DataFrame({"run_id": [1, 2, 3, 4, 5, 6, 7], "value": [0.0] * 7})
+    kept, left_out = finished_only(metrics, runs)
+    assert kept["run_id"].tolist() == [2, 6, 7] and left_out["id"].tolist() == [1, 3, 4, 5]
+
+
+def test_the_unfinished_note_shows_four_runs_then_counts_the_rest():
+    runs = _runs(6)
+    assert unfinished_note(runs.iloc[[0, 1]]) == (
+        "left out 2 unfinished runs: m0 / syn / dir / seed 0 (running, rounds 0-3 stored); "
+        "m1 / syn / dir / seed 0 (failed, no rounds stored)"
+    )
+    assert unfinished_note(runs) == (
+        "left out 6 unfinished runs: m0 / syn / dir / seed 0 (running, rounds 0-3 stored); "
+        "m1 / syn / dir / seed 0 (failed, no rounds stored); "
+        "m2 / syn / dir / seed 0 (interrupted, rounds 0-0 stored); "
+        "m3 / syn / dir / seed 0 (running, rounds 0-5 stored), and 2 more"
+    )
+    assert unfinished_note(runs.iloc[:5], shown=5).endswith("(failed, rounds 0-7 stored)")
+
+
+def test_markdown_cells_keep_one_line():
+    table = pd.DataFrame({"acc": ["a|b\nc"]}, index=pd.Index(["x"], name="method"))
+    assert render(table, "md") == "| method | acc |\n| :-- | --: |\n| x | a\\|b c |\n"
