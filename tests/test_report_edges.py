@@ -37,9 +37,11 @@ from fpbench.report.readings import Reading, load_readings, parse_readings
 from fpbench.report.tables import (
     finished_only,
     flat_parts,
+    format_cell,
     render,
     seeds_note,
     summary_stats,
+    summary_table,
     unfinished_note,
 )
 from tests.test_paper_protocols import TINY_PAPER, _paper
@@ -476,11 +478,12 @@ def test_seeds_note_groups_only_by_the_labels_the_table_has():
     )
 
 
-def test_seeds_note_shows_six_odd_cells_then_counts_the_rest():
-    metrics = _seeded({**{f"u{i}": 2 for i in range(9)}, **{f"o{i}": 1 for i in range(8)}})
+@pytest.mark.parametrize("odd, more", [(6, ""), (7, "; and 1 more")])
+def test_seeds_note_shows_six_odd_cells_then_counts_the_rest(odd, more):
+    metrics = _seeded({**{f"u{i}": 2 for i in range(9)}, **{f"o{i}": 1 for i in range(odd)}})
     shown = "; ".join(f"o{i} / syn / dir (acc_global): 1" for i in range(6))
     assert seeds_note(metrics, ["acc_global"]) == (
-        f"each cell: mean ± std over 2 seeds, except {shown}; and 2 more"
+        f"each cell: mean ± std over 2 seeds, except {shown}{more}"
     )
 
 
@@ -517,8 +520,36 @@ def test_the_unfinished_note_shows_four_runs_then_counts_the_rest():
         "m3 / syn / dir / seed 0 (running, rounds 0-5 stored), and 2 more"
     )
     assert unfinished_note(runs.iloc[:5], shown=5).endswith("(failed, rounds 0-7 stored)")
+    assert unfinished_note(runs.iloc[[2]]) == (
+        "left out 1 unfinished run: m2 / syn / dir / seed 0 (interrupted, rounds 0-0 stored)"
+    )
 
 
 def test_markdown_cells_keep_one_line():
     table = pd.DataFrame({"acc": ["a|b\nc"]}, index=pd.Index(["x"], name="method"))
     assert render(table, "md") == "| method | acc |\n| :-- | --: |\n| x | a\\|b c |\n"
+
+
+def test_a_cell_shows_std_over_several_runs_and_its_interval_only_when_asked():
+    assert format_cell(0.5, 0.1, 3, "acc_global") == "50.00 ± 10.00"
+    assert format_cell(0.5, 0.0, 1, "acc_global") == "50.00"  # one run: no std, even a 0.0
+    # std 0 over two seeds: the interval is the mean itself, in percent with two decimals
+    assert format_cell(0.5, 0.0, 2, "acc_global", ci=True) == "50.00 ± 0.00 [50.00, 50.00]"
+
+
+def test_a_table_orders_its_columns_label_by_label_in_first_seen_order():
+    # first seen: dataset z before y, partition b before a, metric as given; the pairs seen
+    # (z b), (y a), (y b), (z a) are ordered by dataset, then partition
+    r = Rows()
+    for run, (method, ds, part) in enumerate([("m", "z", "b"), ("m", "y", "a"), ("k", "y", "b"),
+                                              ("k", "z", "a")]):  # fmt: skip
+        r.add(run, method, 0, 9, "loss", 2.0, ds=ds, part=part)
+        r.add(run, method, 0, 9, "acc_global", 0.5, ds=ds, part=part)
+    table = summary_table(r.frame(), ["loss", "acc_global"])
+    assert table.index.name == "method" and table.index.tolist() == ["m", "k"]
+    assert [c[:2] for c in table.columns[::2]] == [("z", "b"), ("z", "a"), ("y", "b"), ("y", "a")]
+    assert [c[2] for c in table.columns] == ["loss", "acc_global"] * 4
+    assert table.loc["m"].tolist() == ["2", "50.00", "-", "-", "-", "-", "2", "50.00"]
+    two = summary_table(r.frame(), ["loss"], index=("method", "partition"), columns=("dataset",))
+    assert two.index.names == ["method", "partition"]
+    assert two.index.tolist() == [("m", "b"), ("m", "a"), ("k", "b"), ("k", "a")]
