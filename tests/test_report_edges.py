@@ -35,6 +35,7 @@ from fpbench.report.protocol import (
 )
 from fpbench.report.readings import Reading, load_readings, parse_readings
 from fpbench.report.tables import (
+    final_values,
     finished_only,
     flat_parts,
     format_cell,
@@ -42,6 +43,7 @@ from fpbench.report.tables import (
     seeds_note,
     summary_stats,
     summary_table,
+    t_interval,
     unfinished_note,
 )
 from tests.test_paper_protocols import TINY_PAPER, _paper
@@ -553,3 +555,27 @@ def test_a_table_orders_its_columns_label_by_label_in_first_seen_order():
     two = summary_table(r.frame(), ["loss"], index=("method", "partition"), columns=("dataset",))
     assert two.index.names == ["method", "partition"]
     assert two.index.tolist() == [("m", "b"), ("m", "a"), ("k", "b"), ("k", "a")]
+
+
+def test_the_interval_needs_two_seeds_a_std_and_a_mean():
+    assert t_interval(0.5, 0.1, 1) is None
+    assert t_interval(0.5, float("nan"), 3) is None
+    assert t_interval(float("nan"), 0.1, 3) is None
+    low, high = t_interval(0.5, 0.1, 2)  # t_{0.975, 1} = 12.706: 0.5 -+ 12.706 * 0.1 / sqrt(2)
+    assert (low, high) == pytest.approx((0.5 - 0.898464, 0.5 + 0.898464), abs=1e-6)
+
+
+def test_a_runs_figure_never_reads_a_per_client_row():
+    r = Rows()
+    r.add(1, "m", 0, 9, "acc_global", 0.9, client=0)  # the same round, listed first
+    r.add(1, "m", 0, 9, "acc_global", 0.5)
+    assert final_values(r.frame(), ["acc_global"])["value"].tolist() == [0.5]
+
+
+def test_grouping_by_a_label_the_table_lacks_is_one_clear_error():
+    r = Rows()
+    r.add(1, "m", 0, 9, "acc_global", 0.5)
+    with pytest.raises(
+        FpbenchError, match=r"^cannot group by \['nope'\]: the metric table has no such columns$"
+    ):
+        summary_stats(r.frame(), ["acc_global"], index=("nope",))
