@@ -579,3 +579,16 @@ def test_grouping_by_a_label_the_table_lacks_is_one_clear_error():
         FpbenchError, match=r"^cannot group by \['nope'\]: the metric table has no such columns$"
     ):
         summary_stats(r.frame(), ["acc_global"], index=("nope",))
+
+
+def test_final_values_stack_the_metrics_under_a_fresh_index_or_name_those_stored():
+    r = Rows()
+    r.add(1, "m", 0, 9, "loss", 2.0)
+    r.add(1, "m", 0, 9, "acc_global", 0.5)
+    values = final_values(r.frame(), ["acc_global", "loss"])
+    assert values[["metric", "value"]].values.tolist() == [["acc_global", 0.5], ["loss", 2.0]]
+    assert values.index.tolist() == [0, 1]  # not each metric's own 0
+    with pytest.raises(
+        FpbenchError, match=r"^no rows for metrics \['acc'\]; stored metrics: acc_global, loss$"
+    ):
+        final_values(r.frame(), ["acc"])
