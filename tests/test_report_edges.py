@@ -592,3 +592,10 @@ def test_final_values_stack_the_metrics_under_a_fresh_index_or_name_those_stored
         FpbenchError, match=r"^no rows for metrics \['acc'\]; stored metrics: acc_global, loss$"
     ):
         final_values(r.frame(), ["acc"])
+
+
+def test_only_per_client_rows_leave_no_metric_to_name():
+    r = Rows()
+    r.add(1, "m", 0, 9, "acc_global", 0.5, client=0)
+    with pytest.raises(FpbenchError, match=r"; stored metrics: none$"):
+        final_values(r.frame(), ["acc_global"])
