@@ -599,3 +599,9 @@ def test_only_per_client_rows_leave_no_metric_to_name():
     r.add(1, "m", 0, 9, "acc_global", 0.5, client=0)
     with pytest.raises(FpbenchError, match=r"; stored metrics: none$"):
         final_values(r.frame(), ["acc_global"])
+
+
+def test_rendered_cells_leave_none_and_nan_empty_and_print_floats_to_six_digits():
+    values = pd.Series([None, float("nan"), 0.123456789, 2.0, "x"], dtype=object)
+    table = pd.DataFrame({"v": values}).set_axis(pd.Index(list("abcde"), name="k"))
+    assert render(table, "csv") == "k,v\na,\nb,\nc,0.123457\nd,2\ne,x\n"
