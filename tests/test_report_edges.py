@@ -605,3 +605,11 @@ def test_rendered_cells_leave_none_and_nan_empty_and_print_floats_to_six_digits(
     values = pd.Series([None, float("nan"), 0.123456789, 2.0, "x"], dtype=object)
     table = pd.DataFrame({"v": values}).set_axis(pd.Index(list("abcde"), name="k"))
     assert render(table, "csv") == "k,v\na,\nb,\nc,0.123457\nd,2\ne,x\n"
+
+
+def test_a_two_level_row_index_renders_as_two_cells():
+    table = pd.DataFrame(
+        {"acc": ["1", "2"]},
+        index=pd.MultiIndex.from_tuples([("m", "b"), ("k", "a")], names=["method", "part"]),
+    )
+    assert render(table, "csv") == "method,part,acc\nm,b,1\nk,a,2\n"
