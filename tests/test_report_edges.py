@@ -25,9 +25,14 @@ from fpbench.report.paper import (
 )
 from fpbench.report.paper_cells import decimals, diff_text, footer, ours_text, paper_text
 from fpbench.report.protocol import (
+    Block,
+    Deviation,
+    FedCell,
     Finding,
+    Rule,
     check,
     check_paper,
+    coverage,
     deviations,
     paper_coverage,
     parse_protocol,
@@ -137,6 +142,39 @@ def test_check_paper_reads_paper_and_protocol_from_the_given_root(tmp_path):
     ]
     assert {f.got for f in found} == {10}
     assert paper_coverage("tiny", tmp_path).kinds["train.rounds"] == "pinned"
+
+
+def test_a_glob_rule_covers_the_paths_below_what_it_matches():
+    rule = Rule("tra?n.augment", None, "", free="x")
+    assert rule.covers("train.augment") and rule.covers("train.augment.rotate")
+    assert not rule.covers("train.augmented")
+
+
+def test_a_free_rule_parses_to_its_path_and_reason_only():
+    block = {"tables": [1], "rules": [{"path": "runtime", "free": "why", "match": {"seed": 1}}]}
+    with pytest.raises(FpbenchError, match=r"^x protocol block 1 rule 1 \(runtime\): match takes"):
+        parse_protocol({"protocol": [block]}, "x")
+    block["rules"][0]["match"] = {"method": "m"}
+    (parsed,) = parse_protocol({"protocol": [block]}, "x")[0].rules
+    assert parsed == Rule("runtime", None, "", {"method": ("m",)}, free="why")
+
+
+def _fed(tables: set[int]) -> FedCell:
+    return FedCell("s", "m", "d", "p", 0, {"a": 1, "b": 2}, frozenset(tables))
+
+
+def test_coverage_counts_only_the_blocks_of_the_tables_a_cell_feeds():
+    blocks = [Block(1, (2,), (Rule("a", 1, "q"),)), Block(2, (1,), (Rule("b", 2, "q"),))]
+    cov = coverage(None, blocks, [_fed({1})])
+    assert cov.uncovered == [("s: m/d/p", "a")] and dict(cov.kinds) == {"b": "pinned"}
+
+
+def test_a_path_both_pinned_and_declared_counts_as_declared():
+    declared = Rule("a", 1, "q", deviation=Deviation(1, "why"))
+    blocks = [Block(1, (1,), (Rule("a", 1, "q"), declared, Rule("*", None, "", free="x")))]
+    cov = coverage(None, blocks, [_fed({1})])
+    assert dict(cov.kinds) == {"a": "declared", "b": "free"}
+    assert cov.counts() == {"pinned": 0, "declared": 1, "free": 1}
 
 
 # -- compare ---------------------------------------------------------------------------------
