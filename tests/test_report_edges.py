@@ -152,11 +152,37 @@ def test_a_glob_rule_covers_the_paths_below_what_it_matches():
 
 def test_a_free_rule_parses_to_its_path_and_reason_only():
     block = {"tables": [1], "rules": [{"path": "runtime", "free": "why", "match": {"seed": 1}}]}
-    with pytest.raises(FpbenchError, match=r"^x protocol block 1 rule 1 \(runtime\): match takes"):
+    with pytest.raises(FpbenchError) as err:
         parse_protocol({"protocol": [block]}, "x")
+    assert str(err.value) == (
+        "x protocol block 1 rule 1 (runtime): match takes labels suite, method, dataset, "
+        "partition and config, got {'seed': 1}"
+    )
     block["rules"][0]["match"] = {"method": "m"}
     (parsed,) = parse_protocol({"protocol": [block]}, "x")[0].rules
     assert parsed == Rule("runtime", None, "", {"method": ("m",)}, free="why")
+
+
+@pytest.mark.parametrize(
+    "rule, message",
+    [
+        ({"path": "a", "free": "why", "match": {"method": []}},
+         "x protocol block 1 rule 1 (a): a match label needs at least one glob, got "
+         "{'method': []}"),
+        ({"path": "a", "free": " "},
+         'x protocol block 1 rule 1: a free rule is { path = "...", free = "why it cannot change '
+         'the number" } (optional match); unknown []'),
+        ({"path": "a", "value": 1, "source": "s", "vaule": 2},
+         "x protocol block 1 rule 1: needs path, value, source (optional match, deviation), or "
+         "path and free; unknown ['vaule'], missing []"),
+        ({"path": "a", "value": 1, "source": "s", "deviation": {"runs": 2}},
+         'x protocol block 1 rule 1 (a): deviation = { runs = ..., reason = "one line" }'),
+    ],
+)  # fmt: skip
+def test_a_malformed_rule_is_one_error_naming_block_rule_and_path(rule, message):
+    with pytest.raises(FpbenchError) as err:
+        parse_protocol({"protocol": [{"tables": [1], "rules": [rule]}]}, "x")
+    assert str(err.value) == message
 
 
 def _fed(tables: set[int]) -> FedCell:
