@@ -169,6 +169,9 @@ def test_a_free_rule_parses_to_its_path_and_reason_only():
         ({"path": "a", "free": "why", "match": {"method": []}},
          "x protocol block 1 rule 1 (a): a match label needs at least one glob, got "
          "{'method': []}"),
+        ({"path": "a", "value": 1, "source": "s", "match": {"dataset": []}},
+         "x protocol block 1 rule 1 (a): a match label needs at least one glob, got "
+         "{'dataset': []}"),
         ({"path": "a", "free": " "},
          'x protocol block 1 rule 1: a free rule is { path = "...", free = "why it cannot change '
          'the number" } (optional match); unknown []'),
