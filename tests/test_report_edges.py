@@ -188,6 +188,25 @@ def test_a_malformed_rule_is_one_error_naming_block_rule_and_path(rule, message)
     assert str(err.value) == message
 
 
+@pytest.mark.parametrize(
+    "block, message",
+    [
+        ({"tables": [1], "rules": [], "tabels": [2]},
+         "x protocol block 2: unknown key(s) ['tabels']; valid: match, rules, tables"),
+        ({"tables": [1, "2"], "rules": []},
+         "x protocol block 2: tables must be a non-empty list of table numbers"),
+        ({"tables": [1]}, "x protocol block 2: no rules"),
+        ({"tables": [1], "rules": [{"path": "a", "free": "-"}], "match": {"config": {}}},
+         "x protocol block 2: match config is a non-empty table, got {}"),
+    ],
+)  # fmt: skip
+def test_a_malformed_block_is_one_error_naming_its_number(block, message):
+    good = {"tables": [1], "rules": [{"path": "a", "free": "-"}]}
+    with pytest.raises(FpbenchError) as err:
+        parse_protocol({"protocol": [good, block]}, "x")
+    assert str(err.value) == message
+
+
 def _fed(tables: set[int]) -> FedCell:
     return FedCell("s", "m", "d", "p", 0, {"a": 1, "b": 2}, frozenset(tables))
 
