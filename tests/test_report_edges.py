@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import tomllib
 from scipy import stats
 
 from fpbench.errors import FpbenchError
@@ -34,6 +35,8 @@ from fpbench.report.protocol import (
     check_paper,
     coverage,
     deviations,
+    feeding_cells,
+    load_protocol,
     paper_coverage,
     parse_protocol,
     same,
@@ -51,6 +54,8 @@ from fpbench.report.tables import (
     t_interval,
     unfinished_note,
 )
+from fpbench.suites import expand_suite
+from tests.conftest import TINY_SUITE_TOML
 from tests.test_paper_protocols import TINY_PAPER, _paper
 from tests.test_report import Rows
 
@@ -196,6 +201,9 @@ def test_a_malformed_rule_is_one_error_naming_block_rule_and_path(rule, message)
         ({"tables": [1, "2"], "rules": []},
          "x protocol block 2: tables must be a non-empty list of table numbers"),
         ({"tables": [1]}, "x protocol block 2: no rules"),
+        ({"tables": [1], "rules": [{"path": "a", "free": "-"}], "match": {"model": "x"}},
+         "x protocol block 2: match takes labels suite, method, dataset, partition and config, "
+         "got {'model': 'x'}"),
         ({"tables": [1], "rules": [{"path": "a", "free": "-"}], "match": {"config": {}}},
          "x protocol block 2: match config is a non-empty table, got {}"),
     ],
@@ -205,6 +213,28 @@ def test_a_malformed_block_is_one_error_naming_its_number(block, message):
     with pytest.raises(FpbenchError) as err:
         parse_protocol({"protocol": [good, block]}, "x")
     assert str(err.value) == message
+
+
+def test_a_protocol_error_names_the_paper_file_or_memory(tmp_path):
+    (tmp_path / "tiny.toml").write_text(TINY_PAPER + "[[protocol]]\ntables = [1]\n")
+    with pytest.raises(FpbenchError, match=r"^tiny\.toml protocol block 1: no rules$"):
+        load_protocol("tiny", tmp_path)
+    with pytest.raises(FpbenchError, match=r"^<memory> protocol block 1: no rules$"):
+        parse_protocol({"protocol": [{"tables": [1]}]})
+
+
+def test_a_table_selects_cells_by_their_json_config_as_toml_writes_it(tmp_path):
+    # the backbone's mean is a tuple in the config, a list in JSON and in TOML
+    column = 'metric = "acc_global", config = { backbone = { mean = [0.5, 0.5, 0.5] } } }'
+    (tmp_path / "tiny.toml").write_text(TINY_PAPER.replace('metric = "acc_global" }', column))
+    suite = TINY_SUITE_TOML.replace(
+        'backbone = { name = "vit-test" }',
+        'backbone = { name = "vit-test", mean = [0.5, 0.5, 0.5], std = [0.2, 0.2, 0.2] }',
+    )
+    cells = feeding_cells(
+        load_paper("tiny", tmp_path), {"tiny": expand_suite(tomllib.loads(suite), name="tiny")}
+    )
+    assert sorted(c.method for c in cells) == ["fedvpt", "head-tune"]
 
 
 def _fed(tables: set[int]) -> FedCell:
