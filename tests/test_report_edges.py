@@ -231,10 +231,19 @@ def test_a_table_selects_cells_by_their_json_config_as_toml_writes_it(tmp_path):
         'backbone = { name = "vit-test" }',
         'backbone = { name = "vit-test", mean = [0.5, 0.5, 0.5], std = [0.2, 0.2, 0.2] }',
     )
-    cells = feeding_cells(
-        load_paper("tiny", tmp_path), {"tiny": expand_suite(tomllib.loads(suite), name="tiny")}
-    )
+    paper = load_paper("tiny", tmp_path)
+    cells = feeding_cells(paper, {"tiny": expand_suite(tomllib.loads(suite), name="tiny")})
     assert sorted(c.method for c in cells) == ["fedvpt", "head-tune"]
+    # a protocol block selects them by the same JSON config
+    block = {
+        "tables": [1],
+        "match": {"config": {"backbone": {"mean": [0.5, 0.5, 0.5]}}},
+        "rules": [{"path": "train.rounds", "value": 3, "source": "s"}],
+    }
+    found = check(paper, parse_protocol({"protocol": [block]}), cells)
+    assert sorted((f.cell, f.got) for f in found) == [
+        ("tiny: fedvpt/synthetic/pathological", 2), ("tiny: head-tune/synthetic/pathological", 2)
+    ]  # fmt: skip
 
 
 def _fed(tables: set[int]) -> FedCell:
