@@ -16,11 +16,13 @@ from fpbench.report.compare import compare_methods, paired_test
 from fpbench.report.paper import (
     Cell,
     FilledTable,
+    Line,
     Paper,
     PaperTable,
     Results,
     fill_paper,
     load_paper,
+    load_results,
     parse_reported,
     scale_of,
 )
@@ -409,6 +411,46 @@ def test_marks_rank_each_column_by_its_direction_and_need_two_values(tmp_path):
 
 def test_derived_metrics_without_round_rows_fill_nothing(tmp_path):
     assert set(_derived(tmp_path, with_rounds=False).values()) == {None}
+
+
+class _TwoSuites:
+    """A store holding run 1 of suite a and run 2 of suite b (what `load_results` reads)."""
+
+    def metrics(self, suite=None):
+        r = Rows()
+        r.add(1 if suite == "a" else 2, "m", 0, 0, "acc_global", 0.5)
+        return r.frame()
+
+    def runs(self):
+        return pd.DataFrame({"id": [1, 2], "status": ["done"] * 2, "last_round": [0, 0]})
+
+    def get_run(self, i):
+        return type("Run", (), {"config": {"seed": i}})()
+
+    def rounds(self, i):
+        return pd.DataFrame({"run_id": [i], "round": [0], "wall_s": [float(i)]})
+
+
+def test_results_of_two_suites_stack_under_one_fresh_index():
+    results = load_results(_TwoSuites(), ["a", "b"])
+    metrics, rounds = results.metrics, results.rounds
+    assert metrics["run_id"].tolist() == [1, 2] and metrics.index.tolist() == [0, 1]
+    assert results.configs == {1: {"seed": 1}, 2: {"seed": 2}}
+    assert rounds["wall_s"].tolist() == [1.0, 2.0] and rounds.index.tolist() == [0, 1]
+
+
+def test_a_cells_config_merges_table_row_column_and_cell_later_winning():
+    table = PaperTable(
+        "p", 1, "", (Line("r", "R", fields={"config": {"train": {"local_epochs": 2}}}),),
+        (Line("c", "C", fields={"metric": "loss", "config": {"train": {"lr": 0.2}}}),),
+        {}, {"metric": "acc", "config": {"train": {"lr": 0.1, "rounds": 5}, "x": {"y": 1}}},
+        {("r", "c"): {"config": {"x": 3}}},
+    )  # fmt: skip
+    row, col = table.rows[0], table.columns[0]
+    assert table.spec(row, col) == {
+        "metric": "loss",
+        "config": {"train": {"lr": 0.2, "rounds": 5, "local_epochs": 2}, "x": 3},
+    }
 
 
 # -- readings --------------------------------------------------------------------------------
