@@ -453,6 +453,17 @@ def test_a_cells_config_merges_table_row_column_and_cell_later_winning():
     }
 
 
+def test_a_row_or_column_keeps_key_label_and_group_apart_from_its_run_fields(tmp_path):
+    column = '{ key = "acc", label = "Acc",'
+    grouped = TINY_PAPER.replace(column, column + ' group = ["G"],')
+    (tmp_path / "tiny.toml").write_text(grouped)
+    table = load_paper("tiny", tmp_path).table(1)
+    assert table.rows[0] == Line("ht", "Head", (), {"method": "head-tune"})
+    assert table.columns == (
+        Line("acc", "Acc", ("G",), {"dataset": "synthetic", "metric": "acc_global"}),
+    )
+
+
 # -- readings --------------------------------------------------------------------------------
 
 
