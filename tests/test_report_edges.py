@@ -464,6 +464,13 @@ def test_a_row_or_column_keeps_key_label_and_group_apart_from_its_run_fields(tmp
     )
 
 
+def test_a_row_with_the_wrong_number_of_values_names_file_table_and_row(tmp_path):
+    (tmp_path / "tiny.toml").write_text(TINY_PAPER.replace('ht = ["50.0"]', 'ht = ["50.0", "1"]'))
+    with pytest.raises(FpbenchError) as err:
+        load_paper("tiny", tmp_path)
+    assert str(err.value) == "tiny.toml table 1: row 'ht' needs 1 values, one per column"
+
+
 # -- readings --------------------------------------------------------------------------------
 
 
