@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import tomllib
 from scipy import stats
 
 from fpbench.errors import FpbenchError
@@ -15,26 +16,48 @@ from fpbench.report.compare import compare_methods, paired_test
 from fpbench.report.paper import (
     Cell,
     FilledTable,
+    Line,
     Paper,
     PaperTable,
     Results,
     fill_paper,
     load_paper,
+    load_results,
     parse_reported,
     scale_of,
 )
 from fpbench.report.paper_cells import decimals, diff_text, footer, ours_text, paper_text
 from fpbench.report.protocol import (
+    Block,
+    Deviation,
+    FedCell,
     Finding,
+    Rule,
     check,
     check_paper,
+    coverage,
     deviations,
+    feeding_cells,
+    load_protocol,
     paper_coverage,
     parse_protocol,
     same,
 )
 from fpbench.report.readings import Reading, load_readings, parse_readings
-from fpbench.report.tables import flat_parts, render, summary_stats
+from fpbench.report.tables import (
+    final_values,
+    finished_only,
+    flat_parts,
+    format_cell,
+    render,
+    seeds_note,
+    summary_stats,
+    summary_table,
+    t_interval,
+    unfinished_note,
+)
+from fpbench.suites import expand_suite
+from tests.conftest import TINY_SUITE_TOML
 from tests.test_paper_protocols import TINY_PAPER, _paper
 from tests.test_report import Rows
 
@@ -126,6 +149,121 @@ def test_check_paper_reads_paper_and_protocol_from_the_given_root(tmp_path):
     ]
     assert {f.got for f in found} == {10}
     assert paper_coverage("tiny", tmp_path).kinds["train.rounds"] == "pinned"
+
+
+def test_a_glob_rule_covers_the_paths_below_what_it_matches():
+    rule = Rule("tra?n.augment", None, "", free="x")
+    assert rule.covers("train.augment") and rule.covers("train.augment.rotate")
+    assert not rule.covers("train.augmented")
+
+
+def test_a_free_rule_parses_to_its_path_and_reason_only():
+    block = {"tables": [1], "rules": [{"path": "runtime", "free": "why", "match": {"seed": 1}}]}
+    with pytest.raises(FpbenchError) as err:
+        parse_protocol({"protocol": [block]}, "x")
+    assert str(err.value) == (
+        "x protocol block 1 rule 1 (runtime): match takes labels suite, method, dataset, "
+        "partition and config, got {'seed': 1}"
+    )
+    block["rules"][0]["match"] = {"method": "m"}
+    (parsed,) = parse_protocol({"protocol": [block]}, "x")[0].rules
+    assert parsed == Rule("runtime", None, "", {"method": ("m",)}, free="why")
+
+
+@pytest.mark.parametrize(
+    "rule, message",
+    [
+        ({"path": "a", "free": "why", "match": {"method": []}},
+         "x protocol block 1 rule 1 (a): a match label needs at least one glob, got "
+         "{'method': []}"),
+        ({"path": "a", "value": 1, "source": "s", "match": {"dataset": []}},
+         "x protocol block 1 rule 1 (a): a match label needs at least one glob, got "
+         "{'dataset': []}"),
+        ({"path": "a", "free": " "},
+         'x protocol block 1 rule 1: a free rule is { path = "...", free = "why it cannot change '
+         'the number" } (optional match); unknown []'),
+        ({"path": "a", "value": 1, "source": "s", "vaule": 2},
+         "x protocol block 1 rule 1: needs path, value, source (optional match, deviation), or "
+         "path and free; unknown ['vaule'], missing []"),
+        ({"path": "a", "value": 1, "source": "s", "deviation": {"runs": 2}},
+         'x protocol block 1 rule 1 (a): deviation = { runs = ..., reason = "one line" }'),
+    ],
+)  # fmt: skip
+def test_a_malformed_rule_is_one_error_naming_block_rule_and_path(rule, message):
+    with pytest.raises(FpbenchError) as err:
+        parse_protocol({"protocol": [{"tables": [1], "rules": [rule]}]}, "x")
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
+    "block, message",
+    [
+        ({"tables": [1], "rules": [], "tabels": [2]},
+         "x protocol block 2: unknown key(s) ['tabels']; valid: match, rules, tables"),
+        ({"tables": [1, "2"], "rules": []},
+         "x protocol block 2: tables must be a non-empty list of table numbers"),
+        ({"tables": [1]}, "x protocol block 2: no rules"),
+        ({"tables": [1], "rules": [{"path": "a", "free": "-"}], "match": {"model": "x"}},
+         "x protocol block 2: match takes labels suite, method, dataset, partition and config, "
+         "got {'model': 'x'}"),
+        ({"tables": [1], "rules": [{"path": "a", "free": "-"}], "match": {"config": {}}},
+         "x protocol block 2: match config is a non-empty table, got {}"),
+    ],
+)  # fmt: skip
+def test_a_malformed_block_is_one_error_naming_its_number(block, message):
+    good = {"tables": [1], "rules": [{"path": "a", "free": "-"}]}
+    with pytest.raises(FpbenchError) as err:
+        parse_protocol({"protocol": [good, block]}, "x")
+    assert str(err.value) == message
+
+
+def test_a_protocol_error_names_the_paper_file_or_memory(tmp_path):
+    (tmp_path / "tiny.toml").write_text(TINY_PAPER + "[[protocol]]\ntables = [1]\n")
+    with pytest.raises(FpbenchError, match=r"^tiny\.toml protocol block 1: no rules$"):
+        load_protocol("tiny", tmp_path)
+    with pytest.raises(FpbenchError, match=r"^<memory> protocol block 1: no rules$"):
+        parse_protocol({"protocol": [{"tables": [1]}]})
+
+
+def test_a_table_selects_cells_by_their_json_config_as_toml_writes_it(tmp_path):
+    # the backbone's mean is a tuple in the config, a list in JSON and in TOML
+    column = 'metric = "acc_global", config = { backbone = { mean = [0.5, 0.5, 0.5] } } }'
+    (tmp_path / "tiny.toml").write_text(TINY_PAPER.replace('metric = "acc_global" }', column))
+    suite = TINY_SUITE_TOML.replace(
+        'backbone = { name = "vit-test" }',
+        'backbone = { name = "vit-test", mean = [0.5, 0.5, 0.5], std = [0.2, 0.2, 0.2] }',
+    )
+    paper = load_paper("tiny", tmp_path)
+    cells = feeding_cells(paper, {"tiny": expand_suite(tomllib.loads(suite), name="tiny")})
+    assert sorted(c.method for c in cells) == ["fedvpt", "head-tune"]
+    # a protocol block selects them by the same JSON config
+    block = {
+        "tables": [1],
+        "match": {"config": {"backbone": {"mean": [0.5, 0.5, 0.5]}}},
+        "rules": [{"path": "train.rounds", "value": 3, "source": "s"}],
+    }
+    found = check(paper, parse_protocol({"protocol": [block]}), cells)
+    assert sorted((f.cell, f.got) for f in found) == [
+        ("tiny: fedvpt/synthetic/pathological", 2), ("tiny: head-tune/synthetic/pathological", 2)
+    ]  # fmt: skip
+
+
+def _fed(tables: set[int]) -> FedCell:
+    return FedCell("s", "m", "d", "p", 0, {"a": 1, "b": 2}, frozenset(tables))
+
+
+def test_coverage_counts_only_the_blocks_of_the_tables_a_cell_feeds():
+    blocks = [Block(1, (2,), (Rule("a", 1, "q"),)), Block(2, (1,), (Rule("b", 2, "q"),))]
+    cov = coverage(None, blocks, [_fed({1})])
+    assert cov.uncovered == [("s: m/d/p", "a")] and dict(cov.kinds) == {"b": "pinned"}
+
+
+def test_a_path_both_pinned_and_declared_counts_as_declared():
+    declared = Rule("a", 1, "q", deviation=Deviation(1, "why"))
+    blocks = [Block(1, (1,), (Rule("a", 1, "q"), declared, Rule("*", None, "", free="x")))]
+    cov = coverage(None, blocks, [_fed({1})])
+    assert dict(cov.kinds) == {"a": "declared", "b": "free"}
+    assert cov.counts() == {"pinned": 0, "declared": 1, "free": 1}
 
 
 # -- compare ---------------------------------------------------------------------------------
@@ -273,6 +411,64 @@ def test_marks_rank_each_column_by_its_direction_and_need_two_values(tmp_path):
 
 def test_derived_metrics_without_round_rows_fill_nothing(tmp_path):
     assert set(_derived(tmp_path, with_rounds=False).values()) == {None}
+
+
+class _TwoSuites:
+    """A store holding run 1 of suite a and run 2 of suite b (what `load_results` reads)."""
+
+    def metrics(self, suite=None):
+        r = Rows()
+        r.add(1 if suite == "a" else 2, "m", 0, 0, "acc_global", 0.5)
+        return r.frame()
+
+    def runs(self):
+        return pd.DataFrame({"id": [1, 2], "status": ["done"] * 2, "last_round": [0, 0]})
+
+    def get_run(self, i):
+        return type("Run", (), {"config": {"seed": i}})()
+
+    def rounds(self, i):
+        return pd.DataFrame({"run_id": [i], "round": [0], "wall_s": [float(i)]})
+
+
+def test_results_of_two_suites_stack_under_one_fresh_index():
+    results = load_results(_TwoSuites(), ["a", "b"])
+    metrics, rounds = results.metrics, results.rounds
+    assert metrics["run_id"].tolist() == [1, 2] and metrics.index.tolist() == [0, 1]
+    assert results.configs == {1: {"seed": 1}, 2: {"seed": 2}}
+    assert rounds["wall_s"].tolist() == [1.0, 2.0] and rounds.index.tolist() == [0, 1]
+
+
+def test_a_cells_config_merges_table_row_column_and_cell_later_winning():
+    table = PaperTable(
+        "p", 1, "", (Line("r", "R", fields={"config": {"train": {"local_epochs": 2}}}),),
+        (Line("c", "C", fields={"metric": "loss", "config": {"train": {"lr": 0.2}}}),),
+        {}, {"metric": "acc", "config": {"train": {"lr": 0.1, "rounds": 5}, "x": {"y": 1}}},
+        {("r", "c"): {"config": {"x": 3}}},
+    )  # fmt: skip
+    row, col = table.rows[0], table.columns[0]
+    assert table.spec(row, col) == {
+        "metric": "loss",
+        "config": {"train": {"lr": 0.2, "rounds": 5, "local_epochs": 2}, "x": 3},
+    }
+
+
+def test_a_row_or_column_keeps_key_label_and_group_apart_from_its_run_fields(tmp_path):
+    column = '{ key = "acc", label = "Acc",'
+    grouped = TINY_PAPER.replace(column, column + ' group = ["G"],')
+    (tmp_path / "tiny.toml").write_text(grouped)
+    table = load_paper("tiny", tmp_path).table(1)
+    assert table.rows[0] == Line("ht", "Head", (), {"method": "head-tune"})
+    assert table.columns == (
+        Line("acc", "Acc", ("G",), {"dataset": "synthetic", "metric": "acc_global"}),
+    )
+
+
+def test_a_row_with_the_wrong_number_of_values_names_file_table_and_row(tmp_path):
+    (tmp_path / "tiny.toml").write_text(TINY_PAPER.replace('ht = ["50.0"]', 'ht = ["50.0", "1"]'))
+    with pytest.raises(FpbenchError) as err:
+        load_paper("tiny", tmp_path)
+    assert str(err.value) == "tiny.toml table 1: row 'ht' needs 1 values, one per column"
 
 
 # -- readings --------------------------------------------------------------------------------
@@ -431,3 +627,174 @@ def test_summary_stats_of_nothing_names_the_suite_to_run():
         FpbenchError, match="^no results for suite toy; run `fpbench run --suite toy"
     ):
         summary_stats(pd.DataFrame(), ["acc_global"], suite="toy")
+
+
+def test_nothing_stored_at_all_names_the_command_to_run():
+    with pytest.raises(
+        FpbenchError,
+        match=r"^no results in the database; run `fpbench run --suite <name>` first$",
+    ):
+        summary_stats(pd.DataFrame(), ["acc_global"])
+
+
+def _seeded(counts: dict[str, int], part: str = "dir") -> pd.DataFrame:
+    """acc_global rows of one run per seed: `counts` maps a method to its number of seeds."""
+    r, run = Rows(), 0
+    for method, n in counts.items():
+        for seed in range(n):
+            run += 1
+            r.add(run, method, seed, 9, "acc_global", 0.5, ds="syn", part=part)
+    return r.frame()
+
+
+def test_seeds_note_lists_the_odd_cells_in_first_seen_order():
+    # counts 2, 2, 1, 1: a tie of 1 and 2 seeds, the larger (2) is the usual count; zeta is
+    # seen before alpha and listed first
+    metrics = _seeded({"m1": 2, "m2": 2, "zeta": 1, "alpha": 1})
+    assert seeds_note(metrics, ["acc_global"]) == (
+        "each cell: mean ± std over 2 seeds, except zeta / syn / dir (acc_global): 1; "
+        "alpha / syn / dir (acc_global): 1"
+    )
+    assert seeds_note(_seeded({"m1": 1}), ["acc_global"]) == "each cell: mean ± std over 1 seed"
+
+
+def test_seeds_note_groups_only_by_the_labels_the_table_has():
+    metrics = _seeded({"m1": 2, "m2": 2, "m3": 1}).drop(columns="partition")
+    assert seeds_note(metrics, ["acc_global"]) == (
+        "each cell: mean ± std over 2 seeds, except m3 / syn (acc_global): 1"
+    )
+
+
+@pytest.mark.parametrize("odd, more", [(6, ""), (7, "; and 1 more")])
+def test_seeds_note_shows_six_odd_cells_then_counts_the_rest(odd, more):
+    metrics = _seeded({**{f"u{i}": 2 for i in range(9)}, **{f"o{i}": 1 for i in range(odd)}})
+    shown = "; ".join(f"o{i} / syn / dir (acc_global): 1" for i in range(6))
+    assert seeds_note(metrics, ["acc_global"]) == (
+        f"each cell: mean ± std over 2 seeds, except {shown}{more}"
+    )
+
+
+def _runs(n: int) -> pd.DataFrame:
+    statuses = ["running", "failed", "interrupted", "running", "failed", "done", "pending"]
+    return pd.DataFrame({
+        "id": range(1, n + 1),
+        "method": [f"m{i}" for i in range(n)],
+        "dataset": ["syn"] * n,
+        "partition": ["dir"] * n,
+        "seed": [0] * n,
+        "status": statuses[:n],
+        "last_round": pd.array([3, None, 0, 5, 7, 9, None][:n], dtype="Int64"),
+    })  # fmt: skip
+
+
+def test_unfinished_runs_are_running_failed_or_interrupted_runs_with_rows():
+    runs = _runs(7)  # run 2 failed before storing a round; 6 is done, 7 pending
+    metrics = pd.DataFrame({"run_id": [1, 2, 3, 4, 5, 6, 7], "value": [0.0] * 7})
+    kept, left_out = finished_only(metrics, runs)
+    assert kept["run_id"].tolist() == [2, 6, 7] and left_out["id"].tolist() == [1, 3, 4, 5]
+
+
+def test_the_unfinished_note_shows_four_runs_then_counts_the_rest():
+    runs = _runs(6)
+    assert unfinished_note(runs.iloc[[0, 1]]) == (
+        "left out 2 unfinished runs: m0 / syn / dir / seed 0 (running, rounds 0-3 stored); "
+        "m1 / syn / dir / seed 0 (failed, no rounds stored)"
+    )
+    assert unfinished_note(runs) == (
+        "left out 6 unfinished runs: m0 / syn / dir / seed 0 (running, rounds 0-3 stored); "
+        "m1 / syn / dir / seed 0 (failed, no rounds stored); "
+        "m2 / syn / dir / seed 0 (interrupted, rounds 0-0 stored); "
+        "m3 / syn / dir / seed 0 (running, rounds 0-5 stored), and 2 more"
+    )
+    assert unfinished_note(runs.iloc[:5], shown=5).endswith("(failed, rounds 0-7 stored)")
+    assert unfinished_note(runs.iloc[[2]]) == (
+        "left out 1 unfinished run: m2 / syn / dir / seed 0 (interrupted, rounds 0-0 stored)"
+    )
+
+
+def test_markdown_cells_keep_one_line():
+    table = pd.DataFrame({"acc": ["a|b\nc"]}, index=pd.Index(["x"], name="method"))
+    assert render(table, "md") == "| method | acc |\n| :-- | --: |\n| x | a\\|b c |\n"
+
+
+def test_a_cell_shows_std_over_several_runs_and_its_interval_only_when_asked():
+    assert format_cell(0.5, 0.1, 3, "acc_global") == "50.00 ± 10.00"
+    assert format_cell(0.5, 0.0, 1, "acc_global") == "50.00"  # one run: no std, even a 0.0
+    # std 0 over two seeds: the interval is the mean itself, in percent with two decimals
+    assert format_cell(0.5, 0.0, 2, "acc_global", ci=True) == "50.00 ± 0.00 [50.00, 50.00]"
+
+
+def test_a_table_orders_its_columns_label_by_label_in_first_seen_order():
+    # first seen: dataset z before y, partition b before a, metric as given; the pairs seen
+    # (z b), (y a), (y b), (z a) are ordered by dataset, then partition
+    r = Rows()
+    for run, (method, ds, part) in enumerate([("m", "z", "b"), ("m", "y", "a"), ("k", "y", "b"),
+                                              ("k", "z", "a")]):  # fmt: skip
+        r.add(run, method, 0, 9, "loss", 2.0, ds=ds, part=part)
+        r.add(run, method, 0, 9, "acc_global", 0.5, ds=ds, part=part)
+    table = summary_table(r.frame(), ["loss", "acc_global"])
+    assert table.index.name == "method" and table.index.tolist() == ["m", "k"]
+    assert [c[:2] for c in table.columns[::2]] == [("z", "b"), ("z", "a"), ("y", "b"), ("y", "a")]
+    assert [c[2] for c in table.columns] == ["loss", "acc_global"] * 4
+    assert table.loc["m"].tolist() == ["2", "50.00", "-", "-", "-", "-", "2", "50.00"]
+    two = summary_table(r.frame(), ["loss"], index=("method", "partition"), columns=("dataset",))
+    assert two.index.names == ["method", "partition"]
+    assert two.index.tolist() == [("m", "b"), ("m", "a"), ("k", "b"), ("k", "a")]
+
+
+def test_the_interval_needs_two_seeds_a_std_and_a_mean():
+    assert t_interval(0.5, 0.1, 1) is None
+    assert t_interval(0.5, float("nan"), 3) is None
+    assert t_interval(float("nan"), 0.1, 3) is None
+    low, high = t_interval(0.5, 0.1, 2)  # t_{0.975, 1} = 12.706: 0.5 -+ 12.706 * 0.1 / sqrt(2)
+    assert (low, high) == pytest.approx((0.5 - 0.898464, 0.5 + 0.898464), abs=1e-6)
+
+
+def test_a_runs_figure_never_reads_a_per_client_row():
+    r = Rows()
+    r.add(1, "m", 0, 9, "acc_global", 0.9, client=0)  # the same round, listed first
+    r.add(1, "m", 0, 9, "acc_global", 0.5)
+    assert final_values(r.frame(), ["acc_global"])["value"].tolist() == [0.5]
+
+
+def test_grouping_by_a_label_the_table_lacks_is_one_clear_error():
+    r = Rows()
+    r.add(1, "m", 0, 9, "acc_global", 0.5)
+    with pytest.raises(
+        FpbenchError, match=r"^cannot group by \['nope'\]: the metric table has no such columns$"
+    ):
+        summary_stats(r.frame(), ["acc_global"], index=("nope",))
+
+
+def test_final_values_stack_the_metrics_under_a_fresh_index_or_name_those_stored():
+    r = Rows()
+    r.add(1, "m", 0, 9, "loss", 2.0)
+    r.add(1, "m", 0, 9, "acc_global", 0.5)
+    values = final_values(r.frame(), ["acc_global", "loss"])
+    assert values[["metric", "value"]].values.tolist() == [["acc_global", 0.5], ["loss", 2.0]]
+    assert values.index.tolist() == [0, 1]  # not each metric's own 0
+    with pytest.raises(
+        FpbenchError, match=r"^no rows for metrics \['acc'\]; stored metrics: acc_global, loss$"
+    ):
+        final_values(r.frame(), ["acc"])
+
+
+def test_only_per_client_rows_leave_no_metric_to_name():
+    r = Rows()
+    r.add(1, "m", 0, 9, "acc_global", 0.5, client=0)
+    with pytest.raises(FpbenchError, match=r"; stored metrics: none$"):
+        final_values(r.frame(), ["acc_global"])
+
+
+def test_rendered_cells_leave_none_and_nan_empty_and_print_floats_to_six_digits():
+    values = pd.Series([None, float("nan"), 0.123456789, 2.0, "x"], dtype=object)
+    table = pd.DataFrame({"v": values}).set_axis(pd.Index(list("abcde"), name="k"))
+    assert render(table, "csv") == "k,v\na,\nb,\nc,0.123457\nd,2\ne,x\n"
+
+
+def test_a_two_level_row_index_renders_as_two_cells():
+    table = pd.DataFrame(
+        {"acc": ["1", "2"]},
+        index=pd.MultiIndex.from_tuples([("m", "b"), ("k", "a")], names=["method", "part"]),
+    )
+    assert render(table, "csv") == "method,part,acc\nm,b,1\nk,a,2\n"
