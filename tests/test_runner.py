@@ -355,3 +355,82 @@ def test_a_round_written_after_the_claim_is_taken_is_refused(store, tmp_path):
     assert result.error.startswith(f"run {record.id}: claim of ")
     assert result.error.endswith(" was taken over by another driver")
     assert store.last_round(record.id) == 0 and record.owner == "elsewhere:1:z"
+
+
+def _held_elsewhere(store: Store, cfg, seconds_ago: float) -> int:
+    """The cell's run, held by another live driver whose last heartbeat was `seconds_ago`."""
+    run_id = runner._create_record(cfg, store, torch.device("cpu")).id
+    beat = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=seconds_ago)
+    with store._session.begin() as s:
+        held = dict(status="running", owner="elsewhere:1:z", heartbeat_at=beat)
+        s.execute(update(Run).where(Run.id == run_id).values(**held))
+    return run_id
+
+
+def test_a_live_claim_of_another_driver_skips_the_cell_before_building(
+    store, tmp_path, monkeypatch
+):
+    """Its heartbeat 120 s ago, within the cell's `claim_timeout` of 300 s: skipped, nothing
+    built, the claim left as it was."""
+    cfg = tiny_config(rounds=1)
+    _held_elsewhere(store, cfg, 120)
+    monkeypatch.setattr(runner, "build_task", _raise(AssertionError("built")))
+    result = run_cell(cfg, store, checkpoint_dir=tmp_path, claim_timeout=300)
+    assert (result.status, result.error) == ("skipped", "claimed by another driver")
+    record = store.find_run(cfg.run_key)
+    assert (record.status, record.owner) == ("running", "elsewhere:1:z")
+
+
+def test_a_claim_stale_by_the_cells_timeout_is_taken_over_and_kept_alive(
+    store, tmp_path, monkeypatch
+):
+    """Its heartbeat 120 s ago, past the cell's `claim_timeout` of 60 s (not the default 600 s):
+    the cell takes the run over and runs it, beating every `claim_timeout / 4` s under its own
+    claim."""
+    cfg = tiny_config(rounds=1)
+    run_id = _held_elsewhere(store, cfg, 120)
+    beats = []
+    keep_alive = Store.keep_alive
+
+    def spy(self, run_id, owner, interval_s):
+        beats.append((run_id, owner, interval_s))
+        return keep_alive(self, run_id, owner, interval_s)
+
+    monkeypatch.setattr(Store, "keep_alive", spy)
+    assert run_cell(cfg, store, checkpoint_dir=tmp_path, claim_timeout=60).status == "done"
+    record = store.find_run(cfg.run_key)
+    assert record.status == "done" and record.owner != "elsewhere:1:z"
+    assert beats == [(run_id, record.owner, 15.0)]
+
+
+class _TakenOverAtTheEnd(_TakenOverAfter):
+    """After the last round (0) another driver takes the run's claim."""
+
+
+def test_a_claim_taken_after_the_last_round_stores_no_cost_and_skips_the_cell(store, tmp_path):
+    """The peak memory is stored under the cell's claim: taken after the last round, the write
+    is refused with the claim's error (no cost stored, the other driver's run left running)."""
+    cfg = tiny_config(rounds=1)
+    result = run_cell(cfg, store, checkpoint_dir=tmp_path, observer=_TakenOverAtTheEnd(store, cfg))
+    record = store.find_run(cfg.run_key)
+    assert result.status == "skipped"
+    assert result.error.startswith(f"run {record.id}: claim of ")
+    assert result.error.endswith(" was taken over by another driver")
+    assert (record.status, record.owner, record.peak_mem_bytes) == (
+        "running",
+        "elsewhere:1:z",
+        None,
+    )
+
+
+def test_the_device_a_cpu_run_records_is_the_processor_else_the_machine(monkeypatch):
+    """'cpu (<processor>)', or the machine where Python knows no processor name, with the
+    numerics: fp32 and frozen fp32 say nothing more."""
+    import platform
+
+    cfg, cpu = tiny_config(), torch.device("cpu")
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(platform, "processor", lambda: "Intel64 Family 6")
+    assert runner._device_name(cpu, cfg) == "cpu (Intel64 Family 6) (fp32)"
+    monkeypatch.setattr(platform, "processor", lambda: "")
+    assert runner._device_name(cpu, cfg) == "cpu (x86_64) (fp32)"
