@@ -56,15 +56,16 @@ def _scores(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, float, flo
 
 @pytest.mark.parametrize(
     "name, heldout_scored",
-    [("local", False), ("pep-fedpt", True), ("p-pt", True)],
+    [("local", False), ("pep-fedpt", True), ("p-pt", True), ("pfedpg", False)],
 )
 @pytest.mark.parametrize("batch_size", [64, 160])  # 2 clients per forward; all 4 in one
 def test_per_client_evaluation_is_each_clients_own_forward(tiny, name, heldout_scored, batch_size):
-    """Personal ("local"), client-conditioned (PEP-FedPT) and personal-deploys (P-PT) methods:
-    every client's local count and ECE from its own row; held-out clients scored locally only
-    where the method can score a new client; the full test split (accuracy, F1, ECE) scored by
-    the participants only, each with its own row. Batches of 64 test samples cut the clients'
-    local sets and the full split across forwards."""
+    """Personal ("local", pFedPG), client-conditioned (PEP-FedPT) and personal-deploys (P-PT)
+    methods: every client's local count and ECE from its own row; held-out clients scored
+    locally only where the method can score a new client; the full test split (accuracy, F1,
+    ECE) scored by the participants only, each with its own row. Batches of 64 test samples
+    cut the clients' local sets and the full split across forwards. pFedPG starts a client's
+    training from generated prompts, not from the prompts it evaluates with."""
     _, task, method = tiny(name)
     server = _differing(method, seeded_server(method))
     ev = evaluate(method, server, task, batch_size=batch_size)
@@ -86,6 +87,7 @@ def test_per_client_evaluation_is_each_clients_own_forward(tiny, name, heldout_s
                 _logits(method, server, task, c, everything), labels
             )
     assert ev.correct_local.tolist() == want_correct.tolist()
+    assert ev.correct_local.dtype == np.int64  # counts
     assert ev.total_local.tolist() == [len(i) for i in task.test_idx]
     assert ev.heldout.tolist() == held.tolist()
     assert ev.heldout_applicable is heldout_scored
@@ -145,11 +147,14 @@ def test_global_evaluation_is_one_forward_over_the_test_split(tiny, label_space)
     assert ev.heldout.tolist() == task.heldout.tolist()
 
 
-def test_an_adapting_method_is_scored_after_its_step_on_each_clients_seeded_draw(tiny, monkeypatch):
+@pytest.mark.parametrize("batch_size, chunks", [(64, [[1, 2], [3]]), (16, [[1], [2], [3]])])
+def test_an_adapting_method_is_scored_after_its_step_on_each_clients_seeded_draw(
+    tiny, monkeypatch, batch_size, chunks
+):
     """Per-FedAvg adapts before it is scored: `draw(n)` hands it, for the chunk's clients in
     order, the first batch of `client_batches(train_idx[c], n, derive_seed("adapt", c))` (the
     preprocessed train images, their labels, each sample's row), and the scores are those of
-    the adapted parameters."""
+    the adapted parameters. Clients go `batch_size // 32` to a forward (at least one)."""
     _, task, method = tiny("per-fedavg")
     n_batch = 5  # below a client's train size: the draw is one batch of 5 of its samples
     method = with_config(method, adapt_batch=n_batch)
@@ -168,11 +173,10 @@ def test_an_adapting_method_is_scored_after_its_step_on_each_clients_seeded_draw
         return out
 
     monkeypatch.setattr(PerFedAvg, "adapt", spy)
-    ev = evaluate(method, server, task, batch_size=64)  # chunks of 2 clients
-    clients = [c for c in range(task.num_clients) if not task.heldout[c]]
-    assert len(clients) == 3 and len(drawn) == 2  # chunks [a, b] and [c]
+    ev = evaluate(method, server, task, batch_size=batch_size)
+    assert [c for c in range(task.num_clients) if not task.heldout[c]] == [1, 2, 3]
+    assert len(drawn) == len(chunks)
     inputs = Inputs.of(method, task)
-    chunks = [clients[:2], clients[2:]]
     for chunk, (n, x, y, rows) in zip(chunks, drawn, strict=True):
         idx = torch.cat(
             [client_batches(task.train_idx[c], n_batch, derive_seed("adapt", c))[0] for c in chunk]
