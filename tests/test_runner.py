@@ -434,3 +434,25 @@ def test_the_device_a_cpu_run_records_is_the_processor_else_the_machine(monkeypa
     assert runner._device_name(cpu, cfg) == "cpu (Intel64 Family 6) (fp32)"
     monkeypatch.setattr(platform, "processor", lambda: "")
     assert runner._device_name(cpu, cfg) == "cpu (x86_64) (fp32)"
+
+
+def test_the_device_a_cuda_run_records_is_the_cards_name_with_its_numerics(monkeypatch):
+    """On CUDA: the card's name (`torch.cuda.get_device_name`), "auto" precision as bf16, and
+    TF32 frozen passes named (they exist there), also in the stored config; a fake card, no
+    GPU needed."""
+    cfg = tiny_config()
+    cuda = torch.device("cuda", 1)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: asked.append(d) or "NVIDIA H200")
+    runtime = cfg.runtime.model_copy(update={"precision": "auto", "frozen_precision": "tf32"})
+    auto = cfg.model_copy(update={"runtime": runtime})
+    assert runner._device_name(cuda, auto) == "NVIDIA H200 (bf16, frozen tf32)"
+    assert asked == [cuda]
+    plain = cfg.model_copy(
+        update={
+            "runtime": runtime.model_copy(update={"precision": "fp32", "frozen_precision": "fp32"})
+        }
+    )
+    assert runner._device_name(cuda, plain) == "NVIDIA H200 (fp32)"
+    stored = runner.stored_config(auto, cuda)["runtime"]
+    assert (stored["precision"], stored["frozen_precision"]) == ("bf16", "tf32")
