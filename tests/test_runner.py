@@ -456,3 +456,33 @@ def test_the_device_a_cuda_run_records_is_the_cards_name_with_its_numerics(monke
     assert runner._device_name(cuda, plain) == "NVIDIA H200 (fp32)"
     stored = runner.stored_config(auto, cuda)["runtime"]
     assert (stored["precision"], stored["frozen_precision"]) == ("bf16", "tf32")
+
+
+class _Heard(_Ends):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rounds: list[tuple] = []
+
+    def round_end(self, cfg, round_idx, metrics):
+        self.rounds.append((cfg.seed, round_idx))
+
+
+def test_a_suite_hands_each_cell_its_observer_and_feature_cache(store, tmp_path, monkeypatch):
+    """`run_suite`'s observer hears every cell's rounds, and its feature cache reaches each
+    cell's populations."""
+    from fpbench.engine.inputs import FeatureCache
+
+    cells = [tiny_config(rounds=1), tiny_config(rounds=1).model_copy(update={"seed": 1})]
+    cache, handed = FeatureCache(), []
+    build = runner.build_populations
+
+    def spy(cfg, task, device, cache):
+        handed.append(cache)
+        return build(cfg, task, device, cache)
+
+    monkeypatch.setattr(runner, "build_populations", spy)
+    observer = _Heard()
+    results = run_suite(cells, store, checkpoint_dir=tmp_path, observer=observer, cache=cache)
+    assert [r.status for r in results] == ["done", "done"] and observer.results == results
+    assert observer.rounds == [(0, 0), (1, 0)]
+    assert len(handed) == 2 and all(c is cache for c in handed)
