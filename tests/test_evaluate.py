@@ -153,14 +153,18 @@ def test_an_adapting_method_is_scored_after_its_step_on_each_clients_seeded_draw
 ):
     """Per-FedAvg adapts before it is scored: `draw(n)` hands it, for the chunk's clients in
     order, the first batch of `client_batches(train_idx[c], n, derive_seed("adapt", c))` (the
-    preprocessed train images, their labels, each sample's row), and the scores are those of
-    the adapted parameters. Clients go `batch_size // 32` to a forward (at least one)."""
+    preprocessed train images, recalled as train samples idx, their labels, each sample's row)
+    with the chunk's evaluation context, and the scores are those of the adapted parameters.
+    Clients go `batch_size // 32` to a forward (at least one)."""
     _, task, method = tiny("per-fedavg")
     n_batch = 5  # below a client's train size: the draw is one batch of 5 of its samples
     method = with_config(method, adapt_batch=n_batch)
     server = seeded_server(method)
+    server.buffers["mark"] = torch.ones(1)  # which the context must carry
     drawn, adapted = [], {}
     adapt = PerFedAvg.adapt
+
+    contexts, recalls = [], []
 
     def spy(self, params, draw, ctx):
         def recorded(n):
@@ -168,20 +172,36 @@ def test_an_adapting_method_is_scored_after_its_step_on_each_clients_seeded_draw
             drawn.append((n, *out))
             return out
 
+        contexts.append(ctx)
         out = adapt(self, params, recorded, ctx)
         adapted[len(drawn)] = out
         return out
 
     monkeypatch.setattr(PerFedAvg, "adapt", spy)
-    ev = evaluate(method, server, task, batch_size=batch_size)
-    assert [c for c in range(task.num_clients) if not task.heldout[c]] == [1, 2, 3]
-    assert len(drawn) == len(chunks)
     inputs = Inputs.of(method, task)
+    recall = inputs.recall
+
+    def spy_recall(x, split, idx, *args):
+        recalls.append((x, split, idx))
+        return recall(x, split, idx, *args)
+
+    monkeypatch.setattr(inputs, "recall", spy_recall)
+    ev = evaluate(method, server, task, batch_size=batch_size, inputs=inputs)
+    assert [c for c in range(task.num_clients) if not task.heldout[c]] == [1, 2, 3]
+    assert len(drawn) == len(contexts) == len(chunks)
+    for chunk, ctx in zip(chunks, contexts, strict=True):
+        assert ctx.training is False and dict(ctx.buffers) == {"mark": server.buffers["mark"]}
+        assert torch.equal(ctx.priors, task.priors[chunk])
+    train_recalls = [r for r in recalls if r[1] == "train"]
+    assert len(train_recalls) == len(chunks)
+    for (x, _, idx), (_, drawn_x, _, _) in zip(train_recalls, drawn, strict=True):
+        assert x is drawn_x and len(idx) == len(x)
     for chunk, (n, x, y, rows) in zip(chunks, drawn, strict=True):
         idx = torch.cat(
             [client_batches(task.train_idx[c], n_batch, derive_seed("adapt", c))[0] for c in chunk]
         )
         assert n == n_batch and len(idx) == n_batch * len(chunk)
+        assert torch.equal(idx, next(r[2] for r in train_recalls if r[0] is x))
         assert torch.equal(x, inputs.train(idx))
         assert torch.equal(y, task.data.train_labels[idx])
         assert rows.tolist() == [r for r in range(len(chunk)) for _ in range(n_batch)]
