@@ -133,7 +133,7 @@ def test_a_claim_held_elsewhere_skips_the_cell_before_training(store, tmp_path, 
     monkeypatch.setattr(Store, "claim_run", lambda self, run_id, owner, **kw: False)
     monkeypatch.setattr(runner, "run_rounds", _raise(AssertionError("trained")))
     result = run_cell(cfg, store, checkpoint_dir=tmp_path)
-    assert (result.status, result.error) == ("skipped", "claimed by another driver")
+    assert result == CellResult(cfg, "skipped", "claimed by another driver")
     assert store.find_run(cfg.run_key).status == "pending"
 
 
@@ -141,7 +141,7 @@ def test_a_claim_lost_during_the_rounds_skips_the_cell(store, tmp_path, monkeypa
     cfg = tiny_config(rounds=1)
     monkeypatch.setattr(runner, "run_rounds", _raise(ClaimLost("run 1: claim taken over")))
     result = run_cell(cfg, store, checkpoint_dir=tmp_path)
-    assert (result.status, result.error) == ("skipped", "run 1: claim taken over")
+    assert result == CellResult(cfg, "skipped", "run 1: claim taken over")
 
 
 def test_a_claim_lost_at_the_end_skips_the_cell(store, tmp_path, monkeypatch):
@@ -155,7 +155,7 @@ def test_a_claim_lost_at_the_end_skips_the_cell(store, tmp_path, monkeypatch):
 
     monkeypatch.setattr(Store, "record_cost", lost_at_end)
     result = run_cell(cfg, store, checkpoint_dir=tmp_path)
-    assert (result.status, result.error) == ("skipped", "gone at the end")
+    assert result == CellResult(cfg, "skipped", "gone at the end")
     assert store.find_run(cfg.run_key).status == "running"
 
 
@@ -163,7 +163,7 @@ def test_a_claim_taken_before_the_finish_skips_the_cell(store, tmp_path, monkeyp
     cfg = tiny_config(rounds=1)
     monkeypatch.setattr(Store, "finish_run", lambda self, *a, **kw: False)
     result = run_cell(cfg, store, checkpoint_dir=tmp_path)
-    assert (result.status, result.error) == ("skipped", "claim taken over by another driver")
+    assert result == CellResult(cfg, "skipped", "claim taken over by another driver")
     folder = ckpt_io.folder_for(tmp_path, store.database_id)
     assert ckpt_io.checkpoint_path(folder, cfg.run_key).exists()  # not finished: kept
 
@@ -224,7 +224,7 @@ def test_a_finished_cell_keeps_its_params_and_drops_a_torn_checkpoint(store, tmp
 
     monkeypatch.setattr(runner, "run_rounds", torn_write)
     monkeypatch.setattr(runner.PeakMemory, "read", lambda self: 99)
-    assert run_cell(cfg, store, checkpoint_dir=tmp_path).status == "done"
+    assert run_cell(cfg, store, checkpoint_dir=tmp_path) == CellResult(cfg, "done")
     folder = ckpt_io.folder_for(tmp_path, store.database_id)
     assert kept == [(store.url, folder, cfg.run_key)]
     assert not ckpt_io.checkpoint_path(folder, cfg.run_key).with_suffix(".tmp").exists()
@@ -351,7 +351,7 @@ def test_a_round_written_after_the_claim_is_taken_is_refused(store, tmp_path):
     cfg = tiny_config(rounds=2)
     result = run_cell(cfg, store, checkpoint_dir=tmp_path, observer=_TakenOverAfter(store, cfg))
     record = store.find_run(cfg.run_key)
-    assert result.status == "skipped"
+    assert (result.cfg, result.status) == (cfg, "skipped")
     assert result.error.startswith(f"run {record.id}: claim of ")
     assert result.error.endswith(" was taken over by another driver")
     assert store.last_round(record.id) == 0 and record.owner == "elsewhere:1:z"
@@ -376,7 +376,7 @@ def test_a_live_claim_of_another_driver_skips_the_cell_before_building(
     _held_elsewhere(store, cfg, 120)
     monkeypatch.setattr(runner, "build_task", _raise(AssertionError("built")))
     result = run_cell(cfg, store, checkpoint_dir=tmp_path, claim_timeout=300)
-    assert (result.status, result.error) == ("skipped", "claimed by another driver")
+    assert result == CellResult(cfg, "skipped", "claimed by another driver")
     record = store.find_run(cfg.run_key)
     assert (record.status, record.owner) == ("running", "elsewhere:1:z")
 
@@ -397,7 +397,9 @@ def test_a_claim_stale_by_the_cells_timeout_is_taken_over_and_kept_alive(
         return keep_alive(self, run_id, owner, interval_s)
 
     monkeypatch.setattr(Store, "keep_alive", spy)
-    assert run_cell(cfg, store, checkpoint_dir=tmp_path, claim_timeout=60).status == "done"
+    assert run_cell(cfg, store, checkpoint_dir=tmp_path, claim_timeout=60) == CellResult(
+        cfg, "done"
+    )
     record = store.find_run(cfg.run_key)
     assert record.status == "done" and record.owner != "elsewhere:1:z"
     assert beats == [(run_id, record.owner, 15.0)]
@@ -413,7 +415,7 @@ def test_a_claim_taken_after_the_last_round_stores_no_cost_and_skips_the_cell(st
     cfg = tiny_config(rounds=1)
     result = run_cell(cfg, store, checkpoint_dir=tmp_path, observer=_TakenOverAtTheEnd(store, cfg))
     record = store.find_run(cfg.run_key)
-    assert result.status == "skipped"
+    assert (result.cfg, result.status) == (cfg, "skipped")
     assert result.error.startswith(f"run {record.id}: claim of ")
     assert result.error.endswith(" was taken over by another driver")
     assert (record.status, record.owner, record.peak_mem_bytes) == (
