@@ -124,13 +124,23 @@ def test_only_the_clients_asked_for_are_scored_and_a_held_out_one_on_its_local_s
 
 
 @pytest.mark.parametrize("label_space", ["all", "client"])
-def test_global_evaluation_is_one_forward_over_the_test_split(tiny, label_space):
+def test_global_evaluation_is_one_forward_over_the_test_split(tiny, monkeypatch, label_space):
     """A global model (fedvpt), test split in batches of 7: accuracy, F1 and ECE over all of it
     (one value), and each client's local count and ECE read off the same predictions (masked to
     its train classes for `label_space="client"`)."""
     _, task, method = tiny("fedvpt")
     server = _differing(method, seeded_server(method))
+    asked = []
+    start_params = evaluation.start_params
+
+    def spy(method, server, ids, *args, **kwargs):
+        asked.append(ids)
+        return start_params(method, server, ids, *args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "start_params", spy)
     ev = evaluate(method, server, task, batch_size=7, label_space=label_space)
+    ((ids,),) = [asked]  # one model, as client row 0's parameters (long client ids)
+    assert (ids.tolist(), ids.dtype) == ([0], torch.long)
     labels = task.data.test_labels
     logits = _logits(method, server, task, 0, torch.arange(len(labels)))
     _, acc, ece, f1 = _scores(logits, labels)
