@@ -8,6 +8,8 @@ not be (or the reverse), or a count stored under another client's id shows as a 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -134,13 +136,26 @@ def test_global_evaluation_is_one_forward_over_the_test_split(tiny, monkeypatch,
     start_params = evaluation.start_params
 
     def spy(method, server, ids, *args, **kwargs):
-        asked.append(ids)
+        asked.append((ids, kwargs))
         return start_params(method, server, ids, *args, **kwargs)
 
+    contexts = []
+    forward = type(method).forward
+
+    def spy_forward(self, params, x, rows, ctx):
+        contexts.append(ctx)
+        return forward(self, params, x, rows, ctx)
+
     monkeypatch.setattr(evaluation, "start_params", spy)
+    monkeypatch.setattr(type(method), "forward", spy_forward)
+    server.buffers["mark"] = torch.ones(1)  # which every forward's context must carry
     ev = evaluate(method, server, task, batch_size=7, label_space=label_space)
-    ((ids,),) = [asked]  # one model, as client row 0's parameters (long client ids)
-    assert (ids.tolist(), ids.dtype) == ([0], torch.long)
+    # one model, as client row 0's evaluation parameters (long client ids, training=False)
+    ((ids, kwargs),) = asked
+    assert (ids.tolist(), ids.dtype, kwargs) == ([0], torch.long, {"training": False})
+    assert len(contexts) == 6  # 36 test samples in batches of 7
+    assert all(not c.training and dict(c.buffers) == {"mark": server.buffers["mark"]}
+               for c in contexts)  # fmt: skip
     labels = task.data.test_labels
     logits = _logits(method, server, task, 0, torch.arange(len(labels)))
     _, acc, ece, f1 = _scores(logits, labels)
@@ -245,3 +260,23 @@ def test_flat_concatenates_the_parts_and_numbers_each_elements_part():
         [torch.tensor([4, 2]), torch.tensor([], dtype=torch.long), torch.tensor([7])]
     )
     assert (flat.tolist(), rows.tolist()) == ([4, 2, 7], [0, 0, 2])
+
+
+@pytest.mark.parametrize("label_space", ["all", "client"])
+def test_an_empty_test_split_counts_nothing_in_either_label_space(tiny, label_space):
+    """No test sample (a split left empty): zero counts, NaN accuracy, F1 and ECE, not an
+    error, with or without the clients' label spaces."""
+    _, task, method = tiny("fedvpt")
+    data = dataclasses.replace(
+        task.data, test_images=task.data.test_images[:0], test_labels=task.data.test_labels[:0]
+    )
+    empty = dataclasses.replace(task, data=data, test_idx=[i[:0] for i in task.test_idx])
+    ev = evaluate(method, seeded_server(method), empty, 7, label_space=label_space)
+    assert (ev.correct_local.tolist(), ev.total_local.tolist(), ev.global_total) == (
+        [0] * 4,
+        [0] * 4,
+        0,
+    )
+    assert np.isnan(ev.global_acc).tolist() == [True] and np.isnan(ev.f1_global).tolist() == [True]
+    assert np.isnan(ev.ece_global).tolist() == [True]
+    assert np.isnan(ev.ece_local).tolist() == [True] * 4
