@@ -56,12 +56,36 @@ def _scores(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, float, flo
     return int(hit.sum()), hit.float().mean().item(), ece, f1
 
 
+def _spied(monkeypatch, method, server) -> tuple[list, list]:
+    """Record what `evaluate` asks `start_params` (client ids, keyword arguments) and the
+    context of each forward, checking that every forward's context is an evaluation one
+    carrying the server's buffers (a marker buffer is added)."""
+    asked, contexts = [], []
+    start_params, forward = evaluation.start_params, type(method).forward
+    server.buffers["mark"] = torch.ones(1)
+
+    def spy(method, server, ids, *args, **kwargs):
+        asked.append((ids, kwargs))
+        return start_params(method, server, ids, *args, **kwargs)
+
+    def spy_forward(self, params, x, rows, ctx):
+        assert ctx.training is False and ctx.buffers["mark"] is server.buffers["mark"]
+        contexts.append(ctx)
+        return forward(self, params, x, rows, ctx)
+
+    monkeypatch.setattr(evaluation, "start_params", spy)
+    monkeypatch.setattr(type(method), "forward", spy_forward)
+    return asked, contexts
+
+
 @pytest.mark.parametrize(
     "name, heldout_scored",
     [("local", False), ("pep-fedpt", True), ("p-pt", True), ("pfedpg", False)],
 )
 @pytest.mark.parametrize("batch_size", [64, 160])  # 2 clients per forward; all 4 in one
-def test_per_client_evaluation_is_each_clients_own_forward(tiny, name, heldout_scored, batch_size):
+def test_per_client_evaluation_is_each_clients_own_forward(
+    tiny, monkeypatch, name, heldout_scored, batch_size
+):
     """Personal ("local", pFedPG), client-conditioned (PEP-FedPT) and personal-deploys (P-PT)
     methods: every client's local count and ECE from its own row; held-out clients scored
     locally only where the method can score a new client; the full test split (accuracy, F1,
@@ -70,7 +94,9 @@ def test_per_client_evaluation_is_each_clients_own_forward(tiny, name, heldout_s
     training from generated prompts, not from the prompts it evaluates with."""
     _, task, method = tiny(name)
     server = _differing(method, seeded_server(method))
+    asked, _ = _spied(monkeypatch, method, server)
     ev = evaluate(method, server, task, batch_size=batch_size)
+    assert {tuple(kwargs.items()) for _, kwargs in asked} == {(("training", False),)}
     labels, n = task.data.test_labels, task.num_clients
     held = task.heldout.numpy()
     assert held.sum() == 1  # one held-out client: the check of who is scored has power
@@ -132,30 +158,12 @@ def test_global_evaluation_is_one_forward_over_the_test_split(tiny, monkeypatch,
     its train classes for `label_space="client"`)."""
     _, task, method = tiny("fedvpt")
     server = _differing(method, seeded_server(method))
-    asked = []
-    start_params = evaluation.start_params
-
-    def spy(method, server, ids, *args, **kwargs):
-        asked.append((ids, kwargs))
-        return start_params(method, server, ids, *args, **kwargs)
-
-    contexts = []
-    forward = type(method).forward
-
-    def spy_forward(self, params, x, rows, ctx):
-        contexts.append(ctx)
-        return forward(self, params, x, rows, ctx)
-
-    monkeypatch.setattr(evaluation, "start_params", spy)
-    monkeypatch.setattr(type(method), "forward", spy_forward)
-    server.buffers["mark"] = torch.ones(1)  # which every forward's context must carry
+    asked, contexts = _spied(monkeypatch, method, server)
     ev = evaluate(method, server, task, batch_size=7, label_space=label_space)
-    # one model, as client row 0's evaluation parameters (long client ids, training=False)
+    # one model, as client row 0's evaluation parameters (long client ids)
     ((ids, kwargs),) = asked
     assert (ids.tolist(), ids.dtype, kwargs) == ([0], torch.long, {"training": False})
     assert len(contexts) == 6  # 36 test samples in batches of 7
-    assert all(not c.training and dict(c.buffers) == {"mark": server.buffers["mark"]}
-               for c in contexts)  # fmt: skip
     labels = task.data.test_labels
     logits = _logits(method, server, task, 0, torch.arange(len(labels)))
     _, acc, ece, f1 = _scores(logits, labels)
