@@ -488,3 +488,30 @@ def test_a_suite_hands_each_cell_its_observer_and_feature_cache(store, tmp_path,
     assert [r.status for r in results] == ["done", "done"] and observer.results == results
     assert observer.rounds == [(0, 0), (1, 0)]
     assert len(handed) == 2 and all(c is cache for c in handed)
+
+
+def test_a_rerun_refuses_its_checkpoint_when_the_database_lost_its_rounds(
+    store, tmp_path, monkeypatch
+):
+    """Stopped after round 0 (checkpoint at round 0), then round 0 deleted from the database:
+    the rerun checks its own checkpoint (in the database's folder, bound to this run) against
+    the stored rounds and refuses before building anything."""
+    from sqlalchemy import delete
+
+    from fpbench.store.models import Round
+    from tests.conftest import Crash, CrashAfter
+
+    cfg = tiny_config(rounds=2)
+    with pytest.raises(Crash):
+        run_cell(cfg, store, checkpoint_dir=tmp_path, observer=CrashAfter(0))
+    run_id = store.find_run(cfg.run_key).id
+    with store._session.begin() as s:
+        s.execute(delete(Round).where(Round.run_id == run_id))
+    monkeypatch.setattr(runner, "build_task", _raise(AssertionError("built")))
+    path = ckpt_io.checkpoint_path(ckpt_io.folder_for(tmp_path, store.database_id), cfg.run_key)
+    with pytest.raises(FpbenchError) as info:
+        run_cell(cfg, store, checkpoint_dir=tmp_path)
+    assert str(info.value).startswith(f"cannot resume cell {runner.cell_label(cfg)} (")
+    assert f"its checkpoint {path} is at round 0 but the database lacks rounds 0;" in str(
+        info.value
+    )
