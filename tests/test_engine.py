@@ -9,6 +9,7 @@ import torch
 
 from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.evaluate import evaluate
+from fpbench.engine.observer import CellResult
 from fpbench.engine.rounds import sampling_schedule, should_eval
 from fpbench.engine.runner import run_cell
 from fpbench.engine.seeding import derive_seed
@@ -126,7 +127,7 @@ def test_finished_run_is_skipped_and_adds_no_rows(tmp_path):
     store = Store(f"sqlite:///{tmp_path / 'r.db'}")
     run_cell(cfg, store, checkpoint_dir=tmp_path)
     n = len(store.metrics(aggregate_only=False))
-    assert run_cell(cfg, store, checkpoint_dir=tmp_path).status == "skipped"
+    assert run_cell(cfg, store, checkpoint_dir=tmp_path) == CellResult(cfg, "skipped")
     assert len(store.metrics(aggregate_only=False)) == n
     names = set(store.metrics()["name"])
     expected = {

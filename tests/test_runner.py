@@ -133,7 +133,7 @@ def test_a_claim_held_elsewhere_skips_the_cell_before_training(store, tmp_path, 
     monkeypatch.setattr(Store, "claim_run", lambda self, run_id, owner, **kw: False)
     monkeypatch.setattr(runner, "run_rounds", _raise(AssertionError("trained")))
     result = run_cell(cfg, store, checkpoint_dir=tmp_path)
-    assert (result.status, result.error) == ("skipped", "claimed by another driver")
+    assert result == CellResult(cfg, "skipped", "claimed by another driver")
     assert store.find_run(cfg.run_key).status == "pending"
 
 
@@ -141,7 +141,7 @@ def test_a_claim_lost_during_the_rounds_skips_the_cell(store, tmp_path, monkeypa
     cfg = tiny_config(rounds=1)
     monkeypatch.setattr(runner, "run_rounds", _raise(ClaimLost("run 1: claim taken over")))
     result = run_cell(cfg, store, checkpoint_dir=tmp_path)
-    assert (result.status, result.error) == ("skipped", "run 1: claim taken over")
+    assert result == CellResult(cfg, "skipped", "run 1: claim taken over")
 
 
 def test_a_claim_lost_at_the_end_skips_the_cell(store, tmp_path, monkeypatch):
@@ -155,7 +155,7 @@ def test_a_claim_lost_at_the_end_skips_the_cell(store, tmp_path, monkeypatch):
 
     monkeypatch.setattr(Store, "record_cost", lost_at_end)
     result = run_cell(cfg, store, checkpoint_dir=tmp_path)
-    assert (result.status, result.error) == ("skipped", "gone at the end")
+    assert result == CellResult(cfg, "skipped", "gone at the end")
     assert store.find_run(cfg.run_key).status == "running"
 
 
@@ -163,7 +163,7 @@ def test_a_claim_taken_before_the_finish_skips_the_cell(store, tmp_path, monkeyp
     cfg = tiny_config(rounds=1)
     monkeypatch.setattr(Store, "finish_run", lambda self, *a, **kw: False)
     result = run_cell(cfg, store, checkpoint_dir=tmp_path)
-    assert (result.status, result.error) == ("skipped", "claim taken over by another driver")
+    assert result == CellResult(cfg, "skipped", "claim taken over by another driver")
     folder = ckpt_io.folder_for(tmp_path, store.database_id)
     assert ckpt_io.checkpoint_path(folder, cfg.run_key).exists()  # not finished: kept
 
@@ -224,7 +224,7 @@ def test_a_finished_cell_keeps_its_params_and_drops_a_torn_checkpoint(store, tmp
 
     monkeypatch.setattr(runner, "run_rounds", torn_write)
     monkeypatch.setattr(runner.PeakMemory, "read", lambda self: 99)
-    assert run_cell(cfg, store, checkpoint_dir=tmp_path).status == "done"
+    assert run_cell(cfg, store, checkpoint_dir=tmp_path) == CellResult(cfg, "done")
     folder = ckpt_io.folder_for(tmp_path, store.database_id)
     assert kept == [(store.url, folder, cfg.run_key)]
     assert not ckpt_io.checkpoint_path(folder, cfg.run_key).with_suffix(".tmp").exists()
@@ -351,7 +351,167 @@ def test_a_round_written_after_the_claim_is_taken_is_refused(store, tmp_path):
     cfg = tiny_config(rounds=2)
     result = run_cell(cfg, store, checkpoint_dir=tmp_path, observer=_TakenOverAfter(store, cfg))
     record = store.find_run(cfg.run_key)
-    assert result.status == "skipped"
+    assert (result.cfg, result.status) == (cfg, "skipped")
     assert result.error.startswith(f"run {record.id}: claim of ")
     assert result.error.endswith(" was taken over by another driver")
     assert store.last_round(record.id) == 0 and record.owner == "elsewhere:1:z"
+
+
+def _held_elsewhere(store: Store, cfg, seconds_ago: float) -> int:
+    """The cell's run, held by another live driver whose last heartbeat was `seconds_ago`."""
+    run_id = runner._create_record(cfg, store, torch.device("cpu")).id
+    beat = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=seconds_ago)
+    with store._session.begin() as s:
+        held = dict(status="running", owner="elsewhere:1:z", heartbeat_at=beat)
+        s.execute(update(Run).where(Run.id == run_id).values(**held))
+    return run_id
+
+
+def test_a_live_claim_of_another_driver_skips_the_cell_before_building(
+    store, tmp_path, monkeypatch
+):
+    """Its heartbeat 120 s ago, within the cell's `claim_timeout` of 300 s: skipped, nothing
+    built, the claim left as it was."""
+    cfg = tiny_config(rounds=1)
+    _held_elsewhere(store, cfg, 120)
+    monkeypatch.setattr(runner, "build_task", _raise(AssertionError("built")))
+    result = run_cell(cfg, store, checkpoint_dir=tmp_path, claim_timeout=300)
+    assert result == CellResult(cfg, "skipped", "claimed by another driver")
+    record = store.find_run(cfg.run_key)
+    assert (record.status, record.owner) == ("running", "elsewhere:1:z")
+
+
+def test_a_claim_stale_by_the_cells_timeout_is_taken_over_and_kept_alive(
+    store, tmp_path, monkeypatch
+):
+    """Its heartbeat 120 s ago, past the cell's `claim_timeout` of 60 s (not the default 600 s):
+    the cell takes the run over and runs it, beating every `claim_timeout / 4` s under its own
+    claim."""
+    cfg = tiny_config(rounds=1)
+    run_id = _held_elsewhere(store, cfg, 120)
+    beats = []
+    keep_alive = Store.keep_alive
+
+    def spy(self, run_id, owner, interval_s):
+        beats.append((run_id, owner, interval_s))
+        return keep_alive(self, run_id, owner, interval_s)
+
+    monkeypatch.setattr(Store, "keep_alive", spy)
+    assert run_cell(cfg, store, checkpoint_dir=tmp_path, claim_timeout=60) == CellResult(
+        cfg, "done"
+    )
+    record = store.find_run(cfg.run_key)
+    assert record.status == "done" and record.owner != "elsewhere:1:z"
+    assert beats == [(run_id, record.owner, 15.0)]
+
+
+class _TakenOverAtTheEnd(_TakenOverAfter):
+    """After the last round (0) another driver takes the run's claim."""
+
+
+def test_a_claim_taken_after_the_last_round_stores_no_cost_and_skips_the_cell(store, tmp_path):
+    """The peak memory is stored under the cell's claim: taken after the last round, the write
+    is refused with the claim's error (no cost stored, the other driver's run left running)."""
+    cfg = tiny_config(rounds=1)
+    result = run_cell(cfg, store, checkpoint_dir=tmp_path, observer=_TakenOverAtTheEnd(store, cfg))
+    record = store.find_run(cfg.run_key)
+    assert (result.cfg, result.status) == (cfg, "skipped")
+    assert result.error.startswith(f"run {record.id}: claim of ")
+    assert result.error.endswith(" was taken over by another driver")
+    assert (record.status, record.owner, record.peak_mem_bytes) == (
+        "running",
+        "elsewhere:1:z",
+        None,
+    )
+
+
+def test_the_device_a_cpu_run_records_is_the_processor_else_the_machine(monkeypatch):
+    """'cpu (<processor>)', or the machine where Python knows no processor name, with the
+    numerics: fp32 and frozen fp32 say nothing more."""
+    import platform
+
+    cfg, cpu = tiny_config(), torch.device("cpu")
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(platform, "processor", lambda: "Intel64 Family 6")
+    assert runner._device_name(cpu, cfg) == "cpu (Intel64 Family 6) (fp32)"
+    monkeypatch.setattr(platform, "processor", lambda: "")
+    assert runner._device_name(cpu, cfg) == "cpu (x86_64) (fp32)"
+
+
+def test_the_device_a_cuda_run_records_is_the_cards_name_with_its_numerics(monkeypatch):
+    """On CUDA: the card's name (`torch.cuda.get_device_name`), "auto" precision as bf16, and
+    TF32 frozen passes named (they exist there), also in the stored config; a fake card, no
+    GPU needed."""
+    cfg = tiny_config()
+    cuda = torch.device("cuda", 1)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: asked.append(d) or "NVIDIA H200")
+    runtime = cfg.runtime.model_copy(update={"precision": "auto", "frozen_precision": "tf32"})
+    auto = cfg.model_copy(update={"runtime": runtime})
+    assert runner._device_name(cuda, auto) == "NVIDIA H200 (bf16, frozen tf32)"
+    assert asked == [cuda]
+    plain = cfg.model_copy(
+        update={
+            "runtime": runtime.model_copy(update={"precision": "fp32", "frozen_precision": "fp32"})
+        }
+    )
+    assert runner._device_name(cuda, plain) == "NVIDIA H200 (fp32)"
+    stored = runner.stored_config(auto, cuda)["runtime"]
+    assert (stored["precision"], stored["frozen_precision"]) == ("bf16", "tf32")
+
+
+class _Heard(_Ends):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rounds: list[tuple] = []
+
+    def round_end(self, cfg, round_idx, metrics):
+        self.rounds.append((cfg.seed, round_idx))
+
+
+def test_a_suite_hands_each_cell_its_observer_and_feature_cache(store, tmp_path, monkeypatch):
+    """`run_suite`'s observer hears every cell's rounds, and its feature cache reaches each
+    cell's populations."""
+    from fpbench.engine.inputs import FeatureCache
+
+    cells = [tiny_config(rounds=1), tiny_config(rounds=1).model_copy(update={"seed": 1})]
+    cache, handed = FeatureCache(), []
+    build = runner.build_populations
+
+    def spy(cfg, task, device, cache):
+        handed.append(cache)
+        return build(cfg, task, device, cache)
+
+    monkeypatch.setattr(runner, "build_populations", spy)
+    observer = _Heard()
+    results = run_suite(cells, store, checkpoint_dir=tmp_path, observer=observer, cache=cache)
+    assert [r.status for r in results] == ["done", "done"] and observer.results == results
+    assert observer.rounds == [(0, 0), (1, 0)]
+    assert len(handed) == 2 and all(c is cache for c in handed)
+
+
+def test_a_rerun_refuses_its_checkpoint_when_the_database_lost_its_rounds(
+    store, tmp_path, monkeypatch
+):
+    """Stopped after round 0 (checkpoint at round 0), then round 0 deleted from the database:
+    the rerun checks its own checkpoint (in the database's folder, bound to this run) against
+    the stored rounds and refuses before building anything."""
+    from sqlalchemy import delete
+
+    from fpbench.store.models import Round
+    from tests.conftest import Crash, CrashAfter
+
+    cfg = tiny_config(rounds=2)
+    with pytest.raises(Crash):
+        run_cell(cfg, store, checkpoint_dir=tmp_path, observer=CrashAfter(0))
+    run_id = store.find_run(cfg.run_key).id
+    with store._session.begin() as s:
+        s.execute(delete(Round).where(Round.run_id == run_id))
+    monkeypatch.setattr(runner, "build_task", _raise(AssertionError("built")))
+    path = ckpt_io.checkpoint_path(ckpt_io.folder_for(tmp_path, store.database_id), cfg.run_key)
+    with pytest.raises(FpbenchError) as info:
+        run_cell(cfg, store, checkpoint_dir=tmp_path)
+    assert str(info.value).startswith(f"cannot resume cell {runner.cell_label(cfg)} (")
+    assert f"its checkpoint {path} is at round 0 but the database lacks rounds 0;" in str(
+        info.value
+    )
