@@ -127,10 +127,14 @@ def test_harmonic_mean_and_cross_dataset_mean():
         "acc_hm": pytest.approx(2 * 0.6 * 0.3 / 0.9),
     }
     assert derived(b2n, {"acc_global": 0.0, "acc_novel": 0.0})["acc_hm"] == 0.0
+    # a round without one of the two (no client scored yet) has no harmonic mean, and only
+    # base-to-novel has one
+    assert derived(b2n, {"acc_novel": 0.3}) == derived(b2n, {"acc_global": 0.6}) == {}
     xd = Evaluation(mode="cross-dataset", targets=[{"name": "synthetic", "label": "s"}])
     assert derived(xd, {"acc_xd_a": 0.2, "acc_xd_b": 0.5, "acc_global": 0.9}) == {
         "acc_xd_mean": pytest.approx(0.35)
     }
+    assert derived(xd, {"acc_global": 0.6, "acc_novel": 0.3}) == {}
 
 
 def test_mode_settings_are_checked():
