@@ -678,3 +678,20 @@ def test_a_round_scores_its_modes_sets_in_the_runs_precision(tiny, monkeypatch):
     rows = rounds.evaluate_populations([pop], servers, task, cfg, "bf16", [], 0, [1, 2])
     assert calls == [([pop], servers, cfg, "bf16", [1, 2])]
     assert (None, "acc_probe", 0.25, None) in rows
+
+
+def test_a_round_played_alone_counts_its_own_clients_as_the_trained_ones(tiny):
+    """`play_round` without `seen` (as the cost estimate plays it) scores a personal method's
+    clients sampled in this round; the others are untrained.
+
+    Catches the default dropped (`seen` left None: no client counts as trained, or a crash)."""
+    from fpbench.engine.build import build_populations
+    from fpbench.testing.tiny import seeded_server
+
+    cfg, task, _ = tiny("pfedpg", rounds=1)
+    (pop,) = build_populations(cfg, task, torch.device("cpu"))
+    ids = task.trainable_clients()
+    assert len(ids) == 3 and cfg.train.unseen_clients == "exclude"
+    _, rows, _ = rounds.play_round([pop], seeded_server(pop.method), task, cfg, 0, ids[1:2], [])
+    assert [v for c, n, v, _ in rows if n == "clients_untrained"] == [2.0]
+    assert [c for c, n, *_ in rows if n == "acc_local"] == [ids[1]]
