@@ -80,6 +80,29 @@ def test_a_centralized_round_trains_the_pooled_client_alone_and_scores_every_cli
     assert any(c == out and name == "acc_heldout" for c, name, *_ in rows)
 
 
+def test_a_centralized_step_cap_is_the_round_clients_budget(fpbench_cache):
+    """Under a step cap, the pooled client takes `max_local_steps` times the round's sampled
+    clients' steps (their budget together), not the cap of one client.
+
+    Catches the sampled count not handed to `_train_population` (its default, one client's cap)
+    and the scaled train config lost."""
+    cfg = tiny_config("promptfl", centralized=True, participation=0.5, max_local_steps=1)
+    task = build_task(cfg, CPU)
+    (pop,) = build_populations(cfg, task, CPU)
+    server = seeded_server(pop.method)
+    sampled = task.trainable_clients()[1:]
+    assert len(sampled) == 2
+    new, _, _ = play_round([pop], server, task, cfg, 0, sampled, [])
+    pool = pooled(task, sampled)
+    steps = {}
+    for cap in (1, 2, 3):
+        two = cfg.train.model_copy(update={"max_local_steps": cap})
+        steps[cap] = train_clients(pop.method, server, pool, [0], two, round_idx=0, seed=0)
+    assert not torch.equal(steps[1].params["ctx"], steps[2].params["ctx"])  # the check's power
+    assert not torch.equal(steps[3].params["ctx"], steps[2].params["ctx"])
+    torch.testing.assert_close(new.params["ctx"], steps[2].params["ctx"][0], rtol=0, atol=0)
+
+
 def test_centralized_refuses_a_personal_method(fpbench_cache):
     cfg = tiny_config("coop-local", centralized=True)
     task = build_task(cfg, CPU)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from fpbench.data.base import ImageDataset
 from fpbench.engine.build import build_populations
-from fpbench.engine.eval_modes import class_split, derived, without_domain
+from fpbench.engine.eval_modes import class_split, derived, split_for, without_domain
 from fpbench.engine.rounds import score_targets
 from fpbench.engine.task import build_task, load_dataset
 from fpbench.errors import FpbenchError
@@ -120,6 +120,28 @@ def test_without_domain_carries_sizes_identity_and_the_held_domains_train_sample
         without_domain(dataclasses.replace(data, test_domains=None), "d1")
 
 
+def test_split_for_gives_each_mode_its_training_set_and_named_scored_sets():
+    """What a run trains on and what it also scores, per mode, with each set's name and whether
+    the run's own method instance (its class names) scores it."""
+    data = _data([0, 1, 2, 0, 1], [0, 1, 2, 2], [0, 1, 2, 2, 1], [2, 1, 0, 1])
+    assert split_for(None, data) == (data, [])
+    base, (novel,) = split_for(Evaluation(mode="base2novel"), data)
+    assert base.class_names == ["a", "b", "c"] and base.train_labels.tolist() == [0, 1, 2, 0, 1]
+    assert (novel.name, novel.same_classes, novel.data.class_names) == ("novel", False, ["d", "e"])
+    rest, (held,) = split_for(Evaluation(mode="leave-one-domain-out", domain="D1"), data)
+    assert rest.domain_names == ["d0", "d2"] and rest.train_images[:, 0, 0, 0].tolist() == [0, 2, 3]
+    assert (held.name, held.same_classes, held.data.domain_names) == ("lodo", True, ["d1"])
+    targets = [{"name": "synthetic", "label": "Some_Set"}, {"name": "synthetic", "label": "b"}]
+    loaded = []
+    xd = Evaluation(mode="cross-dataset", targets=targets)
+    same, sets = split_for(xd, data, lambda t: loaded.append(t) or f"data of {t.label}")
+    assert same is data and loaded == list(xd.targets)
+    assert [(e.name, e.data, e.same_classes) for e in sets] == [
+        ("xd_some-set", "data of Some_Set", False),
+        ("xd_b", "data of b", False),
+    ]
+
+
 def test_harmonic_mean_and_cross_dataset_mean():
     b2n = Evaluation(mode="base2novel")
     assert derived(b2n, {"acc_global": 0.6, "acc_novel": 0.3}) == {
@@ -127,10 +149,14 @@ def test_harmonic_mean_and_cross_dataset_mean():
         "acc_hm": pytest.approx(2 * 0.6 * 0.3 / 0.9),
     }
     assert derived(b2n, {"acc_global": 0.0, "acc_novel": 0.0})["acc_hm"] == 0.0
+    # a round without one of the two (no client scored yet) has no harmonic mean, and only
+    # base-to-novel has one
+    assert derived(b2n, {"acc_novel": 0.3}) == derived(b2n, {"acc_global": 0.6}) == {}
     xd = Evaluation(mode="cross-dataset", targets=[{"name": "synthetic", "label": "s"}])
     assert derived(xd, {"acc_xd_a": 0.2, "acc_xd_b": 0.5, "acc_global": 0.9}) == {
         "acc_xd_mean": pytest.approx(0.35)
     }
+    assert derived(xd, {"acc_global": 0.6, "acc_novel": 0.3}) == {}
 
 
 def test_mode_settings_are_checked():

@@ -22,6 +22,7 @@ from fpbench.engine.populations import (
     start_shared,
     unpack,
 )
+from fpbench.engine.rounds import play_round
 from fpbench.engine.runner import run_cell
 from fpbench.engine.task import build_task
 from fpbench.errors import FpbenchError
@@ -264,6 +265,46 @@ def test_a_group_without_participants_keeps_its_server_state(tmp_path):
     assert run_cell(cfg, store, checkpoint_dir=tmp_path).status == "done"  # 1 client per round
     loss = store.metrics().query("name == 'loss_train'")
     assert len(loss) == 2 and (loss["count"] == 1).all()
+
+
+def test_a_round_shares_only_its_participants_and_names_each_groups_round_metrics(
+    fpbench_cache,
+):
+    """Only the second group trains this round: the first weighs 0 in the sharing, so both end
+    with the second group's own aggregate; each group's `round_metrics` gets the test split and
+    is stored as `<name>@<group>`.
+
+    Catches a group without participants weighing 1 (the untrained prompts mixed in), and the
+    group suffix dropped or given only from three groups on (two groups' values under one name),
+    and `round_metrics` handed no test split."""
+    cfg = _cell(model_het=_profiles(SAME_MODEL))
+    task = build_task(cfg, CPU)
+    pops = build_populations(cfg, task, CPU)
+    keys = [p.key for p in pops]
+    assert [p.clients for p in pops] == [[0, 1], [2, 3, 4]]
+    servers = start_shared(
+        {p.key: p.method.init_server(torch.Generator().manual_seed(0)) for p in pops}
+    )
+    seen = []
+    for i, pop in enumerate(pops):
+
+        def probe(server, test, i=i):
+            out, labels = test(lambda x: x.flatten(1)[:, :1])
+            seen.append((i, len(out), labels))
+            return {"probe": 10.0 + i}
+
+        pop.method.round_metrics = probe
+    new, rows, _ = play_round(pops, pack(servers), task, cfg, 0, [3, 4], [])
+    alone, _, _ = play_round(pops[1:], pack({keys[1]: servers[keys[1]]}), task, cfg, 0, [3, 4], [])
+    want = unpack(alone, keys[1:])[keys[1]].params["ctx"]
+    assert not torch.equal(want, servers[keys[1]].params["ctx"])  # it trained
+    for key, state in unpack(new, keys).items():
+        assert torch.equal(state.params["ctx"], want), key
+    probes = [(name, v) for c, name, v, _ in rows if name.startswith("probe")]
+    assert probes == [(f"probe@{keys[0]}", 10.0), (f"probe@{keys[1]}", 11.0)]
+    n = len(task.data.test_labels)
+    assert [(i, m) for i, m, _ in seen[:2]] == [(0, n), (1, n)]
+    assert all(torch.equal(labels, task.data.test_labels) for *_, labels in seen)
 
 
 def test_merge_counts_keeps_the_runs_sizes_and_each_clients_f1():

@@ -626,3 +626,72 @@ def test_a_round_evaluates_with_the_runs_batch_size_inputs_and_label_space(tiny,
     assert torch.equal(args[1].params["prompts"], server.params["prompts"])
     assert args[3:] == (5, pop.inputs, "fp32")
     assert kwargs == {"label_space": "client", "clients": None}
+
+
+def test_the_forwards_stats_reach_aggregate_summed_over_the_round(tiny, monkeypatch):
+    """What the forwards record (`Output.stats`, per row) reaches `aggregate` as `Updates.stats`,
+    summed over the round's steps: here each client's count of samples seen, which is its local
+    epochs times its train size.
+
+    Catches `play_round` building the updates without the stats (aggregate sees none)."""
+    from fpbench.engine.build import build_populations
+    from fpbench.testing.tiny import seeded_server
+
+    cfg, task, _ = tiny("fedvpt", rounds=1, local_epochs=2)
+    (pop,) = build_populations(cfg, task, torch.device("cpu"))
+    loss, aggregate, handed = FedVPT.loss, FedVPT.aggregate, []
+
+    def counting(self, params, x, y, rows, ctx):
+        seen = torch.zeros(len(ctx.priors)).index_add_(0, rows, torch.ones(len(rows)))
+        return loss(self, params, x, y, rows, ctx), {"seen": seen}
+
+    def spy(self, server, updates):
+        handed.append(updates)
+        return aggregate(self, server, updates)
+
+    monkeypatch.setattr(FedVPT, "loss", counting)
+    monkeypatch.setattr(FedVPT, "aggregate", spy)
+    ids = [2, 0]
+    rounds.play_round([pop], seeded_server(pop.method), task, cfg, 0, ids, [])
+    (updates,) = handed
+    assert updates.client_ids.tolist() == ids
+    assert updates.stats["seen"].tolist() == [2.0 * len(task.train_idx[c]) for c in ids]
+
+
+def test_a_round_scores_its_modes_sets_in_the_runs_precision(tiny, monkeypatch):
+    """`evaluate_populations` hands `score_targets` the populations, the round's servers, the
+    config, the precision it was given and the clients seen so far, and stores what it returns.
+
+    Catches the scored sets evaluated in another precision (None: fp32 whatever the run's)."""
+    from fpbench.engine.build import build_populations
+    from fpbench.testing.tiny import seeded_server
+
+    cfg, task, _ = tiny("fedvpt", rounds=1)
+    (pop,) = build_populations(cfg, task, torch.device("cpu"))
+    servers, calls = {pop.key: seeded_server(pop.method)}, []
+
+    def spy(*args):
+        calls.append(args)
+        return {"acc_probe": 0.25}
+
+    monkeypatch.setattr(rounds, "score_targets", spy)
+    rows = rounds.evaluate_populations([pop], servers, task, cfg, "bf16", [], 0, [1, 2])
+    assert calls == [([pop], servers, cfg, "bf16", [1, 2])]
+    assert (None, "acc_probe", 0.25, None) in rows
+
+
+def test_a_round_played_alone_counts_its_own_clients_as_the_trained_ones(tiny):
+    """`play_round` without `seen` (as the cost estimate plays it) scores a personal method's
+    clients sampled in this round; the others are untrained.
+
+    Catches the default dropped (`seen` left None: no client counts as trained, or a crash)."""
+    from fpbench.engine.build import build_populations
+    from fpbench.testing.tiny import seeded_server
+
+    cfg, task, _ = tiny("pfedpg", rounds=1)
+    (pop,) = build_populations(cfg, task, torch.device("cpu"))
+    ids = task.trainable_clients()
+    assert len(ids) == 3 and cfg.train.unseen_clients == "exclude"
+    _, rows, _ = rounds.play_round([pop], seeded_server(pop.method), task, cfg, 0, ids[1:2], [])
+    assert [v for c, n, v, _ in rows if n == "clients_untrained"] == [2.0]
+    assert [c for c, n, *_ in rows if n == "acc_local"] == [ids[1]]
