@@ -483,7 +483,7 @@ def test_a_tables_own_fields_are_the_defaults_of_its_cells(tmp_path):
         "suite": "tiny", "scale": 2.0, "unit": "s", "rank": "row", "higher_is_better": False,
         "config": {"train": {"rounds": 2}},
     }  # fmt: skip
-    assert table.note == "n"
+    assert table.note == "n" and table.paper == "tiny"
 
 
 # -- readings --------------------------------------------------------------------------------
