@@ -469,6 +469,26 @@ def test_a_row_with_the_wrong_number_of_values_names_file_table_and_row(tmp_path
     with pytest.raises(FpbenchError) as err:
         load_paper("tiny", tmp_path)
     assert str(err.value) == "tiny.toml table 1: row 'ht' needs 1 values, one per column"
+    (tmp_path / "tiny.toml").write_text(TINY_PAPER.split("[tables.values]")[0])
+    with pytest.raises(FpbenchError, match=r"^tiny\.toml table 1: row 'ht' needs 1 values"):
+        load_paper("tiny", tmp_path)
+
+
+def test_a_tables_own_fields_are_the_defaults_of_its_cells(tmp_path):
+    fields = 'scale = 2.0\nunit = "s"\nrank = "row"\nhigher_is_better = false\n'
+    fields += 'config = { train = { rounds = 2 } }\nnote = "n"\nrow_title = "Algo"\n'
+    fields += 'suite = "tiny"\n'
+    (tmp_path / "tiny.toml").write_text(TINY_PAPER.replace('suite = "tiny"\n', fields))
+    table = load_paper("tiny", tmp_path).table(1)
+    assert table.defaults == {
+        "suite": "tiny", "scale": 2.0, "unit": "s", "rank": "row", "higher_is_better": False,
+        "config": {"train": {"rounds": 2}},
+    }  # fmt: skip
+    labels = (table.paper, table.caption, table.note, table.row_title)
+    assert labels == ("tiny", "tiny", "n", "Algo")
+    (tmp_path / "tiny.toml").write_text(TINY_PAPER)
+    plain = load_paper("tiny", tmp_path).table(1)
+    assert (plain.note, plain.row_title) == ("", "Method")
 
 
 # -- readings --------------------------------------------------------------------------------
