@@ -84,11 +84,15 @@ def test_a_centralized_round_trains_the_pooled_client_alone_and_scores_every_cli
 def test_a_centralized_step_cap_is_the_round_clients_budget(fpbench_cache, monkeypatch):
     """Under a step cap, the pooled client takes `max_local_steps` times the round's sampled
     clients' steps (their budget together), not the cap of one client; it trains with the
-    population's inputs.
+    population's inputs and the run's executor.
 
     Catches the sampled count not handed to `_train_population` (its default, one client's cap),
-    the scaled train config lost, and fresh inputs instead of the population's."""
+    the scaled train config lost, fresh inputs instead of the population's, and the executor
+    dropped."""
     cfg = tiny_config("promptfl", centralized=True, participation=0.5, max_local_steps=1)
+    cfg = cfg.model_copy(
+        update={"runtime": cfg.runtime.model_copy(update={"executor": "reference"})}
+    )
     task = build_task(cfg, CPU)
     (pop,) = build_populations(cfg, task, CPU)
     server = seeded_server(pop.method)
@@ -96,10 +100,12 @@ def test_a_centralized_step_cap_is_the_round_clients_budget(fpbench_cache, monke
     assert len(sampled) == 2
     handed, train = [], rounds.train_clients
     monkeypatch.setattr(
-        rounds, "train_clients", lambda *a, **kw: handed.append(kw["inputs"]) or train(*a, **kw)
+        rounds,
+        "train_clients",
+        lambda *a, **kw: handed.append((kw["inputs"], kw["executor"])) or train(*a, **kw),
     )
     new, _, _ = play_round([pop], server, task, cfg, 0, sampled, [])
-    assert len(handed) == 1 and handed[0] is pop.inputs
+    assert len(handed) == 1 and handed[0][0] is pop.inputs and handed[0][1] == "reference"
     pool = pooled(task, sampled)
     steps = {}
     for cap in (1, 2, 3):
