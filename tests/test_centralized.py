@@ -12,6 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+import fpbench.engine.rounds as rounds
 from fpbench.cli import app
 from fpbench.engine.build import build_populations
 from fpbench.engine.executor import train_clients
@@ -80,19 +81,31 @@ def test_a_centralized_round_trains_the_pooled_client_alone_and_scores_every_cli
     assert any(c == out and name == "acc_heldout" for c, name, *_ in rows)
 
 
-def test_a_centralized_step_cap_is_the_round_clients_budget(fpbench_cache):
+def test_a_centralized_step_cap_is_the_round_clients_budget(fpbench_cache, monkeypatch):
     """Under a step cap, the pooled client takes `max_local_steps` times the round's sampled
-    clients' steps (their budget together), not the cap of one client.
+    clients' steps (their budget together), not the cap of one client; it trains with the
+    population's inputs and the run's executor.
 
-    Catches the sampled count not handed to `_train_population` (its default, one client's cap)
-    and the scaled train config lost."""
+    Catches the sampled count not handed to `_train_population` (its default, one client's cap),
+    the scaled train config lost, fresh inputs instead of the population's, and the executor
+    dropped."""
     cfg = tiny_config("promptfl", centralized=True, participation=0.5, max_local_steps=1)
+    cfg = cfg.model_copy(
+        update={"runtime": cfg.runtime.model_copy(update={"executor": "reference"})}
+    )
     task = build_task(cfg, CPU)
     (pop,) = build_populations(cfg, task, CPU)
     server = seeded_server(pop.method)
     sampled = task.trainable_clients()[1:]
     assert len(sampled) == 2
+    handed, train = [], rounds.train_clients
+    monkeypatch.setattr(
+        rounds,
+        "train_clients",
+        lambda *a, **kw: handed.append((kw["inputs"], kw["executor"])) or train(*a, **kw),
+    )
     new, _, _ = play_round([pop], server, task, cfg, 0, sampled, [])
+    assert len(handed) == 1 and handed[0][0] is pop.inputs and handed[0][1] == "reference"
     pool = pooled(task, sampled)
     steps = {}
     for cap in (1, 2, 3):

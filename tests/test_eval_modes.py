@@ -460,3 +460,32 @@ def test_a_run_stores_the_modes_scores_beside_its_own(tmp_path):
     assert "ece_novel" in got
     assert got["acc_base"] == base
     assert got["acc_hm"] == pytest.approx(2 * base * novel / (base + novel))
+
+
+def test_score_targets_hands_evaluate_each_sets_method_task_inputs_and_the_precision(
+    monkeypatch,
+):
+    """Each scored set is evaluated with its own method, task and inputs, the round's server,
+    the run's eval batch size and the precision given (one population: every client).
+
+    Catches the set's inputs or the precision not handed on (fresh inputs; fp32 whatever the
+    run's)."""
+    import fpbench.engine.rounds as rounds
+
+    cfg = _cell({"name": "promptfl", "n_ctx": 4}, {"mode": "base2novel"})
+    task = build_task(cfg, CPU)
+    (pop,) = build_populations(cfg, task, CPU)
+    server = pop.method.init_server(torch.Generator().manual_seed(4))
+    calls, evaluate = [], rounds.evaluate
+
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(rounds, "evaluate", spy)
+    out = score_targets([pop], {"": server}, cfg, "bf16", [0, 1, 2])
+    ((args, kwargs),) = calls
+    (target,) = pop.targets
+    assert args[0] is target.method and args[1] is server and args[2] is target.task
+    assert args[3:] == (64, target.inputs, "bf16") and kwargs == {"clients": None}
+    assert set(out) == {"acc_novel", "ece_novel"}
