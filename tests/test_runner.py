@@ -515,3 +515,19 @@ def test_a_rerun_refuses_its_checkpoint_when_the_database_lost_its_rounds(
     assert f"its checkpoint {path} is at round 0 but the database lacks rounds 0;" in str(
         info.value
     )
+
+
+def test_a_crash_in_the_rounds_is_stored_even_when_its_cost_cannot_be(store, tmp_path, monkeypatch):
+    """The peak memory write failing too (say the database hiccups) neither masks the crash
+    nor keeps it from being stored."""
+    cfg = tiny_config(rounds=1)
+    monkeypatch.setattr(runner, "run_rounds", _raise(_Boom("round broke")))
+    monkeypatch.setattr(Store, "record_cost", _raise(RuntimeError("cost not written")))
+    with pytest.raises(_Boom):
+        run_cell(cfg, store, checkpoint_dir=tmp_path)
+    record = store.find_run(cfg.run_key)
+    assert (record.status, record.error, record.peak_mem_bytes) == (
+        "failed",
+        "_Boom: round broke",
+        None,
+    )
