@@ -224,7 +224,7 @@ def test_a_failed_frozen_cache_write_warns_once_from_the_caller_and_never_raises
     ]
     # stacklevel 2: the line that asked to keep them; under mutmut its trampoline stands
     # between the caller and the function, so that frame is the caller's
-    caller = "trampoline.py" if os.environ.get("MUTANT_UNDER_TEST") else __file__
+    caller = "trampoline.py" if "MUTANT_UNDER_TEST" in os.environ else __file__
     assert caught[0].filename.endswith(caller)
 
 
