@@ -132,9 +132,14 @@ def test_two_fresh_processes_store_bit_identical_metrics(workdir, reference):
         assert want and got == want, f"{method}: {_differences(got, want)}"
 
 
+# Slow: the round boundary (the mid-round kill stays in the default run; tests/test_scale.py's
+# SIGKILL cases cover the boundary on the tiny suite there); both run in CI's `pytest -m slow`.
 @pytest.mark.parametrize(
     "kill, stored",
-    [(("--kill-after-round", "1"), [0, 1]), (("--kill-at-step", "7"), [0])],
+    [
+        pytest.param(("--kill-after-round", "1"), [0, 1], marks=pytest.mark.slow),
+        (("--kill-at-step", "7"), [0]),
+    ],
     ids=["round-boundary", "mid-round"],
 )
 def test_kill_9_then_resume_equals_uninterrupted(workdir, reference, kill, stored):
@@ -149,6 +154,9 @@ def test_kill_9_then_resume_equals_uninterrupted(workdir, reference, kill, store
     assert got == want, _differences(got, want)
 
 
+# Slow (every method's cell through each launcher, 30 s): the default run keeps
+# tests/test_scale.py's jobs-2 and submitit-local equalities on the tiny suite.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "executor",
     [["--jobs", "2"], ["--launcher", "submitit-local", "--jobs", "2"]],
