@@ -345,15 +345,20 @@ class _TakenOverAfter(Observer):
                 s.execute(update(Run).where(Run.id == run_id).values(**other))
 
 
+def _assert_skipped_as_taken_over(result, cfg, record) -> None:
+    """The cell was skipped with the claim's error (another driver holds the run)."""
+    assert (result.cfg, result.status) == (cfg, "skipped")
+    assert result.error.startswith(f"run {record.id}: claim of ")
+    assert result.error.endswith(" was taken over by another driver")
+
+
 def test_a_round_written_after_the_claim_is_taken_is_refused(store, tmp_path):
     """The round loop writes each round under the cell's claim: once another driver holds it,
     round 1 is not stored and the cell is skipped with the claim's error."""
     cfg = tiny_config(rounds=2)
     result = run_cell(cfg, store, checkpoint_dir=tmp_path, observer=_TakenOverAfter(store, cfg))
     record = store.find_run(cfg.run_key)
-    assert (result.cfg, result.status) == (cfg, "skipped")
-    assert result.error.startswith(f"run {record.id}: claim of ")
-    assert result.error.endswith(" was taken over by another driver")
+    _assert_skipped_as_taken_over(result, cfg, record)
     assert store.last_round(record.id) == 0 and record.owner == "elsewhere:1:z"
 
 
@@ -405,19 +410,13 @@ def test_a_claim_stale_by_the_cells_timeout_is_taken_over_and_kept_alive(
     assert beats == [(run_id, record.owner, 15.0)]
 
 
-class _TakenOverAtTheEnd(_TakenOverAfter):
-    """After the last round (0) another driver takes the run's claim."""
-
-
 def test_a_claim_taken_after_the_last_round_stores_no_cost_and_skips_the_cell(store, tmp_path):
     """The peak memory is stored under the cell's claim: taken after the last round, the write
     is refused with the claim's error (no cost stored, the other driver's run left running)."""
-    cfg = tiny_config(rounds=1)
-    result = run_cell(cfg, store, checkpoint_dir=tmp_path, observer=_TakenOverAtTheEnd(store, cfg))
+    cfg = tiny_config(rounds=1)  # round 0, after which the claim is taken, is the last
+    result = run_cell(cfg, store, checkpoint_dir=tmp_path, observer=_TakenOverAfter(store, cfg))
     record = store.find_run(cfg.run_key)
-    assert (result.cfg, result.status) == (cfg, "skipped")
-    assert result.error.startswith(f"run {record.id}: claim of ")
-    assert result.error.endswith(" was taken over by another driver")
+    _assert_skipped_as_taken_over(result, cfg, record)
     assert (record.status, record.owner, record.peak_mem_bytes) == (
         "running",
         "elsewhere:1:z",
