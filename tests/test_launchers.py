@@ -326,6 +326,20 @@ def test_submitit_local_with_gpus_per_cell_asks_for_whole_gpus(tmp_path, fake_su
     assert FakeExecutor.made[0].params == [{"gpus_per_node": 2}, {"timeout_min": 5}]
 
 
+def test_submitit_local_refuses_gpus_named_otherwise_than_by_index(monkeypatch):
+    from fpbench.engine.submitit_jobs import driver_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", " 1, 3,")
+    assert driver_gpus() == [1, 3]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,GPU-5e1f")
+    with pytest.raises(FpbenchError) as e:
+        driver_gpus()
+    assert str(e.value) == (
+        "--launcher submitit-local gives its jobs GPUs by index, but "
+        "CUDA_VISIBLE_DEVICES='1,GPU-5e1f' names them otherwise; use indices, or --launcher local"
+    )
+
+
 def test_a_cell_job_runs_its_cell_with_the_arguments_it_was_submitted_with(monkeypatch):
     from fpbench.engine import submitit_jobs
 
@@ -426,15 +440,19 @@ def test_run_cells_hands_the_launcher_only_the_cells_not_done_and_keeps_their_or
     monkeypatch.setattr(dispatch.shutil, "which", lambda name: f"/usr/bin/{name}")
     handed = []
 
-    def run(todo, url_, ckpt, d, observer):
-        handed.append(([c.seed for c in todo], url_, ckpt, d, os.environ.get("OMP_WAIT_POLICY")))
-        assert all(c.runtime.threads == (None if launcher == "slurm" else 3) for c in todo)
-        observer.cell_end(CellResult(todo[0], "done"))
-        return [CellResult(c, "done") for c in reversed(todo)]
+    def launcher_named(name):
+        def run(todo, url_, ckpt, d, observer):
+            env = os.environ.get("OMP_WAIT_POLICY")
+            handed.append((name, [c.seed for c in todo], url_, ckpt, d, env))
+            assert all(c.runtime.threads == (None if launcher == "slurm" else 3) for c in todo)
+            observer.cell_end(CellResult(todo[0], "done"))
+            return [CellResult(c, "done") for c in reversed(todo)]
 
-    monkeypatch.setattr(ray_tasks, "run_ray", run)
-    monkeypatch.setattr(submitit_jobs, "run_submitit", run)
-    monkeypatch.setattr(dispatch, "_pool", run)
+        return run
+
+    monkeypatch.setattr(ray_tasks, "run_ray", launcher_named("ray"))
+    monkeypatch.setattr(submitit_jobs, "run_submitit", launcher_named("submitit"))
+    monkeypatch.setattr(dispatch, "_pool", launcher_named("pool"))
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     d = Dispatch(launcher=launcher, jobs=2)
     obs = Recorder()
@@ -447,7 +465,8 @@ def test_run_cells_hands_the_launcher_only_the_cells_not_done_and_keeps_their_or
         update={"runtime": cells[1].runtime.model_copy(update={"threads": threads})}
     )
     assert results[1] == CellResult(one, "skipped", None)
-    assert handed == [([0, 2], url, tmp_path / "ck", d, "PASSIVE")]
+    name = {"ray": "ray", "local": "pool"}.get(launcher, "submitit")
+    assert handed == [(name, [0, 2], url, tmp_path / "ck", d, "PASSIVE")]
     assert obs.calls == [("end", 1, "skipped", None), ("end", 0, "done", None)]
     assert "OMP_WAIT_POLICY" not in os.environ
 
@@ -478,6 +497,7 @@ def test_failed_cells_are_the_stored_failures_and_no_database_is_made(tmp_path):
         _stored(dispatch.cell_url(url, cfg), cfg, status)
     assert dispatch.failed_cells(cells, url) == [cells[1], cells[3]]
     assert not (tmp_path / f"cell-{cells[0].run_key}.db").exists()  # never run: not made
+    assert dispatch.failed_cells(cells, "sqlite://") == []  # in memory: nothing stored
     shared = f"sqlite:///{tmp_path / 'shared.db'}"
     _stored(shared, cells[2], "failed")
     assert dispatch.failed_cells(cells, shared) == [cells[2]]
