@@ -217,10 +217,10 @@ def test_a_finished_cell_keeps_its_params_and_drops_a_torn_checkpoint(store, tmp
     run_rounds = runner.run_rounds
 
     def torn_write(cfg, populations, task, store, run_id, folder, *rest):
+        run_rounds(cfg, populations, task, store, run_id, folder, *rest)
         torn = ckpt_io.checkpoint_path(folder, cfg.run_key).with_suffix(".tmp")
-        torn.parent.mkdir(parents=True, exist_ok=True)
-        torn.write_text("torn")
-        return run_rounds(cfg, populations, task, store, run_id, folder, *rest)
+        torn.write_text("torn")  # after the last save, which would replace it
+        return 12.5  # the rounds' wall time
 
     monkeypatch.setattr(runner, "run_rounds", torn_write)
     monkeypatch.setattr(runner.PeakMemory, "read", lambda self: 99)
@@ -229,7 +229,41 @@ def test_a_finished_cell_keeps_its_params_and_drops_a_torn_checkpoint(store, tmp
     assert kept == [(store.url, folder, cfg.run_key)]
     assert not ckpt_io.checkpoint_path(folder, cfg.run_key).with_suffix(".tmp").exists()
     record = store.find_run(cfg.run_key)
-    assert (record.status, record.peak_mem_bytes) == ("done", 99)
+    assert (record.status, record.peak_mem_bytes, record.wall_s) == ("done", 99, 12.5)
+    # the torn file is gone; the checkpoint stays for `keep_params` (faked here)
+    assert [p.name for p in folder.iterdir()] == [f"{cfg.run_key}.pt"]
+
+
+def test_a_cell_stored_done_is_skipped_before_building(store, tmp_path, monkeypatch):
+    cfg = tiny_config(rounds=1)
+    monkeypatch.setattr(runner, "run_rounds", lambda *args: 0.5)
+    assert run_cell(cfg, store, checkpoint_dir=tmp_path) == CellResult(cfg, "done")
+    monkeypatch.setattr(runner, "build_task", _raise(AssertionError("built again")))
+    assert run_cell(cfg, store, checkpoint_dir=tmp_path) == CellResult(cfg, "skipped", None)
+
+
+def test_a_crash_after_the_claim_is_taken_writes_nothing_to_the_other_drivers_run(
+    store, tmp_path, monkeypatch
+):
+    """The rounds crash after another driver took the claim: neither the peak memory nor the
+    failure is stored (both are written under the cell's claim); the crash is re-raised."""
+    cfg = tiny_config(rounds=1)
+
+    def taken_then_crash(cfg, populations, task, store, run_id, *rest):
+        _TakenOverAfter(store, cfg).round_end(cfg, 0, {})
+        raise _Boom("round broke")
+
+    monkeypatch.setattr(runner, "run_rounds", taken_then_crash)
+    monkeypatch.setattr(runner.PeakMemory, "read", lambda self: 1234)
+    with pytest.raises(_Boom):
+        run_cell(cfg, store, checkpoint_dir=tmp_path)
+    record = store.find_run(cfg.run_key)
+    assert (record.status, record.owner, record.peak_mem_bytes, record.error) == (
+        "running",
+        "elsewhere:1:z",
+        None,
+        None,
+    )
 
 
 class _Ends(Observer):
