@@ -47,6 +47,28 @@ def test_a_rank_group_of_one_cell_marks_nothing(tmp_path: Path):
     assert (cell.mean, cell.reported.value, cell.mark, cell.paper_mark) == (50.0, 50.0, "", "")
 
 
+def test_a_papers_title_source_and_tables_default_when_left_out(tmp_path: Path):
+    titled = TINY_PAPER.replace('title = "tiny"', 'title = "A tiny paper"')
+    (tmp_path / "tiny.toml").write_text(titled.replace('caption = "tiny"\n', ""))  # no source
+    tiny = load_paper("tiny", tmp_path)
+    assert (tiny.name, tiny.title, tiny.source, len(tiny.tables)) == ("tiny", "A tiny paper", "", 1)
+    assert tiny.tables[0].caption == ""  # a table without a caption
+    (tmp_path / "bare.toml").write_text('source = "arXiv 1"\n')  # no title, no tables
+    assert load_paper("bare", tmp_path) == Paper("bare", "bare", "arXiv 1", ())
+    with pytest.raises(FpbenchError) as err:
+        load_paper("nope", tmp_path)
+    assert str(err.value) == "unknown paper 'nope'; choose one of bare, tiny"
+
+
+def test_a_cell_entry_splits_at_the_first_dot_only(tmp_path: Path):
+    # the column key "dir-0.3" holds a dot: "ht.dir-0.3" is row "ht", column "dir-0.3"
+    dotted = TINY_PAPER.replace('key = "acc"', 'key = "dir-0.3"')
+    (tmp_path / "tiny.toml").write_text(dotted + '[tables.cells]\n"ht.dir-0.3" = { seed = 1 }\n')
+    table = load_paper("tiny", tmp_path).table(1)
+    assert table.cells == {("ht", "dir-0.3"): {"seed": 1}}
+    assert table.spec(table.rows[0], table.columns[0])["seed"] == 1
+
+
 # -- sources.py --------------------------------------------------------------------------------
 
 
@@ -313,6 +335,12 @@ def test_the_csv_of_a_table_without_rows_is_its_header():
     table = PaperTable("e", 1, "empty", (), (Line("c", "C"),), {}, {}, {})
     filled = FilledTable(Paper("e", "e", "", (table,)), table, [])
     assert render(filled, "csv") == ",".join(CSV_COLUMNS) + "\n"
+    # a cell whose spec names no labels and no metric: those fields empty
+    cell = Cell("r", "c", {}, parse_reported("-"))
+    filled = FilledTable(Paper("e", "e", "", (table,)), table, [cell])
+    assert render(filled, "csv").splitlines()[1] == (
+        "e,1,r,c,,,,,,,,0,-,,,,,,reference only (not produced by fpbench)"
+    )
 
 
 # -- export.py and listing.py ------------------------------------------------------------------
@@ -415,3 +443,45 @@ def test_the_run_listing_of_a_suite_counts_rounds_and_reads_final_values(tmp_pat
     assert listing["rounds"].tolist() == [2, 1, pd.NA]  # run 3 has no round yet
     assert listing["acc_global"].tolist()[0] == 0.5  # its last evaluation (round 0)
     assert listing["acc_global"][1:].isna().all()
+
+
+def test_panels_are_even_where_they_fit_else_as_full_as_fits():
+    # row labels "Method" (6) + 4 leave 60 of 70 columns; a column needs "paper " + its text
+    # + 3: 11 characters need 20, 31 need 40. Three 20s and a 40: 2 panels either way, and
+    # the even ones (20 + 20, 20 + 40 = 60, just fitting) win over the greedy ones (60, 40)
+    even = paper_term.panels(_wide(["a" * 11] * 3 + ["b" * 31]), 70)
+    assert [[c.key for c in cols] for _, cols in even] == [["c0", "c1"], ["c2", "c3"]]
+    # "-" needs 10, 41 characters 50: the greedy panels are 10 + 10, 50, 50 (three), and
+    # three even ones of two (10 + 10, 50 + 50) do not fit: the greedy ones are shown
+    full = paper_term.panels(_wide(["-", "-", "c" * 41, "d" * 41]), 70)
+    assert [[c.key for c in cols] for _, cols in full] == [["c0", "c1"], ["c2"], ["c3"]]
+
+
+def test_a_header_shows_the_group_path_below_the_panel_title_one_part_a_line():
+    legend: dict[str, str] = {}
+    col = Line("c", "Accuracy", ("CIFAR", "Dir 0.3"))
+    assert paper_term.header(col, 7, legend) == "Dir 0.3\nA"
+    assert legend == {"A": "Accuracy"}
+
+
+def test_an_empty_row_title_leaves_the_label_column_untitled(tmp_path: Path):
+    (tmp_path / "tiny.toml").write_text(TINY_PAPER.replace('suite = "tiny"', 'row_title = ""'))
+    (filled,) = fill_paper(load_paper("tiny", tmp_path), Results(pd.DataFrame(columns=["run_id"])))
+    assert render(filled, "md").splitlines()[2] == "|  | Acc |"
+    assert render(filled, "latex").splitlines()[3] == r" & Acc \\"
+    panel = paper_term.to_terminal(filled, 80).renderables[1]
+    assert [c.header for c in panel.columns] == ["", "Acc"]
+
+
+def test_a_metric_named_like_a_round_column_or_a_label_keeps_one_row_and_both_values(tmp_path):
+    with Store(f"sqlite:///{tmp_path / 'r.db'}") as store:
+        labels = {"suite": "s", "method": "m", "dataset": "d", "partition": "p", "seed": 7}
+        store.create_run(run_key="k", config={}, fpbench_version="v", torch_version="v",
+                         device="cpu", **labels)  # fmt: skip
+        odd = [(None, "wall_s", 9.0, None), (0, "seed", 3.0, None)]
+        store.write_round(1, 0, loss_train=1.0, wall_s=2.0, bytes_up=1, bytes_down=1, metrics=odd)
+        tables = export_tables(store, [1])
+    rounds, clients = tables["rounds"], tables["clients"]
+    # pandas keeps both under suffixes: the round's 2 s (_x) and the metric's 9 (_y)
+    assert rounds[["round", "wall_s_x", "wall_s_y"]].values.tolist() == [[0, 2.0, 9.0]]
+    assert clients[["seed_x", "client_id", "seed_y"]].values.tolist() == [[7, 0, 3.0]]
