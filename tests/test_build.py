@@ -1,0 +1,131 @@
+"""Building a cell (`fpbench.engine.build`), checked directly on the tiny federation: the device
+and precision a setting resolves to, what a method is built with (its task info, the suite's
+normalisation, bf16 blocks, compiled blocks), and the inputs each population and eval target
+gets (the feature cache's memory and folder, batch size and frozen precision)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fpbench.backbones.vit import PromptedViT
+from fpbench.cache import frozen_dir
+from fpbench.engine.build import (
+    build_method,
+    build_populations,
+    resolve_device,
+    resolve_precision,
+)
+from fpbench.engine.inputs import FeatureCache
+from fpbench.engine.task import build_task
+from fpbench.errors import FpbenchError
+from fpbench.specs import RunConfig
+from tests.conftest import tiny_config
+
+CPU = torch.device("cpu")
+
+
+def _with(cfg: RunConfig, section: str, **values) -> RunConfig:
+    part = getattr(cfg, section).model_copy(update=values)
+    return cfg.model_copy(update={section: part})
+
+
+@pytest.mark.parametrize(("cuda", "want"), [(False, "cpu"), (True, "cuda")])
+def test_auto_is_cuda_where_there_is_one(monkeypatch, cuda, want):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert resolve_device("auto") == torch.device(want)
+
+
+def test_a_named_device_is_checked(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("cpu") == CPU
+    want = "^device 'cuda:1' requested but CUDA is not available; use --device cpu$"
+    with pytest.raises(FpbenchError, match=want):
+        resolve_device("cuda:1")
+    with pytest.raises(FpbenchError, match="^invalid device 'gpu'; use auto, cpu, cuda or cuda:N$"):
+        resolve_device("gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+
+
+def test_auto_precision_is_bf16_on_cuda_and_fp32_elsewhere():
+    assert resolve_precision("auto", torch.device("cuda")) == "bf16"
+    assert resolve_precision("auto", CPU) == "fp32"
+    assert resolve_precision("bf16-frozen", CPU) == "bf16-frozen"
+    assert resolve_precision("fp32", torch.device("cuda")) == "fp32"
+
+
+def test_a_method_is_built_with_the_tasks_info_and_its_config():
+    cfg = tiny_config("fedvpt")
+    cfg = _with(cfg, "method", args={"prompt_len": 3})
+    task = build_task(cfg, CPU)
+    method = build_method(cfg, task, CPU)
+    info = method.task
+    assert (info.num_classes, info.num_clients, info.dataset) == (6, 4, "synthetic")
+    assert info.class_priors is task.priors and info.train_sizes is task.train_sizes
+    assert info.class_names == tuple(task.data.class_names) and len(info.class_names) == 6
+    assert info.train_images is task.data.train_images
+    assert info.train_labels is task.data.train_labels
+    assert info.train_idx == tuple(task.train_idx) and info.heldout is task.heldout
+    assert info.coarse_of_class is task.data.coarse_of_class
+    assert method.cfg.prompt_len == 3
+    assert type(method).__name__ == "FedVPT"
+
+
+def test_a_suites_normalisation_replaces_the_backbones():
+    cfg = tiny_config()
+    plain = build_method(cfg, build_task(cfg, CPU), CPU).backbone
+    ref = cfg.backbone.model_copy(update={"mean": (0.1, 0.2, 0.3), "std": (0.4, 0.5, 0.6)})
+    cfg = cfg.model_copy(update={"backbone": ref})
+    backbone = build_method(cfg, build_task(cfg, CPU), CPU).backbone
+    assert (backbone.mean, backbone.std) == ((0.1, 0.2, 0.3), (0.4, 0.5, 0.6))
+    assert (plain.mean, plain.std) != (backbone.mean, backbone.std)
+
+
+def test_bf16_frozen_holds_bf16_blocks_and_compile_compiles_each_block(monkeypatch):
+    compiled: list[tuple[torch.nn.Module, dict]] = []
+    monkeypatch.setattr(
+        torch.nn.Module, "compile", lambda self, **kw: compiled.append((self, kw)), raising=False
+    )
+    cfg = tiny_config()
+    task = build_task(cfg, CPU)
+    assert build_method(cfg, task, CPU).backbone._bf16_blocks == [] and compiled == []
+    cfg = _with(cfg, "runtime", precision="bf16-frozen", compile=True)
+    backbone = build_method(cfg, task, CPU).backbone
+    assert isinstance(backbone, PromptedViT) and len(backbone._bf16_blocks) == 1
+    assert backbone._bf16_blocks[0][0].attn.qkv.weight.dtype == torch.bfloat16
+    blocks = [*backbone.vit.blocks, *backbone._bf16_blocks[0]]
+    assert [m for m, _ in compiled] == blocks and len(blocks) == 2 * len(backbone.vit.blocks)
+    assert all(kw == {"dynamic": True} for _, kw in compiled)
+
+
+def test_a_populations_inputs_keep_frozen_work_as_cache_features_says(tmp_path):
+    cfg = _with(tiny_config(), "train", eval_batch_size=5)
+    cfg = _with(cfg, "runtime", frozen_precision="bf16", feature_cache_dir=str(tmp_path / "f"))
+    task = build_task(cfg, CPU)
+    shared = FeatureCache()
+    (pop,) = build_populations(cfg, task, CPU, cache=shared)
+    inputs = pop.inputs
+    assert (inputs.batch_size, inputs.precision, inputs.task) == (5, "bf16", task)
+    assert inputs.backbone is pop.method.backbone
+    assert inputs.cache.folder == tmp_path / "f" and inputs.cache._memory is shared._memory
+    assert inputs.cache._stores is shared._stores
+    assert pop.key == "" and pop.clients == [0, 1, 2, 3] and pop.cohorts[0].train == cfg.train
+    assert pop.cohorts[0].name is None and pop.targets == ()
+    (own,) = build_populations(cfg, task, CPU)  # no cache given: one of its own, same folder
+    assert own.inputs.cache.folder == tmp_path / "f" and own.inputs.cache._memory == {}
+    memory = _with(cfg, "runtime", cache_features="memory")
+    (pop,) = build_populations(memory, task, CPU, cache=shared)
+    assert pop.inputs.cache.folder is None and pop.inputs.cache._memory is shared._memory
+    off = _with(cfg, "runtime", cache_features=False)
+    (pop,) = build_populations(off, task, CPU, cache=shared)
+    assert pop.inputs.cache is None
+
+
+def test_the_default_feature_folder_is_the_caches(tmp_path):
+    cfg = tiny_config()
+    (pop,) = build_populations(cfg, build_task(cfg, CPU), CPU, cache=FeatureCache())
+    assert pop.inputs.cache.folder == frozen_dir(None) and isinstance(frozen_dir(None), Path)
+    assert pop.inputs.batch_size == 64 and pop.inputs.precision == "fp32"
