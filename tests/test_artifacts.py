@@ -5,6 +5,7 @@ end-to-end CLI path is in tests/test_workflow.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import fpbench.engine.artifacts as artifacts
 import fpbench.engine.numerics as numerics
 import fpbench.engine.rounds as rounds
 from fpbench.engine import checkpoint as ckpt_io
@@ -67,6 +69,22 @@ def test_keep_params_moves_the_last_checkpoint_beside_the_database(tmp_path):
     assert sorted(p.name for p in kept.parent.iterdir()) == ["k.pt"]  # no .tmp left behind
     (ck / "k.pt").write_bytes(b"again")  # a rerun's state replaces the kept one
     assert keep_params(url, ck, "k").read_bytes() == b"again"
+    (ck / "k.pt").write_bytes(b"on a server")  # a database server: under the checkpoints
+    assert keep_params("postgresql+psycopg://u@h/db", ck, "k") == ck / "params" / "k.pt"
+    assert (ck / "params" / "k.pt").read_bytes() == b"on a server"
+
+
+def test_keep_params_copies_through_a_temporary_file_beside_the_target(tmp_path, monkeypatch):
+    """A copy that stops half-way leaves `k.tmp`, never a `k.pt` a load would read."""
+    copies = []
+    monkeypatch.setattr(artifacts.shutil, "copyfile", lambda src, dst: copies.append((src, dst)))
+    monkeypatch.setattr(artifacts.os, "replace", lambda src, dst: copies.append((src, dst)))
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "k.pt").write_bytes(b"state")
+    keep_params(f"sqlite:///{tmp_path}/r.db", ck, "k")
+    tmp = tmp_path / "r-params" / "k.tmp"
+    assert copies == [(ck / "k.pt", tmp), (tmp, tmp_path / "r-params" / "k.pt")]
 
 
 def test_load_params_reads_the_kept_state_else_the_last_checkpoint(tmp_path):
@@ -80,19 +98,26 @@ def test_load_params_reads_the_kept_state_else_the_last_checkpoint(tmp_path):
     assert got.server.params["w"].tolist() == [3.0, 3.0]
     _save(tmp_path / "r-params" / "k.pt", "other", 5)  # another run's file is not this one's
     assert load_params(url, ck, "k", CPU).round == 1
+    server = "postgresql+psycopg://u@h/db"
+    _save(ck / "params" / "k.pt", "k", 6)  # a database server: kept under the checkpoints
+    assert load_params(server, ck, "k", CPU).round == 6
 
 
 def test_load_params_without_a_state_says_where_it_looked(tmp_path):
     url = f"sqlite:///{tmp_path}/r.db"
-    want = f"^run k has no trained state at {tmp_path}/r-params/k.pt \\(runs finished before"
-    with pytest.raises(FpbenchError, match=want):
+    with pytest.raises(FpbenchError) as info:
         load_params(url, tmp_path / "ck", "k", CPU)
+    assert str(info.value) == (
+        f"run k has no trained state at {tmp_path}/r-params/k.pt (runs finished before fpbench "
+        "kept it have none; run the cell again into a fresh database to get it)"
+    )
 
 
 def test_write_npz_names_each_part_stores_bf16_as_float32_and_the_meta(tmp_path):
     ckpt = ckpt_io.Checkpoint("key1", 2, _state(), [], 0.0)
-    out = tmp_path / "new" / "s.npz"
-    write_npz(ckpt, {"seed": 1, "method": {"name": "fedvpt"}}, out)
+    out = tmp_path / "new" / "deeper" / "s.npz"
+    write_npz(ckpt, {"seed": 1, "method": {"name": "fedvpt"}}, out.with_name("first.npz"))
+    write_npz(ckpt, {"seed": 1, "method": {"name": "fedvpt"}}, out)  # into a folder that exists
     with np.load(out, allow_pickle=False) as data:
         assert sorted(data.files) == ["buffers/steps", "meta", "params/prompts", "personal/head_w"]
         assert data["personal/head_w"].dtype == np.float32
@@ -117,14 +142,30 @@ def test_write_npz_names_each_part_stores_bf16_as_float32_and_the_meta(tmp_path)
     assert state.buffers["steps"].tolist() == [3]
 
 
+def test_read_npz_reads_nested_names_and_never_unpickles(tmp_path):
+    """With model heterogeneity names are `<backbone>/<name>`: only the first `/` is the
+    part's. An object array (a pickle) is refused, not loaded."""
+    het = ServerState({"0-vit/prompts": torch.ones(1)}, {"1-clip/head": torch.zeros(2, 1)})
+    out = tmp_path / "het.npz"
+    write_npz(ckpt_io.Checkpoint("k", 0, het, [], 0.0), {}, out)
+    state, _ = read_npz(out)
+    assert list(state.params) == ["0-vit/prompts"] and list(state.personal) == ["1-clip/head"]
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, meta=np.array("{}"), **{"params/x": np.array([{"a": 1}], dtype=object)})
+    with pytest.raises(ValueError, match="allow_pickle=False"):
+        read_npz(bad)
+
+
 def test_on_train_split_scores_each_client_on_its_own_train_samples():
     cfg = tiny_config()
     task = build_task(cfg, CPU)
+    domains = torch.zeros(len(task.data.train_labels), dtype=torch.long)
+    task = dataclasses.replace(task, data=dataclasses.replace(task.data, train_domains=domains))
     swapped = on_train_split(task)
     data = swapped.data
     assert data.test_images is task.data.train_images
     assert data.test_labels is task.data.train_labels
-    assert data.test_domains is task.data.train_domains
+    assert data.test_domains is domains
     assert data.train_images is task.data.train_images
     assert swapped.test_idx == list(task.train_idx) and swapped.train_idx is task.train_idx
     assert task.data.test_images is not task.data.train_images  # the task itself is unchanged
@@ -139,7 +180,7 @@ def evaluated(monkeypatch):
 
     @contextmanager
     def numerics_of(cfg):
-        inside[0] = True
+        inside[0] = cfg
         yield
         inside[0] = False
 
@@ -165,19 +206,31 @@ def evaluated(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize(("last_round", "seen"), [(0, [2]), (1, [2, 3]), (3, [2, 3])])
+@pytest.mark.parametrize(
+    ("train", "last_round", "seen"),
+    [
+        ({"participation": 0.34}, 0, [2]),
+        ({"participation": 0.34}, 1, [2, 3]),
+        ({"participation": 0.34}, 3, [2, 3]),
+        ({"participation": 0.75}, 3, [1, 2, 3]),
+        ({"participation": 0.75, "dropout": 0.5}, 0, [3]),
+        ({"participation": 0.75, "dropout": 0.5}, 1, [2, 3]),
+    ],
+)
 def test_rescore_evaluates_the_kept_state_on_the_clients_trained_so_far(
-    evaluated, last_round, seen
+    evaluated, train, last_round, seen
 ):
-    """Seed 0, 3 trainable clients (1, 2, 3), one a round: the schedule is [2], [3], [2], [3]."""
-    cfg = tiny_config(participation=0.34, rounds=4)
+    """Seed 0, 3 trainable clients (1, 2, 3); the schedules: one a round, [2], [3], [2], [3];
+    two a round, [3, 2], [2, 3], [2, 3], [2, 1]; two a round, one of them failing: [3], [2],
+    [2], [2]."""
+    cfg = tiny_config(rounds=4, **train)
     server = ServerState({"prompts": torch.full((1, 2), 7.0)}, {}, {"b": torch.tensor([1])})
     ckpt = ckpt_io.Checkpoint(cfg.run_key, last_round, server, [], 0.0)
     assert rescore(cfg, ckpt, CPU) == ["rows"]
     (call,) = evaluated
     assert call["seen"] == seen and call["cfg"] is cfg
     assert (call["precision"], call["history"], call["r"]) == ("fp32", [], -1)
-    assert call["in_numerics"] and call["torch_seed"] == derive_seed(cfg.seed, "torch")
+    assert call["in_numerics"] is cfg and call["torch_seed"] == derive_seed(cfg.seed, "torch")
     assert list(call["servers"]) == [""]
     assert torch.equal(call["servers"][""].params["prompts"], torch.full((1, 2), 7.0))
     assert call["servers"][""].buffers["b"].tolist() == [1]

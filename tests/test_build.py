@@ -5,11 +5,13 @@ gets (the feature cache's memory and folder, batch size and frozen precision).""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
+import fpbench.engine.build as build_mod
 from fpbench.backbones.vit import PromptedViT
 from fpbench.cache import frozen_dir
 from fpbench.engine.build import (
@@ -22,6 +24,8 @@ from fpbench.engine.inputs import FeatureCache
 from fpbench.engine.task import build_task
 from fpbench.errors import FpbenchError
 from fpbench.specs import RunConfig
+from fpbench.suites import expand_suite
+from fpbench.tiny import tiny_suite
 from tests.conftest import tiny_config
 
 CPU = torch.device("cpu")
@@ -129,3 +133,130 @@ def test_the_default_feature_folder_is_the_caches(tmp_path):
     (pop,) = build_populations(cfg, build_task(cfg, CPU), CPU, cache=FeatureCache())
     assert pop.inputs.cache.folder == frozen_dir(None) and isinstance(frozen_dir(None), Path)
     assert pop.inputs.batch_size == 64 and pop.inputs.precision == "fp32"
+
+
+def _het(profiles: list[dict], **partition) -> RunConfig:
+    suite = tiny_suite("fedvpt")
+    suite["defaults"] = {
+        **suite["defaults"],
+        "model_het": {"profiles": profiles},
+        "partition": {**suite["defaults"]["partition"], **partition},
+    }
+    return expand_suite(suite, name="het").cells[0]
+
+
+OTHER = {"name": "vit-test", "mean": [0.1, 0.2, 0.3], "std": [0.4, 0.5, 0.6]}
+
+
+def test_model_het_builds_one_population_per_backbone_in_profile_order(monkeypatch):
+    """Profiles a (1 client, the run's backbone), b (2, another), c (1, the run's): clients
+    0 | 1, 2 | 3; a and c share the first population, b has the second."""
+    made = []
+    real = build_mod.build_method
+    monkeypatch.setattr(build_mod, "build_method", lambda *a: made.append(a) or real(*a))
+    cfg = _het(
+        [
+            {"name": "a", "clients": 1},
+            {"name": "b", "clients": 2, "backbone": OTHER, "train": {"batch_size": 3}},
+            {"name": "c", "clients": 1},
+        ]
+    )
+    task = build_task(cfg, CPU)
+    cache = FeatureCache()
+    first, second = build_populations(cfg, task, CPU, cache=cache, pretrained=False)
+    assert (first.key, second.key) == ("0-vit-test", "1-vit-test")
+    assert [(c.name, c.clients) for c in first.cohorts] == [("a", (0,)), ("c", (3,))]
+    assert [(c.name, c.clients) for c in second.cohorts] == [("b", (1, 2))]
+    assert second.cohorts[0].train.batch_size == 3 and first.cohorts[0].train == cfg.train
+    assert first.method.backbone.mean != (0.1, 0.2, 0.3)
+    assert second.method.backbone.mean == (0.1, 0.2, 0.3)
+    assert [a[0].backbone for a in made] == [cfg.backbone, cfg.model_het.profiles[1].backbone]
+    assert [(a[1], a[2], a[3]) for a in made] == [(task, CPU, False)] * 2
+    for pop in (first, second):
+        assert pop.inputs.backbone is pop.method.backbone and pop.inputs.task is task
+        assert pop.inputs.cache._memory is cache._memory and pop.targets == ()
+    (plain,) = build_populations(tiny_config(), build_task(tiny_config(), CPU), CPU)
+    assert plain.method.backbone is plain.inputs.backbone
+
+
+def test_model_het_must_cover_the_partitions_clients():
+    cfg = _het([{"name": "a", "clients": 2}, {"name": "b", "clients": 2, "backbone": OTHER}])
+    task = build_task(cfg, CPU)
+    task.clients = task.clients[:3]  # as a partition that made another number of clients
+    want = "^model_het.profiles have 4 clients in all but the partition made 3; make them equal$"
+    with pytest.raises(FpbenchError, match=want):
+        build_populations(cfg, task, CPU)
+
+
+def test_each_population_is_built_pretrained_unless_asked(monkeypatch):
+    made = []
+    real = build_mod.create_backbone
+    monkeypatch.setattr(
+        build_mod, "create_backbone", lambda name, **kw: made.append((name, kw)) or real(name, **kw)
+    )
+    cfg = tiny_config()
+    task = build_task(cfg, CPU)
+    build_populations(cfg, task, CPU)
+    build_method(cfg, task, CPU)
+    build_populations(cfg, task, CPU, pretrained=False)
+    assert made == [("vit-test", {"weights": None, "pretrained": True})] * 2 + [
+        ("vit-test", {"weights": None, "pretrained": False})
+    ]
+    weights = cfg.backbone.model_copy(update={"weights": "/w/vit.pth"})
+    monkeypatch.setattr(build_mod, "create_backbone", lambda name, **kw: pytest.fail(str(kw)))
+    with pytest.raises(pytest.fail.Exception, match="'weights': '/w/vit.pth'"):
+        build_method(cfg.model_copy(update={"backbone": weights}), task, CPU)
+
+
+def _eval_cell(evaluation: dict, method: dict | None = None) -> RunConfig:
+    """5 classes on clip-test (base-to-novel: 3 base, 2 novel), 3 clients, PromptFL."""
+    raw = {
+        "seeds": [0],
+        "defaults": {
+            "backbone": {"name": "clip-test" if method is None else "vit-test"},
+            "dataset": {"num_classes": 5, "image_size": 16, "train_per_class": 6,
+                        "test_per_class": 3},
+            "partition": {"num_clients": 3, "heldout_frac": 0.0},
+            "train": {"rounds": 1, "batch_size": 8, "eval_batch_size": 64},
+            "evaluation": evaluation,
+        },
+        "datasets": [{"name": "synthetic"}],
+        "partitions": [{"name": "dirichlet", "alpha": 1.0, "min_size": 1}],
+        "methods": [method or {"name": "promptfl", "n_ctx": 4}],
+    }  # fmt: skip
+    return expand_suite(raw, name="modes").cells[0]
+
+
+def test_an_eval_target_is_scored_on_its_own_classes_by_a_method_built_for_them():
+    """Base-to-novel: the novel set (2 classes) gets a second method instance over its
+    classes, on the same backbone, and inputs over its own scoring task (no local data)."""
+    cfg = _eval_cell({"mode": "base2novel"})
+    task = build_task(cfg, CPU)
+    cache = FeatureCache()
+    (pop,) = build_populations(cfg, task, CPU, cache=cache)
+    (target,) = pop.targets
+    (s,) = task.eval_sets
+    assert target.name == s.name == "novel" and target.task.data is s.data
+    assert target.task.clients == task.clients and target.task.num_clients == 3
+    assert [len(i) for i in target.task.train_idx] == [0, 0, 0]
+    assert target.method is not pop.method and target.method.backbone is pop.method.backbone
+    assert target.method.task.class_names == tuple(s.data.class_names)
+    assert len(target.method.task.class_names) == 2 and pop.method.task.num_classes == 3
+    assert target.inputs.task is target.task and target.inputs.backbone is pop.method.backbone
+    assert target.inputs.cache._memory is cache._memory and target.inputs.batch_size == 64
+
+
+def test_a_same_classes_eval_set_is_scored_by_the_runs_own_method():
+    cfg = _eval_cell({"mode": "base2novel"})
+    task = build_task(cfg, CPU)
+    task.eval_sets = (dataclasses.replace(task.eval_sets[0], name="lodo", same_classes=True),)
+    (pop,) = build_populations(cfg, task, CPU, cache=None)
+    (target,) = pop.targets
+    assert target.name == "lodo" and target.method is pop.method
+    assert target.inputs.task is target.task and target.task.data is task.eval_sets[0].data
+
+
+def test_a_method_that_cannot_score_other_classes_names_the_evaluation_mode():
+    cfg = _eval_cell({"mode": "base2novel"}, method={"name": "fedvpt"})
+    with pytest.raises(FpbenchError, match=r"on other classes \(evaluation mode base2novel\):"):
+        build_populations(cfg, build_task(cfg, CPU), CPU)
