@@ -13,7 +13,7 @@ import torch
 
 import fpbench.engine.inputs as inputs_mod
 from fpbench.backbones.recall import _CURRENT
-from fpbench.engine.frozen_cache import entry_path, read_entry
+from fpbench.engine.frozen_cache import entry_path, read_entry, write_entry
 from fpbench.engine.inputs import (
     FeatureCache,
     FrozenSplit,
@@ -57,6 +57,7 @@ def _split(owner: list[int], fn, cache=None, batch_size: int = 2, key: str = "K"
 def test_owners_are_the_lowest_member_holding_each_sample():
     members = [torch.tensor([1, 3]), torch.tensor([3, 4]), torch.tensor([0])]
     assert owners(6, members).tolist() == [2, 0, -1, 0, 1, -1]
+    assert owners(3, [torch.tensor([2, 0])]).tolist() == [0, -1, 0]
     none = owners(3, [])
     assert none.tolist() == [-1, -1, -1] and none.dtype == torch.long
 
@@ -99,7 +100,12 @@ def test_get_computes_once_and_keeps_it_on_disk_under_its_kind(tmp_path):
     fresh = FeatureCache(tmp_path)  # another process: read from disk, not computed
     assert fresh.get("k1", lambda: pytest.fail("computed"), CPU, "prior").tolist() == [1.0, 2.0]
     assert not entry_path(tmp_path, "k1", "misc").exists()
-    assert FeatureCache().get("k2", compute, CPU).tolist() == [1.0, 2.0] and calls == [1, 1]
+    cache.get("k3", compute, CPU)  # no kind: the "misc" folder
+    cache.unit("k4", compute, CPU)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["misc", "prior"]
+    assert entry_path(tmp_path, "k3", "misc").is_file()
+    assert entry_path(tmp_path, "k4", "misc").is_file()
+    assert FeatureCache().get("k2", compute, CPU).tolist() == [1.0, 2.0] and len(calls) == 4
 
 
 def test_a_unit_on_disk_with_the_wrong_row_count_is_recomputed(tmp_path):
@@ -150,11 +156,46 @@ def test_a_split_reads_units_another_split_of_the_same_key_computed(tmp_path):
     assert again.computed == 0
     seen = []
     other = _split([0, 0, 1], fn, FeatureCache(tmp_path))  # another process: from disk
-    with reporting(lambda what, done, total: seen.append((done, total))):
+    with reporting(lambda what, done, total: seen.append((what, done, total))):
         assert other[torch.tensor([2])].tolist() == [[25.0, 1.0]]
-    assert len(fn.batches) == 2 and seen == [(0, 1), (1, 1)] and other.computed == 0
+    assert len(fn.batches) == 2 and other.computed == 0
+    assert seen == [("frozen cls (train)", 0, 1), ("frozen cls (train)", 1, 1)]
+    digest = _unit_digest(torch.tensor([2]), 2)
+    assert entry_path(tmp_path, f"K|unit={digest}", "fake--cls").is_file()  # the split's kind
     moved = _split([0, 1, 1], fn, FeatureCache(tmp_path))  # other units: other digests
     assert moved[torch.tensor([2])].tolist() == [[25.0, 1.0]] and fn.batches[-1] == [1.5, 2.5]
+
+
+def test_a_split_in_memory_reuses_the_units_it_filled():
+    """Memory only: a second split of the same key finds unit 0 filled by the first (its
+    samples carry unit 0's tag) and computes only unit 1."""
+    cache, fn = FeatureCache(), _Counted()
+    _split([0, 0, 1, 1], fn, cache)[torch.tensor([0])]
+    assert fn.batches == [[0.5, 1.5]]
+    again = _split([0, 0, 1, 1], fn, cache)
+    assert again[torch.tensor([1, 3])].tolist() == [[15.0, 1.0], [35.0, 1.0]]
+    assert fn.batches == [[0.5, 1.5], [2.5, 3.5]] and again.computed == 2
+
+
+def test_a_units_samples_are_in_index_order():
+    """The unit (and so its digest and batches) lists its samples in index order, whatever
+    order a sort of the owners gives equal keys (100 samples: numpy-style unstable sorts
+    reorder them)."""
+    owner = torch.randint(-1, 3, (100,), generator=torch.Generator().manual_seed(0))
+    split = _split(owner.tolist(), _Counted())
+    for u, unit in enumerate(split.units):
+        assert unit.tolist() == torch.nonzero(owner == u).flatten().tolist()
+
+
+def test_an_entry_of_the_right_key_with_the_wrong_rows_is_recomputed(tmp_path):
+    fn = _Counted()
+    _split([0, 0], fn, FeatureCache(tmp_path))[torch.tensor([0])]
+    key = f"K|unit={_unit_digest(torch.tensor([0, 1]), 2)}"
+    path = entry_path(tmp_path, key, "fake--cls")
+    write_entry(path, key, torch.zeros(3, 2))  # damaged: 3 rows for a unit of 2
+    again = _split([0, 0], fn, FeatureCache(tmp_path))
+    assert again[torch.tensor([1])].tolist() == [[15.0, 1.0]] and again.computed == 2
+    assert read_entry(path, key).tolist() == [[5.0, 1.0], [15.0, 1.0]]
 
 
 def _task(train_idx, n_test: int = 3):
@@ -189,6 +230,8 @@ def test_inputs_find_each_split_once_with_its_owners_folder_and_key(monkeypatch)
     assert (train.key, test.key) == ("key1", "key2")
     assert keys[0] == (inp.backbone, task.data, "train", "cls/q", "bf16", 7, CPU)
     assert keys[1][2] == "test"
+    nameless = Inputs(SimpleNamespace(preprocess=float), task, cache=FeatureCache(), batch_size=1)
+    assert nameless.frozen("cls", fn, "test").kind == "backbone--cls"
 
 
 def test_inputs_preprocess_augment_and_recall(monkeypatch):
@@ -218,6 +261,7 @@ def test_a_recall_with_a_cache_reads_the_splits_frozen_work(monkeypatch):
     x = inp.test(torch.tensor([2]))
     with inp.recall(x, "test", torch.tensor([2])):
         rec = _CURRENT.get()
+        assert rec.x is x
         assert rec.frozen("cls", fn).tolist() == [[1025.0, 1.0]]
     assert list(inp.splits) == [("cls", "test")]
 
@@ -231,5 +275,17 @@ def test_test_map_runs_fn_over_the_test_split_in_batches_without_gradients():
         sizes.append((len(x), torch.is_grad_enabled()))
         return x * 2
 
+    recalls = []
+    real = inp.recall
+
+    def recall(x, split, idx, *rest):
+        recalls.append((x, split, idx.tolist()))
+        return real(x, split, idx, *rest)
+
+    inp.recall = recall
     assert inp.test_map(fn)[:, 0].tolist() == [201.0, 203.0, 205.0, 207.0, 209.0]
     assert sizes == [(2, False), (2, False), (1, False)]
+    assert [(split, idx) for _, split, idx in recalls] == [
+        ("test", [0, 1]), ("test", [2, 3]), ("test", [4]),
+    ]  # fmt: skip
+    assert [x[:, 0].tolist() for x, _, _ in recalls] == [[100.5, 101.5], [102.5, 103.5], [104.5]]
