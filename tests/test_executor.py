@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from fpbench.engine.augment import uniforms
 from fpbench.engine.executor import (
     LocalResult,
     concat_results,
@@ -67,11 +68,16 @@ class _Method:
                 "ctx": ctx,
                 "w": params["w"].detach().clone(),
                 "grad": {n: p.requires_grad for n, p in params.items()},
+                "autocast": torch.get_autocast_dtype("cpu")
+                if torch.is_autocast_enabled("cpu")
+                else None,
             }
         )
         out = params["w"][rows] * x[:, 0] + params["b"][rows]
         if self.stats:
-            return out, {"seen": torch.ones(1) * len(rows), "max_x": x[:, 0].max()[None]}
+            pair = torch.stack([x[:, 0].sum(), torch.tensor(1.0)])[None]  # (1, 2)
+            return out, {"seen": torch.ones(1) * len(rows), "max_x": x[:, 0].max()[None],
+                         "pair": pair}  # fmt: skip
         return out
 
 
@@ -146,7 +152,7 @@ def test_a_step_hands_the_method_its_context_labels_and_rows():
     task = _task([[0, 1], [2, 3, 4]])
     method, inputs = _Method(), _Inputs()
     server = _server(2)
-    train_clients(
+    result = train_clients(
         method, server, task, [1, 0], _cfg(batch_size=4), round_idx=0, seed=0, inputs=inputs
     )
     (call,) = method.calls
@@ -160,6 +166,38 @@ def test_a_step_hands_the_method_its_context_labels_and_rows():
     assert ctx.labels.tolist() == call["labels"]
     assert call["grad"] == {"w": True, "b": False}
     assert inputs.recalls[0][:3] == ("train", idx, [0, 0, 0, 1, 1])
+    assert call["autocast"] is None
+    # one step each: client 1 (w 2, x 3, 4, 5) 2 * 4 = 8, client 0 (w 1, x 1, 2) 1.5
+    assert result.loss.tolist() == [8.0, 1.5]
+
+
+def test_bf16_trains_under_autocast_on_the_tasks_device():
+    method = _Method()
+    train_clients(method, _server(1), _task([[0]]), [0], _cfg(), round_idx=0, seed=0,
+                  inputs=_Inputs(), precision="bf16")  # fmt: skip
+    assert method.calls[0]["autocast"] == torch.bfloat16
+
+
+class _AugInputs(_Inputs):
+    def train(self, idx, augmentation=None):
+        self.augmentation = augmentation
+        return super().train(idx)
+
+
+def test_augmentation_gives_each_sample_its_view_from_its_clients_epoch_seed():
+    """Views are drawn from (the row's epoch seed, the sample's index); no frozen work is
+    recalled (an augmented image is not the stored one)."""
+    task = _task([[0, 1], [2, 3]])
+    aug = {"hflip": True}
+    method, inputs = _Method(), _AugInputs()
+    train_clients(method, _server(2), task, [1, 0], _cfg(batch_size=2, augment=aug),
+                  round_idx=2, seed=5, inputs=inputs)  # fmt: skip
+    cfg, draws = inputs.augmentation
+    assert cfg == _cfg(augment=aug).augment and inputs.recalls == []
+    seeds = [derive_seed(5, 2, c, 0, 0) for c in (1, 0)]
+    idx = torch.tensor(inputs.asked[0])
+    rows = torch.tensor([0, 0, 1, 1])
+    assert torch.equal(draws, uniforms(torch.tensor(seeds)[rows], idx, 2))
 
 
 def test_without_reuse_or_with_augmentation_no_hidden_states_are_kept():
@@ -185,7 +223,11 @@ def test_the_reference_executor_hands_each_client_the_earlier_clients_stats():
         executor="reference", inputs=_Inputs(),
     )  # fmt: skip
     earlier = [{k: v.tolist() for k, v in c["ctx"].earlier.items()} for c in method.calls]
-    assert earlier == [{}, {"seen": 1.0, "max_x": 1.0}, {"seen": 2.0, "max_x": 3.0}]
+    assert earlier == [
+        {},
+        {"seen": 1.0, "max_x": 1.0, "pair": [1.0, 1.0]},
+        {"seen": 2.0, "max_x": 3.0, "pair": [3.0, 2.0]},
+    ]  # summed over the clients before, each statistic keeping its own shape
     assert result.stats["seen"].tolist() == [1.0, 1.0, 1.0]
     assert result.stats["max_x"].tolist() == [1.0, 2.0, 3.0]
     with pytest.raises(ValueError, match="^unknown executor 'serial'$"):
