@@ -41,7 +41,7 @@ class _Inputs:
         return (idx.float() + 1)[:, None]
 
     def recall(self, x, split, idx, rows, hidden):
-        self.recalls.append((split, idx.tolist(), rows.tolist(), hidden))
+        self.recalls.append((split, idx.tolist(), rows.tolist(), hidden, x))
         return nullcontext()
 
 
@@ -63,6 +63,7 @@ class _Method:
         self.calls.append(
             {
                 "x": x[:, 0].tolist(),
+                "images": x,
                 "labels": labels.tolist(),
                 "rows": rows.tolist(),
                 "ctx": ctx,
@@ -166,7 +167,7 @@ def test_a_step_hands_the_method_its_context_labels_and_rows():
     assert ctx.labels.tolist() == call["labels"]
     assert call["grad"] == {"w": True, "b": False}
     assert inputs.recalls[0][:3] == ("train", idx, [0, 0, 0, 1, 1])
-    assert call["autocast"] is None
+    assert call["autocast"] is None and inputs.recalls[0][4] is call["images"]  # its batch
     # one step each: client 1 (w 2, x 3, 4, 5) 2 * 4 = 8, client 0 (w 1, x 1, 2) 1.5
     assert result.loss.tolist() == [8.0, 1.5]
 
