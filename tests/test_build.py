@@ -260,3 +260,21 @@ def test_a_method_that_cannot_score_other_classes_names_the_evaluation_mode():
     cfg = _eval_cell({"mode": "base2novel"}, method={"name": "fedvpt"})
     with pytest.raises(FpbenchError, match=r"on other classes \(evaluation mode base2novel\):"):
         build_populations(cfg, build_task(cfg, CPU), CPU)
+
+
+def test_each_model_het_population_gets_eval_targets_of_its_own_method():
+    cfg = _eval_cell({"mode": "base2novel"})
+    clip = {"name": "clip-test", "mean": [0.1, 0.2, 0.3], "std": [0.4, 0.5, 0.6]}
+    het = {"profiles": [{"name": "a", "clients": 1}, {"name": "b", "clients": 2, "backbone": clip}]}
+    raw = cfg.model_dump(mode="json") | {"model_het": het}
+    cfg = RunConfig.model_validate(raw)
+    task = build_task(cfg, CPU)
+    cache = FeatureCache()
+    pops = build_populations(cfg, task, CPU, cache=cache)
+    assert [p.key for p in pops] == ["0-clip-test", "1-clip-test"]
+    for pop in pops:
+        (target,) = pop.targets
+        assert target.name == "novel" and target.method is not pop.method
+        assert target.method.backbone is pop.method.backbone
+        assert target.inputs.cache._memory is cache._memory
+    assert pops[1].targets[0].method.backbone.mean == (0.1, 0.2, 0.3)
