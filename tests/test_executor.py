@@ -195,6 +195,9 @@ def test_augmentation_gives_each_sample_its_view_from_its_clients_epoch_seed():
                   round_idx=2, seed=5, inputs=inputs)  # fmt: skip
     cfg, draws = inputs.augmentation
     assert cfg == _cfg(augment=aug).augment and inputs.recalls == []
+    (call,) = method.calls
+    assert call["ctx"].training and call["ctx"].phase == "local"
+    assert call["labels"] == [i % 2 for i in inputs.asked[0]] and call["rows"] == [0, 0, 1, 1]
     seeds = [derive_seed(5, 2, c, 0, 0) for c in (1, 0)]
     idx = torch.tensor(inputs.asked[0])
     rows = torch.tensor([0, 0, 1, 1])

@@ -266,6 +266,16 @@ def test_a_recall_with_a_cache_reads_the_splits_frozen_work(monkeypatch):
     assert list(inp.splits) == [("cls", "test")]
 
 
+def test_the_defaults_are_fp32_frozen_passes_256_at_a_time_without_a_cache():
+    task = _task([[0]])
+    bb = _backbone()
+    inp = Inputs.of(SimpleNamespace(backbone=bb), task)
+    assert (inp.backbone, inp.task, inp.cache) == (bb, task, None)
+    assert (inp.batch_size, inp.precision) == (256, "fp32")
+    assert Inputs(bb, task, cache=None, batch_size=3).precision == "fp32"
+    assert _split([0, 0], _Counted()).precision == "fp32"
+
+
 def test_test_map_runs_fn_over_the_test_split_in_batches_without_gradients():
     task = _task([[0]], n_test=5)
     inp = Inputs(_backbone(), task, cache=None, batch_size=2)
