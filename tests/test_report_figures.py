@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from types import SimpleNamespace
 
+import matplotlib
 import numpy as np
 import pandas as pd
 import pytest
@@ -192,6 +193,8 @@ def test_heldout_axes_and_title(trade):
     (ax,) = fig.axes
     assert fig.get_suptitle() == "participating vs held-out client accuracy\nsuite s"
     assert plots.heldout(trade).get_suptitle() == "participating vs held-out client accuracy"
+    with pytest.raises(FpbenchError, match="no results for suite q;"):
+        plots.heldout(trade.iloc[:0], suite="q")
     assert (ax.get_xlabel(), ax.get_ylabel()) == (
         "mean local accuracy (%)", "mean held-out accuracy (%)"
     )  # fmt: skip
@@ -326,7 +329,8 @@ def test_sweep_lines_per_family_with_std_bars():
     )  # fmt: skip
     assert _gridded(ax) == (True, 0.3)
     assert _legend(ax) == (["fgpt", "fedvpt"], [SMALL, SMALL])
-    assert type(ax.xaxis.get_major_locator()) is MaxNLocator  # whole numbers
+    locator = ax.xaxis.get_major_locator()
+    assert type(locator) is MaxNLocator and locator._integer  # whole numbers
     assert fig.get_suptitle() == "global accuracy vs num_groups\nsuite s"
     loss = metrics.assign(name="loss_x", value=metrics["value"] * 10)
     fig = plots.sweep(loss, configs, "train.local_epochs", "loss_x")
@@ -338,13 +342,15 @@ def test_sweep_lines_per_family_with_std_bars():
     msg = "no run config has 'nope'; name a config key, e.g. train.local_epochs or num_groups"
     with pytest.raises(FpbenchError, match=re.escape(msg)):
         plots.sweep(metrics, configs, "nope")
+    with pytest.raises(FpbenchError, match="no results for suite q;"):
+        plots.sweep(metrics.iloc[:0], configs, "num_groups", suite="q")
 
 
 def test_sweep_categorical_and_fractional_values():
     metrics, configs = _sweep_data()
     for run, cfg in configs.items():
         cfg["optim"] = {"name": {1: "sgd", 2: "sgd", 3: "adam"}.get(run, "lamb")}
-        cfg["frac"] = {1: 0.5, 2: 0.5, 3: 1.5}.get(run, 2.5)
+        cfg["frac"] = {1: 1.0, 2: 1.0, 3: 1.5}.get(run, 2.5)
     ax = plots.sweep(metrics, configs, "optim.name").axes[0]
     # sorted names at 0, 1, 2: adam (run 3), lamb (runs 4-6), sgd (runs 1, 2)
     assert [t.get_text() for t in ax.get_xticklabels()] == ["adam", "lamb", "sgd"]
@@ -353,15 +359,16 @@ def test_sweep_categorical_and_fractional_values():
     assert fgpt == _near([[0, 70], [1, 80], [2, 62]])
     ax = plots.sweep(metrics, configs, "frac").axes[0]
     assert ax.containers[0].lines[0].get_xydata().tolist() == _near(
-        [[0.5, 62], [1.5, 70], [2.5, 80]]
+        [[1.0, 62], [1.5, 70], [2.5, 80]]
     )
-    assert type(ax.xaxis.get_major_locator()) is not MaxNLocator  # 0.5 is not whole
+    assert type(ax.xaxis.get_major_locator()) is not MaxNLocator  # 1.5 is not whole
 
 
 def test_heatmap_grid_annotations_ticks_and_colourbar():
     metrics, configs = _sweep_data()
     fgpt = metrics[metrics["method"].str.startswith("fgpt")]
-    fig = plots.heatmap(fgpt, configs, "num_groups", "train.local_epochs", suite="s")
+    with matplotlib.rc_context({"image.cmap": "gray"}):  # viridis whatever the user's default
+        fig = plots.heatmap(fgpt, configs, "num_groups", "train.local_epochs", suite="s")
     ax, bar = fig.axes
     image = ax.images[0]
     # rows E = 1, 2; columns G = 10, 20: (60 + 64) / 2, 70; no run at (E 2, G 10); 80
@@ -380,6 +387,7 @@ def test_heatmap_grid_annotations_ticks_and_colourbar():
         "fgpt / cifar100 / dir", "num_groups", "train.local_epochs"
     )  # fmt: skip
     assert bar.get_ylabel() == "global accuracy (%)"
+    assert bar.get_ylim() == pytest.approx((62, 80))  # the colour scale spans the grid
     assert fig.get_suptitle() == "global accuracy over num_groups x train.local_epochs\nsuite s"
     assert plots.heatmap(fgpt, configs, "num_groups", "train.local_epochs").get_suptitle() == (
         "global accuracy over num_groups x train.local_epochs"
@@ -394,16 +402,43 @@ def test_heatmap_grid_annotations_ticks_and_colourbar():
     assert loss.axes[0].texts[0].get_text() == "0.6" and loss.axes[1].get_ylabel() == "loss x"
     with pytest.raises(FpbenchError, match=re.escape("no run config has 'a' and 'b'; name")):
         plots.heatmap(fgpt, configs, "a", "b")
+    with pytest.raises(FpbenchError, match="no results for suite q;"):
+        plots.heatmap(fgpt.iloc[:0], configs, "a", "b", suite="q")
+    assert loss.get_suptitle() == "loss_x over num_groups x train.local_epochs"
+    # panels in first-seen order: fgpt's runs come before fedvpt's
+    both = plots.heatmap(metrics, configs, "num_groups", "train.local_epochs")
+    assert [a.get_title() for a in both.axes[:2]] == [
+        "fgpt / cifar100 / dir", "fedvpt / cifar100 / dir"
+    ]  # fmt: skip
+
+
+def test_heatmap_rows_and_columns_of_a_non_square_grid():
+    metrics, configs = _sweep_data()
+    for run, cfg in configs.items():
+        cfg["lr"] = {1: 1.0, 2: 1.5, 3: 1.5}.get(run, 2.5)
+    fgpt = metrics[metrics["method"].str.startswith("fgpt")]
+    ax = plots.heatmap(fgpt, configs, "num_groups", "lr").axes[0]
+    # rows lr 1.0, 1.5, 2.5; columns G 10, 20: [60, -], [64, 70], [-, 80]
+    grid = np.ma.filled(ax.images[0].get_array().astype(float), np.nan)
+    assert np.allclose(grid, [[60, np.nan], [64, 70], [np.nan, 80]], equal_nan=True)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["1.0", "1.5", "2.5"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["10", "20"]
+    texts = [(t.get_text(), t.get_position(), t.get_color()) for t in ax.texts]
+    # middle (60 + 80) / 2 = 70: only values above it are dark
+    assert texts == [
+        ("60.0", (0, 0), "w"), ("64.0", (0, 1), "w"), ("70.0", (1, 1), "w"), ("80.0", (1, 2), "k")
+    ]  # fmt: skip
 
 
 # -- communication -------------------------------------------------------------------------------
 
 
 def _comm_data():
-    """Two fedavg seeds and one sgpt run, 3 rounds of 10 B up + 30 B down, 1.5 s each."""
+    """Two fedavg seeds and one apfl run (after them: not in name order), 3 rounds of 10 B up +
+    30 B down, 1.5 s each."""
     rows, rounds = [], []
     accs = {1: [0.5, 0.6, 0.8], 2: [0.5, 0.7, 0.8], 3: [0.2, 0.3, 0.5]}
-    for run, method in [(1, "fedavg"), (2, "fedavg"), (3, "sgpt")]:
+    for run, method in [(1, "fedavg"), (2, "fedavg"), (3, "apfl")]:
         for r in (2, 0, 1):  # out of order: the cost is summed in round order
             rows.append((run, method, run - 1, r, "acc_global", accs[run][r]))
             rounds.append({"run_id": run, "round": r, "bytes_up": 10, "bytes_down": 30,
@@ -432,12 +467,12 @@ def test_to_target_first_crossing_and_runs_that_never_reach():
     assert list(table.columns) == [
         "method", "dataset", "partition", "runs", "rounds", "wall_s", "bytes", "reached"
     ]  # fmt: skip
-    fedavg, sgpt = table.iloc[0], table.iloc[1]
+    fedavg, apfl = table.iloc[0], table.iloc[1]
     # run 1 reaches 0.7 at its round 2 (3rd), run 2 exactly at round 1 (2nd): means 2.5 rounds
     assert (fedavg["method"], fedavg["runs"], fedavg["reached"]) == ("fedavg", 2, 2)
     assert (fedavg["rounds"], fedavg["wall_s"], fedavg["bytes"]) == pytest.approx((2.5, 3.75, 100))
-    assert (sgpt["method"], sgpt["runs"], sgpt["reached"]) == ("sgpt", 1, 0)
-    assert np.isnan(sgpt["rounds"]) and table["reached"].dtype == int
+    assert (apfl["method"], apfl["runs"], apfl["reached"]) == ("apfl", 1, 0)
+    assert np.isnan(apfl["rounds"]) and table["reached"].dtype == int
 
 
 def test_comm_lines_target_stars_and_labels():
@@ -446,14 +481,16 @@ def test_comm_lines_target_stars_and_labels():
     (ax,) = fig.axes
     lines = ax.get_lines()
     named = [ln for ln in lines if not ln.get_label().startswith("_")]
-    assert [ln.get_label() for ln in named] == ["fedavg", "sgpt"]
+    assert [ln.get_label() for ln in named] == ["fedavg", "apfl"]
     # fedavg: mean over seeds 50, 65, 80 at 40, 80, 120 B = 4e-5, 8e-5, 1.2e-4 MB
-    assert named[0].get_xydata().tolist() == _near([[4e-5, 50], [8e-5, 65], [1.2e-4, 80]])
+    assert named[0].get_xydata().tolist() == _near(
+        [[4e-5, 50], [8e-5, 65], [1.2e-4, 80]], rel=1e-12
+    )
     assert named[1].get_xydata().tolist() == _near([[4e-5, 20], [8e-5, 30], [1.2e-4, 50]])
     assert [(ln.get_color(), ln.get_marker(), ln.get_markersize()) for ln in named] == [
         ("C0", "o", 4), ("C1", "s", 4)
     ]  # fmt: skip
-    stars = [ln for ln in lines if ln.get_marker() == "*"]  # fedavg only: sgpt never gets there
+    stars = [ln for ln in lines if ln.get_marker() == "*"]  # fedavg only: apfl never gets there
     assert len(stars) == 1 and stars[0].get_xydata().tolist() == _near([[1.2e-4, 80]])
     assert (stars[0].get_color(), stars[0].get_markersize()) == ("C0", 14)
     (target,) = [ln for ln in lines if ln.get_linestyle() == "--"]
@@ -463,9 +500,9 @@ def test_comm_lines_target_stars_and_labels():
         "cifar100 / dir", "cumulative communication (MB, up + down)", "global accuracy (%)"
     )  # fmt: skip
     assert _gridded(ax) == (True, 0.3)
-    assert _legend(ax) == (["fedavg", "sgpt"], [SMALL, SMALL])
+    assert _legend(ax) == (["fedavg", "apfl"], [SMALL, SMALL])
     assert fig.get_suptitle() == "global accuracy vs communication\nsuite s"
-    # reaching the target exactly counts: fedavg at its 1st round, sgpt at its 3rd
+    # reaching the target exactly counts: fedavg at its 1st round, apfl at its 3rd
     fig = plots.comm(metrics, rounds, "acc_global", target=0.5)
     stars = [ln for ln in fig.axes[0].get_lines() if ln.get_marker() == "*"]
     assert [s.get_xydata().tolist() for s in stars] == _near([[[4e-5, 50]], [[1.2e-4, 50]]])
@@ -475,6 +512,8 @@ def test_comm_lines_target_stars_and_labels():
     assert plain.axes[0].get_lines()[0].get_ydata().tolist() == [1.0]  # not scaled
     assert plain.axes[0].get_ylabel() == "training loss"
     assert plain.get_suptitle() == "training loss vs communication"
+    other = metrics.assign(name=metrics["name"].replace("loss_train", "loss_x"))
+    assert plots.comm(other, rounds, "loss_x").get_suptitle() == "loss_x vs communication"
     with pytest.raises(FpbenchError, match="no evaluated rounds of 'acc_pooled' with comm"):
         plots.comm(metrics, rounds, "acc_pooled")
     with pytest.raises(FpbenchError, match="no results for suite q"):
@@ -595,23 +634,25 @@ def test_partition_class_colours_tab20_then_turbo():
 
 
 def test_partition_heatmap_image_ticks_and_colourbar():
-    view = _pview(4, 60, heldout=(0, 3))
-    fig = partition_figure(view, "heatmap")
+    view = _pview(4, 50, heldout=(0, 3))
+    with matplotlib.rc_context({"image.cmap": "gray"}):  # viridis whatever the user's default
+        fig = partition_figure(view, "heatmap")
     ax, bar = fig.axes
     (image,) = ax.images
     assert np.asarray(image.get_array()).tolist() == view.counts.tolist()
     assert (image.get_cmap().name, image.get_interpolation()) == ("viridis", "nearest")
     assert ax.get_aspect() == "auto"
     assert bar.get_ylabel() == "train samples"
+    assert bar.get_ylim() == (0, 6)  # the colour scale spans the counts (mod 7: 0 to 6)
     ys = ax.get_yticklabels()
     assert list(ax.get_yticks()) == [0, 1, 2, 3]
     assert [t.get_text() for t in ys] == ["0 (held out)", "1", "2", "3 (held out)"]
     assert [t.get_color() for t in ys] == [HELDOUT_COLOR, "black", "black", HELDOUT_COLOR]
     assert {t.get_fontsize() for t in ys} == {SMALL}
-    # 60 classes: every 60 // 25 = 2nd class named
-    assert list(ax.get_xticks()) == list(range(0, 60, 2))
+    # 50 classes: every 50 // 25 = 2nd class named
+    assert list(ax.get_xticks()) == list(range(0, 50, 2))
     xs = ax.get_xticklabels()
-    assert [t.get_text() for t in xs] == [f"k{k}" for k in range(0, 60, 2)]
+    assert [t.get_text() for t in xs] == [f"k{k}" for k in range(0, 50, 2)]
     assert {(t.get_rotation(), t.get_fontsize()) for t in xs} == {(90, SMALL)}
     assert (ax.get_xlabel(), ax.get_ylabel()) == ("class", "client")
     few = partition_figure(_pview(2, 3), "heatmap").axes[0]

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import locale
 import re
 import struct
+import time
 from html.parser import HTMLParser
 
+import matplotlib
 import pandas as pd
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -19,6 +22,7 @@ from matplotlib.figure import Figure
 
 from fpbench.errors import FpbenchError
 from fpbench.report import html as page_mod
+from fpbench.report import plots
 from fpbench.report.html import Report, build_report, write_report
 
 NOW = dt.datetime(2026, 1, 2, 3, 4, 59, tzinfo=dt.UTC)
@@ -127,7 +131,7 @@ def test_runs_table_columns_rounds_costs_and_escaping():
     runs = _runs([
         {"id": 7, "run_key": "abc", "method": "<x>", "seed": 1, "wall_s": 12.34,
          "peak_mem_bytes": 1536, "round_flops": 2.5e12, "last_round": 2, "device": "cuda"},
-        {"id": 8, "run_key": "def", "status": "pending", "last_round": None},
+        {"id": 8, "run_key": "def", "status": "pending", "last_round": None, "torch_version": None},
     ])  # fmt: skip
     runs = runs[list(reversed(runs.columns))]  # the table's column order is its own
     text = page_mod._runs_table(runs)
@@ -139,7 +143,7 @@ def test_runs_table_columns_rounds_costs_and_escaping():
          "peak memory", "FLOPs / round", "fpbench_version", "torch_version", "device"],
         ["7", "abc", "<x>", "cifar100", "dir", "1", "done", "3", "12.3", "1.50 KiB",
          "2.50 TFLOP", "0.1", "2.5", "cuda"],
-        ["8", "def", "fedavg", "cifar100", "dir", "0", "pending", "0", "", "", "", "0.1", "2.5",
+        ["8", "def", "fedavg", "cifar100", "dir", "0", "pending", "0", "", "", "", "0.1", "",
          "cpu"],
     ]  # fmt: skip
     # without `last_round` (not from the store) there is no rounds column
@@ -214,7 +218,8 @@ def test_png_is_110_dpi_cropped_to_the_drawing():
     fig = Figure(figsize=(4, 2))
     FigureCanvasAgg(fig)
     fig.text(0.5, 0.5, "x")
-    png = page_mod._png(fig)
+    with matplotlib.rc_context({"savefig.format": "svg"}):  # a user's matplotlibrc
+        png = page_mod._png(fig)
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
     width, height, ppm = _png_size_and_dpi(png)
     assert ppm == round(110 / 0.0254)  # 110 dpi
@@ -233,6 +238,7 @@ def test_figures_embed_pngs_and_say_why_one_is_not_drawn():
     )
     assert list(images) == ["curves-acc_global.png"]
     png = images["curves-acc_global.png"]
+    assert png == page_mod._png(plots.curves(metrics, "acc_global", suite="s<1>"))
     assert _png_size_and_dpi(png)[2] == round(110 / 0.0254)
     caption = "Global accuracy (%) against round, mean over seeds."
     data = base64.b64encode(png).decode("ascii")
@@ -286,11 +292,21 @@ def test_page_head_body_order_and_left_out_runs():
     ]  # fmt: skip
 
 
-def test_page_without_unfinished_runs_and_with_the_current_time():
-    metrics = _metrics([(1, "fedavg", 0, 0, "acc_hm", 0.5)])
-    before = dt.datetime.now(dt.UTC).replace(second=0, microsecond=0)
-    text = build_report(metrics, _runs([{"id": 1}]), "s").html
-    after = dt.datetime.now(dt.UTC)
+def test_page_without_unfinished_runs_and_with_the_current_time(monkeypatch):
+    metrics = _metrics([(1, "fedavg", 0, 0, "acc_global", 0.5)])
+    monkeypatch.setenv("TZ", "Asia/Tokyo")  # UTC+9: the page still says UTC time
+    time.tzset()
+    try:
+        before = dt.datetime.now(dt.UTC).replace(second=0, microsecond=0)
+        report = build_report(metrics, _runs([{"id": 1}]), "s")
+        after = dt.datetime.now(dt.UTC)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    text = report.html
+    # the one figure is the suite's curve (its title names the suite), also kept for writing
+    curve = page_mod._png(plots.curves(metrics, "acc_global", suite="s"))
+    assert report.images == {"curves-acc_global.png": curve}
     stamp = re.search(r"generated (\S+ \S+) UTC", text).group(1)
     when = dt.datetime.strptime(stamp, "%Y-%m-%d %H:%M").replace(tzinfo=dt.UTC)
     assert before <= when <= after
@@ -320,4 +336,11 @@ def test_write_report_creates_folders_and_writes_utf8(tmp_path):
     assert page.read_bytes() == "<p>± é</p>".encode()
     assert (out / "a.png").read_bytes() == b"1" and (out / "b.png").read_bytes() == b"22"
     assert write_report(Report("again"), out).read_text(encoding="utf-8") == "again"  # exists
+    ctype = locale.setlocale(locale.LC_CTYPE)
+    locale.setlocale(locale.LC_CTYPE, "C")  # an ASCII locale: UTF-8 all the same
+    try:
+        write_report(Report("± é"), out)
+    finally:
+        locale.setlocale(locale.LC_CTYPE, ctype)
+    assert (out / "index.html").read_bytes() == "± é".encode()
     assert sorted(p.name for p in out.iterdir()) == ["a.png", "b.png", "index.html"]
