@@ -178,6 +178,8 @@ def test_tradeoff_other_metrics_and_the_missing_pair(trade):
     loss = runs.assign(name="loss_x", value=runs["run_id"] * 0.5)
     fig = plots.tradeoff(pd.concat([trade, loss]), x="acc_local_mean", y="loss_x")
     assert fig.get_suptitle() == "loss_x vs mean local accuracy"
+    swapped = plots.tradeoff(pd.concat([trade, loss]), x="loss_x", y="acc_global")
+    assert swapped.get_suptitle() == "global accuracy vs loss_x"
     (ax,) = fig.axes
     assert ax.get_ylabel() == "loss x"
     # fedavg: local mean (75 + 5) %, loss mean(0.5, 1.0) not scaled
@@ -258,11 +260,21 @@ def test_curves_of_a_loss_are_not_scaled_and_unknown_metric_lists_the_stored(lea
         plots.curves(learn.iloc[:0], suite="q")
 
 
-def test_curves_markers_only_up_to_25_points():
-    rows = [(1, "a", 0, r, "acc_global", 0.5) for r in range(25)]
-    rows += [(2, "b", 0, r, "acc_global", 0.5) for r in range(26)]
+def test_curves_markers_only_up_to_25_points_and_thin_bands():
+    rows = [(1, "b", 0, r, "acc_global", 0.5) for r in range(25)]
+    rows += [(2, "a", 0, r, "acc_global", 0.5) for r in range(26)]
+    # c: 50.0 and 51.0 % at round 0 (std 0.71 points), one seed only at round 1 (60 %)
+    rows += [(3, "c", 0, 0, "acc_global", 0.5), (4, "c", 1, 0, "acc_global", 0.51)]
+    rows += [(3, "c", 0, 1, "acc_global", 0.6)]
     ax = plots.curves(_frame(rows)).axes[0]
-    assert [ln.get_marker() for ln in ax.lines] == ["o", "None"]
+    assert [ln.get_label() for ln in ax.lines] == ["b", "a", "c"]  # first-seen order
+    assert [ln.get_marker() for ln in ax.lines] == ["o", "None", "D"]
+    (band,) = ax.collections
+    assert tuple(band.get_facecolor()[0]) == pytest.approx(to_rgba("C2", 0.2))  # c's colour
+    verts = band.get_paths()[0].vertices
+    at_1, at_2 = verts[np.isclose(verts[:, 0], 1), 1], verts[np.isclose(verts[:, 0], 2), 1]
+    assert (at_1.min(), at_1.max()) == pytest.approx((50.5 - 0.7071, 50.5 + 0.7071), abs=1e-4)
+    assert len(at_2) and np.allclose(at_2, 60.0)  # one seed: the band closes on the line
 
 
 # -- config values, sweeps, heatmaps -------------------------------------------------------------
@@ -362,6 +374,13 @@ def test_sweep_categorical_and_fractional_values():
         [[1.0, 62], [1.5, 70], [2.5, 80]]
     )
     assert type(ax.xaxis.get_major_locator()) is not MaxNLocator  # 1.5 is not whole
+
+
+def test_sweep_keeps_a_run_whose_final_value_is_nan():
+    metrics = _frame([(1, "a", 0, 1, "acc_global", 0.5), (2, "a", 0, 1, "acc_global", np.nan)])
+    configs = {1: {"g": 1}, 2: {"g": 2}}
+    (bar,) = plots.sweep(metrics, configs, "g").axes[0].containers
+    assert bar.lines[0].get_xydata().tolist() == _near([[1, 50], [2, np.nan]], nan_ok=True)
 
 
 def test_heatmap_grid_annotations_ticks_and_colourbar():
