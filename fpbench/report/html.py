@@ -162,9 +162,10 @@ def _header(runs: pd.DataFrame, suite: str, now: dt.datetime) -> str:
 
 
 def _runs_table(runs: pd.DataFrame) -> str:
-    """The runs, `rounds` being how many are stored (the last is round `rounds`, from 1)."""
+    """The runs, `rounds` being how many are stored (the last is round `rounds`, from 1; 0 before
+    the first)."""
     if "last_round" in runs:
-        runs = runs.assign(rounds=(runs["last_round"] + 1).astype("Int64"))
+        runs = runs.assign(rounds=(runs["last_round"] + 1).fillna(0).astype("Int64"))
     shown = runs.reindex(columns=[c for c in RUN_COLUMNS if c in runs.columns])
     if "wall_s" in shown:
         shown = shown.assign(wall_s=shown["wall_s"].map(lambda v: "" if pd.isna(v) else f"{v:.1f}"))
