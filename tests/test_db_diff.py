@@ -20,7 +20,7 @@ from fpbench.store.diff import diff, same_bits
 runner = CliRunner()
 
 
-def _db(path: Path, keys=("cell-a", "cell-b"), wall_s: float = 1.0) -> Path:
+def _db(path: Path, keys=("cell-a", "cell-b"), wall_s: float = 1.0, rounds=(0, 1)) -> Path:
     """Two runs of two rounds: a loss, bytes, an aggregate and two per-client metric rows each
     round (2 x (1 status + 2 x (3 round values + 3 x 2 metric values))) = 38 values)."""
     store = Store(f"sqlite:///{path}")
@@ -29,7 +29,7 @@ def _db(path: Path, keys=("cell-a", "cell-b"), wall_s: float = 1.0) -> Path:
             run_key=key, suite="s", method="m", dataset="d", partition="p", seed=i,
             config={}, fpbench_version="0", torch_version="0", device="cpu",
         )  # fmt: skip
-        for r in range(2):
+        for r in rounds:
             metrics = [
                 (None, "acc", 0.1 * (r + 1) + i, 20),
                 (0, "acc", 0.3 + r, 10),
@@ -117,6 +117,38 @@ def test_status_and_show_limit(tmp_path):
         ("cell-a", "status", "'pending'", "'failed'"),
         ("cell-b", "round 0 loss_train", "2.5", "None"),
     ]
+
+
+def test_differences_are_listed_round_by_round_in_number_order(tmp_path):
+    a = _db(tmp_path / "a.db", keys=("cell-a",), rounds=(2, 10))
+    b = _db(tmp_path / "b.db", keys=("cell-a", "cell-c"), rounds=(2, 10))
+    with sqlite3.connect(b) as con:
+        con.execute("update rounds set loss_train = 0.0 where run_id = 1")
+        con.execute("update metrics set value = 5.0 where round = 2 and client_id is null")
+    with sqlite3.connect(a) as con:
+        con.execute("delete from metrics where round = 10 and client_id = 1")
+    with Store(f"sqlite:///{a}") as sa, Store(f"sqlite:///{b}") as sb:
+        found = diff(sa, sb)
+    assert (found.only_a, found.only_b, found.matched, found.different) == ([], ["cell-c"], 1, 5)
+    # round 2 before round 10; within a round, loss_train before the metrics (by name)
+    assert [(d.what, d.a, d.b) for d in found.first] == [
+        ("round 2 loss_train", "0.5", "0.0"),
+        ("round 2 metric acc aggregate value", repr(0.1 * 3), "5.0"),
+        ("round 10 loss_train", "-7.5", "0.0"),
+        ("round 10 metric acc client 1 count", "(missing)", "10"),
+        ("round 10 metric acc client 1 value", "(missing)", repr(1 / 3 + 10)),
+    ]
+
+
+def test_the_first_twenty_differences_are_kept_by_default(tmp_path):
+    a = _db(tmp_path / "a.db")
+    b = tmp_path / "b.db"
+    shutil.copyfile(a, b)
+    with sqlite3.connect(b) as con:
+        con.execute("update metrics set value = value + 1, count = count + 1")
+    with Store(f"sqlite:///{a}") as sa, Store(f"sqlite:///{b}") as sb:
+        found = diff(sa, sb)
+    assert (found.different, len(found.first)) == (24, 20)  # 2 runs x 2 rounds x 3 rows x 2
 
 
 def test_missing_database_is_refused_and_nothing_is_created(tmp_path):

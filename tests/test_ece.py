@@ -56,6 +56,40 @@ def test_ece_rows_sit_beside_accuracy():
     assert agg["ece_global"] == pytest.approx(0.2)
 
 
+def test_ece_keeps_the_lowest_and_highest_bins_apart_and_scores_one_sample():
+    # 0.05 -> (0, 1/15], 0.1 -> (1/15, 2/15]: two bins, |1 - 0.05| / 2 + |0 - 0.1| / 2
+    assert expected_calibration_error(np.array([0.05, 0.1]), np.array([True, False])) == (
+        pytest.approx(0.525)
+    )
+    # 0.9 -> (13/15, 14/15], 0.99 -> (14/15, 1]: two bins, |1 - 0.9| / 2 + |0 - 0.99| / 2
+    assert expected_calibration_error(np.array([0.9, 0.99]), np.array([True, False])) == (
+        pytest.approx(0.545)
+    )
+    # a confidence of 0 falls in the first bin, beside 0.05: |1/2 - 0.025|
+    assert expected_calibration_error(np.array([0.0, 0.05]), np.array([False, True])) == (
+        pytest.approx(0.475)
+    )
+    assert expected_calibration_error(np.array([0.8]), np.array([True])) == pytest.approx(0.2)
+    # float32 confidences (as evaluate hands them) are binned by their float64 value:
+    # float32(0.6) = 0.6000000238 -> (9/15, 10/15], apart from 0.59 in (8/15, 9/15]
+    # (in float32, 0.6 * 15 rounds to 9.0 and would share 0.59's bin)
+    conf32 = np.array([0.6, 0.59], dtype=np.float32)
+    assert expected_calibration_error(conf32, np.array([True, False])) == pytest.approx(0.495)
+
+
+def test_ece_means_count_only_their_own_clients():
+    # clients 0, 1 local; 2 held out; 3 left out untrained; 4 with an empty test set (nan)
+    counts = EvalCounts(
+        correct_local=np.array([1, 2, 1, 1, 0]), total_local=np.array([2, 2, 2, 2, 0]),
+        heldout=np.array([False, False, True, False, False]), global_acc=np.array([0.5]),
+        global_total=4, untrained=np.array([False, False, False, True, False]),
+        ece_local=np.array([0.1, 0.3, 0.5, 0.9, np.nan]),
+    )  # fmt: skip
+    agg = aggregates(counts)
+    assert agg["ece_local_mean"] == pytest.approx(0.2)  # (0.1 + 0.3) / 2
+    assert agg["ece_heldout_mean"] == pytest.approx(0.5)
+
+
 @pytest.mark.parametrize("method_name", ["promptfl", "coop-local"])
 def test_evaluate_records_ece_of_the_methods_logits(tiny, method_name):
     from fpbench.engine.evaluate import confidence, evaluate
