@@ -138,7 +138,8 @@ def test_two_fresh_processes_store_bit_identical_metrics(workdir, reference):
     "kill, stored",
     [
         pytest.param(("--kill-after-round", "1"), [0, 1], marks=pytest.mark.slow),
-        (("--kill-at-step", "7"), [0]),
+        # slow too: tests/test_scale.py's SIGKILL cases resume in the default run
+        pytest.param(("--kill-at-step", "7"), [0], marks=pytest.mark.slow),
     ],
     ids=["round-boundary", "mid-round"],
 )

@@ -327,6 +327,7 @@ def test_per_cell_databases_hold_one_run_each(tmp_path, serial):
         pd.testing.assert_frame_equal(_results(store), expected, check_exact=True)
 
 
+@pytest.mark.slow  # the launcher's wiring: tests/test_launchers.py (fakes)
 def test_submitit_local_executor_matches_serial(tmp_path, serial):
     pytest.importorskip("submitit")
     cells, rows = serial
@@ -342,6 +343,7 @@ def _job_sees() -> str | None:
     return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
+@pytest.mark.slow  # the launcher's wiring: tests/test_launchers.py (fakes)
 def test_submitit_local_jobs_see_the_drivers_gpus(tmp_path, monkeypatch):
     """submitit's local jobs see no GPU unless given some: by default they get the driver's."""
     pytest.importorskip("submitit")
