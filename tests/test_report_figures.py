@@ -162,7 +162,8 @@ def test_tradeoff_markers_error_bars_and_names(trade):
     names = [(t.get_text(), t.xy, t.xyann, t.anncoords) for t in ax.texts]
     offsets = [(6, 6), (6, -6), (6, -18), (6, 6)]  # staggered by position mod 3
     assert [n[0] for n in names] == ["fedavg", "sgpt", "fedrep", "fedprox"]
-    assert [n[1] for n in names] == pytest.approx([(75, 35), (90, 50), (60, 20), (50, 10)])
+    points = np.array([n[1] for n in names], dtype=float)
+    assert points == pytest.approx(np.array([(75, 35), (90, 50), (60, 20), (50, 10)], dtype=float))
     assert [n[2] for n in names] == offsets
     assert {n[3] for n in names} == {"offset points"}
     assert (ax.get_xlabel(), ax.get_ylabel()) == ("global accuracy (%)", "worst local accuracy (%)")
