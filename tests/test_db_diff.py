@@ -43,6 +43,11 @@ def _db(path: Path, keys=("cell-a", "cell-b"), wall_s: float = 1.0, rounds=(0, 1
     return path
 
 
+def _diff(a: Path, b: Path, **kw):
+    with Store(f"sqlite:///{a}") as sa, Store(f"sqlite:///{b}") as sb:
+        return diff(sa, sb, **kw)
+
+
 def _run(a: Path, b: Path, *more: str):
     return runner.invoke(app, ["db", "diff", str(a), str(b), *more])
 
@@ -109,8 +114,7 @@ def test_status_and_show_limit(tmp_path):
     with sqlite3.connect(b) as con:
         con.execute("update runs set status = 'failed'")
         con.execute("update rounds set loss_train = NULL where round = 0")
-    with Store(f"sqlite:///{a}") as sa, Store(f"sqlite:///{b}") as sb:
-        found = diff(sa, sb, keep=3)
+    found = _diff(a, b, keep=3)
     assert (found.compared, found.different, len(found.first)) == (38, 4, 3)
     assert [(d.run_key, d.what, d.a, d.b) for d in found.first] == [
         ("cell-a", "round 0 loss_train", "2.5", "None"),
@@ -127,8 +131,7 @@ def test_differences_are_listed_round_by_round_in_number_order(tmp_path):
         con.execute("update metrics set value = 5.0 where round = 2 and client_id is null")
     with sqlite3.connect(a) as con:
         con.execute("delete from metrics where round = 10 and client_id = 1")
-    with Store(f"sqlite:///{a}") as sa, Store(f"sqlite:///{b}") as sb:
-        found = diff(sa, sb)
+    found = _diff(a, b)
     assert (found.only_a, found.only_b, found.matched, found.different) == ([], ["cell-c"], 1, 5)
     # round 2 before round 10; within a round, loss_train before the metrics (by name)
     assert [(d.what, d.a, d.b) for d in found.first] == [
@@ -146,8 +149,7 @@ def test_the_first_twenty_differences_are_kept_by_default(tmp_path):
     shutil.copyfile(a, b)
     with sqlite3.connect(b) as con:
         con.execute("update metrics set value = value + 1, count = count + 1")
-    with Store(f"sqlite:///{a}") as sa, Store(f"sqlite:///{b}") as sb:
-        found = diff(sa, sb)
+    found = _diff(a, b)
     assert (found.different, len(found.first)) == (24, 20)  # 2 runs x 2 rounds x 3 rows x 2
 
 
