@@ -35,10 +35,10 @@ Decisions (issue #32; counts in docs/method-interface.md):
   server keeps more (buffers, per-client rows, another state), the whole `ServerState`. 13 of
   the hook's 18 overrides only added buffers to the default state and now return
   `ServerState(params, buffers=...)`: the `personal` tensors among its params are still copied
-  into one row per client, so the rule is the dict's. The other 5 built the state next to the
-  parameters anyway. `Method.init_server(gen)` stays as the engine's entry point, provided like
-  `__init__` and refused in a subclass: the engine, measurements and scripts call one name for
-  the state before round 1, and a method writes one method for it.
+  into one row per client, so the rule is the dict's. The other 5 build a state of their own,
+  now beside their parameters. `Method.init_server(gen)` stays as the engine's entry point,
+  provided like `__init__` and refused in a subclass: the engine, measurements and scripts keep
+  one name for the state before round 1, and a method writes its start in one place.
 * `client_params` and `communication` stay hooks: their overrides do different kinds of work
   (tensors generated, added or swapped; buffers, generated rows or first-round-only tensors
   counted as sent, often different up and down), so no declaration covers them without a rule
