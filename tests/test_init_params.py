@@ -93,4 +93,5 @@ def test_a_run_starts_from_the_server_state_init_params_returns(tmp_path, monkey
     assert set(first.params) == {"prompts"} and set(first.personal) == {"head_w", "head_b"}
     assert torch.equal(first.params["prompts"], want["prompts"])
     assert torch.equal(first.personal["head_w"], want["head_w"].expand(n, -1, -1))
+    assert torch.equal(first.personal["head_b"], want["head_b"].expand(n, -1))
     assert torch.equal(first.buffers["mark"], torch.tensor(7.5))
