@@ -212,6 +212,7 @@ def test_a_config_with_presets_applies_them_and_must_declare_the_field():
         ("adapt_samples", "draw"),
         ("scores_new_clients", "personal-deploys"),
         ("readings", "method_readings.py"),
+        ("init_server", "return a ServerState from init_params"),
     ],
 )
 def test_a_method_declaring_a_folded_name_is_refused(old, hint):

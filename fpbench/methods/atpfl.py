@@ -58,8 +58,8 @@ class ATPFL(TwinPromptModel):
     Config = ATPFLConfig
     personal = frozenset({"prev_ctx", "prev_visual", "has_prev"})
 
-    def init_server(self, gen: torch.Generator) -> ServerState:
-        params = self.init_params(gen)
+    def init_params(self, gen: torch.Generator) -> ServerState:
+        params = super().init_params(gen)
         n = self.task.num_clients
         personal = {PREVIOUS[k]: torch.zeros(n, *v.shape) for k, v in params.items()}
         personal["has_prev"] = torch.zeros(n)

@@ -31,11 +31,18 @@ Decisions (issue #32; counts in docs/method-interface.md):
   listed by registry name in `fpbench/report/method_readings.py`.
 * `TestSplit` goes: `round_metrics`' `test` is a callable, `test(fn) -> (outputs, labels)`.
   `Inference` is the documented set of values of `inference`, not a type a method imports.
-* `init_server`, `client_params` and `communication` stay hooks: their overrides do different
-  kinds of work (buffers added or another server state built; tensors generated, added or
-  swapped; buffers, generated rows or first-round-only tensors counted as sent, often different
-  up and down), so no declaration covers them without a rule as long as a hook. The overrides,
-  method by method, are counted in docs/method-interface.md.
+* `init_server` folds into `init_params`, which returns the trainable tensors or, where the
+  server keeps more (buffers, per-client rows, another state), the whole `ServerState`. 13 of
+  the hook's 18 overrides only added buffers to the default state and now return
+  `ServerState(params, buffers=...)`: the `personal` tensors among its params are still copied
+  into one row per client, so the rule is the dict's. The other 5 build a state of their own,
+  now beside their parameters. `Method.init_server(gen)` stays as the engine's entry point,
+  provided like `__init__` and refused in a subclass: the engine, measurements and scripts keep
+  one name for the state before round 1, and a method writes its start in one place.
+* `client_params` and `communication` stay hooks: their overrides do different kinds of work
+  (tensors generated, added or swapped; buffers, generated rows or first-round-only tensors
+  counted as sent, often different up and down), so no declaration covers them without a rule
+  as long as a hook. The overrides, method by method, are counted in docs/method-interface.md.
 * `Context.earlier` stays, read-only: SGPT's reference code lets a client read the selection
   counts of the clients trained before it in the round ("sequential"), which only the reference
   executor can reproduce; it is always empty in lockstep, so no other method sees a difference.
@@ -257,8 +264,14 @@ class Method:
     # -- required: every method writes these -----------------------------------------------------
     name: ClassVar[str]  # the registry name, e.g. "sgpt"
 
-    def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
-        """Initial values of every trainable tensor, without the client axis."""
+    def init_params(self, gen: torch.Generator) -> dict[str, Tensor] | ServerState:
+        """Initial values of every trainable tensor, without the client axis; or, where the
+        server keeps more (buffers, per-client rows, another state), the whole `ServerState`.
+
+        Either way, the tensors named in `personal` that sit among the params are copied into one
+        row per client (`ServerState.personal`), the rest stay global; a returned state's own
+        `personal` rows and `buffers` are kept as they are. A method that only adds buffers
+        returns `ServerState(params, buffers=...)`."""
         raise NotImplementedError
 
     def forward(
@@ -310,19 +323,6 @@ class Method:
         return loss if out.stats is None else (loss, out.stats)
 
     # -- optional hooks: the server --------------------------------------------------------------
-    def init_server(self, gen: torch.Generator) -> ServerState:
-        """The server's state before round 1: `init_params`, with the `personal` ones copied
-        into one row per client; override to add buffers or server-only tensors."""
-        params = self.init_params(gen)
-        n = self.task.num_clients
-        personal = {
-            k: v.unsqueeze(0).repeat(n, *[1] * v.dim())
-            for k, v in params.items()
-            if k in self.personal
-        }
-        shared = {k: v for k, v in params.items() if k not in self.personal}
-        return ServerState(shared, personal)
-
     def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
         """New server state from the round's `updates`; default FedAvg by their weights, with
         personal tensors written back to the clients' rows."""
@@ -374,6 +374,21 @@ class Method:
         self.backbone = backbone
         self.task = task
 
+    def init_server(self, gen: torch.Generator) -> ServerState:
+        """The server's state before round 1 (what the engine calls), from `init_params`."""
+        init = self.init_params(gen)
+        state = init if isinstance(init, ServerState) else ServerState(init)
+        n = self.task.num_clients
+        rows = {
+            k: v.unsqueeze(0).repeat(n, *[1] * v.dim())
+            for k, v in state.params.items()
+            if k in self.personal
+        }
+        if both := sorted(rows.keys() & state.personal.keys()):
+            raise ValueError(f"{self.name}.init_params: {both} given both as params and as rows")
+        shared = {k: v for k, v in state.params.items() if k not in self.personal}
+        return ServerState(shared, {**state.personal, **rows}, state.buffers)
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         for old in _FOLDED.keys() & vars(cls).keys():  # a method written before #32's folds
@@ -386,4 +401,5 @@ _FOLDED = {
     "optimizer_settings": "name a tensor's own optimiser in Phase.optimizers (`phases`)",
     "adapt_samples": "adapt(params, draw, ctx) draws its own batch: draw(n)",
     "scores_new_clients": 'set inference = "personal-deploys"',
+    "init_server": "return a ServerState from init_params",
 }

@@ -71,26 +71,24 @@ class BPL(CoOpModel):
     name = "bpl"
     Config = BPLConfig
 
-    def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
+    def init_params(self, gen: torch.Generator) -> ServerState:
+        """The context and the posterior's parameters; then the noise seed (a buffer)."""
         d = self.backbone.ctx_dim
         params = {"ctx": self.init_context(gen)}
         if self.cfg.vpt_type == "coopvpt":
             params["mean_posterior"] = torch.zeros(d)
             params["std_posterior"] = torch.rand(d, generator=gen)
-            return params
-        e = self.backbone.embed_dim
-        h = e // 2
-        for head in ("mean", "logvar"):
-            for i, (out_dim, in_dim) in enumerate(((h, e), (h, h), (d, h)), start=1):
-                w, b = init_linear(gen, out_dim, in_dim)
-                params[f"{head}_w{i}"], params[f"{head}_b{i}"] = w, b
-        return params
-
-    def init_server(self, gen: torch.Generator) -> ServerState:
-        server = super().init_server(gen)
-        seed = torch.randint(2**31 - 1, (1,), generator=gen)
-        server.buffers = self.noise_buffers(seed, torch.zeros(1, dtype=torch.long))
-        return server
+        else:
+            e = self.backbone.embed_dim
+            h = e // 2
+            for head in ("mean", "logvar"):
+                for i, (out_dim, in_dim) in enumerate(((h, e), (h, h), (d, h)), start=1):
+                    w, b = init_linear(gen, out_dim, in_dim)
+                    params[f"{head}_w{i}"], params[f"{head}_b{i}"] = w, b
+        seed = torch.randint(2**31 - 1, (1,), generator=gen)  # drawn after the parameters
+        return ServerState(
+            params, buffers=self.noise_buffers(seed, torch.zeros(1, dtype=torch.long))
+        )
 
     def noise_buffers(self, seed: Tensor, round_idx: Tensor) -> dict[str, Tensor]:
         """The round's draws eps (L, d) ~ N(0, 1), from the run's seed and the round index."""

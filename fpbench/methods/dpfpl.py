@@ -146,11 +146,12 @@ class DPFPL(GlobalLocalPrompts):
     name = "dp-fpl"
     Config = DPFPLConfig
 
-    def init_server(self, gen: torch.Generator) -> ServerState:
-        server = super().init_server(gen)
+    def init_params(self, gen: torch.Generator) -> ServerState:
+        params = super().init_params(gen)
         seed = torch.randint(0, 2**62, (1,), generator=gen)
-        server.buffers = {"dp_seed": seed, "dp_round": torch.zeros(1, dtype=torch.long)}
-        return server
+        return ServerState(
+            params, buffers={"dp_seed": seed, "dp_round": torch.zeros(1, dtype=torch.long)}
+        )
 
     def client_params(
         self, server: ServerState, client_ids: Tensor, training: bool = True

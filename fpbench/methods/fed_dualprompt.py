@@ -113,7 +113,8 @@ class FedDualPrompt(Method):
                 "prompts replace each other per block, so set them equal"
             )
 
-    def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
+    def init_params(self, gen: torch.Generator) -> ServerState:
+        """The prompts, keys and head; the similarity buffers start undefined (NaN)."""
         d, patch, cfg = self.backbone.embed_dim, self.backbone.patch_size, self.cfg
         g = torch.stack([init_prompts(gen, cfg.g_len, d, patch) for _ in self.g_layers])
         e = torch.stack(
@@ -124,7 +125,8 @@ class FedDualPrompt(Method):
         )  # (M, Le, p, d)
         keys = torch.rand(cfg.pool_size, d, generator=gen) * 2 - 1  # (M, d)
         w, b = init_linear(gen, self.task.num_classes, d)
-        return {"g_prompts": g, "e_prompts": e, "e_keys": keys, "head_w": w, "head_b": b}
+        params = {"g_prompts": g, "e_prompts": e, "e_keys": keys, "head_w": w, "head_b": b}
+        return ServerState(params, buffers={n: torch.tensor(float("nan")) for n in SIMILARITIES})
 
     def query(self, x: Tensor) -> Tensor:
         """The frozen, unprompted backbone's final cls (B, d): what keys are matched against."""
@@ -150,11 +152,6 @@ class FedDualPrompt(Method):
         logits = per_client_linear(feats, params["head_w"], params["head_b"], client_index)
         aux = self.cfg.key_weight * (1 - match) if ctx.training else None
         return Output(logits, aux, stats)
-
-    def init_server(self, gen: torch.Generator) -> ServerState:
-        server = super().init_server(gen)
-        server.buffers.update({n: torch.tensor(float("nan")) for n in SIMILARITIES})
-        return server
 
     def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
         trained, stats = updates.params, updates.stats

@@ -73,9 +73,8 @@ class FedMix(ShallowPromptModel):
     name = "fedmix"
     Config = FedMixConfig
 
-    def init_server(self, gen: torch.Generator) -> ServerState:
-        server = super().init_server(gen)
-        return ServerState(server.params, server.personal, self.shared_means())
+    def init_params(self, gen: torch.Generator) -> ServerState:
+        return ServerState(super().init_params(gen), buffers=self.shared_means())
 
     def shared_means(self) -> dict[str, Tensor]:
         """What the clients share once: mean images and labels, and their averages."""

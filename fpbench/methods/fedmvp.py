@@ -342,7 +342,9 @@ class FedMVP(Method):
             self._text[key] = (weights.to(device), kv.to(device))
         return self._text[key]
 
-    def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
+    def init_params(self, gen: torch.Generator) -> ServerState:
+        """The block's weights; with LoRA, its factors and the buffer `lora_on` (N,): which
+        clients train LoRA."""
         w, e, m = self.width, self.backbone.embed_dim, self.cfg.ff_mult
         text_w, text_b = init_linear(gen, w, e)
         bound = math.sqrt(6.0 / (w + 3 * w))  # xavier_uniform of the (3w, w) in-projection
@@ -357,7 +359,7 @@ class FedMVP(Method):
             for name in LORA:
                 shape = (w, r) if name.endswith("a") else (r, w)
                 out[name] = torch.randn(*shape, generator=gen) * 0.02
-        return out | {
+        params = out | {
             "text_w": text_w, "text_b": text_b,
             "norm_w": ones.clone(), "norm_b": zeros.clone(),
             "norm_ctx_w": ones.clone(), "norm_ctx_b": zeros.clone(),
@@ -366,6 +368,10 @@ class FedMVP(Method):
             "ff_norm_w": ones.clone(), "ff_norm_b": zeros.clone(),
             "ff1_w": ff1_w, "ff1_b": ff1_b, "ff2_w": ff2_w, "ff2_b": ff2_b,
         }  # fmt: skip
+        buffers = {}
+        if self.cfg.lora_threshold is not None:
+            buffers["lora_on"] = torch.zeros(self.task.num_clients, dtype=torch.bool)
+        return ServerState(params, buffers=buffers)
 
     def prompts(self, params: dict[str, Tensor], x: Tensor, client_index: Tensor) -> Tensor:
         """Each sample's visual prompts (B, P, w), made with its client's prompt net."""
@@ -405,13 +411,6 @@ class FedMVP(Method):
                 z.append(recalled("cls-hflip", lambda t: clip.model.encode_image(t.flip(-1)), x))
         cos = [(feats * F.normalize(t.float(), dim=-1)).sum(-1) for t in z]
         return 1.0 - sum(cos) / len(cos)
-
-    def init_server(self, gen: torch.Generator) -> ServerState:
-        """The default state, and the buffer `lora_on` (N,): which clients train LoRA."""
-        server = super().init_server(gen)
-        if self.cfg.lora_threshold is not None:
-            server.buffers["lora_on"] = torch.zeros(self.task.num_clients, dtype=torch.bool)
-        return server
 
     def client_params(
         self, server: ServerState, client_ids: Tensor, training: bool = True

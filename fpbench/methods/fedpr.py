@@ -100,11 +100,11 @@ class FedPR(FedVPTDeep):
     name = "fedpr"
     Config = FedPRConfig
 
-    def init_server(self, gen: torch.Generator) -> ServerState:
-        server = super().init_server(gen)
-        depth, d = server.params["prompts"].shape[0], self.backbone.embed_dim
+    def init_params(self, gen: torch.Generator) -> ServerState:
+        params = super().init_params(gen)
+        depth, d = params["prompts"].shape[0], self.backbone.embed_dim
         eye = torch.eye(d).expand(depth, d, d).clone()  # round 1: no projection
-        return ServerState(server.params, server.personal, {"projector": eye})
+        return ServerState(params, buffers={"projector": eye})
 
     def client_params(
         self, server: ServerState, client_ids: Tensor, training: bool = True

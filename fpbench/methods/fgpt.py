@@ -272,7 +272,8 @@ class FGPT(Method):
         self.key_dim = self.query_encoder.dim if self.query_encoder else backbone.embed_dim
 
     # -- parameters -------------------------------------------------------------------------
-    def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
+    def init_params(self, gen: torch.Generator) -> ServerState:
+        """The prompts and head; the group keys, selection counts and similarities (buffers)."""
         cfg, d, patch = self.cfg, self.backbone.embed_dim, self.backbone.patch_size
         params = {"shared_prompts": init_prompts(gen, cfg.shared_prompt_len, d, patch)}
         if cfg.num_groups:
@@ -280,16 +281,12 @@ class FGPT(Method):
                 [init_prompts(gen, cfg.group_prompt_len, d, patch) for _ in range(cfg.num_groups)]
             )  # (G, p, d)
         params["head_w"], params["head_b"] = init_linear(gen, self.task.num_classes, d)
-        return params
-
-    def init_server(self, gen: torch.Generator) -> ServerState:
-        server = super().init_server(gen)
-        g = self.cfg.num_groups
-        if g:
-            server.buffers["keys"] = make_keys(gen, g, self.key_dim, self.cfg.keys)  # (G, dq)
-            server.buffers["selection_counts"] = torch.zeros(g)
-        server.buffers.update({n: torch.tensor(math.nan) for n in SIMILARITIES})
-        return server
+        buffers = {}
+        if g := cfg.num_groups:
+            buffers["keys"] = make_keys(gen, g, self.key_dim, cfg.keys)  # (G, dq)
+            buffers["selection_counts"] = torch.zeros(g)
+        buffers.update({n: torch.tensor(math.nan) for n in SIMILARITIES})
+        return ServerState(params, buffers=buffers)
 
     # -- math -------------------------------------------------------------------------------
     def query(self, x: Tensor) -> Tensor:

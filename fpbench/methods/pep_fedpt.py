@@ -24,7 +24,7 @@ Readings of the paper (defaults; switches where it matters):
   token (`ccmp_style="replace"`); "accumulate" keeps all of them (SGPT-code style).
 * Eq. 10 takes a client's class means with the round's starting model; fpbench accumulates them
   (detached) over the round's own training forwards, so no extra pass over the client data.
-* The warm start (eq. 19) runs in `init_server` on the frozen, unprompted model over S_0 (all
+* The warm start (eq. 19) runs in `init_params` on the frozen, unprompted model over S_0 (all
   training clients unless `warm_start_clients` is set: the paper does not give |S_0|), and
   averages over the clients holding each class (the cosine scores equal eq. 19's plain mean's).
   Where the caller gives no client data (`TaskInfo.train_images` None), the first round's
@@ -266,28 +266,27 @@ class PEPFedPT(Method):
         self.local_epochs = 1  # set by `phases` each round (sample counts for DP sensitivity)
 
     # -- parameters -------------------------------------------------------------------------
-    def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
+    def init_params(self, gen: torch.Generator) -> ServerState:
+        """The prompts and head; with CCMP, the prototype buffers (warm-started where the
+        clients' data is given, eq. 19)."""
         d, patch, c = self.backbone.embed_dim, self.backbone.patch_size, self.task.num_classes
         params = {"shared_prompts": init_prompts(gen, self.cfg.num_shared, d, patch)}
         if self.layers:
             params["class_prompts"] = init_prompts(gen, c, d, patch)  # (C, d): one token each
         params["head_w"], params["head_b"] = init_linear(gen, c, d)
-        return params
-
-    def init_server(self, gen: torch.Generator) -> ServerState:
-        server = super().init_server(gen)
+        buffers: dict[str, Tensor] = {}
         if self.layers:
-            shape = (len(self.layers), self.task.num_classes, self.backbone.embed_dim)
-            server.buffers.update(
+            shape = (len(self.layers), c, d)
+            buffers.update(
                 prototypes=torch.zeros(shape),
                 period_sum=torch.zeros(shape),
-                period_holders=torch.zeros(self.task.num_classes),
+                period_holders=torch.zeros(c),
                 rounds_done=torch.tensor(0),
                 noise_seed=torch.randint(2**62, (), generator=gen),
             )
             if self._client_data() is not None:
-                server.buffers = self._warm_start(server.buffers, gen)
-        return server
+                buffers = self._warm_start(buffers, gen)
+        return ServerState(params, buffers=buffers)
 
     def _client_data(self) -> tuple[Tensor, Tensor, tuple[Tensor, ...]] | None:
         """(train images, train labels, per-client indices) where the caller gives them."""

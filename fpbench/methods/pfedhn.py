@@ -69,10 +69,8 @@ class HypernetworkMethod(Method):
     def generate(self, phi: dict[str, Tensor], client_ids: Tensor) -> dict[str, Tensor]:
         raise NotImplementedError
 
-    def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
-        return self.init_generator(gen)
-
-    def init_server(self, gen: torch.Generator) -> ServerState:
+    def init_params(self, gen: torch.Generator) -> ServerState:
+        """The generator's weights phi, each with a zero momentum buffer."""
         phi = self.init_generator(gen)
         momentum = {f"momentum.{k}": torch.zeros_like(v) for k, v in phi.items()}
         return ServerState(phi, {}, momentum)

@@ -151,22 +151,19 @@ class PFedMoAP(CoOpModel):
         self.stride = e // d
         self.slots = min(cfg.num_experts, task.num_clients) - 1  # the non-local experts
 
-    def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
+    def init_params(self, gen: torch.Generator) -> ServerState:
+        """The context and the gating network; buffers of the clients' uploads (none yet)."""
         out = {"ctx": self.init_context(gen)}
         d = self.cfg.gating_embed_dim
         for x in GATE:
             out[f"gate_w{x}"], out[f"gate_b{x}"] = init_linear(gen, d, d)
-        return out
-
-    def init_server(self, gen: torch.Generator) -> ServerState:
-        server = super().init_server(gen)
-        n, ctx = self.task.num_clients, server.params["ctx"]
-        server.buffers = {
+        n, ctx = self.task.num_clients, out["ctx"]
+        buffers = {
             "uploads": ctx.new_zeros(n, *ctx.shape),  # each client's last uploaded context
             "uploaded": torch.zeros(n, dtype=torch.bool),
             "gated": torch.zeros(n, dtype=torch.bool),  # trained with experts at least once
         }
-        return server
+        return ServerState(out, buffers=buffers)
 
     def experts(self, server: ServerState, client_ids: Tensor, training: bool) -> tuple:
         """(expert ids, mask), both (K, slots): in training for clients that uploaded before,

@@ -79,8 +79,8 @@ class PFedPG(HypernetworkMethod):
             phi[f"w_{proj}"], phi[f"b_{proj}"] = init_linear(gen, d, d)
         return phi
 
-    def init_server(self, gen: torch.Generator) -> ServerState:
-        server = super().init_server(gen)
+    def init_params(self, gen: torch.Generator) -> ServerState:
+        server = super().init_params(gen)
         n = self.task.num_clients
         w, b = init_linear(gen, self.task.num_classes, self.backbone.embed_dim)
         with torch.no_grad():

@@ -72,7 +72,7 @@ class Powder(CoOpModel):
     Config = PowderConfig
     inference = "client-conditioned"
 
-    def init_server(self, gen: torch.Generator) -> ServerState:
+    def init_params(self, gen: torch.Generator) -> ServerState:
         ctx = self.init_context(gen)
         pool = ctx.unsqueeze(0).repeat(self.task.num_clients, *[1] * ctx.dim())  # (N, M, d)
         buffers = {"pool": pool, "pool_seen": torch.zeros(self.task.num_clients)}

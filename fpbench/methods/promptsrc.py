@@ -174,7 +174,8 @@ class PromptSRC(Method):
             self._zs_text = F.normalize(feats.mean(0), dim=-1)  # (C, E)
         return self._zs_text
 
-    def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
+    def init_params(self, gen: torch.Generator) -> ServerState:
+        """The prompts, and the GPA buffers: their running mean (a copy of the start)."""
         from fpbench.backbones.clip import vision_width
 
         cfg, clip = self.cfg, self.backbone
@@ -189,7 +190,10 @@ class PromptSRC(Method):
         if cfg.prompt_depth_vision > 1:
             params["deep_vision"] = torch.randn(cfg.prompt_depth_vision - 1, nv, w, generator=gen)
             params["deep_vision"] *= 0.02  # (J_v - 1, n_v, w)
-        return params
+        buffers = {f"gpa_{k}": v.clone() for k, v in params.items()}
+        buffers["gpa_round"] = torch.zeros(())  # rounds folded in so far
+        buffers["gpa_log_weight"] = torch.full((), -math.inf, dtype=torch.float64)
+        return ServerState(params, buffers=buffers)
 
     def text_features(self, params: dict[str, Tensor]) -> Tensor:
         """Normalised prompted text features (K, C, E)."""
@@ -226,13 +230,6 @@ class PromptSRC(Method):
         return Output(logits, self_regulating_loss(*terms, client_index))
 
     # -- GPA on the server ------------------------------------------------------------------------
-    def init_server(self, gen: torch.Generator) -> ServerState:
-        server = super().init_server(gen)
-        buffers = {f"gpa_{k}": v.clone() for k, v in server.params.items()}
-        buffers["gpa_round"] = torch.zeros(())  # rounds folded in so far
-        buffers["gpa_log_weight"] = torch.full((), -math.inf, dtype=torch.float64)
-        return ServerState(server.params, server.personal, {**server.buffers, **buffers})
-
     def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
         """FedAvg, then the new global prompts folded into the Gaussian-weighted mean."""
         new = super().aggregate(server, updates)

@@ -103,17 +103,15 @@ class SDFed(CoOpModel):
             return torch.randint(lo, hi + 1, (n,), generator=gen)
         return torch.full((n,), cfg.local_len)
 
-    def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
+    def init_params(self, gen: torch.Generator) -> ServerState:
+        """The global prompt, and each client's own local prompt, padded to the longest."""
         d = self.backbone.ctx_dim
-        return {"global_prompt": torch.randn(self.cfg.global_len, d, generator=gen) * 0.02}
-
-    def init_server(self, gen: torch.Generator) -> ServerState:
-        params = self.init_params(gen)
+        params = {"global_prompt": torch.randn(self.cfg.global_len, d, generator=gen) * 0.02}
         lens = self.lengths(gen)  # (N,)
         longest = int(lens.max())
         for n in lens.unique().tolist():
             self.layout(int(n))  # fail early on the token budget
-        local = torch.randn(len(lens), longest, self.backbone.ctx_dim, generator=gen) * 0.02
+        local = torch.randn(len(lens), longest, d, generator=gen) * 0.02
         return ServerState(params, {"local_prompt": local, "local_len": lens})
 
     def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:

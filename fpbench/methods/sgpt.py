@@ -339,7 +339,8 @@ class SGPT(Method):
         return queries, labels, task.train_labels[pick].to(queries.device)
 
     # -- parameters -------------------------------------------------------------------------
-    def init_params(self, gen: torch.Generator) -> dict[str, Tensor]:
+    def init_params(self, gen: torch.Generator) -> ServerState:
+        """The prompts, keys and head; with groups, the buffer of their selection counts."""
         cfg, d, patch = self.cfg, self.backbone.embed_dim, self.backbone.patch_size
         p, g = cfg.prompt_len, cfg.num_groups
         out: dict[str, Tensor] = {}
@@ -355,13 +356,8 @@ class SGPT(Method):
             out["group_prompts"] = group.view(g, n, p, d)
             out["keys"] = orthogonal_keys(gen, g, d)
         out["head_w"], out["head_b"] = init_linear(gen, self.task.num_classes, d)
-        return out
-
-    def init_server(self, gen: torch.Generator) -> ServerState:
-        server = super().init_server(gen)
-        if self.group_layers:
-            server.buffers["select_counts"] = torch.zeros(self.cfg.num_groups, dtype=torch.long)
-        return server
+        counts = {"select_counts": torch.zeros(g, dtype=torch.long)} if self.group_layers else {}
+        return ServerState(out, buffers=counts)
 
     def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
         shared = tuple(n for n in SHARED_PHASE if n in names)

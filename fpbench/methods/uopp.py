@@ -83,8 +83,8 @@ def dual_head(prompt_logits: Tensor, proto_logits: Tensor, valid: Tensor | None 
 class UOPP(CoOpModel):
     name = "uopp"
 
-    def init_server(self, gen: torch.Generator) -> ServerState:
-        params = self.init_params(gen)
+    def init_params(self, gen: torch.Generator) -> ServerState:
+        params = super().init_params(gen)
         c, e, n = self.task.num_classes, self.backbone.embed_dim, self.task.num_clients
         buffers = {
             "prototypes": torch.zeros(c, e),  # normalised, zero where no class sample was seen

@@ -371,7 +371,7 @@ def sgpt_case(folder: Path, counts: tuple[int, ...] = (5, 1, 0, 3), batch: int =
     task = TaskInfo(c, 1, torch.full((1, c), 1 / c), torch.tensor([8]), tuple(CLASSES), "peer")
     ours = cls(cls.Config(**SGPT_LAYOUT), backbone, task)
     gen = torch.Generator().manual_seed(seed)
-    start = ours.init_params(gen)
+    start = ours.init_params(gen).params
     start["shared_prompts"] = torch.randn(start["shared_prompts"].shape, generator=gen) * 0.1
     images = torch.randn(batch, 3, 224, 224, generator=gen)
     images = images * torch.linspace(0.5, 2.0, batch).view(-1, 1, 1, 1)  # samples far apart

@@ -71,7 +71,7 @@ def bpl_case(
         official = vpt.CustomCLIP(cfg, CLASSES, theirs)
     backbone = OFFICIAL.fpbench_backbone("fpbench-peer-vit", path)
     ours = OFFICIAL.fpbench_method("bpl", backbone, vpt_type=vpt_type, n_samples=n_samples)
-    start = ours.init_params(torch.Generator().manual_seed(0))
+    start = ours.init_params(torch.Generator().manual_seed(0)).params
     learner = dict(official.prompt_learner.named_parameters())
     out = {"init": _diff(start["ctx"], learner["ctx"])}
     names = {"ctx": "ctx", **_posterior_names(vpt_type)}

@@ -315,7 +315,7 @@ def dpfpl_case(folder: Path, n_ctx: int = 4, rank: int = 2, clip: float | None =
     backbone = REF.fpbench_backbone(VIT_NAME, path)
     args = {} if clip is None else {"epsilon": 1.0, "clip": clip}
     ours = REF.fpbench_method("dp-fpl", backbone, n_ctx=n_ctx, rank=rank, **args)
-    start = ours.init_params(torch.Generator().manual_seed(seed))
+    start = ours.init_params(torch.Generator().manual_seed(seed)).params
     learner = official.prompt_learner
     out = {"init": max(REF._diff(start[k], getattr(learner, k)) for k in start)}
     with torch.no_grad():

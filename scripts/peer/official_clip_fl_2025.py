@@ -108,7 +108,7 @@ def pfedmoap_case(folder: Path, arch: str = "vit", n_ctx: int = 4, experts: int 
                                     gating_embed_dim=embed, lmbda=lmbda, scaling=scaling),
                     backbone, task)  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
-    start = ours.init_params(gen)
+    start = ours.init_params(gen).params
     uploads = torch.randn(n, n_ctx, backbone.ctx_dim, generator=gen) * 0.3
     chosen = torch.arange(1, experts + 1)  # this client is 0; its experts 1..experts
     with torch.no_grad():

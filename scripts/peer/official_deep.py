@@ -165,7 +165,7 @@ def promptsrc_case(folder: Path, depth: int = 2, seed: int = 0) -> dict[str, flo
         official = psrc.CustomCLIP(cfg, CLASSES, theirs).float()
     ours = OP.fpbench_method("promptsrc", OP.fpbench_backbone("fpbench-peer-vit", path),
                             prompt_depth_text=depth, prompt_depth_vision=depth)  # fmt: skip
-    start = ours.init_params(torch.Generator().manual_seed(seed))
+    start = ours.init_params(torch.Generator().manual_seed(seed)).params
     visual, text = official.image_encoder, official.text_encoder.transformer
     pairs = {"ctx": official.prompt_learner.ctx, "vision": visual.VPT}
     for j in range(1, depth):

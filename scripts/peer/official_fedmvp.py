@@ -150,7 +150,7 @@ def fedmvp_case(folder: Path, dataset: str = "caltech101", flip: str = "never",
     cfg = FedMVP.Config(alpha=alpha, flip=flip, attributes_dir=str(folder / "attributes"))
     ours = FedMVP(cfg, backbone, task)
     gen = torch.Generator().manual_seed(seed)
-    start = ours.init_params(gen)
+    start = ours.init_params(gen).params
     with torch.no_grad():
         for mine, name in (NAMES | LORA).items():
             learner.get_parameter(name).copy_(start[mine])
