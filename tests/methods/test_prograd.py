@@ -1,5 +1,5 @@
 """ProGrad: the projection and the distillation by hand, the init from the template, and the
-loss hook's gradient against two separate backward passes per client."""
+training loss's gradient against two separate backward passes per client."""
 
 from __future__ import annotations
 
