@@ -165,15 +165,19 @@ def test_a_non_finite_training_loss_fails_the_cell_with_advice(tmp_path, monkeyp
     """One client's infinite loss (its steps then go NaN) fails the cell in round 0, with the
     stored error saying which round and what to change; no round is stored."""
     from fpbench.engine.rounds import NonFiniteLoss
+    from fpbench.methods.base import Output, training_loss
     from fpbench.methods.fedvpt import FedVPT
 
-    loss = FedVPT.loss
+    forward = FedVPT.forward
 
-    def blows_up(self, params, x, y, client_index, ctx):
-        out = loss(self, params, x, y, client_index, ctx)
-        return torch.where(client_index == 0, out * float("inf"), out)
+    def blows_up(self, params, x, client_index, ctx):
+        out = forward(self, params, x, client_index, ctx)
+        if ctx.labels is None:
+            return out
+        loss, _ = training_loss(out, ctx.labels)
+        return Output(out, loss=torch.where(client_index == 0, loss * float("inf"), loss))
 
-    monkeypatch.setattr(FedVPT, "loss", blows_up)
+    monkeypatch.setattr(FedVPT, "forward", blows_up)
     cfg = tiny_config(rounds=2)
     message = (
         "training loss is nan (not finite) after local training in round 0; "

@@ -25,7 +25,7 @@ from fpbench.engine.executor import (
     train_clients,
 )
 from fpbench.engine.seeding import client_batches, derive_seed
-from fpbench.methods.base import Phase, ServerState
+from fpbench.methods.base import Output, Phase, ServerState
 from fpbench.specs import TrainConfig
 
 
@@ -46,7 +46,8 @@ class _Inputs:
 
 
 class _Method:
-    """w: one scalar per client (personal), loss w * x; optional second phase and stats."""
+    """w: one scalar per client (personal), its forward's training loss w * x + b
+    (`Output.loss`, no logits); optional second phase and stats."""
 
     def __init__(self, phases=None, stats: bool = False) -> None:
         self.calls: list[dict] = []
@@ -59,12 +60,12 @@ class _Method:
     def phases(self, local_epochs, names):
         return self._phases or [Phase("local", ("w",), local_epochs)]
 
-    def loss(self, params, x, labels, rows, ctx):
+    def forward(self, params, x, rows, ctx):
         self.calls.append(
             {
                 "x": x[:, 0].tolist(),
                 "images": x,
-                "labels": labels.tolist(),
+                "labels": ctx.labels.tolist(),
                 "rows": rows.tolist(),
                 "ctx": ctx,
                 "w": params["w"].detach().clone(),
@@ -74,12 +75,12 @@ class _Method:
                 else None,
             }
         )
-        out = params["w"][rows] * x[:, 0] + params["b"][rows]
+        loss = params["w"][rows] * x[:, 0] + params["b"][rows]  # the forward's training loss
         if self.stats:
             pair = torch.stack([x[:, 0].sum(), torch.tensor(1.0)])[None]  # (1, 2)
-            return out, {"seen": torch.ones(1) * len(rows), "max_x": x[:, 0].max()[None],
-                         "pair": pair}  # fmt: skip
-        return out
+            return Output(None, stats={"seen": torch.ones(1) * len(rows),
+                          "max_x": x[:, 0].max()[None], "pair": pair}, loss=loss)  # fmt: skip
+        return Output(None, loss=loss)
 
 
 def _task(train_idx: list[list[int]], n: int = 10):

@@ -19,6 +19,7 @@ from fpbench.methods.base import (
     Updates,
     adapts,
     as_logits,
+    training_loss,
 )
 from fpbench.methods.helpers import per_client_linear, weighted_mean
 from fpbench.registry import METHODS
@@ -150,12 +151,41 @@ def test_default_loss_is_cross_entropy_plus_the_forwards_aux_loss():
     method = _TwoLogits.__new__(_TwoLogits)  # its forward needs no backbone
     y, rows = torch.tensor([0, 0]), torch.zeros(2, dtype=torch.long)
     ce = torch.tensor([math.log(1 + math.exp(-2.0)), math.log(1 + math.exp(1.0))])
-    train = method.loss({}, torch.empty(2), y, rows, Context(training=True))
-    torch.testing.assert_close(train, ce + torch.tensor([0.5, 1.5]))
-    test = method.loss({}, torch.empty(2), y, rows, Context(training=False))
-    torch.testing.assert_close(test, ce)
-    logits = method.forward({}, None, rows, Context(training=True))
-    assert torch.equal(as_logits(logits), logits.logits)
+    train = method.forward({}, torch.empty(2), rows, Context(training=True, labels=y))
+    loss, stats = training_loss(train, y)
+    torch.testing.assert_close(loss, ce + torch.tensor([0.5, 1.5]))
+    assert stats == {}
+    test = method.forward({}, torch.empty(2), rows, Context(training=False))
+    torch.testing.assert_close(training_loss(test, y)[0], ce)  # bare logits: cross-entropy
+    assert torch.equal(as_logits(train), train.logits)
+
+
+def test_a_forwards_own_loss_replaces_cross_entropy_and_keeps_its_stats():
+    y = torch.tensor([0, 1])
+    logits = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+    counts = {"seen": torch.tensor([2.0])}
+    loss, stats = training_loss(Output(logits, stats=counts, loss=torch.tensor([3.0, 4.0])), y)
+    assert loss.tolist() == [3.0, 4.0] and stats is counts
+    loss, _ = training_loss(Output(None, loss=torch.tensor([0.0, 7.0])), y)  # no logits needed
+    assert loss.tolist() == [0.0, 7.0]
+
+
+def test_a_forwards_loss_is_refused_beside_aux_loss_or_in_another_shape():
+    y, logits = torch.tensor([0, 1]), torch.zeros(2, 2)
+    with pytest.raises(ValueError, match="both `loss` and `aux_loss`"):
+        training_loss(Output(logits, torch.ones(2), loss=torch.ones(2)), y)
+    with pytest.raises(ValueError, match=re.escape("per sample, shape (2,); got ()")):
+        training_loss(Output(logits, loss=torch.tensor(1.0)), y)
+    with pytest.raises(ValueError, match="neither logits nor a training loss"):
+        training_loss(Output(None), y)
+    with pytest.raises(ValueError, match="no logits"):
+        as_logits(Output(None, loss=torch.ones(2)))
+
+
+def test_the_loss_hook_is_refused_and_points_to_output_loss():
+    hint = re.escape("Old.loss is no longer read: ") + ".*Output.loss"
+    with pytest.raises(TypeError, match=hint):
+        type("Old", (Method,), {"loss": lambda self, *a: None})
 
 
 def test_every_method_declares_its_backbone_family():

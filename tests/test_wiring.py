@@ -32,7 +32,7 @@ from fpbench.engine.rounds import sampling_schedule
 from fpbench.engine.runner import run_cell
 from fpbench.engine.task import aggregation_sizes, load_dataset
 from fpbench.errors import FpbenchError
-from fpbench.methods.base import Context, Method, ServerState, Updates
+from fpbench.methods.base import Context, Method, Output, ServerState, Updates
 from fpbench.methods.fedrep import FedRep
 from fpbench.methods.fedvpt import FedVPT
 from fpbench.partition import make_clients
@@ -499,8 +499,8 @@ def test_personal_metrics_count_every_client_sampled_so_far(tmp_path):
         assert untrained == [float(3 - len(so_far))]
 
 
-def test_phases_reach_the_loss_with_their_trainable_parameters(tiny):
-    """FedRep's local schedule as the method's loss sees it: `ctx.phase` is "head" while only
+def test_phases_reach_the_forward_with_their_trainable_parameters(tiny):
+    """FedRep's local schedule as its training forward sees it: `ctx.phase` is "head" while only
     the head requires grad (from cached final states), then "representation" with the prompts.
 
     Catches `ctx.phase` left unset (every step "eval"), the trainable set not following the phase
@@ -508,22 +508,22 @@ def test_phases_reach_the_loss_with_their_trainable_parameters(tiny):
     """
     cfg, task, method = tiny("fedrep")
     steps = []
-    loss = FedRep.loss
+    forward = FedRep.forward
 
-    def spy(self, params, x, y, client_index, ctx):
+    def spy(self, params, x, client_index, ctx):
         grad = sorted(n for n, t in params.items() if t.requires_grad)
-        out = loss(self, params, x, y, client_index, ctx)
+        out = forward(self, params, x, client_index, ctx)
         states = current(x).states  # the phase's kept hidden states, by call site
         steps.append((ctx.phase, tuple(grad), tuple(key[1] for key in states.caches)))
         return out
 
-    FedRep.loss = spy
+    FedRep.forward = spy
     try:
         server = method.init_server(torch.Generator().manual_seed(0))
         ids = task.trainable_clients()[:2]
         train_clients(method, server, task, ids, cfg.train, round_idx=0, seed=0)
     finally:
-        FedRep.loss = loss
+        FedRep.forward = forward
     depth = method.backbone.depth
     head = [s for s in steps if s[0] == "head"]
     rep = [s for s in steps if s[0] == "representation"]
@@ -639,17 +639,19 @@ def test_the_forwards_stats_reach_aggregate_summed_over_the_round(tiny, monkeypa
 
     cfg, task, _ = tiny("fedvpt", rounds=1, local_epochs=2)
     (pop,) = build_populations(cfg, task, torch.device("cpu"))
-    loss, aggregate, handed = FedVPT.loss, FedVPT.aggregate, []
+    forward, aggregate, handed = FedVPT.forward, FedVPT.aggregate, []
 
-    def counting(self, params, x, y, rows, ctx):
+    def counting(self, params, x, rows, ctx):
+        if ctx.labels is None:  # evaluation
+            return forward(self, params, x, rows, ctx)
         seen = torch.zeros(len(ctx.priors)).index_add_(0, rows, torch.ones(len(rows)))
-        return loss(self, params, x, y, rows, ctx), {"seen": seen}
+        return Output(forward(self, params, x, rows, ctx), stats={"seen": seen})
 
     def spy(self, server, updates):
         handed.append(updates)
         return aggregate(self, server, updates)
 
-    monkeypatch.setattr(FedVPT, "loss", counting)
+    monkeypatch.setattr(FedVPT, "forward", counting)
     monkeypatch.setattr(FedVPT, "aggregate", spy)
     ids = [2, 0]
     rounds.play_round([pop], seeded_server(pop.method), task, cfg, 0, ids, [])

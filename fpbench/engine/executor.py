@@ -24,7 +24,7 @@ from fpbench.engine.optim import OptimizerGroup, make_optimizer
 from fpbench.engine.precision import autocast, start_params
 from fpbench.engine.seeding import client_batches, derive_seed
 from fpbench.engine.task import Task
-from fpbench.methods.base import Context, Method, Phase, ServerState
+from fpbench.methods.base import Context, Method, Phase, ServerState, training_loss
 from fpbench.specs import Augment, TrainConfig
 
 
@@ -230,8 +230,9 @@ def _step(
     views: tuple[Augment, Tensor] | None = None,
     hidden: PhaseStates | None = None,
 ) -> Tensor:
-    """Per-client mean loss (K,) of one lockstep minibatch; zero for clients without a batch.
-    The statistics the forward returns are added to `stats` (see `record`).
+    """Per-client mean loss (K,) of one lockstep minibatch (`training_loss` of the forward's
+    result); zero for clients without a batch. The statistics the forward returns are added to
+    `stats` (see `record`).
 
     `views`: the augmentation and each row's epoch seed (K,), which with a sample's index fixes
     its random view (see `fpbench.engine.augment`). Without one, the backbone recalls frozen
@@ -246,12 +247,11 @@ def _step(
     if views is None:
         x = inputs.train(idx)
         with inputs.recall(x, "train", idx, rows, hidden):
-            out = method.loss(leaves, x, labels, rows, ctx)
+            per_sample, recorded = training_loss(method.forward(leaves, x, rows, ctx), labels)
     else:
         cfg, seeds = views
         x = inputs.train(idx, augmentation=(cfg, uniforms(seeds[rows], idx, 2)))  # seeds (K,)
-        out = method.loss(leaves, x, labels, rows, ctx)
-    per_sample, recorded = out if isinstance(out, tuple) else (out, {})  # (B,)
+        per_sample, recorded = training_loss(method.forward(leaves, x, rows, ctx), labels)
     record(stats, recorded)
     counts = torch.zeros(k, device=idx.device).index_add_(0, rows, torch.ones_like(per_sample))
     sums = torch.zeros(k, device=idx.device, dtype=per_sample.dtype).index_add(0, rows, per_sample)

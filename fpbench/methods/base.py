@@ -12,8 +12,8 @@ evaluation and storage; a method owns its parameters and its math.
 A forward takes preprocessed images and calls `self.backbone` directly. It declares no frozen
 work: the backbone recalls what depends on nothing the current phase trains
 (`fpbench.backbones.recall`). It returns its outputs (`Output`: logits, an auxiliary loss, the
-statistics it records) and writes into nothing; what the engine hands it (`Context`) is
-read-only.
+statistics it records, in training its own loss where it has one) and writes into nothing;
+what the engine hands it (`Context`) is read-only.
 
 Decisions (issue #32; counts in docs/method-interface.md):
 * `adapt` stays, `adapt_samples` folds into it: Per-FedAvg's evaluation-time step needs data
@@ -25,6 +25,11 @@ Decisions (issue #32; counts in docs/method-interface.md):
   optimiser is part of the local schedule, a plain dict per tensor (optimizer, lr, momentum,
   weight_decay), checked when the phase is made.
 * `scores_new_clients` folds into `inference`, as the value "personal-deploys".
+* `loss` folds into the forward's `Output.loss`: a forward given the batch's labels
+  (`ctx.labels`, in training) returns its own per-sample objective where it is not
+  cross-entropy plus a term (Per-FedAvg's meta-step, FedEM's responsibilities), as a model
+  given labels returns its loss; the engine reads `loss`, else cross-entropy + `aux_loss`.
+  One forward then holds a method's training math, and no second entry point recomputes it.
 * `PresetConfig` folds into `MethodConfig` (`PRESETS`, and a config with presets declares its
   `preset` field: a field on every config would change every stored config).
 * `readings` leaves the interface: it is paper-protocol data, read only by the protocol checks,
@@ -146,22 +151,56 @@ class Updates:
 
 class Output(NamedTuple):
     """A forward's outputs: its logits, a per-sample auxiliary loss that training adds to their
-    cross-entropy (e.g. SGPT's key loss), and the statistics it records; a forward with
-    nothing else to say returns bare logits.
+    cross-entropy (e.g. SGPT's key loss), the statistics it records, and, for an objective other
+    than cross-entropy plus a term, the per-sample training loss itself; a forward with nothing
+    else to say returns bare logits.
+
+    `loss` is read in training only (the engine hands the forward `ctx.labels`): given, it
+    replaces cross-entropy and `aux_loss`, so a forward gives one or the other (both: an
+    error), and `logits` may then be None where the objective does not make them (Per-FedAvg's
+    meta-step scores only half its batch). Outside training a forward returns logits.
 
     `stats` are per-row values (K, ...) that the engine adds up over the round's steps (those
     named `max_*`: their elementwise maximum) and hands `aggregate` in `Updates.stats`, e.g.
     SGPT's selection counts.
     """
 
-    logits: Tensor  # (B, C)
+    logits: Tensor | None  # (B, C); None only beside `loss` in training
     aux_loss: Tensor | None = None  # (B,); None: nothing to add
     stats: Mapping[str, Tensor] | None = None  # name -> (K, ...); None: nothing recorded
+    loss: Tensor | None = None  # (B,) the training loss; None: cross-entropy (+ aux_loss)
 
 
 def as_logits(out: Tensor | Output) -> Tensor:
     """The logits of a forward's result, whichever form it takes."""
-    return out.logits if isinstance(out, Output) else out
+    logits = out.logits if isinstance(out, Output) else out
+    if logits is None:
+        raise ValueError("the forward returned no logits (Output.logits is None)")
+    return logits
+
+
+def training_loss(out: Tensor | Output, labels: Tensor) -> tuple[Tensor, Mapping[str, Tensor]]:
+    """The per-sample training loss (B,) of a forward's result on a batch with `labels`, and
+    the statistics it records: `Output.loss` where given, else the cross-entropy of the logits
+    plus `aux_loss`. What the engine averages per client."""
+    if not isinstance(out, Output):
+        return F.cross_entropy(out, labels, reduction="none"), {}
+    stats = {} if out.stats is None else out.stats
+    if out.loss is not None:
+        if out.aux_loss is not None:
+            raise ValueError(
+                "a forward returned both `loss` and `aux_loss`: add the term to `loss`"
+            )
+        if out.loss.shape != labels.shape:
+            raise ValueError(
+                f"Output.loss must be per sample, shape {tuple(labels.shape)}; "
+                f"got {tuple(out.loss.shape)}"
+            )
+        return out.loss, stats
+    if out.logits is None:
+        raise ValueError("the forward returned neither logits nor a training loss (Output.loss)")
+    ce = F.cross_entropy(out.logits, labels, reduction="none")
+    return (ce if out.aux_loss is None else ce + out.aux_loss), stats
 
 
 def adapts(method: object) -> bool:
@@ -233,8 +272,9 @@ class Context:
     clients trained before this call in the same round, summed: always empty in lockstep,
     filled one client after another by the reference executor (for methods whose reference
     code lets a client see its predecessors, e.g. SGPT's "sequential" counts).
-    `labels` are the batch's labels (B,) in training, for forwards that record per-class
-    statistics; None at evaluation.
+    `labels` are the batch's labels (B,) in the engine's training step, for forwards that
+    record per-class statistics or return their own training loss (`Output.loss`); None at
+    evaluation.
     """
 
     training: bool
@@ -278,7 +318,8 @@ class Method:
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
     ) -> Tensor | Output:
         """Logits (B, C) for preprocessed images x; the row of sample i is client_index[i].
-        In training it may return `Output(logits, aux_loss)` to add to the cross-entropy."""
+        In training (`ctx.labels` given) it may return `Output(logits, aux_loss)` to add a term
+        to the cross-entropy, or `Output(logits, loss=...)` for another objective."""
         raise NotImplementedError
 
     # -- optional declarations, with their defaults ----------------------------------------------
@@ -308,19 +349,6 @@ class Method:
     def phases(self, local_epochs: int, names: tuple[str, ...]) -> list[Phase]:
         """The local schedule over the parameter `names`; default one phase training all."""
         return [Phase("local", names, local_epochs)]
-
-    def loss(
-        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor | tuple[Tensor, Mapping[str, Tensor]]:
-        """Per-sample training loss (B,), averaged per client by the engine: cross-entropy plus
-        the forward's `aux_loss`, with the forward's `stats` where it records any (then a pair).
-        Override only for another objective (e.g. a meta-step)."""
-        out = self.forward(params, x, client_index, ctx)
-        if not isinstance(out, Output):
-            return F.cross_entropy(out, y, reduction="none")
-        ce = F.cross_entropy(out.logits, y, reduction="none")
-        loss = ce if out.aux_loss is None else ce + out.aux_loss
-        return loss if out.stats is None else (loss, out.stats)
 
     # -- optional hooks: the server --------------------------------------------------------------
     def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
@@ -402,4 +430,5 @@ _FOLDED = {
     "adapt_samples": "adapt(params, draw, ctx) draws its own batch: draw(n)",
     "scores_new_clients": 'set inference = "personal-deploys"',
     "init_server": "return a ServerState from init_params",
+    "loss": "a forward given ctx.labels returns its training loss in Output.loss",
 }

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from fpbench.lazy import F, torch
-from fpbench.methods.base import Context, MethodConfig, ServerState, Updates
+from fpbench.methods.base import Context, MethodConfig, Output, ServerState, Updates
 from fpbench.methods.coop import CoOpModel
 from fpbench.methods.helpers import init_linear, per_client_linear, weighted_mean
 from fpbench.registry import METHODS
@@ -92,21 +92,18 @@ class FedCLIP(CoOpModel):
 
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor:
+    ) -> Tensor | Output:
+        """Logits; in training with the contrastive loss, that loss alone (no logits)."""
+        if self.cfg.loss == "contrastive" and ctx.labels is not None:
+            loss = contrastive_loss(
+                self.adapted(params, x, client_index),
+                self.class_text().to(x.device)[ctx.labels],
+                client_index,
+                self.backbone.logit_scale,
+            )
+            return Output(None, loss=loss)
         text = self.class_text().to(x.device)  # (C, E)
         return self.backbone.logit_scale * self.adapted(params, x, client_index) @ text.T
-
-    def loss(
-        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor:
-        if self.cfg.loss == "cross-entropy":
-            return super().loss(params, x, y, client_index, ctx)
-        return contrastive_loss(
-            self.adapted(params, x, client_index),
-            self.class_text().to(x.device)[y],
-            client_index,
-            self.backbone.logit_scale,
-        )
 
     def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
         if self.cfg.aggregation == "size":

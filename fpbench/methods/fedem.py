@@ -8,7 +8,7 @@ Client: E-step, responsibilities q_m(i) = softmax_m(log pi_m - loss_m(x_i, y_i))
 trains on the q-weighted cross-entropy sum_m q_m(i) loss_m(i); M-step, pi_m = mean_i q_m(i).
 Adaptation to the lockstep engine (no pass over the data before training): the E-step runs on
 the fly on each minibatch with the learners as they train and the round's starting pi, and the
-responsibilities are summed over the round (the loss's statistics) so the M-step in `aggregate`
+responsibilities are summed over the round (the forward's statistics) so the M-step in `aggregate`
 sets pi to the mean responsibility of every sample visit; FedEM computes q once per round, before
 local training. Server: each learner is averaged by client train size over the round's participants
 (FedEM's aggregator averages over all clients with the non-sampled ones' stale copies, a damped
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from pydantic import Field
 
 from fpbench.lazy import F, torch
-from fpbench.methods.base import Context, Method, Phase, ServerState, Updates
+from fpbench.methods.base import Context, Method, Output, Phase, ServerState, Updates
 from fpbench.methods.fedvpt import VPTConfig
 from fpbench.methods.helpers import init_linear, init_prompts, per_client_linear
 from fpbench.registry import METHODS
@@ -81,24 +81,22 @@ class FedEM(Method):
 
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor:
-        log_probs = self.learner_logits(params, x, client_index).log_softmax(-1)  # (B, M, C)
-        log_pi = params["pi"][client_index].clamp_min(1e-12).log()  # (B, M)
-        return torch.logsumexp(log_pi.unsqueeze(-1) + log_probs, dim=1)  # (B, C)
-
-    def loss(
-        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+    ) -> Tensor | Output:
+        """The mixture's logits; in training, the E-step's q-weighted loss of the learners
+        (no mixture logits) and the responsibilities summed per row (`q_sum`, (K, M))."""
         logits = self.learner_logits(params, x, client_index)  # (B, M, C)
+        log_pi = params["pi"][client_index].clamp_min(1e-12).log()  # (B, M)
+        if ctx.labels is None:
+            log_probs = logits.log_softmax(-1)  # (B, M, C)
+            return torch.logsumexp(log_pi.unsqueeze(-1) + log_probs, dim=1)  # (B, C)
         b, m, c = logits.shape
         losses = F.cross_entropy(
-            logits.flatten(0, 1), y.repeat_interleave(m), reduction="none"
+            logits.flatten(0, 1), ctx.labels.repeat_interleave(m), reduction="none"
         ).view(b, m)
-        log_pi = params["pi"][client_index].clamp_min(1e-12).log()
         q = responsibilities(log_pi, losses.detach())  # (B, M)
         k = params["pi"].shape[0]
         q_sum = torch.zeros(k, m, device=q.device, dtype=q.dtype).index_add_(0, client_index, q)
-        return (q * losses).sum(-1), {"q_sum": q_sum}  # (B,), (K, M)
+        return Output(None, stats={"q_sum": q_sum}, loss=(q * losses).sum(-1))  # (B,), (K, M)
 
     def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
         client_ids, stats = updates.client_ids, updates.stats

@@ -39,7 +39,7 @@ from pydantic import Field
 
 from fpbench.errors import FpbenchError
 from fpbench.lazy import F, torch
-from fpbench.methods.base import Context, ServerState, Updates
+from fpbench.methods.base import Context, Output, ServerState, Updates
 from fpbench.methods.fedvpt import ShallowPromptModel, VPTConfig
 from fpbench.registry import METHODS
 
@@ -100,18 +100,23 @@ class FedMix(ShallowPromptModel):
             "means_sent": torch.zeros((), dtype=torch.bool),
         }
 
-    def loss(
-        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor:
+    def forward(
+        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
+    ) -> Tensor | Output:
+        """FedVPT's logits; in training, the FedMix loss alone (its logits are of the scaled
+        inputs, not of x: none are returned)."""
+        if ctx.labels is None:
+            return super().forward(params, x, client_index, ctx)
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         lam = self.cfg.mix_ratio
         x_in = ((1 - lam) * x).detach().requires_grad_()  # (B, 3, S, S)
         with sdpa_kernel(SDPBackend.MATH):  # double backward needs the math attention kernel
-            logits = self.forward(params, x_in, client_index, ctx)
-            return fedmix_loss(
-                logits, x_in, y, ctx.buffers["mix_image"], ctx.buffers["mix_label"], lam
+            logits = super().forward(params, x_in, client_index, ctx)
+            loss = fedmix_loss(
+                logits, x_in, ctx.labels, ctx.buffers["mix_image"], ctx.buffers["mix_label"], lam
             )
+        return Output(None, loss=loss)
 
     def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
         new = super().aggregate(server, updates)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from pydantic import Field
 
 from fpbench.lazy import F, torch
-from fpbench.methods.base import Context
+from fpbench.methods.base import Context, Output
 from fpbench.methods.fedvpt import ShallowPromptModel, VPTConfig
 from fpbench.registry import METHODS
 
@@ -73,7 +73,7 @@ class PerFedAvg(ShallowPromptModel):
         names = [n for n, p in params.items() if p.requires_grad]
         if len(y) == 0 or not names:
             return dict(params)
-        logits = self.forward(params, x, client_index, ctx)
+        logits = super().forward(params, x, client_index, ctx)
         loss = per_client_mean(F.cross_entropy(logits, y, reduction="none"), client_index, k)
         grads = torch.autograd.grad(loss.sum(), [params[n] for n in names])
         step = dict(zip(names, grads, strict=True))
@@ -81,23 +81,29 @@ class PerFedAvg(ShallowPromptModel):
             n: p - self.cfg.alpha * step[n].detach() if n in step else p for n, p in params.items()
         }
 
-    def loss(
-        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor:
-        if not ctx.training:
-            return super().loss(params, x, y, client_index, ctx)
+    def forward(
+        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
+    ) -> Tensor | Output:
+        """FedVPT's logits; in training, the meta-step's loss (B,): zero on the inner half D,
+        the adapted parameters' cross-entropy on D' (no logits: D is never scored)."""
+        if ctx.labels is None:
+            return super().forward(params, x, client_index, ctx)
+        y = ctx.labels
         inner = inner_half(client_index)
         adapted = self.inner_step(params, x[inner], y[inner], client_index[inner], ctx)
         outer = ~inner
         per = F.cross_entropy(
-            self.forward(adapted, x[outer], client_index[outer], ctx), y[outer], reduction="none"
+            super().forward(adapted, x[outer], client_index[outer], ctx),
+            y[outer],
+            reduction="none",
         )
         # the engine averages over all B_k samples of a row: rescale so it is the mean over D'
         rows = client_index[outer]
         n_all = torch.bincount(client_index, minlength=int(client_index.max()) + 1)
         n_out = torch.bincount(rows, minlength=len(n_all))
         out = torch.zeros(len(y), device=per.device, dtype=per.dtype)
-        return out.masked_scatter(outer, per * (n_all / n_out.clamp(min=1))[rows].to(per.dtype))
+        scale = (n_all / n_out.clamp(min=1))[rows].to(per.dtype)
+        return Output(None, loss=out.masked_scatter(outer, per * scale))
 
     def adapt(
         self,

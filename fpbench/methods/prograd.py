@@ -13,11 +13,11 @@ at the end, T = 1, lambda = 1. As in the official code, the prompt is then the t
 tokens than words ("a type of pet, a photo of a": "pet," is two tokens) keeps the extra ones as
 fixed tokens before the class name, and its last word's embedding is not in the context.
 
-The custom step is written with the interface's `loss` hook: each client's projected gradient is
-computed there (`torch.autograd.grad` of its two batch means) and returned through a surrogate
-whose value is the cross-entropy and whose gradient is exactly that projected gradient, so the
-engine's optimiser, clipping and lockstep executor apply unchanged. Adapted to FL as FLiP does:
-FedAvg of the context weighted by train size; inference: the global context.
+The custom step is written in the training forward's loss (`Output.loss`): each client's
+projected gradient is computed there (`torch.autograd.grad` of its two batch means) and returned
+through a surrogate whose value is the cross-entropy and whose gradient is exactly that projected
+gradient, so the engine's optimiser, clipping and lockstep executor apply unchanged. Adapted to
+FL as FLiP does: FedAvg of the context weighted by train size; inference: the global context.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pydantic import Field
 from fpbench.backbones.clip_prompts import PromptLayout, clean_name
 from fpbench.errors import FpbenchError
 from fpbench.lazy import F, torch
-from fpbench.methods.base import Context
+from fpbench.methods.base import Context, Output
 from fpbench.methods.coop import CoOpConfig, CoOpModel
 from fpbench.methods.zero_shot import dataset_template, hand_crafted_text_features
 from fpbench.registry import METHODS
@@ -146,11 +146,15 @@ class ProGrad(CoOpModel):
             self._fixed_text[key] = (text, text.to(device))
         return self._fixed_text[key][1]
 
-    def loss(
-        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor:
-        """Cross-entropy in value; in gradient, each client's ProGrad update of its context."""
-        logits = self.forward(params, x, client_index, ctx)
+    def forward(
+        self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
+    ) -> Tensor | Output:
+        """CoOp's logits; in training, with a loss that is the cross-entropy in value and, in
+        gradient, each client's ProGrad update of its context."""
+        logits = super().forward(params, x, client_index, ctx)
+        if ctx.labels is None:
+            return logits
+        y = ctx.labels
         feats = self.image_features(x)
         with torch.no_grad():
             teacher = self.backbone.logit_scale * feats @ self.zero_shot_text(feats.device).T
@@ -166,4 +170,4 @@ class ProGrad(CoOpModel):
         g_kl = torch.autograd.grad(kl_k.sum(), context)[0]
         g = project(g_ce, g_kl, self.cfg.lam)
         surrogate = (context * g).flatten(1).sum(1)  # (K,): its gradient is g
-        return ce.detach() + (surrogate - surrogate.detach())[client_index]
+        return Output(logits, loss=ce.detach() + (surrogate - surrogate.detach())[client_index])

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from fpbench.lazy import F, torch
-from fpbench.methods.base import Context, MethodConfig, Phase, ServerState
+from fpbench.methods.base import Context, MethodConfig, Output, Phase, ServerState
 from fpbench.methods.coop import CoOpModel
 from fpbench.registry import METHODS
 
@@ -137,26 +137,28 @@ class SDFed(CoOpModel):
 
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor:
-        text = self.inference_features(params)  # (K, C, E)
-        return self.logits(self.image_features(x), text, client_index)
-
-    def loss(
-        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor:
+    ) -> Tensor | Output:
+        """The inference prompt's logits; in training with local prompts, with the loss: the
+        global and local prompts' cross-entropies plus the stretch and separation terms."""
+        if ctx.labels is None:
+            text = self.inference_features(params)  # (K, C, E)
+            return self.logits(self.image_features(x), text, client_index)
+        y = ctx.labels
         feats = self.image_features(x)  # (B, E)
         text_g = self.text_features(params["global_prompt"])  # (K, C, E)
-        loss = F.cross_entropy(self.logits(feats, text_g, client_index), y, reduction="none")
+        logits_g = self.logits(feats, text_g, client_index)
         if not self.cfg.pfhf:
-            return loss
+            return logits_g  # the global prompt is the inference prompt: its cross-entropy
+        loss = F.cross_entropy(logits_g, y, reduction="none")
         text_l = self.inference_features(params)  # (K, C, E)
-        loss = loss + F.cross_entropy(self.logits(feats, text_l, client_index), y, reduction="none")
-        if not self.cfg.irdc:
-            return loss
-        reg = separation_loss(text_l, text_g, self.cfg.gamma)  # (K,)
-        if self.cfg.srlp:
-            target = self.local_features(params, refine=True)
-            if self.cfg.stretch_target == "fixed":
-                target = target.detach()
-            reg = reg + stretch_loss(text_l, target)
-        return loss + reg[client_index]
+        logits = self.logits(feats, text_l, client_index)
+        loss = loss + F.cross_entropy(logits, y, reduction="none")
+        if self.cfg.irdc:
+            reg = separation_loss(text_l, text_g, self.cfg.gamma)  # (K,)
+            if self.cfg.srlp:
+                target = self.local_features(params, refine=True)
+                if self.cfg.stretch_target == "fixed":
+                    target = target.detach()
+                reg = reg + stretch_loss(text_l, target)
+            loss = loss + reg[client_index]
+        return Output(logits, loss=loss)

@@ -37,7 +37,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fpbench.lazy import F, torch
-from fpbench.methods.base import Context, ServerState, Updates
+from fpbench.methods.base import Context, Output, ServerState, Updates
 from fpbench.methods.coop import CoOpModel
 from fpbench.registry import METHODS
 
@@ -96,8 +96,15 @@ class UOPP(CoOpModel):
 
     def forward(
         self, params: dict[str, Tensor], x: Tensor, client_index: Tensor, ctx: Context
-    ) -> Tensor:
+    ) -> Tensor | Output:
+        """The dual head's logits; in training, the prompt head's logits and the batch's class
+        sums and counts of frozen features (`proto_sum` (K, C, E), `proto_count` (K, C))."""
         feats = self.image_features(x)  # (B, E)
+        if ctx.labels is not None:
+            rows, c = params["ctx"].shape[0], self.task.num_classes
+            sums, counts = class_sums(feats.detach(), ctx.labels, client_index, rows, c)
+            logits = self.logits(feats, self.text_features(params["ctx"]), client_index)
+            return Output(logits, stats={"proto_sum": sums, "proto_count": counts})
         prompt_logits = self.logits(feats, self.text_features(params["ctx"]), client_index)
         if ctx.training:
             return prompt_logits
@@ -107,16 +114,6 @@ class UOPP(CoOpModel):
         if int(valid.sum()) < 2:  # no prototype head to speak of yet
             return prompt_logits
         return dual_head(prompt_logits, proto_logits, valid)
-
-    def loss(
-        self, params: dict[str, Tensor], x: Tensor, y: Tensor, client_index: Tensor, ctx: Context
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        feats = self.image_features(x)  # (B, E)
-        rows, c = params["ctx"].shape[0], self.task.num_classes
-        sums, counts = class_sums(feats.detach(), y, client_index, rows, c)  # (K, C, E), (K, C)
-        logits = self.logits(feats, self.text_features(params["ctx"]), client_index)
-        loss = F.cross_entropy(logits, y, reduction="none")
-        return loss, {"proto_sum": sums, "proto_count": counts}
 
     def aggregate(self, server: ServerState, updates: Updates) -> ServerState:
         """FedAvg of the prompt; first-time participants' class sums join the prototypes."""

@@ -248,7 +248,7 @@ def prograd_case(folder: Path, dataset: str = "oxford-pets", lam: float = 1.0,
     hook: `init` (zeros, then the template's words), `logits`, `zero_shot` (the teacher's
     logits), `grad` (the projected gradient of the context) and, for scale, `grad_max`;
     `conflict` = 1 where the two gradients conflict (the projection ran)."""
-    from fpbench.methods.base import Context
+    from fpbench.methods.base import Context, training_loss
 
     pg, theirs, backbone, images = _setup("prograd", "trainers.prograd", folder)
     cfg = _cfg(DATASETS[dataset], COOP={"N_CTX": n_ctx, "CTX_INIT": True, "CSC": False,
@@ -271,7 +271,8 @@ def prograd_case(folder: Path, dataset: str = "oxford-pets", lam: float = 1.0,
     ctx = start.unsqueeze(0).clone().requires_grad_(True)
     rows = torch.zeros(len(LABELS), dtype=torch.long)
     feats = _features(backbone, images)
-    loss = ours.loss({"ctx": ctx}, images, LABELS, rows, Context(training=True))
+    train = Context(training=True, labels=LABELS)
+    loss, _ = training_loss(ours.forward({"ctx": ctx}, images, rows, train), LABELS)
     loss.mean().backward()
     logits = ours.forward({"ctx": ctx.detach()}, images, rows, Context(training=False))
     zs = (

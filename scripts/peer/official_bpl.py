@@ -58,7 +58,7 @@ def _posterior_names(vpt_type: str) -> dict[str, str]:
 def bpl_case(
     folder: Path, vpt_type: str = "coopvpt", n_samples: int = 3, batch: int = 4, seed: int = 5
 ) -> dict[str, float]:
-    from fpbench.methods.base import Context
+    from fpbench.methods.base import Context, training_loss
 
     clip_model, vpt = OFFICIAL.load_official(BPL, "trainers.vpt", "dassl")
     path, state = OFFICIAL.weights(OFFICIAL.VIT, "fpbench-peer-vit", folder)
@@ -95,7 +95,8 @@ def bpl_case(
     leaves = {k: v.unsqueeze(0).requires_grad_(True) for k, v in params.items()}
     rows = torch.zeros(batch, dtype=torch.long)
     buffers = {"eps": eps}
-    loss = ours.loss(leaves, images, labels, rows, Context(True, labels=labels, buffers=buffers))
+    train = Context(True, labels=labels, buffers=buffers)
+    loss, _ = training_loss(ours.forward(leaves, images, rows, train), labels)
     loss.mean().backward()
     with torch.no_grad():
         logits = ours.forward(leaves, images, rows, Context(False, buffers=buffers))

@@ -91,7 +91,7 @@ def fedpgp_case(folder: Path, n_ctx: int = 4, bottleneck: int = 2, mu: float = 0
     V, Sigma from the seeded global generator against fpbench's from a seeded one), `logits`,
     `loss`, `grad_U`, `grad_V`, `grad_sigma` and, for scale, `grad_max`.
     """
-    from fpbench.methods.base import Context
+    from fpbench.methods.base import Context, training_loss
 
     clip_model, pgp = REF.load_official(FEDPGP, "trainers.fedpgp", "Dassl.dassl")
     path, state = REF.weights(REF.VIT, VIT_NAME, folder)
@@ -131,7 +131,8 @@ def fedpgp_case(folder: Path, n_ctx: int = 4, bottleneck: int = 2, mu: float = 0
 
     params = {k: v.unsqueeze(0).clone().requires_grad_(True) for k, v in start.items()}
     rows = torch.zeros(batch, dtype=torch.long)
-    loss = ours.loss(params, images, labels, rows, Context(training=True)).mean()
+    train = Context(training=True, labels=labels)
+    loss = training_loss(ours.forward(params, images, rows, train), labels)[0].mean()
     loss.backward()
     logits_ours = ours.forward(params, images, rows, Context(training=False))
     out = {"init": init, "logits": REF._diff(logits_ours, logits_theirs),
@@ -228,7 +229,7 @@ def fedtpg_case(folder: Path, n_ctx: int = 4, subset: tuple[int, ...] = (0, 2), 
     official then rounds to fp16, against fpbench's, rounded alike), `logits`, `loss_client`,
     `grad` (every generator tensor, client case) and, for scale, `grad_max`.
     """
-    from fpbench.methods.base import Context
+    from fpbench.methods.base import Context, training_loss
 
     with REF._isolated(FEDTPG, {}, ("clip", "model")):
         clip_model = importlib.import_module("clip.model")
@@ -272,8 +273,8 @@ def fedtpg_case(folder: Path, n_ctx: int = 4, subset: tuple[int, ...] = (0, 2), 
     loss_theirs.backward()
     priors = torch.zeros(1, len(REF.CLASSES))
     priors[0, local] = 1.0 / len(subset)
-    ctx = Context(training=True, priors=priors)
-    loss = ours.loss(params, images, labels, rows, ctx).mean()
+    ctx = Context(training=True, labels=labels, priors=priors)
+    loss = training_loss(ours.forward(params, images, rows, ctx), labels)[0].mean()
     loss.backward()
     out["loss_client"] = REF._diff(loss, loss_theirs)
     attn = official.prompt_learner.meta_net.encoder.cross_attend_blocks[0].fn
@@ -299,7 +300,7 @@ def dpfpl_case(folder: Path, n_ctx: int = 4, rank: int = 2, clip: float | None =
     no privacy. Returns the largest absolute differences of `init`, `logits`, `grad_global`,
     `grad_local` (the official full gradient) and, for scale, `grad_max`.
     """
-    from fpbench.methods.base import Context
+    from fpbench.methods.base import Context, training_loss
 
     clip_model, dp = REF.load_official(DPFPL, "trainers.DP_FPL", "Dassl.dassl")
     path, state = REF.weights(REF.VIT, VIT_NAME, folder)
@@ -351,8 +352,8 @@ def dpfpl_case(folder: Path, n_ctx: int = 4, rank: int = 2, clip: float | None =
     params = {k: v.unsqueeze(0).clone().requires_grad_(True) for k, v in start.items()}
     params["dp_key"] = torch.zeros(1, 3, dtype=torch.long)
     rows = torch.zeros(batch, dtype=torch.long)
-    ctx = Context(training=True)
-    ours.loss(params, images, labels, rows, ctx).mean().backward()
+    ctx = Context(training=True, labels=labels)
+    training_loss(ours.forward(params, images, rows, ctx), labels)[0].mean().backward()
     with torch.no_grad():
         logits_ours = ours.forward(params, images, rows, ctx)
     out["logits"] = REF._diff(logits_ours, logits_theirs)
@@ -398,7 +399,7 @@ def fedclip_case(folder: Path, batch: int = 6, seed: int = 0) -> dict[str, float
     """
     import open_clip
 
-    from fpbench.methods.base import Context
+    from fpbench.methods.base import Context, training_loss
 
     fac = load_fedclip()
     path, state = REF.weights(REF.VIT, VIT_NAME, folder)
@@ -444,7 +445,8 @@ def fedclip_case(folder: Path, batch: int = 6, seed: int = 0) -> dict[str, float
 
     params = {k: v.detach().unsqueeze(0).clone().requires_grad_(True) for k, v in linears.items()}
     rows = torch.zeros(batch, dtype=torch.long)
-    ours.loss(params, images, labels, rows, Context(training=True)).mean().backward()
+    train = Context(training=True, labels=labels)
+    training_loss(ours.forward(params, images, rows, train), labels)[0].mean().backward()
     with torch.no_grad():
         logits = ours.forward(params, images, rows, Context(training=False))
     for k in linears:

@@ -157,7 +157,7 @@ def fedpha_case(folder: Path, arch: str = "vit", n_ctx: int = 4, ratio: float = 
     prompt), `loss` (the official step's, against the mean of fpbench's per-sample loss),
     `grad_global`, `grad_local` and, for scale, `grad_max`.
     """
-    from fpbench.methods.base import Context
+    from fpbench.methods.base import Context, training_loss
 
     clip_model, pha = REF.load_official(FEDPHA, "trainers.GL_SVDMSE", "Dassl.dassl")
     spec, size = (REF.VIT, 32) if arch == "vit" else (REF.RN, 64)
@@ -201,7 +201,8 @@ def fedpha_case(folder: Path, arch: str = "vit", n_ctx: int = 4, ratio: float = 
 
     params = {k: v.unsqueeze(0).clone().requires_grad_(True) for k, v in start.items()}
     rows = torch.zeros(batch, dtype=torch.long)
-    loss = ours.loss(params, images, labels, rows, Context(training=True, labels=labels)).mean()
+    train = Context(training=True, labels=labels)
+    loss = training_loss(ours.forward(params, images, rows, train), labels)[0].mean()
     loss.backward()
     with torch.no_grad():
         logits_ours = ours.forward(params, images, rows, Context(training=False))

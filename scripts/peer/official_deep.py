@@ -141,7 +141,7 @@ def promptsrc_case(folder: Path, depth: int = 2, seed: int = 0) -> dict[str, flo
     """PromptSRC's CustomCLIP and its trainer's `forward_backward` (cross-entropy plus the
     self-regulating terms) against fpbench's `loss`: `loss`, eval `logits`, `zs_text` (the
     template-mean teacher), every prompt's gradient, `init`, and `grad_max` for scale."""
-    from fpbench.methods.base import Context
+    from fpbench.methods.base import Context, training_loss
 
     clip_model, psrc = OP.load_official(PROMPTSRC, "trainers.promptsrc", "dassl")
     path, state = OP.weights(OP.VIT, "fpbench-peer-vit", folder)
@@ -190,7 +190,8 @@ def promptsrc_case(folder: Path, depth: int = 2, seed: int = 0) -> dict[str, flo
         logits_theirs = official(images)
     params = {k: v.unsqueeze(0).clone().requires_grad_(True) for k, v in start.items()}
     rows = torch.zeros(len(labels), dtype=torch.long)
-    loss_ours = ours.loss(params, images, labels, rows, Context(training=True)).mean()
+    train = Context(training=True, labels=labels)
+    loss_ours = training_loss(ours.forward(params, images, rows, train), labels)[0].mean()
     loss_ours.backward()
     with torch.no_grad():
         logits_ours = ours.forward(params, images, rows, Context(training=False))

@@ -128,7 +128,7 @@ def fedmvp_case(folder: Path, dataset: str = "caltech101", flip: str = "never",
     prompt-net tensors, or with `lora` over W_t, b_t and the 6 LoRA factors, the attention's
     gradients being none on both sides) and, for scale, `grad_max`.
     """
-    from fpbench.methods.base import Context, TaskInfo, as_logits
+    from fpbench.methods.base import Context, TaskInfo, as_logits, training_loss
     from fpbench.methods.fedmvp import FedMVP
 
     clip_model, mvp = load_official()
@@ -176,7 +176,7 @@ def fedmvp_case(folder: Path, dataset: str = "caltech101", flip: str = "never",
         params["lora_on"] = torch.ones(1, dtype=torch.bool)
     rows = torch.zeros(batch, dtype=torch.long)
     train = Context(training=True, labels=labels)
-    loss, _ = ours.loss(params, images, labels, rows, train)
+    loss, _ = training_loss(ours.forward(params, images, rows, train), labels)
     loss = loss.mean()
     loss.backward()
     with torch.no_grad():  # the official module applies LoRA in evaluation too, fpbench's never

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fpbench.methods.atpfl import info_nce
-from fpbench.methods.base import Context, Updates, as_logits
+from fpbench.methods.base import Context, Updates, as_logits, training_loss
 
 from ..conftest import seeded_server
 from .common import both_executors_agree, stacked_constants
@@ -47,9 +47,10 @@ def test_atpfl_loss_adds_contrast_only_with_a_previous_prompt(tiny):
     x = method.backbone.preprocess(task.data.train_images[:4])
     y = task.data.train_labels[:4]
     rows = torch.tensor([0, 0, 1, 1])
-    ctx = Context(training=True, buffers=server.buffers)
+    ctx = Context(training=True, labels=y, buffers=server.buffers)
     ce = F.cross_entropy(as_logits(method.forward(params, x, rows, ctx)), y, reduction="none")
-    torch.testing.assert_close(method.loss(params, x, y, rows, ctx), ce)  # round 0: no negative
+    loss, _ = training_loss(method.forward(params, x, rows, ctx), y)
+    torch.testing.assert_close(loss, ce)  # round 0: no negative
     # previous prompt != global prompt: the global one must be the positive, the previous one
     # the negative (the terms written out by hand, so swapping the roles fails)
     gen = torch.Generator().manual_seed(3)
@@ -58,7 +59,7 @@ def test_atpfl_loss_adds_contrast_only_with_a_previous_prompt(tiny):
     params["has_prev"] = torch.tensor([1.0, 0.0])
     params["ctx"] = params["ctx"] + 0.2 * torch.randn(params["ctx"].shape, generator=gen)
     params["visual_prompt"] = 0.3 * torch.randn(params["visual_prompt"].shape, generator=gen)
-    out = method.loss(params, x, y, rows, ctx)
+    out = training_loss(method.forward(params, x, rows, ctx), y)[0]
     ce = F.cross_entropy(as_logits(method.forward(params, x, rows, ctx)), y, reduction="none")
     t = method.cfg.temperature
 

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fpbench.methods.base import Context, Updates
+from fpbench.methods.base import Context, Updates, training_loss
 from fpbench.methods.fedclip import adapter_attention, contrastive_loss
 
 from ..conftest import seeded_server, with_config
@@ -105,9 +105,13 @@ def test_cross_entropy_reading_trains_on_all_class_prompts(tiny):
     clip = method.backbone
     x = clip.preprocess(task.data.train_images[:4])
     y, rows = task.data.train_labels[:4], torch.zeros(4, dtype=torch.long)
-    ctx = Context(training=True)
-    expected = F.cross_entropy(ce.forward(params, x, rows, ctx), y, reduction="none")
-    torch.testing.assert_close(ce.loss(params, x, y, rows, ctx), expected)
+    ctx = Context(training=True, labels=y)
+    logits = ce.forward(params, x, rows, Context(training=False))
+    expected = F.cross_entropy(logits, y, reduction="none")
+    torch.testing.assert_close(training_loss(ce.forward(params, x, rows, ctx), y)[0], expected)
     text = method.class_text()[y]
     contrast = contrastive_loss(method.adapted(params, x, rows), text, rows, clip.logit_scale)
-    torch.testing.assert_close(method.loss(params, x, y, rows, ctx), contrast)
+    out = method.forward(params, x, rows, ctx)  # the contrastive loss alone, no logits
+    assert out.logits is None
+    torch.testing.assert_close(training_loss(out, y)[0], contrast)
+    torch.testing.assert_close(method.forward(params, x, rows, Context(training=False)), logits)

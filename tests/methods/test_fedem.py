@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fpbench.methods.base import Context, Updates
+from fpbench.methods.base import Context, Updates, training_loss
 from fpbench.methods.fedem import responsibilities
 
 from ..conftest import seeded_server
@@ -31,11 +31,13 @@ def test_fedem_weighted_loss_m_step_and_mixture_prediction(tiny):
     x = method.backbone.preprocess(task.data.train_images[:4])
     y = task.data.train_labels[:4]
     rows = torch.zeros(4, dtype=torch.long)
-    ctx = Context(training=True)
+    ctx = Context(training=True, labels=y)
     per_learner = method.learner_logits(params, x, rows)  # (B, M, C)
     losses = F.cross_entropy(per_learner.flatten(0, 1), y.repeat_interleave(m), reduction="none")
     q = responsibilities(torch.full((4, m), 1.0 / m).log(), losses.view(4, m))
-    loss, stats = method.loss(params, x, y, rows, ctx)
+    out = method.forward(params, x, rows, ctx)  # the E-step's weighted loss, no mixture logits
+    assert out.logits is None and out.aux_loss is None
+    loss, stats = training_loss(out, y)
     torch.testing.assert_close(loss, (q * losses.view(4, m)).sum(1))
     torch.testing.assert_close(stats["q_sum"], q.sum(0, keepdim=True))
     # M-step: pi = mean responsibility of the round's samples

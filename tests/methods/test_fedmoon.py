@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fpbench.engine.executor import train_clients
-from fpbench.methods.base import Context, Updates, as_logits
+from fpbench.methods.base import Context, Updates, as_logits, training_loss
 from fpbench.methods.fedmoon import model_contrastive_loss
 
 
@@ -37,10 +37,11 @@ def test_fedmoon_round_one_term_is_constant_and_prev_prompts_stay_local(tiny):
     idx = torch.cat([task.train_idx[c][:3] for c in ids.tolist()])
     rows = torch.arange(len(ids)).repeat_interleave(3)
     x, y = method.backbone.preprocess(task.data.train_images[idx]), task.data.train_labels[idx]
-    ctx = Context(training=True)
+    ctx = Context(training=True, labels=y)
     ce = F.cross_entropy(as_logits(method.forward(params, x, rows, ctx)), y, reduction="none")
     # prev = global = initial prompts: the contrastive term is log 2 for every sample
-    torch.testing.assert_close(method.loss(params, x, y, rows, ctx), ce + math.log(2.0))
+    loss, _ = training_loss(method.forward(params, x, rows, ctx), y)
+    torch.testing.assert_close(loss, ce + math.log(2.0))
     local = _round(method, task, cfg, server)
     new = method.aggregate(
         server, Updates(local.params, local.client_ids, torch.ones(len(ids)), {})

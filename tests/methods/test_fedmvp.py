@@ -13,7 +13,7 @@ import torch
 from fpbench.backbones import create_backbone
 from fpbench.backbones.clip import encode_image_deep
 from fpbench.errors import FpbenchError
-from fpbench.methods.base import Context, Updates
+from fpbench.methods.base import Context, Updates, training_loss
 from fpbench.methods.fedmvp import (
     ENV_VAR,
     FedMVPConfig,
@@ -402,7 +402,8 @@ def test_a_switched_client_trains_lora_and_the_text_map_not_the_attention(tiny):
     leaves = {n: v.requires_grad_(v.is_floating_point()) for n, v in params.items()}
     x = method.backbone.preprocess(task.data.train_images[:4])
     rows, y = torch.tensor([0, 1, 1, 0]), torch.tensor([0, 1, 2, 3])
-    method.loss(leaves, x, y, rows, Context(training=True, labels=y))[0].mean().backward()
+    out = method.forward(leaves, x, rows, Context(training=True, labels=y))
+    training_loss(out, y)[0].mean().backward()
     grad = {n: v.grad for n, v in leaves.items() if v.is_floating_point()}
     for n in ("attn_in_w", "ff1_w", "norm_w"):  # row 1 (LoRA on) leaves its attention alone
         assert grad[n][0].abs().max() > 0 and not grad[n][1].any(), n
@@ -443,7 +444,8 @@ def test_the_round_loss_stats_are_each_rows_summed_loss(tiny):
     x = method.backbone.preprocess(task.data.train_images[:3])
     rows, y = torch.tensor([1, 0, 1]), torch.tensor([0, 1, 2])
     with torch.no_grad():
-        loss, stats = method.loss(params, x, y, rows, Context(training=True, labels=y))
+        out = method.forward(params, x, rows, Context(training=True, labels=y))
+        loss, stats = training_loss(out, y)
     torch.testing.assert_close(stats["loss_sum"], torch.stack([loss[1], loss[0] + loss[2]]))
     assert stats["samples"].tolist() == [1.0, 2.0]
 

@@ -6,12 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from fpbench.engine.evaluate import evaluate
-from fpbench.methods.base import Context
+from fpbench.methods.base import Context, training_loss
 from fpbench.methods.per_fedavg import inner_half
 
 from ..conftest import seeded_server, with_config
-
-TRAIN = Context(training=True)
 
 
 def test_per_fedavg_inner_half_is_the_first_half_of_each_clients_samples():
@@ -29,7 +27,9 @@ def test_per_fedavg_meta_gradient_is_first_order_maml(tiny):
     x = method.backbone.preprocess(task.data.train_images[:4])
     y = task.data.train_labels[:4]
     rows = torch.zeros(4, dtype=torch.long)
-    method.loss(params, x, y, rows, TRAIN).mean().backward()  # the engine's per-client mean
+    out = method.forward(params, x, rows, Context(training=True, labels=y))
+    assert out.logits is None and out.loss[:2].tolist() == [0.0, 0.0]  # D is not scored
+    training_loss(out, y)[0].mean().backward()  # the engine's per-client mean
     got = {k: v.grad.clone() for k, v in params.items()}
 
     # by hand: theta' = theta - alpha grad L(theta; first two); expect grad L(theta'; last two)

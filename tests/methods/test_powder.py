@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fpbench.methods.base import Context, Updates
+from fpbench.methods.base import Context, Updates, training_loss
 from fpbench.methods.powder import generation_weights
 
 from ..conftest import seeded_server
@@ -65,11 +65,12 @@ def test_powder_distillation_vanishes_at_the_start_prompt(tiny, monkeypatch):
     rows = torch.zeros(4, dtype=torch.long)
     logits = method.forward(params, feats, rows, Context(training=False))  # the bare logits
     ce = F.cross_entropy(logits, y, reduction="none")
-    torch.testing.assert_close(method.loss(params, feats, y, rows, Context(training=True)), ce)
+    train = Context(training=True, labels=y)
+    torch.testing.assert_close(training_loss(method.forward(params, feats, rows, train), y)[0], ce)
     params["ctx"] = params["ctx"] + 0.1 * torch.randn_like(params["ctx"])
     moved = method.forward(params, feats, rows, Context(training=False))
     teacher = method.forward({"ctx": params["start_ctx"]}, feats, rows, Context(training=False))
     kl = (teacher.softmax(-1) * (teacher.log_softmax(-1) - moved.log_softmax(-1))).sum(-1)
-    out = method.loss(params, feats, y, rows, Context(training=True))
+    out = training_loss(method.forward(params, feats, rows, train), y)[0]
     torch.testing.assert_close(out, F.cross_entropy(moved, y, reduction="none") + kl)
     assert (kl > 0).all()

@@ -1,5 +1,5 @@
 """ProGrad: the projection and the distillation by hand, the init from the template, and the
-loss hook's gradient against two separate backward passes per client."""
+training loss's gradient against two separate backward passes per client."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fpbench.methods.base import Context
+from fpbench.methods.base import Context, training_loss
 from fpbench.methods.prograd import PROGRAD_TEMPLATES, ProGradConfig, distillation, project
 from fpbench.testing import MethodConformance
 from fpbench.testing.tiny import seeded_server, with_config
@@ -62,7 +62,10 @@ def test_loss_gradient_is_each_clients_projected_gradient(tiny, lam, monkeypatch
     y = torch.tensor([0, 1, 2, 3, 4])
     rows = torch.tensor([0, 1, 0, 1, 1])
     leaf = ctx.clone().requires_grad_(True)
-    loss = method.loss({"ctx": leaf}, feats, y, rows, Context(training=True))
+    out = method.forward({"ctx": leaf}, feats, rows, Context(training=True, labels=y))
+    plain = method.forward({"ctx": ctx}, feats, rows, Context(training=True))  # no labels
+    torch.testing.assert_close(out.logits, plain)  # the loss comes with CoOp's logits
+    loss, _ = training_loss(out, y)
     # the engine's objective: each client's mean per-sample loss, summed over clients
     per_client = torch.stack([loss[rows == k].mean() for k in range(2)])
     per_client.sum().backward()

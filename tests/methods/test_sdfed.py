@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fpbench.methods.base import Context, Updates
+from fpbench.methods.base import Context, Updates, as_logits, training_loss
 from fpbench.methods.sdfed import projector, separation_loss, stretch_loss
 
 from ..conftest import seeded_server, tiny_config
@@ -62,6 +62,12 @@ def test_stretch_and_separation_losses_by_hand():
     assert separation_loss(local, global_, 2.0).item() == pytest.approx((2 - 2**0.5 + 2) / 2)
 
 
+def _train_loss(method, params, feats, y, rows) -> torch.Tensor:
+    """The per-sample loss the engine trains on: of the forward given the batch's labels."""
+    loss, _ = training_loss(method.forward(params, feats, rows, Context(True, labels=y)), y)
+    return loss
+
+
 def _removal_projector(g: torch.Tensor, n_drop: int) -> torch.Tensor:
     """I - (the top n_drop eigenvectors of G^T G) (m, m), computed without the SVD."""
     _, vecs = torch.linalg.eigh(g.double().T @ g.double())  # ascending eigenvalues
@@ -97,7 +103,7 @@ def test_sdfed_loss_is_the_sum_of_eq_14(tiny, monkeypatch):
         ce = sum(F.cross_entropy(scale * f[i] @ t.T, y[i]) for t in (t_g, t_l))
         reg = ((t_l - t_r) ** 2).sum(-1).mean() + F.relu(0.8 - (t_l - t_g).norm(dim=-1)).mean()
         total[i] = ce + reg
-    out = method.loss(params, feats, y, rows, Context(training=True))
+    out = _train_loss(method, params, feats, y, rows)
     torch.testing.assert_close(out, total, atol=1e-4, rtol=1e-4)
 
 
@@ -134,7 +140,9 @@ def test_sdfed_ablations(tiny, pfhf, srlp, irdc, monkeypatch):
     params = method.client_params(server, torch.tensor([0]))
     feats, y, rows = torch.randn(3, 32), torch.tensor([0, 1, 2]), torch.zeros(3, dtype=torch.long)
     logits = method.forward(params, feats, rows, Context(training=False))
-    loss = method.loss(params, feats, y, rows, Context(training=True))
+    loss = _train_loss(method, params, feats, y, rows)
+    train = method.forward(params, feats, rows, Context(training=True, labels=y))
+    torch.testing.assert_close(as_logits(train), logits)  # the training forward's logits too
     ce = F.cross_entropy(logits, y, reduction="none")
     if not pfhf:  # global prompt only: CoOp's logits of the global prompt, built by hand
         g = params["global_prompt"][0]
@@ -168,7 +176,7 @@ def test_stretch_term_treats_the_projection_as_a_fixed_target(tiny, target, monk
     params["global_prompt"] = torch.randn(params["global_prompt"].shape, generator=gen)
     local = torch.randn(params["local_prompt"].shape, generator=gen).requires_grad_(True)
     feats, y, rows = torch.randn(2, 32, generator=gen), torch.tensor([0, 1]), torch.zeros(2).long()
-    loss = method.loss({**params, "local_prompt": local}, feats, y, rows, Context(training=True))
+    loss = _train_loss(method, {**params, "local_prompt": local}, feats, y, rows)
     (got,) = torch.autograd.grad(loss.sum(), local)
     # by hand: the same loss with d(G~_c) detached (or not), built from the layout
     layout, loc = method.layout(8), local.detach().clone().requires_grad_(True)

@@ -12,7 +12,7 @@ from fpbench.backbones import ViTFeatures
 from fpbench.engine.evaluate import evaluate
 from fpbench.engine.executor import train_clients
 from fpbench.errors import FpbenchError
-from fpbench.methods.base import Context, Updates
+from fpbench.methods.base import Context, Updates, training_loss
 from fpbench.methods.keys import group_counts, key_cosines
 from fpbench.methods.sgpt import (
     SGPT_PRESETS,
@@ -106,8 +106,8 @@ def test_loss_adds_the_key_loss_and_only_keys_get_its_gradient(tiny):
     for weight in (0.0, 1.0):
         method.cfg = method.cfg.model_copy(update={"key_loss_weight": weight})
         params = {k: v.requires_grad_() for k, v in method.client_params(server, rows[:1]).items()}
-        ctx = Context(training=True, phase="group", buffers=server.buffers)
-        loss, stats = method.loss(params, x, y, rows, ctx)
+        ctx = Context(training=True, phase="group", labels=y, buffers=server.buffers)
+        loss, stats = training_loss(method.forward(params, x, rows, ctx), y)
         out = method.forward(params, x, rows, ctx)
         assert torch.equal(stats["select_counts"], out.stats["select_counts"])
         ce = torch.nn.functional.cross_entropy(out.logits, y, reduction="none")

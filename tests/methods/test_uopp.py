@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fpbench.methods.base import Context, Updates
+from fpbench.methods.base import Context, Updates, training_loss
 from fpbench.methods.uopp import class_sums, dual_head
 
 from ..conftest import seeded_server
@@ -66,10 +66,12 @@ def test_uopp_eval_uses_the_prototype_head_where_confident(tiny, monkeypatch):
     )
     valid = torch.arange(task.data.num_classes) < 3  # classes with a prototype
     torch.testing.assert_close(logits, dual_head(train_logits, proto_logits, valid))
-    loss, stats = method.loss(params, feats, torch.arange(5) % 3, rows, Context(training=True))
-    torch.testing.assert_close(loss, F.cross_entropy(train_logits, torch.arange(5) % 3,
-                                                     reduction="none"))  # fmt: skip
+    y = torch.arange(5) % 3
+    out = method.forward(params, feats, rows, Context(training=True, labels=y))
+    torch.testing.assert_close(out.logits, train_logits)  # the prompt head alone
+    loss, stats = training_loss(out, y)
+    torch.testing.assert_close(loss, F.cross_entropy(train_logits, y, reduction="none"))
     c = task.data.num_classes
-    sums, counts = class_sums(F.normalize(feats, dim=-1), torch.arange(5) % 3, rows, 1, c)
-    torch.testing.assert_close(stats["proto_sum"], sums)  # the loss returns what it records
+    sums, counts = class_sums(F.normalize(feats, dim=-1), y, rows, 1, c)
+    torch.testing.assert_close(stats["proto_sum"], sums)  # the forward returns what it records
     assert torch.equal(stats["proto_count"], counts)
