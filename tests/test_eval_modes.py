@@ -295,11 +295,13 @@ _FIVE = {"num_classes": 5, "image_size": 16, "train_per_class": 1, "test_per_cla
             {"name": "fedvpt"},
             {"mode": "cross-dataset", "targets": [{"name": "synthetic", "args": _FIVE}]},
         ),
+        # an adapting method with a head: refused here, before its draw would be
+        ({"name": "per-fedavg"}, {"mode": "cross-dataset", "targets": [{"name": "synthetic"}]}),
     ],
 )
 def test_a_method_whose_parameters_depend_on_the_classes_is_refused(method, evaluation):
     cfg = _cell(method, evaluation)
-    if method["name"] == "fedvpt":
+    if method["name"] in ("fedvpt", "per-fedavg"):
         cfg = cfg.model_copy(
             update={"backbone": cfg.backbone.model_copy(update={"name": "vit-test"})}
         )

@@ -18,9 +18,10 @@ read-only.
 Decisions (issue #32; counts in docs/method-interface.md):
 * `adapt` (and `adapt_samples` before it) folds into `client_params`: what a client is
   evaluated with is that hook's answer (`training=False`), and Per-FedAvg's adapted params are
-  exactly that. At evaluation the engine hands it `draw(n)`, one batch of each client's train
-  data, drawn only when called (nothing is loaded for a method that does not call it); where
-  no client data exists (an evaluation mode's other set, a global model) `draw` raises.
+  exactly that, so a second hook (and the engine's `adapts` test) was one name too many. At
+  evaluation the engine hands it `draw(n)`, one batch of each client's train data, loaded only
+  when called: a method that does not adapt pays nothing and sees no data. Where no client
+  data exists (an evaluation mode's other set, a global model), `draw` raises.
 * `optimizer_settings` and `OptimizerSettings` fold into `Phase.optimizers`: a tensor's own
   optimiser is part of the local schedule, a plain dict per tensor (optimizer, lr, momentum,
   weight_decay), checked when the phase is made.
@@ -293,8 +294,8 @@ class Method:
         on the server state's device; from the first `draw` on, until it returns, gradients
         are enabled, the evaluation's autocast applies and the batch is recalled as a train
         batch. The batch is on the evaluation device, which may not be the server's: adapt
-        there (`p.to(x.device)`). It raises `FpbenchError` where no client data exists (an
-        evaluation mode's other set; a global method's one model)."""
+        there (`p.to(x.device)`). `draw` raises `FpbenchError` where no client data exists
+        (an evaluation mode's other set; a global method's one model)."""
         k = len(client_ids)
         out = {
             name: p.unsqueeze(0).expand(k, *p.shape).clone() for name, p in server.params.items()
