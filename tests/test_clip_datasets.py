@@ -257,7 +257,7 @@ class _TableMethod:
     def __init__(self, inference: str) -> None:
         self.inference = inference
 
-    def client_params(self, server, ids, training=True):
+    def client_params(self, server, ids, training=True, draw=None):
         return {"b": torch.zeros(len(ids), 3)}
 
     def forward(self, params, x, rows, ctx):

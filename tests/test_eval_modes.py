@@ -295,11 +295,13 @@ _FIVE = {"num_classes": 5, "image_size": 16, "train_per_class": 1, "test_per_cla
             {"name": "fedvpt"},
             {"mode": "cross-dataset", "targets": [{"name": "synthetic", "args": _FIVE}]},
         ),
+        # an adapting method with a head: refused here, before its draw would be
+        ({"name": "per-fedavg"}, {"mode": "cross-dataset", "targets": [{"name": "synthetic"}]}),
     ],
 )
 def test_a_method_whose_parameters_depend_on_the_classes_is_refused(method, evaluation):
     cfg = _cell(method, evaluation)
-    if method["name"] == "fedvpt":
+    if method["name"] in ("fedvpt", "per-fedavg"):
         cfg = cfg.model_copy(
             update={"backbone": cfg.backbone.model_copy(update={"name": "vit-test"})}
         )
@@ -314,14 +316,77 @@ def test_a_method_whose_parameters_depend_on_the_classes_is_refused(method, eval
     )
 
 
-def test_a_method_that_adapts_on_client_data_is_refused():
-    cfg = _cell(
-        {"name": "per-fedavg"}, {"mode": "cross-dataset", "targets": [{"name": "synthetic"}]}
+_ADAPTING_SUITE = """
+name = "adapting"
+seeds = [0]
+[defaults]
+backbone = { name = "vit-test" }
+partition = { num_clients = 4, heldout_frac = 0.0 }
+train = { rounds = 1, batch_size = 8 }
+evaluation = { mode = "leave-one-domain-out", domain = "d1" }
+[defaults.dataset]
+num_classes = 4
+image_size = 16
+train_per_class = 6
+test_per_class = 3
+num_domains = 3
+[[datasets]]
+name = "synthetic"
+[[partitions]]
+name = "domain-dirichlet"
+clients_per_domain = 2
+min_size = 1
+[[methods]]
+name = "per-fedavg"
+"""
+
+
+def test_a_method_that_adapts_on_client_data_is_refused_when_it_draws_in_the_mode(
+    tmp_path, monkeypatch
+):
+    """Per-FedAvg draws each client's train data in its evaluation `client_params`; the held-out
+    domain's clients have none there: `fpbench run` exits 2 with the reason on one line, and
+    the run is stored as failed with it (not scored without its step)."""
+    from typer.testing import CliRunner
+
+    from fpbench.cli import app
+    from fpbench.store import Store
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FPBENCH_DATA", str(tmp_path / "no-data"))
+    (tmp_path / "adapting.toml").write_text(_ADAPTING_SUITE)
+    db = tmp_path / "r.db"
+    args = ["run", "--suite", "adapting.toml", "--db", str(db), "--device", "cpu"]
+    result = CliRunner().invoke(app, args)
+    reason = (
+        "method per-fedavg adapts on each client's data before it is scored; evaluation mode "
+        "leave-one-domain-out scores clients without local data: use another method"
     )
-    cfg = cfg.model_copy(update={"backbone": cfg.backbone.model_copy(update={"name": "vit-test"})})
-    task = build_task(cfg, CPU)
-    with pytest.raises(FpbenchError, match="adapts on each client's data before it is scored"):
-        build_populations(cfg, task, CPU)
+    assert result.exit_code == 2, result.output
+    assert reason in " ".join(result.output.split()) and "Traceback" not in result.output
+    with Store(f"sqlite:///{db}") as store:
+        (run,) = store.runs().itertuples()
+        assert run.status == "failed" and reason in store.get_run(run.id).error
+
+
+def test_a_task_without_local_data_refuses_the_draw_with_what_scores_it(tiny):
+    """`scoring_task` names what scores its clients; a draw there raises that, before anything
+    is loaded (a personal method that does not draw is scored as usual)."""
+    from contextlib import ExitStack
+
+    from fpbench.engine.evaluate import _draws
+    from fpbench.engine.scoring import scoring_task
+
+    _, task, method = tiny("per-fedavg")
+    st = scoring_task(task.data, task, "evaluation mode base2novel")
+    assert st.no_local_data == "evaluation mode base2novel" and task.no_local_data is None
+    draw = _draws(method, st, None, torch.tensor([0, 1]), "fp32")(ExitStack())
+    with pytest.raises(FpbenchError) as info:
+        draw(3)
+    assert str(info.value) == (
+        "method per-fedavg adapts on each client's data before it is scored; evaluation mode "
+        "base2novel scores clients without local data: use another method"
+    )
 
 
 _BAD_SUITE = """
@@ -425,23 +490,6 @@ def test_a_scoring_task_is_the_runs_clients_without_local_data_over_the_other_se
     assert (names.num_classes, names.class_names) == (4, ("x", "y", "z", "w"))
     assert torch.equal(names.class_priors, torch.full((n, 4), 1 / 4))
     assert names.coarse_of_class is None
-
-
-def test_a_method_that_adapts_before_scoring_is_refused():
-    from fpbench.engine.scoring import method_for
-
-    class Adapting:  # what `adapts` looks for: an override of `Method.adapt`
-        name = "perfedavg"
-
-        def adapt(self, params, draw, ctx):
-            return params
-
-    with pytest.raises(FpbenchError) as info:
-        method_for(Adapting(), None, "base-to-novel")
-    assert str(info.value) == (
-        "method perfedavg adapts on each client's data before it is scored; base-to-novel "
-        "scores clients without local data: use another method"
-    )
 
 
 def test_a_run_stores_the_modes_scores_beside_its_own(tmp_path):

@@ -9,6 +9,7 @@ not be (or the reverse), or a count stored under another client's id shows as a 
 from __future__ import annotations
 
 import dataclasses
+from contextlib import ExitStack
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from fpbench.engine.evaluate import evaluate
 from fpbench.engine.inputs import Inputs
 from fpbench.engine.metrics import expected_calibration_error, macro_f1
 from fpbench.engine.seeding import client_batches, derive_seed
+from fpbench.errors import FpbenchError
 from fpbench.methods.base import Context
 from fpbench.methods.per_fedavg import PerFedAvg
 from fpbench.testing.tiny import seeded_server, with_config
@@ -96,7 +98,9 @@ def test_per_client_evaluation_is_each_clients_own_forward(
     server = _differing(method, seeded_server(method))
     asked, _ = _spied(monkeypatch, method, server)
     ev = evaluate(method, server, task, batch_size=batch_size)
-    assert {tuple(kwargs.items()) for _, kwargs in asked} == {(("training", False),)}
+    assert {(kwargs["training"], *sorted(kwargs)) for _, kwargs in asked} == {
+        (False, "draws", "training")
+    }
     labels, n = task.data.test_labels, task.num_clients
     held = task.heldout.numpy()
     assert held.sum() == 1  # one held-out client: the check of who is scored has power
@@ -162,7 +166,10 @@ def test_global_evaluation_is_one_forward_over_the_test_split(tiny, monkeypatch,
     ev = evaluate(method, server, task, batch_size=7, label_space=label_space)
     # one model, as client row 0's evaluation parameters (long client ids)
     ((ids, kwargs),) = asked
-    assert (ids.tolist(), ids.dtype, kwargs) == ([0], torch.long, {"training": False})
+    assert (ids.tolist(), ids.dtype, sorted(kwargs)) == ([0], torch.long, ["draws", "training"])
+    assert kwargs["training"] is False
+    with pytest.raises(FpbenchError, match='inference is "global"'):  # one model: no client data
+        kwargs["draws"](ExitStack())(1)
     assert len(contexts) == 6  # 36 test samples in batches of 7
     labels = task.data.test_labels
     logits = _logits(method, server, task, 0, torch.arange(len(labels)))
@@ -184,35 +191,33 @@ def test_global_evaluation_is_one_forward_over_the_test_split(tiny, monkeypatch,
 def test_an_adapting_method_is_scored_after_its_step_on_each_clients_seeded_draw(
     tiny, monkeypatch, batch_size, chunks
 ):
-    """Per-FedAvg adapts before it is scored: `draw(n)` hands it, for the chunk's clients in
-    order, the first batch of `client_batches(train_idx[c], n, derive_seed("adapt", c))` (the
-    preprocessed train images, recalled as train samples idx, their labels, each sample's row)
-    with the chunk's evaluation context, and the scores are those of the adapted parameters.
-    Clients go `batch_size // 32` to a forward (at least one)."""
+    """Per-FedAvg adapts in its evaluation `client_params`: `draw(n)` hands it, for the chunk's
+    clients in order, the first batch of `client_batches(train_idx[c], n, derive_seed("adapt",
+    c))` (the preprocessed train images, recalled as train samples idx, their labels, each
+    sample's row), and the scores are those of the adapted parameters. Clients go
+    `batch_size // 32` to a forward (at least one)."""
     _, task, method = tiny("per-fedavg")
     n_batch = 5  # below a client's train size: the draw is one batch of 5 of its samples
     method = with_config(method, adapt_batch=n_batch)
     server = seeded_server(method)
-    server.buffers["mark"] = torch.ones(1)  # which the context must carry
     drawn, adapted = [], {}
-    adapt = PerFedAvg.adapt
+    client_params = PerFedAvg.client_params
 
-    contexts, recalls = [], []
-
-    def spy(self, params, draw, ctx):
+    def spy(self, server, ids, training=True, draw=None):
         def recorded(n):
             out = draw(n)
             drawn.append((n, *out))
             return out
 
-        contexts.append(ctx)
-        out = adapt(self, params, recorded, ctx)
+        assert training is False and draw is not None  # evaluation hands a draw
+        out = client_params(self, server, ids, training, recorded)
         adapted[len(drawn)] = out
         return out
 
-    monkeypatch.setattr(PerFedAvg, "adapt", spy)
+    monkeypatch.setattr(PerFedAvg, "client_params", spy)
     inputs = Inputs.of(method, task)
     recall = inputs.recall
+    recalls = []
 
     def spy_recall(x, split, idx, *args):
         recalls.append((x, split, idx))
@@ -221,10 +226,7 @@ def test_an_adapting_method_is_scored_after_its_step_on_each_clients_seeded_draw
     monkeypatch.setattr(inputs, "recall", spy_recall)
     ev = evaluate(method, server, task, batch_size=batch_size, inputs=inputs)
     assert [c for c in range(task.num_clients) if not task.heldout[c]] == [1, 2, 3]
-    assert len(drawn) == len(contexts) == len(chunks)
-    for chunk, ctx in zip(chunks, contexts, strict=True):
-        assert ctx.training is False and dict(ctx.buffers) == {"mark": server.buffers["mark"]}
-        assert torch.equal(ctx.priors, task.priors[chunk])
+    assert len(drawn) == len(adapted) == len(chunks)
     train_recalls = [r for r in recalls if r[1] == "train"]
     assert len(train_recalls) == len(chunks)
     for (x, _, idx), (_, drawn_x, _, _) in zip(train_recalls, drawn, strict=True):
@@ -242,6 +244,8 @@ def test_an_adapting_method_is_scored_after_its_step_on_each_clients_seeded_draw
     for k, chunk in enumerate(chunks, start=1):
         for row, c in enumerate(chunk):
             params = {p: v[row : row + 1] for p, v in adapted[k].items()}
+            start = client_params(method, server, torch.tensor([c]), training=False)
+            assert not torch.equal(params["prompts"], start["prompts"])  # the step moved them
             idx = task.test_idx[c]
             x = method.backbone.preprocess(task.data.test_images[idx])
             with torch.no_grad():
@@ -249,6 +253,55 @@ def test_an_adapting_method_is_scored_after_its_step_on_each_clients_seeded_draw
                     params, x, torch.zeros(len(idx), dtype=torch.long), Context(training=False)
                 )
             assert ev.correct_local[c] == int((logits.argmax(-1) == labels[idx]).sum())
+
+
+def test_the_draw_holds_gradients_and_the_evaluations_autocast_until_client_params_returns(
+    tiny, monkeypatch
+):
+    """In bf16: client_params runs outside autocast and without gradients until it draws;
+    from the draw on, gradients are on and the evaluation's autocast applies; once it
+    returns, the test forwards run under that autocast again, without gradients."""
+    from fpbench.backbones.frozen_linear import _cpu_autocast
+
+    _, task, method = tiny("per-fedavg")
+    server = seeded_server(method)
+    seen, client_params, forward = [], PerFedAvg.client_params, PerFedAvg.forward
+
+    def spy(self, server, ids, training=True, draw=None):
+        def recorded(n):
+            seen.append(("before", torch.is_grad_enabled(), _cpu_autocast()))
+            out = draw(n)
+            seen.append(("drawn", torch.is_grad_enabled(), _cpu_autocast()))
+            return out
+
+        return client_params(self, server, ids, training, recorded)
+
+    def spy_forward(self, params, x, rows, ctx):
+        seen.append(("forward", torch.is_grad_enabled(), _cpu_autocast()))
+        return forward(self, params, x, rows, ctx)
+
+    monkeypatch.setattr(PerFedAvg, "client_params", spy)
+    monkeypatch.setattr(PerFedAvg, "forward", spy_forward)
+    with torch.no_grad():
+        evaluate(method, server, task, batch_size=16, precision="bf16", clients=[1])
+    # the draw; the step's forward; the test forwards: local set and full split
+    assert seen[:3] == [("before", False, False), ("drawn", True, True), ("forward", True, True)]
+    assert set(seen[3:]) == {("forward", False, True)} and len(seen) > 3
+
+
+def test_a_method_that_does_not_draw_loads_no_train_data(tiny, monkeypatch):
+    """The draw is lazy: a personal method that never calls it (pFedPG) is evaluated without a
+    train image read or a draw seeded."""
+    _, task, method = tiny("pfedpg")
+    inputs = Inputs.of(method, task)
+
+    def refuse(*args):
+        raise AssertionError("train data drawn")
+
+    monkeypatch.setattr(evaluation, "client_batches", refuse)
+    monkeypatch.setattr(inputs, "train", refuse)
+    ev = evaluate(method, seeded_server(method), task, batch_size=64, inputs=inputs)
+    assert ev.total_local.sum() == sum(len(i) for i in task.test_idx)
 
 
 def test_empty_predictions_are_empty_tensors_of_the_index_type():

@@ -17,7 +17,6 @@ from fpbench.methods.base import (
     Phase,
     ServerState,
     Updates,
-    adapts,
     as_logits,
     training_loss,
 )
@@ -205,12 +204,13 @@ def test_a_phase_checks_its_own_optimisers():
         Phase("local", ("a",), 1, {"a": {"optimizer": "rmsprop", "lr": 0.1}})
 
 
-def test_adapt_is_detected_by_override():
-    class Adapting(_TwoLogits):
-        def adapt(self, params, draw, ctx):
-            return params
-
-    assert not adapts(_TwoLogits.__new__(_TwoLogits)) and adapts(Adapting.__new__(Adapting))
+def test_a_client_params_override_must_take_the_draw():
+    """Evaluation hands `client_params` a `draw`: an override without it is refused when its
+    class is made, not at the first evaluation; one taking it (or **kwargs) is accepted."""
+    with pytest.raises(TypeError, match=re.escape("Old.client_params must take `draw=None`")):
+        type("Old", (Method,), {"client_params": lambda self, server, ids, training=True: {}})
+    for ok in (lambda self, s, i, training=True, draw=None: {}, lambda self, s, i, **kw: {}):
+        type("New", (Method,), {"client_params": ok})
 
 
 def test_a_config_with_presets_applies_them_and_must_declare_the_field():
@@ -240,6 +240,7 @@ def test_a_config_with_presets_applies_them_and_must_declare_the_field():
     [
         ("optimizer_settings", "Phase.optimizers"),
         ("adapt_samples", "draw"),
+        ("adapt", "in client_params.*training=False, draw"),
         ("scores_new_clients", "personal-deploys"),
         ("readings", "method_readings.py"),
         ("init_server", "return a ServerState from init_params"),

@@ -110,8 +110,8 @@ def _targets(
     """The evaluation mode's scored sets for one method instance (see `eval_modes`)."""
     out = []
     for s in task.eval_sets:
-        scoring = scoring_task(s.data, task)
         where = f"evaluation mode {cfg.evaluation.mode if cfg.evaluation else ''}"
+        scoring = scoring_task(s.data, task, where)
         scorer = method if s.same_classes else method_for(method, scoring, where)
         out.append(Target(s.name, scoring, scorer, _inputs(cfg, scorer, scoring, cache)))
     return tuple(out)

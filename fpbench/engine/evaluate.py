@@ -12,7 +12,7 @@ all classes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 
 import numpy as np
@@ -21,10 +21,11 @@ from torch import Tensor
 
 from fpbench.engine.inputs import Inputs
 from fpbench.engine.metrics import EvalCounts, expected_calibration_error, macro_f1
-from fpbench.engine.precision import autocast, start_params
+from fpbench.engine.precision import Draw, autocast, start_params
 from fpbench.engine.seeding import client_batches, derive_seed
 from fpbench.engine.task import Task
-from fpbench.methods.base import Context, Method, ServerState, adapts, as_logits
+from fpbench.errors import FpbenchError
+from fpbench.methods.base import Context, Method, ServerState, as_logits
 
 
 @torch.no_grad()
@@ -110,7 +111,9 @@ def evaluate(
     with autocast(task.priors.device, precision):
         if method.inference == "global":
             return _evaluate_global(method, server, task, inputs, batch_size, label_space)
-        return _evaluate_per_client(method, server, task, inputs, batch_size, label_space, clients)
+        return _evaluate_per_client(
+            method, server, task, inputs, batch_size, label_space, clients, precision
+        )
 
 
 def client_classes(task: Task) -> Tensor:
@@ -128,7 +131,8 @@ def _evaluate_global(
 ) -> EvalCounts:
     data = task.data
     zero = torch.zeros(1, dtype=torch.long)
-    params = start_params(method, server, zero, task.priors.device, training=False)
+    draws = _draws(method, task, inputs, None, "fp32")
+    params = start_params(method, server, zero, task.priors.device, training=False, draws=draws)
     ctx = Context(training=False, buffers=server.buffers)
     everything = torch.arange(len(data.test_labels), device=data.test_labels.device)
     rows = torch.zeros_like(everything)
@@ -177,6 +181,7 @@ def _evaluate_per_client(
     batch_size: int,
     label_space: str = "all",
     only: list[int] | None = None,
+    precision: str = "fp32",
 ) -> EvalCounts:
     """Each client with its own parameters / context, many clients per batch.
 
@@ -201,11 +206,11 @@ def _evaluate_per_client(
     chunk = max(1, batch_size // 32)
     for start in range(0, len(clients), chunk):
         ids = torch.tensor(clients[start : start + chunk])
-        params = start_params(method, server, ids, task.priors.device, training=False)
+        draws = _draws(method, task, inputs, ids, precision)
+        params = start_params(method, server, ids, task.priors.device, training=False, draws=draws)
         ctx = Context(
             training=False, priors=task.priors[ids.to(task.priors.device)], buffers=server.buffers
         )
-        params = _adapt(method, params, task, inputs, ids, ctx)
         local = [task.test_idx[c] for c in ids.tolist()]
         allowed = None if classes is None else classes[ids.to(classes.device)]  # (K, C)
         correct, confs = _correct(method, params, inputs, local, ctx, batch_size, allowed)
@@ -233,21 +238,30 @@ def _evaluate_per_client(
     )
 
 
-def _adapt(
-    method: Method,
-    params: dict[str, Tensor],
-    task: Task,
-    inputs: Inputs,
-    ids: Tensor,
-    ctx: Context,
-) -> dict[str, Tensor]:
-    """`Method.adapt` on each client's train data (e.g. Per-FedAvg's step): its `draw(n)` gives
-    one fixed batch of n train samples of each client, recalled as any train batch."""
-    if not adapts(method):
-        return params
-    with torch.enable_grad(), ExitStack() as recalled:
+def _draws(
+    method: Method, task: Task, inputs: Inputs, ids: Tensor | None, precision: str
+) -> Callable[[ExitStack], Draw]:
+    """The clients `ids`' `draw` for `Method.client_params`, made from the stack that holds
+    what it enters: `draw(n)` gives one fixed batch of n train samples of each client (its
+    first batch of `client_batches` seeded by "adapt" and the client), recalled as any train
+    batch, with gradients enabled and the evaluation's autocast. Nothing is drawn unless it
+    is called; it raises where there is no client data: a task of clients without local data
+    (an evaluation mode's other set) or a global model (`ids` None)."""
 
+    def make(held: ExitStack) -> Draw:
         def draw(n: int) -> tuple[Tensor, Tensor, Tensor]:
+            if task.no_local_data is not None:
+                raise FpbenchError(
+                    f"method {method.name} adapts on each client's data before it is scored; "
+                    f"{task.no_local_data} scores clients without local data: use another method"
+                )
+            if ids is None:
+                raise FpbenchError(
+                    f"method {method.name} draws client data before it is scored, but its "
+                    'inference is "global" (one model for every client): declare "personal"'
+                )
+            held.enter_context(torch.enable_grad())
+            held.enter_context(autocast(task.priors.device, precision))
             batches = [
                 (
                     client_batches(task.train_idx[c], n, derive_seed("adapt", c))
@@ -257,10 +271,12 @@ def _adapt(
             ]
             idx, rows = _flat(batches)
             x = inputs.train(idx)
-            recalled.enter_context(inputs.recall(x, "train", idx))
+            held.enter_context(inputs.recall(x, "train", idx))
             return x, task.data.train_labels[idx], rows
 
-        return method.adapt(params, draw, ctx)
+        return draw
+
+    return make
 
 
 def _correct(

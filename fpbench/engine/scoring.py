@@ -11,7 +11,6 @@ from fpbench.data.base import ImageDataset
 from fpbench.engine.task import Task
 from fpbench.errors import FpbenchError
 from fpbench.lazy import torch
-from fpbench.methods.base import adapts
 
 if TYPE_CHECKING:
     from fpbench.engine.inputs import Inputs
@@ -28,8 +27,9 @@ class Target:
     inputs: Inputs
 
 
-def scoring_task(data: ImageDataset, task: Task) -> Task:
-    """The run's clients with no local data, over `data` (already on the task's device)."""
+def scoring_task(data: ImageDataset, task: Task, where: str = "this evaluation") -> Task:
+    """The run's clients with no local data, over `data` (already on the task's device);
+    `where` names what scores them (a method that draws client data is refused with it)."""
     device, n, c = task.priors.device, task.num_clients, data.num_classes
     none = [torch.zeros(0, dtype=torch.long, device=device) for _ in range(n)]
     return Task(
@@ -40,21 +40,20 @@ def scoring_task(data: ImageDataset, task: Task) -> Task:
         priors=torch.full((n, c), 1.0 / c, device=device),
         train_sizes=task.train_sizes,
         heldout=task.heldout,
+        no_local_data=where,
     )
 
 
 def method_for(method: Method, task: Task, where: str) -> Method:
     """The method built again over `task`'s class names, on the same backbone and config.
 
+    A method that adapts on local data before scoring is refused when it draws it
+    (`Method.client_params`'s `draw` raises on `task`, see `scoring_task`).
+
     Raises:
         FpbenchError: the method's parameters depend on the class count (it cannot be scored
-            on other classes), or it adapts on local data before scoring.
+            on other classes).
     """
-    if adapts(method):
-        raise FpbenchError(
-            f"method {method.name} adapts on each client's data before it is scored; {where} "
-            "scores clients without local data: use another method"
-        )
     other = type(method)(method.cfg, method.backbone, task_info(task))
     names = [f"class {k}" for k in range(task.data.num_classes + 1)]
     probe = type(method)(method.cfg, method.backbone, task_info(task, names))

@@ -35,6 +35,9 @@ class Task:
     aggregation_sizes: Tensor | None = None  # (N,) FedAvg weights; None: train_sizes
     # what the run's evaluation mode scores beside it (`fpbench.engine.eval_modes`), on the device
     eval_sets: tuple[EvalSet, ...] = ()
+    # set on a task of clients without local data: what scores them (e.g. an evaluation mode),
+    # for the error of a method that draws client data at evaluation; None: they have theirs
+    no_local_data: str | None = None
 
     @property
     def aggregation_weights(self) -> Tensor:

@@ -16,11 +16,12 @@ statistics it records, in training its own loss where it has one) and writes int
 what the engine hands it (`Context`) is read-only.
 
 Decisions (issue #32; counts in docs/method-interface.md):
-* `adapt` stays, `adapt_samples` folds into it: Per-FedAvg's evaluation-time step needs data
-  that no other hook sees (one batch of each client's train split); `adapt` receives `draw(n)`,
-  which draws that batch, so the size is the method's own argument, not a second hook. The
-  engine adapts only where `adapt` is overridden (`adapts`). Folding it into `client_params`
-  would hand every method data it does not need.
+* `adapt` (and `adapt_samples` before it) folds into `client_params`: what a client is
+  evaluated with is that hook's answer (`training=False`), and Per-FedAvg's adapted params are
+  exactly that, so a second hook (and the engine's `adapts` test) was one name too many. At
+  evaluation the engine hands it `draw(n)`, one batch of each client's train data, loaded only
+  when called: a method that does not adapt pays nothing and sees no data. Where no client
+  data exists (an evaluation mode's other set, a global model), `draw` raises.
 * `optimizer_settings` and `OptimizerSettings` fold into `Phase.optimizers`: a tensor's own
   optimiser is part of the local schedule, a plain dict per tensor (optimizer, lr, momentum,
   weight_decay), checked when the phase is made.
@@ -56,6 +57,7 @@ Decisions (issue #32; counts in docs/method-interface.md):
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -203,11 +205,6 @@ def training_loss(out: Tensor | Output, labels: Tensor) -> tuple[Tensor, Mapping
     return (ce if out.aux_loss is None else ce + out.aux_loss), stats
 
 
-def adapts(method: object) -> bool:
-    """Whether a method overrides `Method.adapt` (adapts on client data before it is scored)."""
-    return getattr(type(method), "adapt", Method.adapt) is not Method.adapt
-
-
 @dataclass(frozen=True)
 class Phase:
     """One block of local training: which parameters train, for how many epochs, and which of
@@ -335,10 +332,24 @@ class Method:
 
     # -- optional hooks: local training ----------------------------------------------------------
     def client_params(
-        self, server: ServerState, client_ids: Tensor, training: bool = True
+        self,
+        server: ServerState,
+        client_ids: Tensor,
+        training: bool = True,
+        draw: Callable[[int], tuple[Tensor, Tensor, Tensor]] | None = None,
     ) -> dict[str, Tensor]:
         """The K clients' parameters, stacked (K, ...): what local training starts from, or
-        (`training=False`) what they are evaluated with; default the same for both."""
+        (`training=False`) what they are evaluated with; default the same for both.
+
+        `draw`, at evaluation only (None in training and for callers without client data):
+        `draw(n)` returns one fixed batch of n train samples of each of the K clients, as
+        (x, y, client_index), for a method that adapts before it is scored (Per-FedAvg's
+        step); a method that does not call it loads nothing. This hook runs outside autocast
+        on the server state's device; from the first `draw` on, until it returns, gradients
+        are enabled, the evaluation's autocast applies and the batch is recalled as a train
+        batch. The batch is on the evaluation device, which may not be the server's: adapt
+        there (`p.to(x.device)`). `draw` raises `FpbenchError` where no client data exists
+        (an evaluation mode's other set; a global method's one model)."""
         k = len(client_ids)
         out = {
             name: p.unsqueeze(0).expand(k, *p.shape).clone() for name, p in server.params.items()
@@ -381,21 +392,6 @@ class Method:
         split."""
         return {}
 
-    # -- optional hook: local adaptation before evaluation (personal methods) --------------------
-    def adapt(
-        self,
-        params: dict[str, Tensor],
-        draw: Callable[[int], tuple[Tensor, Tensor, Tensor]],
-        ctx: Context,
-    ) -> dict[str, Tensor]:
-        """Personalise the eval params (K, ...) on each client's train data before evaluation.
-
-        `draw(n)` returns one fixed batch of n train samples of each of the K clients, as
-        (x, y, client_index); e.g. Per-FedAvg's one local step. Called with gradients enabled;
-        default: unchanged (and the engine then draws nothing).
-        """
-        return params
-
     # -- provided: what a method calls, never overrides ------------------------------------------
     def __init__(self, cfg: MethodConfig, backbone: PromptedViT, task: TaskInfo) -> None:
         self.cfg = cfg
@@ -421,14 +417,26 @@ class Method:
         super().__init_subclass__(**kwargs)
         for old in _FOLDED.keys() & vars(cls).keys():  # a method written before #32's folds
             raise TypeError(f"{cls.__name__}.{old} is no longer read: {_FOLDED[old]}")
+        own = vars(cls).get("client_params")
+        if own is not None and not _takes_draw(own):
+            raise TypeError(
+                f"{cls.__name__}.client_params must take `draw=None` (the clients' train data "
+                "at evaluation) and pass it on: client_params(server, client_ids, training, draw)"
+            )
+
+
+def _takes_draw(fn: Callable[..., Any]) -> bool:
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == "draw" or p.kind is p.VAR_KEYWORD for p in params)
 
 
 # names a method no longer declares (issue #32), and where their content went
 _FOLDED = {
     "readings": "a method's readings are listed by name in fpbench/report/method_readings.py",
     "optimizer_settings": "name a tensor's own optimiser in Phase.optimizers (`phases`)",
-    "adapt_samples": "adapt(params, draw, ctx) draws its own batch: draw(n)",
+    "adapt_samples": "client_params(..., training=False, draw) draws its own batch: draw(n)",
     "scores_new_clients": 'set inference = "personal-deploys"',
     "init_server": "return a ServerState from init_params",
     "loss": "a forward given ctx.labels returns its training loss in Output.loss",
+    "adapt": "adapt in client_params(server, client_ids, training=False, draw): draw(n)",
 }

@@ -46,6 +46,8 @@ from fpbench.methods.promptfolio import GlobalLocalPrompts
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torch import Tensor
 
 
@@ -154,11 +156,15 @@ class DPFPL(GlobalLocalPrompts):
         )
 
     def client_params(
-        self, server: ServerState, client_ids: Tensor, training: bool = True
+        self,
+        server: ServerState,
+        client_ids: Tensor,
+        training: bool = True,
+        draw: Callable[[int], tuple[Tensor, Tensor, Tensor]] | None = None,
     ) -> dict[str, Tensor]:
         """Adds `dp_key` (K, 3): the run's seed, the client and the round, which seed the
         client's draws; never trained."""
-        out = super().client_params(server, client_ids, training)
+        out = super().client_params(server, client_ids, training, draw)
         k = len(client_ids)
         seed, round_ = server.buffers["dp_seed"].cpu(), server.buffers["dp_round"].cpu()
         out["dp_key"] = torch.stack([seed.expand(k), client_ids.cpu(), round_.expand(k)], dim=1)

@@ -35,6 +35,8 @@ from fpbench.methods.helpers import per_client_linear
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torch import Tensor
 
 
@@ -62,9 +64,13 @@ class FedMoon(ShallowPromptModel):
         return {**params, "prev_prompts": params["prompts"].clone()}
 
     def client_params(
-        self, server: ServerState, client_ids: Tensor, training: bool = True
+        self,
+        server: ServerState,
+        client_ids: Tensor,
+        training: bool = True,
+        draw: Callable[[int], tuple[Tensor, Tensor, Tensor]] | None = None,
     ) -> dict[str, Tensor]:
-        out = super().client_params(server, client_ids, training)
+        out = super().client_params(server, client_ids, training, draw)
         out["global_prompts"] = out["prompts"].clone()  # (K, p, d) the positive's prompts
         return out
 

@@ -88,6 +88,8 @@ from fpbench.methods.helpers import init_linear, weighted_mean
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torch import Tensor
 
     from fpbench.backbones.clip import PromptedCLIP
@@ -413,13 +415,17 @@ class FedMVP(Method):
         return 1.0 - sum(cos) / len(cos)
 
     def client_params(
-        self, server: ServerState, client_ids: Tensor, training: bool = True
+        self,
+        server: ServerState,
+        client_ids: Tensor,
+        training: bool = True,
+        draw: Callable[[int], tuple[Tensor, Tensor, Tensor]] | None = None,
     ) -> dict[str, Tensor]:
         """Adds `lora_on` (K,), never trained, once any client switched to LoRA (in training
         only: the official server's model never applies LoRA); before, the LoRA factors are
         left out (nothing would train them). Decided on the whole federation, so that every
         grouping of the round's clients gets the same tensors."""
-        out = super().client_params(server, client_ids, training)
+        out = super().client_params(server, client_ids, training, draw)
         if "lora_on" in server.buffers:
             on = server.buffers["lora_on"]
             if training and bool(on.any()):

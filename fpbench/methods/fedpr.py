@@ -49,6 +49,8 @@ from fpbench.methods.fedvpt import DeepConfig, FedVPTDeep
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torch import Tensor
 
 
@@ -107,9 +109,13 @@ class FedPR(FedVPTDeep):
         return ServerState(params, buffers={"projector": eye})
 
     def client_params(
-        self, server: ServerState, client_ids: Tensor, training: bool = True
+        self,
+        server: ServerState,
+        client_ids: Tensor,
+        training: bool = True,
+        draw: Callable[[int], tuple[Tensor, Tensor, Tensor]] | None = None,
     ) -> dict[str, Tensor]:
-        out = super().client_params(server, client_ids, training)
+        out = super().client_params(server, client_ids, training, draw)
         out["prompt_update"] = torch.zeros_like(out["prompts"])  # (K, L, p, d)
         return out
 

@@ -11,7 +11,8 @@ beta * grad L_D'(theta'), beta being the benchmark's learning rate. The paper dr
 as two independent batches; a client with a one-sample batch has an empty D (a plain step).
 Server: FedAvg of prompts and head by client train size. Evaluation: each client first takes
 one SGD step of size alpha on `adapt_batch` of its train samples (a fixed draw per client),
-through the engine's `Method.adapt` hook; held-out clients are not applicable (personal).
+in its evaluation `client_params` (the engine's `draw`); held-out clients are not applicable
+(personal).
 
 Defaults (fpbench's; the original MLP/CNN values do not transfer to prompts): alpha = 0.01,
 `adapt_batch` = 32; prompt length 5, fpbench's VPT-shallow default.
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING
 from pydantic import Field
 
 from fpbench.lazy import F, torch
-from fpbench.methods.base import Context, Output
+from fpbench.methods.base import Context, Output, ServerState
 from fpbench.methods.fedvpt import ShallowPromptModel, VPTConfig
 from fpbench.registry import METHODS
 
@@ -105,13 +106,20 @@ class PerFedAvg(ShallowPromptModel):
         scale = (n_all / n_out.clamp(min=1))[rows].to(per.dtype)
         return Output(None, loss=out.masked_scatter(outer, per * scale))
 
-    def adapt(
+    def client_params(
         self,
-        params: dict[str, Tensor],
-        draw: Callable[[int], tuple[Tensor, Tensor, Tensor]],
-        ctx: Context,
+        server: ServerState,
+        client_ids: Tensor,
+        training: bool = True,
+        draw: Callable[[int], tuple[Tensor, Tensor, Tensor]] | None = None,
     ) -> dict[str, Tensor]:
+        """At evaluation, each client's params after one step on `adapt_batch` of its train
+        samples (`draw`), taken on the batch's device; unchanged without `draw`."""
+        params = super().client_params(server, client_ids, training, draw)
+        if training or draw is None:
+            return params
         x, y, client_index = draw(self.cfg.adapt_batch)
-        leaves = {n: p.detach().requires_grad_() for n, p in params.items()}
+        leaves = {n: p.to(x.device).detach().requires_grad_() for n, p in params.items()}
+        ctx = Context(training=False, buffers=server.buffers)
         adapted = self.inner_step(leaves, x, y, client_index, ctx)
         return {n: p.detach() for n, p in adapted.items()}

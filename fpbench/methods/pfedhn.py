@@ -35,6 +35,8 @@ from fpbench.methods.helpers import init_linear, per_client_linear
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torch import Tensor
 
 
@@ -76,7 +78,11 @@ class HypernetworkMethod(Method):
         return ServerState(phi, {}, momentum)
 
     def client_params(
-        self, server: ServerState, client_ids: Tensor, training: bool = True
+        self,
+        server: ServerState,
+        client_ids: Tensor,
+        training: bool = True,
+        draw: Callable[[int], tuple[Tensor, Tensor, Tensor]] | None = None,
     ) -> dict[str, Tensor]:
         with torch.no_grad():
             out = self.generate(server.params, client_ids)

@@ -63,6 +63,8 @@ from fpbench.methods.helpers import init_linear
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torch import Tensor
 
     from fpbench.backbones.clip import PromptedCLIP
@@ -174,11 +176,15 @@ class PFedMoAP(CoOpModel):
         return nearest_experts(buf["uploads"], buf["uploaded"], ids, allowed, self.slots)
 
     def client_params(
-        self, server: ServerState, client_ids: Tensor, training: bool = True
+        self,
+        server: ServerState,
+        client_ids: Tensor,
+        training: bool = True,
+        draw: Callable[[int], tuple[Tensor, Tensor, Tensor]] | None = None,
     ) -> dict[str, Tensor]:
         """Adds `expert_ids` and `expert_mask` (K, slots), never trained; in evaluation the
         context is the client's last upload (the server's where it never uploaded)."""
-        out = super().client_params(server, client_ids, training)
+        out = super().client_params(server, client_ids, training, draw)
         out["expert_ids"], out["expert_mask"] = self.experts(server, client_ids, training)
         if not training:
             buf = server.buffers

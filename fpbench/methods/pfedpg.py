@@ -39,6 +39,8 @@ from fpbench.methods.pfedhn import HypernetConfig, HypernetworkMethod
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torch import Tensor
 
 
@@ -105,7 +107,11 @@ class PFedPG(HypernetworkMethod):
         return {"prompts": basis + mixed @ phi["w_o"].T + phi["b_o"]}
 
     def client_params(
-        self, server: ServerState, client_ids: Tensor, training: bool = True
+        self,
+        server: ServerState,
+        client_ids: Tensor,
+        training: bool = True,
+        draw: Callable[[int], tuple[Tensor, Tensor, Tensor]] | None = None,
     ) -> dict[str, Tensor]:
         """Training starts from generated prompts; evaluation uses each client's own trained
         prompts and heads."""

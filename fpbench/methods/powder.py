@@ -45,6 +45,8 @@ from fpbench.methods.coop import CoOpConfig, CoOpModel
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torch import Tensor
 
 
@@ -97,7 +99,11 @@ class Powder(CoOpModel):
         return torch.tensordot(w.to(ctx), prompts, dims=1)  # (K, [C,] M, d)
 
     def client_params(
-        self, server: ServerState, client_ids: Tensor, training: bool = True
+        self,
+        server: ServerState,
+        client_ids: Tensor,
+        training: bool = True,
+        draw: Callable[[int], tuple[Tensor, Tensor, Tensor]] | None = None,
     ) -> dict[str, Tensor]:
         """Training starts from the generated prompt; evaluation uses a client's own task
         prompt where it has trained, else the generated one."""

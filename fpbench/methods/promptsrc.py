@@ -59,6 +59,8 @@ from fpbench.methods.maple import (
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torch import Tensor
 
     from fpbench.backbones.clip import PromptedCLIP
@@ -250,10 +252,14 @@ class PromptSRC(Method):
         return ServerState(new.params, new.personal, buffers)
 
     def client_params(
-        self, server: ServerState, client_ids: Tensor, training: bool = True
+        self,
+        server: ServerState,
+        client_ids: Tensor,
+        training: bool = True,
+        draw: Callable[[int], tuple[Tensor, Tensor, Tensor]] | None = None,
     ) -> dict[str, Tensor]:
         """Training starts from the FedAvg prompts; evaluation uses GPA's mean (with `gpa`)."""
         if training or not self.cfg.gpa:
-            return super().client_params(server, client_ids, training)
+            return super().client_params(server, client_ids, training, draw)
         gpa = {k: server.buffers[f"gpa_{k}"] for k in server.params}
-        return super().client_params(ServerState(gpa, server.personal), client_ids, training)
+        return super().client_params(ServerState(gpa, server.personal), client_ids, training, draw)

@@ -56,20 +56,21 @@ def test_per_fedavg_takes_one_local_step_before_evaluation(tiny):
     method = with_config(method, adapt_batch=5)
     server = seeded_server(method)
     seen = []
-    plain_adapt = method.adapt
+    plain = method.client_params
 
-    def spy(params, draw, ctx):
+    def spy(server, ids, training=True, draw=None):
         def drawn(n):
             assert n == 5  # the config's adapt_batch
             x, y, rows = draw(n)
             seen.append((rows.clone(), y.clone()))
             return x, y, rows
 
-        out = plain_adapt(params, drawn, ctx)
-        assert all(not torch.equal(out[k], params[k]) for k in params)  # one step moved them
+        out = plain(server, ids, training, drawn)
+        start = plain(server, ids, training)  # no draw: the start point
+        assert all(not torch.equal(out[k], start[k]) for k in start)  # one step moved them
         return out
 
-    method.adapt = spy
+    method.client_params = spy
     evaluate(method, server, task, cfg.train.eval_batch_size)
     rows = torch.cat([r for r, _ in seen])
     per_row = [int((r == k).sum()) for r, _ in seen for k in range(int(r.max()) + 1)]
@@ -82,12 +83,16 @@ def test_per_fedavg_takes_one_local_step_before_evaluation(tiny):
     # the step itself: theta - alpha * grad of each row's mean loss
     x = method.backbone.preprocess(task.data.train_images[:3])
     y = task.data.train_labels[:3]
-    start = method.client_params(server, torch.tensor([0]), training=False)
+    start = plain(server, torch.tensor([0]), training=False)
     rows = torch.zeros(3, dtype=torch.long)
-    stepped = plain_adapt(start, lambda n: (x, y, rows), Context(training=False))
+    stepped = plain(server, torch.tensor([0]), training=False, draw=lambda n: (x, y, rows))
     theta = {k: v.clone().requires_grad_() for k, v in start.items()}
     F.cross_entropy(
         method.forward(theta, x, torch.zeros(3, dtype=torch.long), Context(training=True)), y
     ).backward()
     for k in theta:
         torch.testing.assert_close(stepped[k], start[k] - 0.01 * theta[k].grad)
+    assert not any(v.requires_grad for v in stepped.values())  # detached: nothing to backprop
+    # in training a draw is never taken (the engine hands none; one given is not called)
+    trained = plain(server, torch.tensor([0]), training=True, draw=lambda n: 1 / 0)
+    assert all(torch.equal(trained[k], start[k]) for k in start)
