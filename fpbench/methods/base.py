@@ -49,6 +49,8 @@ Decisions (issue #32; counts in docs/method-interface.md):
   (tensors generated, added or swapped; buffers, generated rows or first-round-only tensors
   counted as sent, often different up and down), so no declaration covers them without a rule
   as long as a hook. The overrides, method by method, are counted in docs/method-interface.md.
+  `round_metrics` stays too: its diagnostics read the state after aggregation and after the
+  populations of a model-heterogeneous run share tensors, and SGPT's scores the test split.
 * `Context.earlier` stays, read-only: SGPT's reference code lets a client read the selection
   counts of the clients trained before it in the round ("sequential"), which only the reference
   executor can reproduce; it is always empty in lockstep, so no other method sees a difference.
