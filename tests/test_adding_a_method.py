@@ -55,6 +55,9 @@ def test_the_installed_method_is_listed_with_its_package(site, tmp_path):
     assert "fpbench" in fedvpt and "my-fpbench-methods" not in fedvpt
 
 
+# Slow (the guide's package installed and its tests run from a fresh folder, about 25 s): CI's
+# `pytest -m slow` runs it; the default run keeps the installed package's listing and suite run.
+@pytest.mark.slow
 def test_the_doc_tests_pass_from_a_fresh_folder(site, tmp_path):
     """Step 3 as a plugin author runs it: the page's conftest and test module in a folder
     outside the checkout, fpbench and the method package installed, pytest run there."""

@@ -124,6 +124,9 @@ def reference(workdir) -> Path:
     return workdir / "ref.db"
 
 
+# Slow (two fresh processes over every method's cell, about 30 s with the reference run): the
+# default run keeps tests/test_scale.py's worker-process equalities on the tiny suite.
+@pytest.mark.slow
 def test_two_fresh_processes_store_bit_identical_metrics(workdir, reference):
     result = _worker(workdir, "again.db")
     assert result.returncode == 0, result.stderr
