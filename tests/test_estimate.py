@@ -11,7 +11,16 @@ import torch
 from typer.testing import CliRunner
 
 from fpbench.cli import app
-from fpbench.measure.estimate import Measurement, estimate, plan, project, shape_of
+from fpbench.measure.estimate import (
+    Measurement,
+    cost_group,
+    estimate,
+    plan,
+    project,
+    rescale,
+    shape_of,
+    shrunk,
+)
 from fpbench.suites import load_suite
 from tests.conftest import TINY_SUITE_TOML
 
@@ -174,3 +183,132 @@ def test_every_shape_is_measured_on_cuda(tiny_suite, suite) -> None:
     )
     assert [e.error for e in found] == [None] * len(found)
     assert {e.measured.device for e in found} == {"cuda"}
+
+
+def _cifar_shape():
+    cells = load_suite("sgpt-table1").cells
+    return shape_of(next(c for c in cells if c.dataset.name == "cifar100"))
+
+
+def test_steps_and_shrunk_shapes_by_hand() -> None:
+    shape = _cifar_shape()  # 50,000 train / 100 clients, batch 40, 5 epochs, test 10,000
+    assert (shape.batch_size, shape.local_epochs, shape.eval_batch_size) == (40, 5, 160)
+    assert shape.per_client == 500 and shape.local_steps == 5 * 13  # ceil(500 / 40) = 13
+    small = shrunk(shape, 2)  # 2 batches a client, 2 evaluation batches of test samples
+    assert (small.train_size, small.test_size, small.per_client) == (8_000, 320, 80)
+    assert small.local_steps == 5 * 2 and cost_group(small) == cost_group(shape)
+    capped = replace(shape, max_local_steps=7)
+    assert capped.local_steps == 7 and shrunk(capped, 1).local_steps == 5
+    few = replace(shape, shots=2)  # a few-shot client holds 2 x 100 classes = 200 samples
+    assert few.per_client == 200 and few.local_steps == 5 * 5
+    assert shrunk(few, 8).per_client == 200 and shrunk(few, 8).shots is None
+
+
+def test_rescale_fits_a_fixed_part_and_a_cost_per_step() -> None:
+    shape = _cifar_shape()
+    small, big = shrunk(shape, 1), shrunk(shape, 2)  # 5 and 10 steps; 160 and 320 test samples
+    m = Measurement(1.0, 0.0, 0.5, 0.01, 0.2, "cpu", peak_mem_bytes=7)
+
+    def at(s, round_s, eval_s, frozen_s):
+        return s, replace(m, train_round_s=round_s, eval_s=eval_s, test_frozen_s=frozen_s)
+
+    # 2 s fixed + 0.1 s a step: 2.5 s at 5 steps, 3 s at 10, 2 + 0.1 * 65 = 8.5 s at 65
+    out = rescale([at(small, 2.5, 9.0, 9.0), at(big, 3.0, 0.64, 0.32)], shape)
+    assert out.train_round_s == pytest.approx(8.5)
+    assert (out.eval_s, out.test_frozen_s) == pytest.approx((20.0, 10.0))  # x 10,000 / 320
+    assert (out.setup_s, out.frozen_per_sample_s, out.peak_mem_bytes) == (1.0, 0.01, 7)
+    # noise that makes the larger shape faster counts as no cost per step
+    assert rescale([at(small, 3.0, 1, 1), at(big, 2.5, 1, 1)], shape).train_round_s == 2.5
+
+
+def test_a_scaled_estimate_times_each_cost_group_twice_and_scales_it(monkeypatch) -> None:
+    import fpbench.measure.estimate as est
+
+    suite = load_suite("sgpt-table1")
+    timed = []
+
+    def fake_measure(shape, cfg, device, precision, rounds, memo, warm):
+        timed.append((shape, warm))  # a round: 1 s + 0.25 s a step; evaluation 1 ms a sample
+        steps, tests = shape.local_steps, shape.test_size
+        return Measurement(0.0, 1 + 0.25 * steps, 0.001 * tests, 0.0, 0.0, str(device))
+
+    monkeypatch.setattr(est, "measure", fake_measure)
+    found = estimate(suite, torch.device("cpu"), batches=1)
+    groups = {cost_group(e.shape) for e in found}
+    assert len(timed) == 2 * len(groups) < 2 * len(found)  # shared within a group
+    assert all(warm for _, warm in timed)
+    assert [s.local_steps for s, _ in timed[:2]] == [5, 10]  # 1 then 2 batches a client
+    for e in found:
+        assert e.measured.train_round_s == pytest.approx(1 + 0.25 * e.shape.local_steps)
+        assert e.measured.eval_s == pytest.approx(0.001 * e.shape.test_size)
+        assert e.cell_s == pytest.approx(project(e.shape, e.measured))
+
+
+def test_a_scaled_estimate_stops_measuring_past_its_deadline(tiny_suite) -> None:
+    found = estimate(load_suite(str(tiny_suite)), torch.device("cpu"), batches=1, deadline=0.0)
+    assert [e.error for e in found] == ["out of time", "out of time"]
+
+
+def test_a_memo_builds_each_backbone_once_and_hands_out_copies(tiny) -> None:
+    from fpbench.engine.build import build_method
+
+    cfg, task, _ = tiny("fedvpt")
+    backbones: dict = {}
+    a = build_method(cfg, task, torch.device("cpu"), pretrained=False, backbones=backbones)
+    b = build_method(cfg, task, torch.device("cpu"), pretrained=False, backbones=backbones)
+    (pristine,) = backbones.values()
+    assert a.backbone is not b.backbone and a.backbone is not pristine
+    got, want = a.backbone.state_dict(), pristine.state_dict()
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_estimate_command_scaled(tiny_suite, tmp_path) -> None:
+    out = tmp_path / "est.json"
+    args = ["estimate", "--suite", str(tiny_suite), "--device", "cpu", "--scaled", "1"]
+    result = CliRunner().invoke(app, [*args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "--scaled: a round is a fixed part plus a cost per optimiser step" in result.output
+    assert all(r["measured"] is not None for r in json.loads(out.read_text()))
+    bad = CliRunner().invoke(app, [*args[:-1], "0"])
+    assert bad.exit_code == 2 and "--scaled" in bad.output
+
+
+def test_paper_costs_sum_each_paper_and_count_a_shared_suite_once(monkeypatch, tmp_path):
+    import importlib.util
+
+    import fpbench.measure.estimate as est
+
+    path = Path(__file__).parents[1] / "scripts/gpu/paper_costs.py"
+    spec = importlib.util.spec_from_file_location("paper_costs", path)
+    costs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(costs)
+    assert costs.paper_suites("sgpt") == ["sgpt-ablations", "sgpt-table1", "sgpt-table2"]
+    assert "clip-fewshot" in costs.paper_suites("tpfl") and "!" not in str(costs.paper_suites)
+
+    def fake_measure(shape, cfg, device, precision, rounds, memo, warm):  # 3.6 s a step
+        if shape.method == "fedem":
+            raise RuntimeError("no memory")
+        return Measurement(0.0, 3.6 * shape.local_steps, 0.0, 0.0, 0.0, "cpu")
+
+    monkeypatch.setattr(est, "measure", fake_measure)
+    out = tmp_path / "costs.json"
+    args = ["--device", "cpu", "--budget-s", "600", "--papers", "sgpt", "fgpt", "--json", str(out)]
+    assert costs.main(args) == 0
+    got = json.loads(out.read_text())
+    for name, suite in got["suites"].items():
+        rows = suite["estimates"]
+        assert suite["cells"] == len(load_suite(name).cells) == sum(r["cells"] for r in rows)
+        fedem = sum(r["cells"] for r in rows if r["shape"]["method"] == "fedem")
+        assert suite["cells_measured"] == suite["cells"] - fedem
+        assert all(r["error"] == "RuntimeError: no memory" for r in rows if r["measured"] is None)
+        want = 0.0  # rounds x 3.6 s a client's step, at the cell's own step count
+        for r in rows:
+            s = r["shape"]
+            if s["method"] != "fedem":
+                steps = est.Shape(**s).local_steps
+                want += r["cells"] * s["rounds"] * 3.6 * steps / 3600
+        assert suite["device_hours"] == pytest.approx(want)
+    sgpt = got["papers"]["sgpt"]
+    assert sgpt["device_hours"] == pytest.approx(
+        sum(got["suites"][s]["device_hours"] for s in sgpt["suites"])
+    )

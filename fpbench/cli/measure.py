@@ -152,6 +152,16 @@ def estimate_cmd(
     dry: Annotated[
         bool, typer.Option("--dry", help="list the shapes only: nothing is built or run")
     ] = False,
+    scaled: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            metavar="N",
+            help="time N batches per client and scale by the step and test-sample counts; "
+            "shapes differing only in sizes, rounds, epochs or method settings share one "
+            "measurement (minutes for a whole paper; see the assumptions printed)",
+        ),
+    ] = None,
     json_out: Annotated[
         Path | None, typer.Option("--json", help="also write the estimates here")
     ] = None,
@@ -161,7 +171,7 @@ def estimate_cmd(
     Each distinct cell shape runs a round or two on fake data of the real shape with random
     weights of the real backbone (nothing downloads), projected to the suite's device-hours."""
     from fpbench.engine.build import resolve_device
-    from fpbench.measure.estimate import ASSUMPTIONS, as_dict, estimate
+    from fpbench.measure.estimate import ASSUMPTIONS, SCALED_ASSUMPTIONS, as_dict, estimate
     from fpbench.units import human_bytes
 
     _check_precision(precision)
@@ -186,7 +196,7 @@ def estimate_cmd(
                 err.print(f"  {what}: {total:,} done", highlight=False)
 
         with stages.reporting(stage):
-            found = estimate(loaded, dev, precision, rounds, max_shapes, show)
+            found = estimate(loaded, dev, precision, rounds, max_shapes, show, batches=scaled)
     console.print(_table(loaded.name, found, "plan only" if dev is None else str(dev)))
     measured = [e for e in found if e.total_s is not None]
     cells = sum(e.cells for e in found)
@@ -200,7 +210,8 @@ def estimate_cmd(
     for e in found:
         if e.error:
             err.print(f"shape {e.shape.method} / {e.shape.backbone} not measured: {e.error}")
-    console.print("assumptions:\n" + "\n".join(f"  - {a}" for a in ASSUMPTIONS))
+    told = ASSUMPTIONS + (SCALED_ASSUMPTIONS if scaled else ())
+    console.print("assumptions:\n" + "\n".join(f"  - {a}" for a in told))
     if json_out:
         write_or_print(json.dumps([as_dict(e) for e in found], indent=2), json_out)
 
@@ -216,7 +227,7 @@ def _table(suite: str, found: list, where: str) -> Table:
         s, m = e.shape, e.measured
         frozen = None
         if m is not None:
-            frozen = m.frozen_per_sample_s * s.expected_sampled * (s.train_size / s.num_clients)
+            frozen = m.frozen_per_sample_s * s.expected_sampled * s.per_client
             frozen += m.test_frozen_s
         table.add_row(
             describe(e),

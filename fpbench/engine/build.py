@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from fpbench.backbones import create_backbone
@@ -34,11 +36,22 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 
 def build_method(
-    cfg: RunConfig, task: Task, device: torch.device, pretrained: bool = True
+    cfg: RunConfig,
+    task: Task,
+    device: torch.device,
+    pretrained: bool = True,
+    backbones: dict | None = None,
 ) -> Method:
-    backbone = create_backbone(
-        cfg.backbone.name, weights=cfg.backbone.weights, pretrained=pretrained
-    ).to(device)
+    """The cell's method on its backbone; `backbones` (random weights only) keeps each
+    architecture built once and hands out copies (`fpbench estimate` builds hundreds)."""
+    key = (cfg.backbone.name, cfg.backbone.weights)
+    if backbones is None or pretrained:
+        backbone = create_backbone(key[0], weights=key[1], pretrained=pretrained)
+    else:
+        if key not in backbones:
+            backbones[key] = create_backbone(key[0], weights=key[1], pretrained=False)
+        backbone = copy.deepcopy(backbones[key])
+    backbone = backbone.to(device)
     if cfg.backbone.mean is not None:  # the suite's input normalisation (e.g. the reference code's)
         backbone.mean, backbone.std = cfg.backbone.mean, cfg.backbone.std
     if resolve_precision(cfg.runtime.precision, device) == "bf16-frozen" and hasattr(
@@ -72,11 +85,12 @@ def build_populations(
     device: torch.device,
     cache: FeatureCache | None = None,
     pretrained: bool = True,
+    backbones: dict | None = None,
 ) -> list[Population]:
     """One population of every client, or with `model_het` one population per distinct backbone
     (`pretrained=False`: random weights, as `fpbench estimate` times them)."""
     if cfg.model_het is None:
-        method = build_method(cfg, task, device, pretrained)
+        method = build_method(cfg, task, device, pretrained, backbones)
         everyone = Cohort(None, tuple(range(task.num_clients)), cfg.train)
         targets = _targets(cfg, method, task, cache)
         return [Population("", method, _inputs(cfg, method, task, cache), (everyone,), targets)]
@@ -97,7 +111,7 @@ def build_populations(
     populations = []
     for i, (ref, members) in enumerate(cohorts.items()):
         sub = cfg.model_copy(update={"backbone": ref})
-        method = build_method(sub, task, device, pretrained)
+        method = build_method(sub, task, device, pretrained, backbones)
         key = f"{i}-{ref.name}"
         inputs, targets = _inputs(sub, method, task, cache), _targets(sub, method, task, cache)
         populations.append(Population(key, method, inputs, tuple(members), targets))

@@ -18,11 +18,20 @@ Each part runs through the engine's own code (`fpbench.engine.rounds.play_round`
 
 `project` turns them into a cell's time: setup + rounds x train round + evaluations x evaluation
 + the frozen passes over the samples the run is expected to touch (the clients sampled at least
-once: N (1 - (1 - m/N)^R) of N clients, m per round, R rounds). Assumptions, printed with every
-estimate: clients hold equal shares of the train split (label skew moves samples between
-clients, not the round's expected total); personal methods evaluate every client as measured;
-a model-heterogeneity cell is timed with its default backbone for every client; the device is
-as busy as during the measurement.
+once: N (1 - (1 - m/N)^R) of N clients, m per round, R rounds).
+
+`batches` (`fpbench estimate --scaled N`) makes a suite's estimate cheap enough for hundreds of
+shapes: each shape is timed twice, on N and on 2N batches per client with test splits of N and
+2N evaluation batches, and the two rounds give a round's fixed part and its cost per optimiser
+step, which `rescale` carries to the shape's step count (the evaluation scales with the test
+samples); shapes that differ only in what is scaled (rounds, sizes, clients,
+epochs) or in method settings share one measurement (`cost_group`), and each architecture is
+built once (`Memo`).
+
+Assumptions, printed with every estimate: clients hold equal shares of the train split (label
+skew moves samples between clients, not the round's expected total); personal methods evaluate
+every client as measured; a model-heterogeneity cell is timed with its default backbone for
+every client; the device is as busy as during the measurement.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -51,6 +60,14 @@ ASSUMPTIONS = (
     "the device stays as busy as during the measurement (on a shared machine: as loaded)",
     "peak memory: as in the measured rounds and evaluation (CUDA: max allocated; CPU: the "
     "process's peak RSS)",
+)
+SCALED_ASSUMPTIONS = (
+    "--scaled: a round is a fixed part plus a cost per optimiser step of a client, both from "
+    "the warm rounds of N and 2N batches per client; an evaluation grows with the test "
+    "samples (setup is not scaled: a setup that reads the whole train split is undercounted)",
+    "--scaled: shapes of one backbone, method, class count, batch size and clients per round "
+    "share the measurement of the first of them (method settings such as prompt lengths are "
+    "not told apart); peak memory is that of the larger shrunk shape",
 )
 
 
@@ -83,6 +100,18 @@ class Shape:
         """Clients that train (held-out ones are only evaluated)."""
         held = min(self.num_clients - 1, math.floor(self.heldout_frac * self.num_clients + 0.5))
         return self.num_clients - held
+
+    @property
+    def per_client(self) -> float:
+        """Train samples of a client (equal shares; a few-shot split caps them)."""
+        share = self.train_size / self.num_clients
+        return share if self.shots is None else min(share, self.shots * self.num_classes)
+
+    @property
+    def local_steps(self) -> int:
+        """A sampled client's optimiser steps in a round, counting `local_epochs` epochs."""
+        steps = self.local_epochs * math.ceil(self.per_client / self.batch_size)
+        return steps if self.max_local_steps is None else min(steps, self.max_local_steps)
 
     @property
     def expected_sampled(self) -> float:
@@ -118,6 +147,64 @@ class Estimate:
     @property
     def total_s(self) -> float | None:
         return None if self.cell_s is None else self.cell_s * self.cells
+
+
+@dataclass
+class Memo:
+    """What `estimate` reuses across shapes (and suites, when passed along): each
+    architecture's random weights, built once and copied per shape, and with `batches` each
+    cost group's measurements with the shrunk shapes they timed (or why they failed)."""
+
+    backbones: dict[Any, torch.nn.Module] = field(default_factory=dict)
+    groups: dict[tuple, list[tuple[Shape, Measurement]] | str] = field(default_factory=dict)
+
+
+def shrunk(shape: Shape, batches: int) -> Shape:
+    """`shape` with `batches` batches per client (fewer where a client holds less) and at most
+    `batches` evaluation batches of test samples (2 a client, where that is more): what a
+    scaled estimate times."""
+    per_client = max(1, min(math.floor(shape.per_client), batches * shape.batch_size))
+    return replace(
+        shape,
+        train_size=per_client * shape.num_clients,
+        # at least 2 test samples a client, for a method that scores each client on its own
+        test_size=min(shape.test_size, max(batches * shape.eval_batch_size, 2 * shape.num_clients)),
+        shots=None,
+    )
+
+
+def rescale(timed: list[tuple[Shape, Measurement]], target: Shape) -> Measurement:
+    """Two measurements of shrunk shapes (fewer, then more steps) carried over to `target`: a
+    round as a fixed part plus a cost per step, fitted through the two (a slope below zero, from
+    noise, counts as none); the evaluation and the test split's frozen pass by the ratio of test
+    samples to the larger one's; per-sample frozen work, setup and peak memory as it measured."""
+    (small, a), (big, b) = timed
+    per_step = 0.0
+    if big.local_steps > small.local_steps:
+        per_step = (b.train_round_s - a.train_round_s) / (big.local_steps - small.local_steps)
+        per_step = max(per_step, 0.0)
+    fixed = max(b.train_round_s - per_step * big.local_steps, 0.0)
+    tests = target.test_size / big.test_size
+    return replace(
+        b,
+        train_round_s=fixed + per_step * target.local_steps,
+        eval_s=b.eval_s * tests,
+        test_frozen_s=b.test_frozen_s * tests,
+    )
+
+
+def cost_group(shape: Shape) -> tuple:
+    """What a scaled measurement is shared by: the shape less what `rescale` scales (sizes,
+    rounds, clients, epochs) and less the method's settings."""
+    return (
+        shape.backbone,
+        shape.method,
+        shape.image_size,
+        shape.num_classes,
+        shape.batch_size,
+        shape.per_round,
+        shape.eval_batch_size,
+    )
 
 
 def dataset_shape(dataset: Component) -> tuple[int, int, int, int, bool]:
@@ -233,9 +320,12 @@ def measure(
     device: torch.device,
     precision: str,
     rounds: int = 2,
+    memo: Memo | None = None,
+    warm: bool = False,
 ) -> Measurement:
     """Time the parts of `rounds` rounds of the cell on fake data (see the module docstring),
-    through the engine's own round (`fpbench.engine.rounds.play_round`)."""
+    through the engine's own round (`fpbench.engine.rounds.play_round`). A round's time is
+    the mean of the rounds, or with `warm` the fastest (the first pays one-time warm-up)."""
     from fpbench.engine.build import build_populations
     from fpbench.engine.cost import PeakMemory
     from fpbench.engine.rounds import evaluate_populations, play_round, sampling_schedule
@@ -262,7 +352,8 @@ def measure(
     )  # a model-heterogeneity cell: every client on the default backbone
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     start = time.perf_counter()
-    populations = build_populations(cfg, task, device, pretrained=False)
+    backbones = None if memo is None else memo.backbones
+    populations = build_populations(cfg, task, device, pretrained=False, backbones=backbones)
     gen = torch.Generator().manual_seed(derive_seed(cfg.seed, "init-params"))
     server = populations[0].method.init_server(gen).to(device)
     sync()
@@ -297,7 +388,7 @@ def measure(
     sync()
     return Measurement(
         setup_s=setup,
-        train_round_s=sum(train_s) / len(train_s),
+        train_round_s=min(train_s) if warm else sum(train_s) / len(train_s),
         eval_s=time.perf_counter() - start,
         frozen_per_sample_s=frozen_s / frozen_n if frozen_n else 0.0,
         test_frozen_s=test_frozen,
@@ -308,10 +399,7 @@ def measure(
 
 def project(shape: Shape, m: Measurement) -> float:
     """A cell's projected seconds from its shape and a measurement."""
-    per_client = shape.train_size / shape.num_clients
-    if shape.shots is not None:
-        per_client = min(per_client, shape.shots * shape.num_classes)
-    frozen = m.frozen_per_sample_s * shape.expected_sampled * per_client
+    frozen = m.frozen_per_sample_s * shape.expected_sampled * shape.per_client
     return (
         m.setup_s
         + shape.rounds * m.train_round_s
@@ -328,29 +416,55 @@ def estimate(
     rounds: int = 2,
     max_shapes: int | None = None,
     progress: Any = None,
+    batches: int | None = None,
+    memo: Memo | None = None,
+    deadline: float | None = None,
 ) -> list[Estimate]:
     """Each shape's estimate; `device` None plans only (no measurement, nothing built).
 
     `max_shapes` measures only the first that many shapes (the others are listed unmeasured);
-    `progress(i, n, shape)` is called before each measurement.
+    `progress(i, n, shape)` is called before each measurement. `batches` scales (see the module
+    docstring); `memo` carries what is reused into the next call; past `deadline`
+    (`time.monotonic()`) no new measurement starts and the rest are listed with that error.
     """
     from fpbench.engine.build import resolve_precision
     from fpbench.engine.numerics import cell_numerics
 
+    memo = Memo() if memo is None else memo
     shapes = plan(suite)
     out = []
     for i, (shape, cfg, n) in enumerate(shapes):
         if device is None or (max_shapes is not None and i >= max_shapes):
             out.append(Estimate(shape, cfg.method.label, n, None, None))
             continue
-        if progress is not None:
-            progress(i, len(shapes), shape)
-        try:
-            with cell_numerics(cfg):  # as the cell will compute
-                m = measure(shape, cfg, device, resolve_precision(precision, device), rounds)
-        except Exception as e:  # one shape that cannot run here does not stop the others
-            out.append(Estimate(shape, cfg.method.label, n, None, None, f"{type(e).__name__}: {e}"))
+        group = cost_group(shape) if batches else None
+        if group not in memo.groups:
+            if deadline is not None and time.monotonic() > deadline:
+                out.append(Estimate(shape, cfg.method.label, n, None, None, "out of time"))
+                continue
+            if progress is not None:
+                progress(i, len(shapes), shape)
+            timed = [shrunk(shape, k * batches) for k in (1, 2)] if batches else [shape]
+            dtype = resolve_precision(precision, device)
+            try:
+                with cell_numerics(cfg):  # as the cell will compute
+                    found = [
+                        (t, measure(t, cfg, device, dtype, rounds, memo, bool(batches)))
+                        for t in timed
+                    ]
+            except Exception as e:  # one shape that cannot run here does not stop the others
+                found = f"{type(e).__name__}: {e}"
+            if group is None:
+                m = None if isinstance(found, str) else found[0][1]
+                error = found if isinstance(found, str) else None
+                out.append(Estimate(shape, cfg.method.label, n, m, m and project(shape, m), error))
+                continue
+            memo.groups[group] = found
+        found = memo.groups[group]
+        if isinstance(found, str):  # the group's measurement failed
+            out.append(Estimate(shape, cfg.method.label, n, None, None, found))
             continue
+        m = rescale(found, shape)
         out.append(Estimate(shape, cfg.method.label, n, m, project(shape, m)))
     return out
 

@@ -3,15 +3,18 @@
 #   A. correctness: the whole test suite (default, slow and gpu tests) with CUDA visible, in
 #      shards of two cores each, all at once (every test whose runtime.device is "auto" runs on
 #      CUDA in bf16);
-#   B. timings, one at a time: the bf16 matmul ceiling, `fpbench bench` at ViT-B/16, a
-#      paper-sized SGPT run (scripts/gpu/paper_run.py), the official SGPT code next to
-#      fpbench (scripts/peer/sgpt_side_by_side.py) and `fpbench estimate` of the paper run's
-#      cell and of one shape of each backbone family.
+#   B. timings, one at a time: the bf16 matmul ceiling, every paper's device-hours
+#      (scripts/gpu/paper_costs.py), `fpbench bench` at ViT-B/16, a paper-sized SGPT run
+#      (scripts/gpu/paper_run.py), the official SGPT code next to fpbench
+#      (scripts/peer/sgpt_side_by_side.py) and `fpbench estimate` of the paper run's cell and of
+#      one shape of each backbone family.
 # Usage, from the repository root, with CUDA:
 #   OUT=DIR BUDGET_S=520 PEER=path/to/SGPT PEER_SCRIPTS=path/to/peer-sgpt scripts/gpu/run_checks.sh
 # STEPS="tests paper-run ..." runs only those steps (default: all); TESTS="tests/test_x.py -k y"
 # narrows step tests to what pytest collects from those arguments; PAPER_ROUNDS (default 10)
-# sets the paper run's rounds; ESTIMATE_SUITES and ESTIMATE_CAP_S (default 75) the suites whose
+# sets the paper run's rounds and PAPER_ARGS its other options (e.g. "--precision bf16-frozen
+# --compile"); COSTS_CAP_S (default 300) caps the paper costs; SIDE_ROUNDS (default 5) and
+# SIDE_PRECISIONS (default "bf16 fp32") set the side by side; ESTIMATE_SUITES and ESTIMATE_CAP_S (default 75) the suites whose
 # first shape step estimate measures, and its cap for each.
 # Each step is cut at its cap (or at the budget); DIR gets summary.txt, the JSON figures and
 # logs.tgz (one log per step). Without PEER the side-by-side is skipped. The H200 figures in the
@@ -28,7 +31,7 @@ mkdir -p "$OUT/logs"
 END=$(($(date +%s) + ${BUDGET_S:-520}))
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 PY=${PY:-python3}
-STEPS=${STEPS:-tests matmul bench paper-run paper-run-nondet side-by-side estimate-sgpt estimate}
+STEPS=${STEPS:-tests matmul paper-costs bench paper-run paper-run-nondet side-by-side estimate-sgpt estimate}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 
 step() { # step NAME CAP_S CMD...: CMD's output to logs/NAME.log, cut at CAP_S or the budget
@@ -80,16 +83,24 @@ fi
 
 # B. timings, alone on the machine
 want matmul && step matmul 30 $PY -c "$MATMUL"
+if want paper-costs; then # measuring stops 40 s before the cap, to leave time for the sums
+  cap=${COSTS_CAP_S:-300}
+  step paper-costs "$cap" $PY scripts/gpu/paper_costs.py --device cuda --budget-s $((cap - 40)) \
+    --json "$OUT/paper-costs.json"
+fi
 want bench && step bench 100 $PY -m fpbench bench --backbone vit-b16-in21k --device cuda \
   --precision bf16 --clients 5 --batch 40 --steps 8 --json "$OUT/bench.json"
+# shellcheck disable=SC2086  # PAPER_ARGS holds several options
 want paper-run && step paper-run 140 $PY scripts/gpu/paper_run.py --rounds "${PAPER_ROUNDS:-10}" \
-  --scratch /tmp/paper-run --json "$OUT/paper-run.json"
+  ${PAPER_ARGS:-} --scratch /tmp/paper-run --json "$OUT/paper-run.json"
 want paper-run-nondet && step paper-run-nondet 80 $PY scripts/gpu/paper_run.py --rounds 6 \
   --scratch /tmp/paper-run --no-deterministic --json "$OUT/paper-run-nondet.json"
 if want side-by-side && [[ -n ${PEER:-} ]]; then
+  # shellcheck disable=SC2086  # SIDE_PRECISIONS holds several precisions
   step side-by-side 160 $PY scripts/peer/sgpt_side_by_side.py --peer "$PEER" \
-    --peer-scripts "$PEER_SCRIPTS" --setting vit-b16 --rounds 5 --device cuda --precision bf16 fp32 \
-    --scratch /tmp/side-by-side --json "$OUT/side-by-side.json"
+    --peer-scripts "$PEER_SCRIPTS" --setting vit-b16 --rounds "${SIDE_ROUNDS:-5}" --device cuda \
+    --precision ${SIDE_PRECISIONS:-bf16 fp32} --scratch /tmp/side-by-side \
+    --json "$OUT/side-by-side.json"
 fi
 # the paper run's cell (sgpt-table1's 2nd SGPT shape), then one shape of iNat (the largest
 # images), CLIP, PEP-FedPT and SDFed
@@ -106,6 +117,7 @@ cd "$OUT/logs" || exit 1
 for log in env matmul paper-run paper-run-nondet side-by-side bench estimate-*; do
   [[ -f ${log%.log}.log ]] && echo "== ${log%.log}" && tail -n 14 "${log%.log}.log" | cut -c1-160
 done
+[[ -f paper-costs.log ]] && echo "== paper-costs" && grep -A40 "^device-hours" paper-costs.log
 if [[ -f test-ids.txt ]]; then
   echo "== tests ($(wc -l <test-ids.txt))"
   grep -hE "^(FAILED|ERROR) |[0-9]+ (passed|failed|skipped)" tests-*.log | cut -c1-200

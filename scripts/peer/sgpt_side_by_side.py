@@ -193,7 +193,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="rounds of each run (1 or 3 in README)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda, for both sides")
     ap.add_argument(
-        "--precision", nargs="+", default=["auto"], choices=["auto", "fp32", "bf16"],
+        "--precision", nargs="+", default=["auto"], choices=["auto", "fp32", "bf16", "bf16-frozen"],
         help="fpbench's precision(s), one run each (auto: bf16 on CUDA; the official code: fp32)",
     )  # fmt: skip
     ap.add_argument("--train-per-class", type=int, default=5)
