@@ -205,20 +205,25 @@ def test_steps_and_shrunk_shapes_by_hand() -> None:
 
 
 def test_rescale_fits_a_fixed_part_and_a_cost_per_step() -> None:
-    shape = _cifar_shape()
-    small, big = shrunk(shape, 1), shrunk(shape, 2)  # 5 and 10 steps; 160 and 320 test samples
+    shape = _cifar_shape()  # 65 steps, 10,000 test samples
+    small, big = shrunk(shape, 1), shrunk(shape, 2)
+    # 5 and 10 steps; 200 (2 a client, over 1 evaluation batch of 160) and 320 test samples
+    assert (small.local_steps, big.local_steps, small.test_size, big.test_size) == (5, 10, 200, 320)
     m = Measurement(1.0, 0.0, 0.5, 0.01, 0.2, "cpu", peak_mem_bytes=7)
 
     def at(s, round_s, eval_s, frozen_s):
         return s, replace(m, train_round_s=round_s, eval_s=eval_s, test_frozen_s=frozen_s)
 
-    # 2 s fixed + 0.1 s a step: 2.5 s at 5 steps, 3 s at 10, 2 + 0.1 * 65 = 8.5 s at 65
-    out = rescale([at(small, 2.5, 9.0, 9.0), at(big, 3.0, 0.64, 0.32)], shape)
+    # round: 2 s fixed + 0.1 s a step: 2.5 s at 5 steps, 3 s at 10, 2 + 0.1 * 65 = 8.5 s at 65;
+    # evaluation: 0.18 s fixed + 2 ms a sample: 0.58 s at 200, 0.82 s at 320, 20.18 s at 10,000
+    out = rescale([at(small, 2.5, 0.58, 9.0), at(big, 3.0, 0.82, 0.32)], shape)
     assert out.train_round_s == pytest.approx(8.5)
-    assert (out.eval_s, out.test_frozen_s) == pytest.approx((20.0, 10.0))  # x 10,000 / 320
+    assert out.eval_s == pytest.approx(20.18)
+    assert out.test_frozen_s == pytest.approx(10.0)  # 0.32 s x 10,000 / 320
     assert (out.setup_s, out.frozen_per_sample_s, out.peak_mem_bytes) == (1.0, 0.01, 7)
-    # noise that makes the larger shape faster counts as no cost per step
-    assert rescale([at(small, 3.0, 1, 1), at(big, 2.5, 1, 1)], shape).train_round_s == 2.5
+    # noise that makes the larger shape faster counts as no cost per step or sample
+    flat = rescale([at(small, 3.0, 1.0, 1), at(big, 2.5, 0.9, 1)], shape)
+    assert (flat.train_round_s, flat.eval_s) == (2.5, 0.9)
 
 
 def test_a_scaled_estimate_times_each_cost_group_twice_and_scales_it(monkeypatch) -> None:
@@ -228,7 +233,7 @@ def test_a_scaled_estimate_times_each_cost_group_twice_and_scales_it(monkeypatch
     timed = []
 
     def fake_measure(shape, cfg, device, precision, rounds, memo, warm):
-        timed.append((shape, warm))  # a round: 1 s + 0.25 s a step; evaluation 1 ms a sample
+        timed.append((shape, rounds, warm))  # a round: 1 s + 0.25 s a step; 1 ms a test sample
         steps, tests = shape.local_steps, shape.test_size
         return Measurement(0.0, 1 + 0.25 * steps, 0.001 * tests, 0.0, 0.0, str(device))
 
@@ -236,8 +241,9 @@ def test_a_scaled_estimate_times_each_cost_group_twice_and_scales_it(monkeypatch
     found = estimate(suite, torch.device("cpu"), batches=1)
     groups = {cost_group(e.shape) for e in found}
     assert len(timed) == 2 * len(groups) < 2 * len(found)  # shared within a group
-    assert all(warm for _, warm in timed)
-    assert [s.local_steps for s, _ in timed[:2]] == [5, 10]  # 1 then 2 batches a client
+    assert all(warm for _, _, warm in timed)
+    # 1 then 2 batches a client, the second one round (warm from the first)
+    assert [(s.local_steps, rounds) for s, rounds, _ in timed[:2]] == [(5, 2), (10, 1)]
     for e in found:
         assert e.measured.train_round_s == pytest.approx(1 + 0.25 * e.shape.local_steps)
         assert e.measured.eval_s == pytest.approx(0.001 * e.shape.test_size)
@@ -267,7 +273,9 @@ def test_estimate_command_scaled(tiny_suite, tmp_path) -> None:
     args = ["estimate", "--suite", str(tiny_suite), "--device", "cpu", "--scaled", "1"]
     result = CliRunner().invoke(app, [*args, "--json", str(out)])
     assert result.exit_code == 0, result.output
-    assert "--scaled: a round is a fixed part plus a cost per optimiser step" in result.output
+    assert "--scaled: a round is a fixed part plus a cost per optimiser step" in " ".join(
+        result.output.split()
+    )
     assert all(r["measured"] is not None for r in json.loads(out.read_text()))
     bad = CliRunner().invoke(app, [*args[:-1], "0"])
     assert bad.exit_code == 2 and "--scaled" in bad.output

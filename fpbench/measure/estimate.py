@@ -22,9 +22,9 @@ once: N (1 - (1 - m/N)^R) of N clients, m per round, R rounds).
 
 `batches` (`fpbench estimate --scaled N`) makes a suite's estimate cheap enough for hundreds of
 shapes: each shape is timed twice, on N and on 2N batches per client with test splits of N and
-2N evaluation batches, and the two rounds give a round's fixed part and its cost per optimiser
-step, which `rescale` carries to the shape's step count (the evaluation scales with the test
-samples); shapes that differ only in what is scaled (rounds, sizes, clients,
+2N evaluation batches, and the two give a round's fixed part and its cost per optimiser step,
+and an evaluation's fixed part and its cost per test sample, which `rescale` carries to the
+shape's counts; shapes that differ only in what is scaled (rounds, sizes, clients,
 epochs) or in method settings share one measurement (`cost_group`), and each architecture is
 built once (`Memo`).
 
@@ -62,9 +62,10 @@ ASSUMPTIONS = (
     "process's peak RSS)",
 )
 SCALED_ASSUMPTIONS = (
-    "--scaled: a round is a fixed part plus a cost per optimiser step of a client, both from "
-    "the warm rounds of N and 2N batches per client; an evaluation grows with the test "
-    "samples (setup is not scaled: a setup that reads the whole train split is undercounted)",
+    "--scaled: a round is a fixed part plus a cost per optimiser step of a client, and an "
+    "evaluation a fixed part plus a cost per test sample, fitted through the warm rounds and "
+    "evaluations of N and 2N batches per client and of test samples (setup is not scaled: a "
+    "setup that reads the whole train split is undercounted)",
     "--scaled: shapes of one backbone, method, class count, batch size and clients per round "
     "share the measurement of the first of them (method settings such as prompt lengths are "
     "not told apart); peak memory is that of the larger shrunk shape",
@@ -173,23 +174,29 @@ def shrunk(shape: Shape, batches: int) -> Shape:
     )
 
 
+def _line(x0: float, y0: float, x1: float, y1: float, x: float) -> float:
+    """The line through (x0, y0) and (x1, y1) at x: a fixed part plus a slope, each at least 0
+    (a slope below zero, from noise, counts as none; equal x0 and x1 give y1)."""
+    slope = max((y1 - y0) / (x1 - x0), 0.0) if x1 > x0 else 0.0
+    return max(y1 - slope * x1, 0.0) + slope * x
+
+
 def rescale(timed: list[tuple[Shape, Measurement]], target: Shape) -> Measurement:
-    """Two measurements of shrunk shapes (fewer, then more steps) carried over to `target`: a
-    round as a fixed part plus a cost per step, fitted through the two (a slope below zero, from
-    noise, counts as none); the evaluation and the test split's frozen pass by the ratio of test
-    samples to the larger one's; per-sample frozen work, setup and peak memory as it measured."""
+    """Two measurements of shrunk shapes (fewer, then more steps and test samples) carried over
+    to `target`: a round as a fixed part plus a cost per optimiser step, an evaluation as a
+    fixed part (e.g. a personal method's per-client text features) plus a cost per test sample,
+    each fitted through the two (`_line`); the test split's frozen pass by the ratio of test
+    samples; per-sample frozen work, setup and peak memory as the larger one measured."""
     (small, a), (big, b) = timed
-    per_step = 0.0
-    if big.local_steps > small.local_steps:
-        per_step = (b.train_round_s - a.train_round_s) / (big.local_steps - small.local_steps)
-        per_step = max(per_step, 0.0)
-    fixed = max(b.train_round_s - per_step * big.local_steps, 0.0)
-    tests = target.test_size / big.test_size
+    steps = (small.local_steps, big.local_steps)
+    tests = (small.test_size, big.test_size)
     return replace(
         b,
-        train_round_s=fixed + per_step * target.local_steps,
-        eval_s=b.eval_s * tests,
-        test_frozen_s=b.test_frozen_s * tests,
+        train_round_s=_line(
+            steps[0], a.train_round_s, steps[1], b.train_round_s, target.local_steps
+        ),
+        eval_s=_line(tests[0], a.eval_s, tests[1], b.eval_s, target.test_size),
+        test_frozen_s=b.test_frozen_s * target.test_size / big.test_size,
     )
 
 
@@ -448,9 +455,9 @@ def estimate(
             dtype = resolve_precision(precision, device)
             try:
                 with cell_numerics(cfg):  # as the cell will compute
-                    found = [
-                        (t, measure(t, cfg, device, dtype, rounds, memo, bool(batches)))
-                        for t in timed
+                    found = [  # the second (scaled) one is warm: the first ran these kernels
+                        (t, measure(t, cfg, device, dtype, 1 if k else rounds, memo, bool(batches)))
+                        for k, t in enumerate(timed)
                     ]
             except Exception as e:  # one shape that cannot run here does not stop the others
                 found = f"{type(e).__name__}: {e}"

@@ -1,10 +1,12 @@
 """The device-hours of every paper's suites, measured in one budgeted process.
 
 Every suite that a shipped paper table reads is planned (`fpbench.measure.estimate.plan`); the
-cost groups of all of them (`cost_group`) are measured once each with `estimate(batches=N)`, the
-groups that cover the most cells first, until the budget is spent; then each suite and each
-paper is projected from those measurements. A suite read by two papers counts in both papers'
-figures and once in the total. Cells whose group was not measured in time are counted apart.
+cost groups of all of them (`cost_group`) are measured once each with `estimate(batches=N)`,
+taking the suites in turn and from each the group that covers the most cells, until the budget
+is spent; then each suite and each paper is projected from those measurements. A suite read by
+two papers counts in both papers' figures and once in the total. Cells whose group was not
+measured in time are counted apart, and an extrapolated figure gives them the mean cost per
+cell of their suite's measured cells.
 
     python scripts/gpu/paper_costs.py --device cuda --budget-s 300 --json costs.json
 """
@@ -33,6 +35,30 @@ def paper_suites(name: str) -> list[str]:
     return sorted(s for s in found if isinstance(s, str) and not s.startswith("!"))
 
 
+def in_turn(groups_of: dict[str, set], cells: Counter) -> list[tuple]:
+    """Every group once, the suites taking turns, each giving its group of the most cells."""
+    order: list[tuple] = []
+    left = [sorted(g, key=lambda k: (-cells[k], k)) for g in groups_of.values()]
+    while any(left):
+        for queue in left:
+            while queue and queue[0] in order:
+                queue.pop(0)
+            if queue:
+                order.append(queue.pop(0))
+    return order
+
+
+def _h(hours: float | None) -> str:
+    return "-" if hours is None else f"{hours:.2f}"
+
+
+def extrapolated(v: dict[str, Any]) -> float | None:
+    """A suite's device-hours with its unmeasured cells at its measured mean per cell."""
+    if not v["cells_measured"]:
+        return None
+    return v["device_hours"] * v["cells"] / v["cells_measured"]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -55,10 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     suites = {s: load_suite(s) for s in sorted({s for v in papers.values() for s in v})}
     cells: Counter = Counter()  # cells of every suite per cost group
     first: dict[tuple, Any] = {}
-    for suite in suites.values():
+    groups_of: dict[str, set] = {}
+    for name, suite in suites.items():
         for shape, cfg, n in plan(suite):
             cells[cost_group(shape)] += n
             first.setdefault(cost_group(shape), (suite, cfg))
+            groups_of.setdefault(name, set()).add(cost_group(shape))
     print(
         f"{len(papers)} papers, {len(suites)} suites, {sum(cells.values())} cells, "
         f"{len(cells)} cost groups",
@@ -66,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     memo, start = Memo(), time.monotonic()
-    for i, (group, n) in enumerate(cells.most_common()):
+    for i, group in enumerate(in_turn(groups_of, cells)):
+        n = cells[group]
         if time.monotonic() > deadline:
             break
         suite, cfg = first[group]
@@ -96,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             "device_hours": sum(e.total_s for e in done) / 3600,
             "estimates": [as_dict(e) for e in found],
         }
+        by_suite[name]["device_hours_extrapolated"] = extrapolated(by_suite[name])
     by_paper = {
         p: {
             "suites": v,
@@ -105,21 +135,29 @@ def main(argv: list[str] | None = None) -> int:
         }
         for p, v in papers.items()
     }
+    for p, v in by_paper.items():
+        parts = [by_suite[s]["device_hours_extrapolated"] for s in v["suites"]]
+        by_paper[p]["device_hours_extrapolated"] = None if None in parts else sum(parts)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     print(f"\ndevice-hours on {name} (precision {args.precision}, --scaled {args.scaled})")
-    print(f"{'suite':<22}{'cells':>7}{'measured':>10}{'hours':>9}")
+    print("hours: of the measured cells; extrapolated: the others at their suite's mean per cell")
+    head = f"{'cells':>7}{'measured':>10}{'hours':>9}{'extrapolated':>14}"
+    row = lambda v: (  # noqa: E731
+        f"{v['cells']:>7}{v['cells_measured']:>10}{v['device_hours']:>9.2f}"
+        f"{_h(v['device_hours_extrapolated']):>14}"
+    )
+    print(f"{'suite':<22}{head}")
     for s, v in by_suite.items():
-        print(f"{s:<22}{v['cells']:>7}{v['cells_measured']:>10}{v['device_hours']:>9.2f}")
-    print(f"\n{'paper':<22}{'cells':>7}{'measured':>10}{'hours':>9}  suites")
+        print(f"{s:<22}{row(v)}")
+    print(f"\n{'paper':<22}{head}  suites")
     for p, v in by_paper.items():
-        print(
-            f"{p:<22}{v['cells']:>7}{v['cells_measured']:>10}{v['device_hours']:>9.2f}  "
-            + " ".join(v["suites"])
-        )
+        print(f"{p:<22}{row(v)}  " + " ".join(v["suites"]))
     total = sum(v["device_hours"] for v in by_suite.values())
+    parts = [v["device_hours_extrapolated"] for v in by_suite.values()]
     measured = sum(v["cells_measured"] for v in by_suite.values())
     print(
-        f"\nall papers' suites, each once: {total:.2f} device-hours "
+        f"\nall papers' suites, each once: {total:.2f} device-hours measured, "
+        f"{_h(None if None in parts else sum(parts))} extrapolated "
         f"({measured} of {sum(v['cells'] for v in by_suite.values())} cells measured; "
         f"{time.monotonic() - start:.0f} s of measuring)"
     )
