@@ -17,6 +17,7 @@ from fpbench.measure.estimate import (
     estimate,
     plan,
     project,
+    representatives,
     rescale,
     shape_of,
     shrunk,
@@ -290,7 +291,7 @@ def test_paper_costs_sum_each_paper_and_count_a_shared_suite_once(monkeypatch, t
     spec = importlib.util.spec_from_file_location("paper_costs", path)
     costs = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(costs)
-    assert costs.paper_suites("sgpt") == ["sgpt-ablations", "sgpt-table1", "sgpt-table2"]
+    assert costs.paper_suites("sgpt") == ["sgpt-table1", "sgpt-table2", "sgpt-ablations"]
     assert "clip-fewshot" in costs.paper_suites("tpfl") and "!" not in str(costs.paper_suites)
 
     def fake_measure(shape, cfg, device, precision, rounds, memo, warm):  # 3.6 s a step
@@ -320,3 +321,19 @@ def test_paper_costs_sum_each_paper_and_count_a_shared_suite_once(monkeypatch, t
     assert sgpt["device_hours"] == pytest.approx(
         sum(got["suites"][s]["device_hours"] for s in sgpt["suites"])
     )
+
+
+def test_a_cost_group_is_timed_on_the_method_settings_most_of_its_cells_use() -> None:
+    table1, ablations = plan(load_suite("sgpt-table1")), plan(load_suite("sgpt-ablations"))
+    sgpt = next(s for s, _, _ in table1 if s.method == "sgpt" and s.dataset == "cifar100")
+    group = cost_group(sgpt)
+    # every SGPT setting of the two suites is one cell: a tie, which goes to the earlier suite
+    rep, cfg = representatives(table1 + ablations)[group]
+    assert rep.method_args == sgpt.method_args and cfg.method.label == "sgpt"
+    rep, cfg = representatives(ablations + table1)[group]
+    assert cfg.method.label == "sgpt-shared-only"  # the ablations' first
+    # settings that more cells share win: two cells of the shared-only ablation
+    shared_only = next(x for x in ablations if x[1].method.label == "sgpt-shared-only")
+    rep, cfg = representatives(table1 + ablations + [shared_only])[group]
+    assert cfg.method.label == "sgpt-shared-only"
+    assert cfg.method.args == json.loads(rep.method_args)

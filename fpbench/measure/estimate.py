@@ -67,8 +67,9 @@ SCALED_ASSUMPTIONS = (
     "evaluations of N and 2N batches per client and of test samples (setup is not scaled: a "
     "setup that reads the whole train split is undercounted)",
     "--scaled: shapes of one backbone, method, class count, batch size and clients per round "
-    "share the measurement of the first of them (method settings such as prompt lengths are "
-    "not told apart); peak memory is that of the larger shrunk shape",
+    "share one measurement, of the method settings that most of their cells use (others, such "
+    "as ablations or prompt lengths, are not told apart); peak memory is that of the larger "
+    "shrunk shape",
 )
 
 
@@ -212,6 +213,21 @@ def cost_group(shape: Shape) -> tuple:
         shape.per_round,
         shape.eval_batch_size,
     )
+
+
+def representatives(planned: list[tuple[Shape, RunConfig, int]]) -> dict[tuple, tuple]:
+    """Each cost group's (shape, cell) to time: of the method settings in the group, those of
+    the most cells, the earliest in `planned` on a tie (put a paper's main tables first)."""
+    cells: dict[tuple, int] = {}
+    first: dict[tuple, tuple[Shape, RunConfig]] = {}
+    for shape, cfg, n in planned:
+        key = (cost_group(shape), shape.method_args)
+        cells[key] = cells.get(key, 0) + n
+        first.setdefault(key, (shape, cfg))
+    out: dict[tuple, tuple] = {}
+    for key in sorted(cells, key=lambda k: -cells[k]):  # stable: ties keep their order
+        out.setdefault(key[0], first[key])
+    return out
 
 
 def dataset_shape(dataset: Component) -> tuple[int, int, int, int, bool]:
@@ -439,6 +455,7 @@ def estimate(
 
     memo = Memo() if memo is None else memo
     shapes = plan(suite)
+    timed_as = representatives(shapes) if batches else {}
     out = []
     for i, (shape, cfg, n) in enumerate(shapes):
         if device is None or (max_shapes is not None and i >= max_shapes):
@@ -451,12 +468,18 @@ def estimate(
                 continue
             if progress is not None:
                 progress(i, len(shapes), shape)
-            timed = [shrunk(shape, k * batches) for k in (1, 2)] if batches else [shape]
+            rep, rep_cfg = timed_as.get(group, (shape, cfg))
+            timed = [shrunk(rep, k * batches) for k in (1, 2)] if batches else [shape]
             dtype = resolve_precision(precision, device)
             try:
-                with cell_numerics(cfg):  # as the cell will compute
+                with cell_numerics(rep_cfg):  # as the cell will compute
                     found = [  # the second (scaled) one is warm: the first ran these kernels
-                        (t, measure(t, cfg, device, dtype, 1 if k else rounds, memo, bool(batches)))
+                        (
+                            t,
+                            measure(
+                                t, rep_cfg, device, dtype, 1 if k else rounds, memo, bool(batches)
+                            ),
+                        )
                         for k, t in enumerate(timed)
                     ]
             except Exception as e:  # one shape that cannot run here does not stop the others

@@ -2,11 +2,12 @@
 
 Every suite that a shipped paper table reads is planned (`fpbench.measure.estimate.plan`); the
 cost groups of all of them (`cost_group`) are measured once each with `estimate(batches=N)`,
-taking the suites in turn and from each the group that covers the most cells, until the budget
-is spent; then each suite and each paper is projected from those measurements. A suite read by
-two papers counts in both papers' figures and once in the total. Cells whose group was not
-measured in time are counted apart, and an extrapolated figure gives them the mean cost per
-cell of their suite's measured cells.
+on the method settings that most of a group's cells use (`representatives`), the suites taking
+turns, each with its group of the most cells, until the budget is spent; then each suite and
+each paper is projected from those measurements. A suite read by two papers counts in both
+papers' figures and once in the total. Cells whose group was not measured in time are counted
+apart, and an extrapolated figure gives them the mean cost per cell of their suite's measured
+cells.
 
     python scripts/gpu/paper_costs.py --device cuda --budget-s 300 --json costs.json
 """
@@ -23,16 +24,17 @@ from typing import Any
 
 import torch
 
-from fpbench.measure.estimate import Memo, as_dict, cost_group, estimate, plan
+from fpbench.measure.estimate import Memo, as_dict, cost_group, estimate, plan, representatives
 from fpbench.report.paper import list_papers, load_paper
 from fpbench.suites import load_suite
 
 
 def paper_suites(name: str) -> list[str]:
-    """The suites a paper's tables read (a cell's own `suite` included)."""
+    """The suites a paper's tables read (a cell's own `suite` included), in table order: the
+    main tables' suites first, whose method settings a cost group is timed on in a tie."""
     paper = load_paper(name)
-    found = {t.spec(r, c).get("suite") for t in paper.tables for r in t.rows for c in t.columns}
-    return sorted(s for s in found if isinstance(s, str) and not s.startswith("!"))
+    found = [t.spec(r, c).get("suite") for t in paper.tables for r in t.rows for c in t.columns]
+    return list(dict.fromkeys(s for s in found if isinstance(s, str) and not s.startswith("!")))
 
 
 def in_turn(groups_of: dict[str, set], cells: Counter) -> list[tuple]:
@@ -78,15 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
 
     papers = {p: paper_suites(p) for p in (args.papers or list_papers())}
-    suites = {s: load_suite(s) for s in sorted({s for v in papers.values() for s in v})}
+    suites = {s: load_suite(s) for v in papers.values() for s in v}  # table order, each once
     cells: Counter = Counter()  # cells of every suite per cost group
-    first: dict[tuple, Any] = {}
-    groups_of: dict[str, set] = {}
+    planned, suite_of, groups_of = [], {}, {}
     for name, suite in suites.items():
         for shape, cfg, n in plan(suite):
             cells[cost_group(shape)] += n
-            first.setdefault(cost_group(shape), (suite, cfg))
+            planned.append((shape, cfg, n))
+            suite_of.setdefault(id(cfg), suite)
             groups_of.setdefault(name, set()).add(cost_group(shape))
+    timed_as = representatives(planned)  # each group's most used method settings
     print(
         f"{len(papers)} papers, {len(suites)} suites, {sum(cells.values())} cells, "
         f"{len(cells)} cost groups",
@@ -98,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         n = cells[group]
         if time.monotonic() > deadline:
             break
-        suite, cfg = first[group]
-        one = suite.model_copy(update={"cells": (cfg,)})
+        cfg = timed_as[group][1]
+        one = suite_of[id(cfg)].model_copy(update={"cells": (cfg,)})
         signal.setitimer(signal.ITIMER_REAL, args.group_cap_s)  # a group that hangs is cut
         try:
             estimate(one, device, args.precision, batches=args.scaled, memo=memo)
