@@ -375,3 +375,38 @@ def test_share_keeps_each_populations_own_state_and_ignores_the_weightless():
     assert out["a"].personal["own"].tolist() == [0.0, 0.0] and out["b"].personal == {}
     assert out["a"].buffers["b"].tolist() == [1.0] and out["b"].buffers["b"].tolist() == [0.0]
     assert out["c"].buffers == {}
+
+
+def test_a_phase_that_trains_nothing_takes_none_of_the_step_cap(tiny):
+    """`max_local_steps` caps optimiser steps: a scoring phase before the training one scores
+    all its batches and leaves the whole cap to training (lockstep and reference alike)."""
+    from fpbench.methods.base import Phase
+
+    cfg, task, method = tiny("fedvpt", local_epochs=2)
+    server = method.init_server(torch.Generator().manual_seed(0))
+    steps = len(client_batches(task.train_idx[0], cfg.train.batch_size, derive_seed(0, 0, 0, 0, 0)))
+    capped = cfg.train.model_copy(update={"max_local_steps": steps})
+    train = type(method).phases.__get__(method)
+    batches = {"score": 0, "local": 0}
+
+    def phases(local_epochs, names):
+        return [Phase("score", (), local_epochs), *train(local_epochs, names)]
+
+    def forward(params, x, client_index, ctx):
+        batches[ctx.phase] += 1
+        return type(method).forward(method, params, x, client_index, ctx)
+
+    method.phases, method.forward = phases, forward
+    got = {}
+    for executor in ("lockstep", "reference"):
+        batches.update(score=0, local=0)
+        got[executor] = train_clients(
+            method, server, task, [0, 1], capped, executor=executor, round_idx=0, seed=0
+        )
+        per_pass = 1 if executor == "lockstep" else 2  # the reference trains one client a pass
+        # both epochs scored, uncapped; the training phase stops at the cap (one epoch)
+        assert batches == {"score": 2 * steps * per_pass, "local": steps * per_pass}
+    for name in got["lockstep"].params:
+        torch.testing.assert_close(
+            got["lockstep"].params[name], got["reference"].params[name], rtol=1e-5, atol=1e-6
+        )

@@ -154,14 +154,18 @@ def train_together(
         for epoch in range(phase.epochs):
             opt.scale_lr(epoch_factor(cfg, epoch, phase.epochs))
             seeds = [derive_seed(seed, round_idx, c, phase_idx, epoch) for c in client_ids]
+            cap = budget if phase.trainable else [None] * k  # scoring takes no optimiser step
             batches = [
-                client_batches(task.train_idx[c], cfg.batch_size, seeds[row])[: budget[row]]
+                client_batches(task.train_idx[c], cfg.batch_size, seeds[row])[: cap[row]]
                 for row, c in enumerate(client_ids)
             ]
             views = None
             if cfg.augment.active:  # each row's epoch seed, with a sample's index, fixes its view
                 views = (cfg.augment, torch.tensor(seeds, device=device))
-            budget = [n if n is None else n - len(b) for n, b in zip(budget, batches, strict=True)]
+            if phase.trainable:
+                budget = [
+                    n if n is None else n - len(b) for n, b in zip(budget, batches, strict=True)
+                ]
             for step in range(max(len(b) for b in batches)):
                 active = torch.tensor([step < len(b) for b in batches], device=device)
                 with torch.enable_grad() if phase.trainable else torch.no_grad():
