@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import typer.main
+import typer.testing
 
 pytest.register_assert_rewrite("fpbench.testing")  # its checks' asserts explain themselves
 
@@ -22,6 +24,21 @@ from fpbench.testing import (  # noqa: E402, F401  (names the test modules impor
 )
 
 pytest_plugins = ["fpbench.testing"]  # the fixtures `tiny` and `fpbench_cache`
+
+_COMMANDS: dict[int, tuple[typer.Typer, object]] = {}
+
+
+def _command_of(app: typer.Typer) -> object:
+    """The click command of a Typer app, built once: `CliRunner.invoke` rebuilds the whole
+    tree from the app's functions on every call (~0.05 s, hundreds of calls), though it
+    depends only on the app, which no test changes; each invoke still runs in a fresh context."""
+    built = _COMMANDS.get(id(app))
+    if built is None or built[0] is not app:
+        built = _COMMANDS[id(app)] = (app, typer.main.get_command(app))
+    return built[1]
+
+
+typer.testing._get_command = _command_of  # typer.testing's `get_command`, the one invoke calls
 
 
 @pytest.fixture
