@@ -51,9 +51,24 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+@pytest.fixture(scope="session")
+def _seeded_clip_weights(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """The test-sized CLIPs' seeded weight files (`clip-test`, `clip-test-rn`), made once: a
+    fresh cache would make them again in each test (a random init and a save, ~0.05 s each)."""
+    from fpbench.backbones.catalog import CLIP_SPECS, _register_tiny_configs
+
+    folder = tmp_path_factory.mktemp("seeded-clip")
+    _register_tiny_configs(folder)
+    return [spec._seeded_file(folder) for spec in CLIP_SPECS if spec.pretrained == "seeded"]
+
+
 @pytest.fixture(autouse=True)
-def _own_cache_folder(fpbench_cache: Path) -> Path:
-    """Every test gets its own fpbench cache folder (see `fpbench.testing.fpbench_cache`)."""
+def _own_cache_folder(fpbench_cache: Path, _seeded_clip_weights: list[Path]) -> Path:
+    """Every test gets its own fpbench cache folder (see `fpbench.testing.fpbench_cache`),
+    with the seeded CLIP weights linked in as the fixture links the vit-smoke ones (the same
+    bytes the test would make: the file name holds the config, seed and open_clip version)."""
+    for weights in _seeded_clip_weights:
+        (fpbench_cache / weights.name).symlink_to(weights)
     return fpbench_cache
 
 
