@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import typer.main
+import typer.testing
 
 pytest.register_assert_rewrite("fpbench.testing")  # its checks' asserts explain themselves
 
@@ -23,6 +25,21 @@ from fpbench.testing import (  # noqa: E402, F401  (names the test modules impor
 
 pytest_plugins = ["fpbench.testing"]  # the fixtures `tiny` and `fpbench_cache`
 
+_COMMANDS: dict[int, tuple[typer.Typer, object]] = {}
+
+
+def _command_of(app: typer.Typer) -> object:
+    """The click command of a Typer app, built once: `CliRunner.invoke` rebuilds the whole
+    tree from the app's functions on every call (~0.05 s, hundreds of calls), though it
+    depends only on the app, which no test changes; each invoke still runs in a fresh context."""
+    built = _COMMANDS.get(id(app))
+    if built is None or built[0] is not app:
+        built = _COMMANDS[id(app)] = (app, typer.main.get_command(app))
+    return built[1]
+
+
+typer.testing._get_command = _command_of  # typer.testing's `get_command`, the one invoke calls
+
 
 @pytest.fixture
 def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -34,9 +51,24 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+@pytest.fixture(scope="session")
+def _seeded_clip_weights(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """The test-sized CLIPs' seeded weight files (`clip-test`, `clip-test-rn`), made once: a
+    fresh cache would make them again in each test (a random init and a save, ~0.05 s each)."""
+    from fpbench.backbones.catalog import CLIP_SPECS, _register_tiny_configs
+
+    folder = tmp_path_factory.mktemp("seeded-clip")
+    _register_tiny_configs(folder)
+    return [spec._seeded_file(folder) for spec in CLIP_SPECS if spec.pretrained == "seeded"]
+
+
 @pytest.fixture(autouse=True)
-def _own_cache_folder(fpbench_cache: Path) -> Path:
-    """Every test gets its own fpbench cache folder (see `fpbench.testing.fpbench_cache`)."""
+def _own_cache_folder(fpbench_cache: Path, _seeded_clip_weights: list[Path]) -> Path:
+    """Every test gets its own fpbench cache folder (see `fpbench.testing.fpbench_cache`),
+    with the seeded CLIP weights linked in as the fixture links the vit-smoke ones (the same
+    bytes the test would make: the file name holds the config, seed and open_clip version)."""
+    for weights in _seeded_clip_weights:
+        (fpbench_cache / weights.name).symlink_to(weights)
     return fpbench_cache
 
 

@@ -126,10 +126,16 @@ def test_suite_with_an_unpromptable_backbone_exits_2_with_one_line(tmp_path, mon
     assert not (tmp_path / "results").exists()  # nothing written
 
 
-def _run_tiny_suite(folder, backbone: str, method: str):
-    """`fpbench run` on the tiny suite with this backbone line and only `method`."""
+def _run_tiny_suite(folder, backbone: str, method: str, few: bool = False):
+    """`fpbench run` on the tiny suite with this backbone line and only `method` (`few`: 4
+    training and 2 test images a class instead of 12 and 6, for a 224 px model)."""
     methods = '[[methods]]\nname = "head-tune"\n[[methods]]\nname = "fedvpt"\n'
     text = TINY_SUITE_TOML.replace('backbone = { name = "vit-test" }', f"backbone = {backbone}")
+    if few:
+        assert "train_per_class = 12, test_per_class = 6" in text
+        text = text.replace(
+            "train_per_class = 12, test_per_class = 6", "train_per_class = 4, test_per_class = 2"
+        )
     suite = folder / "s.toml"
     suite.write_text(text.replace(methods, f'[[methods]]\nname = "{method}"\n'))
     return CliRunner().invoke(app, ["run", "--suite", str(suite), "--db", "r.db"])
@@ -149,7 +155,8 @@ def test_suite_runs_with_an_open_clip_model_fpbench_does_not_list(
 def test_suite_runs_with_a_timm_model_fpbench_does_not_list(tmp_path, monkeypatch, deit_file):
     path, _ = deit_file
     monkeypatch.chdir(tmp_path)
-    result = _run_tiny_suite(tmp_path, f'{{ name = "timm:{DEIT}", weights = "{path}" }}', "fedvpt")
+    backbone = f'{{ name = "timm:{DEIT}", weights = "{path}" }}'
+    result = _run_tiny_suite(tmp_path, backbone, "fedvpt", few=True)
     assert result.exit_code == 0, result.output
     assert "fedvpt / synthetic / pathological / seed 0  done" in result.output
     with Store("sqlite:///r.db") as store:

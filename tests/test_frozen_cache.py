@@ -282,8 +282,9 @@ def test_cache_info_shows_sizes_per_kind_and_clear_removes_only_fpbench_s(tmp_pa
 
 def _unlink_linked_weights(root: Path) -> None:
     """Leave out the real vit-smoke weights the `fpbench_cache` fixture links in (present only
-    where they were made before), so the counts are those of what the test writes."""
-    for linked in root.glob("vit-smoke-*.pth"):
+    where they were made before) and the seeded CLIP weights tests/conftest.py links in, so the
+    counts are those of what the test writes."""
+    for linked in [*root.glob("vit-smoke-*.pth"), *root.glob("clip-test*.pth")]:
         if linked.is_symlink():
             linked.unlink()
 

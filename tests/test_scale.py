@@ -231,8 +231,9 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _killed_child(db: str, ckpt: str, point: str, k: int) -> None:
+def _killed_child(db: str, ckpt: str, point: str, k: int, cache: str) -> None:
     """Run the cell in a fresh process that SIGKILLs itself at `point` of round `k`."""
+    os.environ["FPBENCH_CACHE"] = cache  # the test's own; the fork server keeps the first one's
     cfg = tiny_config(rounds=KILL_ROUNDS)
     store, observer = _sqlite(Path(db)), Observer()
     if point == "after-round":  # round k stored and checkpointed
@@ -268,8 +269,12 @@ class _KillAt(Observer):
 )
 def test_sigkill_at_any_point_then_rerun_gives_identical_rows(tmp_path, uninterrupted, point, k):
     db, ck = tmp_path / "split.db", tmp_path / "ck"
-    spawn = mp.get_context("spawn")  # not fork: a forked child cannot use CUDA this process did
-    proc = spawn.Process(target=_killed_child, args=(str(db), str(ck), point, k))
+    # not fork: a forked child cannot use CUDA this process did. A fork server is a fresh
+    # process like spawn's, but it imports torch and fpbench once for the three kills (~4 s each)
+    server = mp.get_context("forkserver")
+    server.set_forkserver_preload([__name__, "torch._inductor.config"])  # the latter: 1.5 s
+    args = (str(db), str(ck), point, k, os.environ["FPBENCH_CACHE"])
+    proc = server.Process(target=_killed_child, args=args)
     proc.start()
     proc.join(120)
     assert proc.exitcode == -signal.SIGKILL

@@ -247,8 +247,10 @@ class ClipSpec:
             )
         else:
             model = self._from_openai()
-        tokenizer = open_clip.get_tokenizer(self.model_name if self.own_tokenizer else "ViT-B-16")
-        from fpbench.backbones.clip import PromptedCLIP
+        from fpbench.backbones.clip import PromptedCLIP, openai_tokenizer
+
+        own = self.own_tokenizer
+        tokenizer = open_clip.get_tokenizer(self.model_name) if own else openai_tokenizer()
 
         return PromptedCLIP(model, name=self.name, tokenizer=tokenizer)
 

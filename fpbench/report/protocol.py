@@ -459,6 +459,7 @@ def coverage(paper: Paper, blocks: list[Block], cells: list[FedCell]) -> Coverag
     """
     uncovered: list[tuple[str, str]] = []
     kinds: dict[str, str] = {}
+    seen: dict[tuple[tuple[int, ...], str], list[str]] = {}  # cells share rules and paths
     for cell in cells:
         rules = [
             r
@@ -467,8 +468,10 @@ def coverage(paper: Paper, blocks: list[Block], cells: list[FedCell]) -> Coverag
             for r in b.rules
             if _matches(r.match, cell)
         ]
+        ids = tuple(map(id, rules))
         for leaf in leaf_paths(cell.config):
-            found = [r.kind for r in rules if r.covers(leaf)]
+            if (found := seen.get((ids, leaf))) is None:
+                found = seen[ids, leaf] = [r.kind for r in rules if r.covers(leaf)]
             if not found:
                 uncovered.append((cell.name, leaf))
                 continue
