@@ -157,9 +157,9 @@ def estimate_cmd(
         typer.Option(
             min=1,
             metavar="N",
-            help="time N batches per client and scale by the step and test-sample counts; "
-            "shapes differing only in sizes, rounds, epochs or method settings share one "
-            "measurement (minutes for a whole paper; see the assumptions printed)",
+            help="time N and 2N batches per client and scale by the step and test-sample "
+            "counts; shapes differing only in sizes, rounds, epochs or method settings share "
+            "one measurement (minutes for a whole paper; see the assumptions printed)",
         ),
     ] = None,
     json_out: Annotated[

@@ -24,9 +24,9 @@ once: N (1 - (1 - m/N)^R) of N clients, m per round, R rounds).
 shapes: each shape is timed twice, on N and on 2N batches per client with test splits of N and
 2N evaluation batches, and the two give a round's fixed part and its cost per optimiser step,
 and an evaluation's fixed part and its cost per test sample, which `rescale` carries to the
-shape's counts; shapes that differ only in what is scaled (rounds, sizes, clients,
-epochs) or in method settings share one measurement (`cost_group`), and each architecture is
-built once (`Memo`).
+shape's counts; shapes that differ only in what is scaled (rounds, sizes, clients, epochs) or
+in method settings share one measurement (`cost_group`, timed on the settings of the most
+cells: `representatives`), and each architecture is built once (`Memo`).
 
 Assumptions, printed with every estimate: clients hold equal shares of the train split (label
 skew moves samples between clients, not the round's expected total); personal methods evaluate
@@ -203,7 +203,8 @@ def rescale(timed: list[tuple[Shape, Measurement]], target: Shape) -> Measuremen
 
 def cost_group(shape: Shape) -> tuple:
     """What a scaled measurement is shared by: the shape less what `rescale` scales (sizes,
-    rounds, clients, epochs) and less the method's settings."""
+    rounds, clients, epochs) and less the method's settings (`representatives` picks those
+    it is timed on)."""
     return (
         shape.backbone,
         shape.method,
