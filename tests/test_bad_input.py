@@ -269,10 +269,10 @@ def _poison(monkeypatch) -> None:
             out = dataclasses.replace(out, loss=torch.full_like(out.loss, float("nan")))
         return out
 
-    def build_method(cfg, task, device, pretrained=True):
+    def build_method(cfg, task, device, *args, **kw):
         if cfg.method.name == "local":
             raise RuntimeError("CUDA out of memory (simulated)")
-        return build_method_(cfg, task, device, pretrained)
+        return build_method_(cfg, task, device, *args, **kw)
 
     monkeypatch.setattr(rounds, "train_clients", train_clients)
     monkeypatch.setattr(build, "build_method", build_method)
