@@ -217,6 +217,7 @@ def estimate_cmd(
 
 
 def _table(suite: str, found: list, where: str) -> Table:
+    from fpbench.measure.estimate import frozen_s
     from fpbench.units import human_bytes
 
     table = Table(title=f"fpbench estimate: {suite} ({plural(len(found), 'shape')}, {where})")
@@ -225,10 +226,7 @@ def _table(suite: str, found: list, where: str) -> Table:
         table.add_column(name, justify="right")
     for e in found:
         s, m = e.shape, e.measured
-        frozen = None
-        if m is not None:
-            frozen = m.frozen_per_sample_s * s.expected_sampled * s.per_client
-            frozen += m.test_frozen_s
+        frozen = None if m is None else frozen_s(s, m)
         table.add_row(
             describe(e),
             str(e.cells),

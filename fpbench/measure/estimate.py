@@ -421,16 +421,33 @@ def measure(
     )
 
 
+def frozen_s(shape: Shape, m: Measurement) -> float:
+    """A cell's frozen passes: the train samples it is expected to touch, and the test split."""
+    return m.frozen_per_sample_s * shape.expected_sampled * shape.per_client + m.test_frozen_s
+
+
 def project(shape: Shape, m: Measurement) -> float:
     """A cell's projected seconds from its shape and a measurement."""
-    frozen = m.frozen_per_sample_s * shape.expected_sampled * shape.per_client
-    return (
-        m.setup_s
-        + shape.rounds * m.train_round_s
-        + shape.evals * m.eval_s
-        + frozen
-        + m.test_frozen_s
-    )
+    return m.setup_s + shape.rounds * m.train_round_s + shape.evals * m.eval_s + frozen_s(shape, m)
+
+
+def _measured(
+    timed: list[Shape], cfg: RunConfig, device: torch.device, precision: str, rounds: int,
+    memo: Memo, warm: bool,
+) -> list[tuple[Shape, Measurement]] | str:  # fmt: skip
+    """Each of `timed` measured in turn as the cell computes (the later ones one round: the
+    first ran their kernels), or why that failed: one shape that cannot run here does not stop
+    the others."""
+    from fpbench.engine.numerics import cell_numerics
+
+    try:
+        with cell_numerics(cfg):
+            return [
+                (t, measure(t, cfg, device, precision, 1 if k else rounds, memo, warm))
+                for k, t in enumerate(timed)
+            ]
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
 
 
 def estimate(
@@ -452,7 +469,6 @@ def estimate(
     (`time.monotonic()`) no new measurement starts and the rest are listed with that error.
     """
     from fpbench.engine.build import resolve_precision
-    from fpbench.engine.numerics import cell_numerics
 
     memo = Memo() if memo is None else memo
     shapes = plan(suite)
@@ -463,39 +479,27 @@ def estimate(
             out.append(Estimate(shape, cfg.method.label, n, None, None))
             continue
         group = cost_group(shape) if batches else None
-        if group not in memo.groups:
+        if group is None or group not in memo.groups:
             if deadline is not None and time.monotonic() > deadline:
                 out.append(Estimate(shape, cfg.method.label, n, None, None, "out of time"))
                 continue
             if progress is not None:
                 progress(i, len(shapes), shape)
-            rep, rep_cfg = timed_as.get(group, (shape, cfg))
-            timed = [shrunk(rep, k * batches) for k in (1, 2)] if batches else [shape]
             dtype = resolve_precision(precision, device)
-            try:
-                with cell_numerics(rep_cfg):  # as the cell will compute
-                    found = [  # the second (scaled) one is warm: the first ran these kernels
-                        (
-                            t,
-                            measure(
-                                t, rep_cfg, device, dtype, 1 if k else rounds, memo, bool(batches)
-                            ),
-                        )
-                        for k, t in enumerate(timed)
-                    ]
-            except Exception as e:  # one shape that cannot run here does not stop the others
-                found = f"{type(e).__name__}: {e}"
             if group is None:
-                m = None if isinstance(found, str) else found[0][1]
-                error = found if isinstance(found, str) else None
-                out.append(Estimate(shape, cfg.method.label, n, m, m and project(shape, m), error))
-                continue
-            memo.groups[group] = found
-        found = memo.groups[group]
-        if isinstance(found, str):  # the group's measurement failed
+                found = _measured([shape], cfg, device, dtype, rounds, memo, warm=False)
+            else:
+                rep, rep_cfg = timed_as[group]
+                timed = [shrunk(rep, batches), shrunk(rep, 2 * batches)]
+                found = memo.groups[group] = _measured(
+                    timed, rep_cfg, device, dtype, rounds, memo, warm=True
+                )
+        else:
+            found = memo.groups[group]
+        if isinstance(found, str):
             out.append(Estimate(shape, cfg.method.label, n, None, None, found))
             continue
-        m = rescale(found, shape)
+        m = found[0][1] if group is None else rescale(found, shape)
         out.append(Estimate(shape, cfg.method.label, n, m, project(shape, m)))
     return out
 
