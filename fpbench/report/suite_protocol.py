@@ -10,6 +10,9 @@
   recipe (`benchmarks/protocols/recipes.toml`, `fpbench.report.recipes.recipe_blocks`):
   "aligned" runs the common recipe and declares where it departs from each method's own, "own"
   pins every method's own recipe (the common one fills what it lacks);
+* optionally `method_defaults = true`: every method argument a cell leaves at its registered
+  default and the method's readings pinned to fpbench's method (`recipes.defaults_blocks`;
+  the source is the recipe's `args`, the official file of those defaults);
 * optionally `min_budget_fraction` and `[short_budget]` (method label = reason): every method
   trains at least that fraction of the suite's median budget (`fpbench.report.budget`) or says
   why not.
@@ -46,7 +49,10 @@ from fpbench.shipped import shipped_dir
 PROTOCOLS_DIR = shipped_dir() / "protocols"
 RECIPES_FILE = "recipes"  # benchmarks/protocols/recipes.toml: the methods' own recipes
 SUITE_TABLE = 0  # the one pseudo-table every cell of a suite feeds
-KEYS = {"suite", "anchor", "protocol", "recipes", "common", "min_budget_fraction", "short_budget"}
+KEYS = {
+    "suite", "anchor", "protocol", "recipes", "common", "method_defaults", "min_budget_fraction",
+    "short_budget",
+}  # fmt: skip
 # TrainConfig fields dumped only where set: their defaults are filled in for the check
 FILLED = {"adam_beta2": 0.999, "adam_eps": 1e-8}
 
@@ -87,20 +93,20 @@ def load_suite_protocol(suite: str, root: Path = PROTOCOLS_DIR) -> SuiteProtocol
         raise FpbenchError(f"{path}: {e}") from None
     from fpbench.suites import load_suite
 
-    methods = {c.method.name for c in load_suite(suite).cells}
+    methods = [(c.method.name, c.method.args) for c in load_suite(suite).cells]
     return parse_suite_protocol(data, suite, methods, root, f"protocols/{suite}.toml")
 
 
 def parse_suite_protocol(
     data: dict[str, Any],
     suite: str,
-    methods: set[str],
+    methods: list[tuple[str, dict[str, Any]]],
     root: Path = PROTOCOLS_DIR,
     where: str = "<memory>",
 ) -> SuiteProtocol:
-    """A suite protocol from its parsed file; `methods` are the method names of the suite's
-    cells (the recipe rules are made for them) and `root` holds recipes.toml."""
-    from fpbench.report.recipes import load_recipes, recipe_blocks
+    """A suite protocol from its parsed file; `methods` are (method name, method args) of the
+    suite's cells (the recipe rules are made for them) and `root` holds recipes.toml."""
+    from fpbench.report.recipes import defaults_blocks, load_recipes, recipe_blocks
 
     unknown = sorted(set(data) - KEYS)
     if unknown:
@@ -113,10 +119,15 @@ def parse_suite_protocol(
     recipes = data.get("recipes")
     if recipes not in (None, "aligned", "own"):
         raise FpbenchError(f'{where}: recipes = "aligned" or "own", got {recipes!r}')
+    names = {name for name, _ in methods}
+    made = []
     if recipes is not None:
-        raw += recipe_blocks(load_recipes(root), data.get("common", {}), methods, recipes, where)
+        made += recipe_blocks(load_recipes(root), data.get("common", {}), names, recipes, where)
     elif "common" in data:
         raise FpbenchError(f'{where}: [common] needs recipes = "aligned" or "own"')
+    if data.get("method_defaults", False):
+        made += defaults_blocks(load_recipes(root), methods, where)
+    raw += [{**b, "tables": [SUITE_TABLE]} for b in made]
     frac = data.get("min_budget_fraction")
     if frac is not None and not (isinstance(frac, (int, float)) and 0 < frac <= 1):
         raise FpbenchError(f"{where}: min_budget_fraction is in (0, 1], got {frac!r}")
