@@ -174,5 +174,9 @@ def suite_coverage(proto: SuiteProtocol, cells: list[FedCell]) -> Coverage:
 
 
 def suite_deviations(proto: SuiteProtocol) -> list[dict[str, str]]:
-    """`fpbench.report.protocol.deviations` without the pseudo-table column."""
-    return [{k: v for k, v in row.items() if k != "tables"} for row in deviations(proto.blocks)]
+    """`fpbench.report.protocol.deviations` without the pseudo-table column, the stated value
+    under "anchor" (the anchor's, or for a recipe rule the method's own)."""
+    return [
+        {("anchor" if k == "paper" else k): v for k, v in row.items() if k != "tables"}
+        for row in deviations(proto.blocks)
+    ]
