@@ -22,7 +22,8 @@ momentum 0.9) and exchanges the global gradient after every step. The suites tra
 batch each round (a local epoch, the official budget) and the server averages the clients'
 global prompts once per round (declared in their protocols). With `max_local_steps = 1` and
 SGD without momentum a fpbench round is one official step: the server's uniform mean of the
-clients' one-step global prompts is then the official averaged-gradient step. The server's noise is drawn by the
+clients' one-step global prompts is then the official averaged-gradient step. The server's noise is
+drawn by the
 clients instead, N(0, std^2 / N) each, whose mean has the official N(0, (std / N)^2) (declared
 in `method_readings`). Randomness (v0, noise) is seeded per (run, client, round) from generators
 of fpbench's own: it repeats over the steps of a round where a round has several.

@@ -18,7 +18,8 @@ client starting from the same local prompt. Its `configs/trainers/PromptFolio/vi
 sets SGD with a per-epoch cosine schedule and one warmup epoch, and `federated_main.py`
 overrides the rest: lr 1e-3 (`--lr`), 1 local epoch (`MAX_EPOCH = 1`), 10 rounds, batch 16
 (`--train_batch_size`): the recipe the suite flip-compare-own runs
-(benchmarks/protocols/recipes.toml; flip-compare runs FLiP's common recipe, declared). The official server pairs the
+(benchmarks/protocols/recipes.toml; flip-compare runs FLiP's common recipe, declared). The official
+server pairs the
 sampled clients' prompts with the train sizes by position in the sampled order (its
 `average_weights` indexes the list of uploads by client id); fpbench weights each client's
 prompt by its own size, which is the same when sizes are equal (declared in
