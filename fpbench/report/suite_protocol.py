@@ -45,6 +45,7 @@ from fpbench.report.protocol import (
     readings_of,
 )
 from fpbench.shipped import shipped_dir
+from fpbench.specs import _DUMPED_WHERE_SET
 
 PROTOCOLS_DIR = shipped_dir() / "protocols"
 RECIPES_FILE = "recipes"  # benchmarks/protocols/recipes.toml: the methods' own recipes
@@ -53,8 +54,9 @@ KEYS = {
     "suite", "anchor", "protocol", "recipes", "common", "method_defaults", "min_budget_fraction",
     "short_budget",
 }  # fmt: skip
-# TrainConfig fields dumped only where set: their defaults are filled in for the check
-FILLED = {"adam_beta2": 0.999, "adam_eps": 1e-8}
+# TrainConfig fields dumped only where set (centralized aside: a reference row's label): their
+# defaults are filled in for the check, so a suite's protocol holds them in every cell
+FILLED = {k: v for k, v in _DUMPED_WHERE_SET.items() if k != "centralized"}
 
 
 @dataclass(frozen=True)
