@@ -87,6 +87,12 @@ class TrainConfig(_Strict):
         "train-list size shared equally by the domain's clients (SGPT reference code on "
         "Office-Caltech10 / DomainNet, whose clients train on a subset)",
     )
+    adam_beta2: float = Field(
+        0.999, gt=0, lt=1, description="Adam's beta2 (FedCLIP's code: 0.98); dumped only where set"
+    )
+    adam_eps: float = Field(
+        1e-8, gt=0, description="Adam's epsilon (FedCLIP's code: 1e-6); dumped only where set"
+    )
     centralized: bool = Field(
         False,
         description="the centralized reference row: every round one client holding the union "
@@ -96,12 +102,17 @@ class TrainConfig(_Strict):
 
     @model_serializer(mode="wrap")
     def _drop_unset_centralized(self, handler: Any) -> dict[str, Any]:
-        """`centralized` is dumped only where set: a federated run's stored config, run key and
-        protocol paths stay what they were before the field existed."""
+        """`centralized`, `adam_beta2` and `adam_eps` are dumped only where set: other runs'
+        stored configs, run keys and protocol paths stay what they were before the fields
+        existed."""
         out = handler(self)
-        if not out.get("centralized", True):
-            del out["centralized"]
+        for key, default in _DUMPED_WHERE_SET.items():
+            if key in out and out[key] == default:
+                del out[key]
         return out
+
+
+_DUMPED_WHERE_SET = {"centralized": False, "adam_beta2": 0.999, "adam_eps": 1e-8}
 
 
 class RuntimeConfig(_Strict):

@@ -15,6 +15,7 @@ import tomllib
 import fpbench
 from fpbench import shipped
 from fpbench.report.paper import PAPERS_DIR, list_papers
+from fpbench.report.suite_protocol import PROTOCOLS_DIR, list_suite_protocols
 from fpbench.suites import SUITE_DIR, find_suite, list_suites
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +34,9 @@ def test_every_subpackage_is_listed_for_the_wheel():
         if p.parent != pkg and "__pycache__" not in p.parts
     }
     listed = set(_setuptools_config()["packages"])
-    assert listed - found == {"fpbench.benchmarks", "fpbench.benchmarks.papers"}
+    assert listed - found == {
+        "fpbench.benchmarks", "fpbench.benchmarks.papers", "fpbench.benchmarks.protocols",
+    }  # fmt: skip
     assert found <= listed
 
 
@@ -42,6 +45,7 @@ def test_benchmarks_folder_is_mapped_as_package_data():
     assert cfg["package-dir"] == {"fpbench.benchmarks": "benchmarks"}
     assert cfg["package-data"]["fpbench.benchmarks"] == ["*.toml"]
     assert cfg["package-data"]["fpbench.benchmarks.papers"] == ["*.toml"]
+    assert cfg["package-data"]["fpbench.benchmarks.protocols"] == ["*.toml"]
 
 
 def test_benchmarks_folder_holds_suite_and_paper_data_only():
@@ -54,7 +58,8 @@ def test_benchmarks_folder_holds_suite_and_paper_data_only():
     }
     suites = {f"{name}.toml" for name in list_suites()}
     papers = {f"papers/{name}.toml" for name in list_papers()}
-    assert files == (suites & files) | papers
+    protocols = {f"protocols/{name}.toml" for name in [*list_suite_protocols(), "recipes"]}
+    assert files == (suites & files) | papers | protocols
 
 
 def test_checkout_reads_the_top_level_benchmarks_folder():
@@ -108,5 +113,6 @@ def test_wheel_holds_suites_and_papers(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     suites = {f"fpbench/benchmarks/{p.name}" for p in (ROOT / "benchmarks").glob("*.toml")}
     papers = {f"fpbench/benchmarks/papers/{p.name}" for p in PAPERS_DIR.glob("*.toml")}
-    assert suites and papers and suites | papers <= names
+    protocols = {f"fpbench/benchmarks/protocols/{p.name}" for p in PROTOCOLS_DIR.glob("*.toml")}
+    assert suites and papers and protocols and suites | papers | protocols <= names
     assert "fpbench/cli/__init__.py" in names and "fpbench/engine/runner.py" in names

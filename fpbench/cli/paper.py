@@ -78,11 +78,8 @@ def show_paper_tables(db: str, paper: str, table: int | None, fmt: str, out: Pat
 def show_deviations(paper: str, fmt: str, out: Path | None) -> None:
     """Print every deviation `paper`'s protocol declares (what fpbench runs instead, and why),
     then how many config paths of its feeding cells are pinned, declared and free."""
-    import pandas as pd
-
     from fpbench.report.paper import load_paper
     from fpbench.report.protocol import deviations, feeding_cells, load_protocol
-    from fpbench.report.tables import render
 
     spec = load_paper(paper)  # unknown paper: one clear line
     blocks = load_protocol(paper)
@@ -91,8 +88,44 @@ def show_deviations(paper: str, fmt: str, out: Path | None) -> None:
         write_or_print(f"paper {paper} has no [[protocol]] blocks", out)
         return
     counts = coverage_line(paper, spec, blocks, feeding_cells(spec))
+    _deviation_table(f"paper {paper}", rows, counts, fmt, out)
+
+
+def show_suite_deviations(suite: str, fmt: str, out: Path | None) -> None:
+    """`show_deviations` for a suite's own protocol (`fpbench.report.suite_protocol`)."""
+    from fpbench.report.suite_protocol import load_suite_protocol, suite_cells, suite_deviations
+
+    proto = load_suite_protocol(suite)  # no protocol: one clear line
+    cells = suite_cells(suite)
+    counts = coverage_line(suite, proto.paper, proto.blocks, cells)
+    _deviation_table(f"suite {suite}", suite_deviations(proto), counts, fmt, out)
+
+
+def budget_lines(suite: str) -> list[str]:
+    """Notes on the methods of `suite` that train less than its protocol's stated fraction of
+    the median budget (none without a protocol or a fraction)."""
+    from fpbench.report.budget import budget_notes
+    from fpbench.report.suite_protocol import PROTOCOLS_DIR, load_suite_protocol
+    from fpbench.suites import load_suite
+
+    if not (PROTOCOLS_DIR / f"{suite}.toml").is_file():
+        return []
+    proto = load_suite_protocol(suite)
+    if proto.min_budget_fraction is None:
+        return []
+    return budget_notes(load_suite(suite).cells, proto.min_budget_fraction, proto.short_budget)
+
+
+def _deviation_table(
+    what: str, rows: list[dict[str, str]], counts: str, fmt: str, out: Path | None
+) -> None:
+    import pandas as pd
+
+    from fpbench.report.tables import render
+
+    paper = what.split(" ", 1)[1]
     if not rows:
-        write_or_print(f"paper {paper}: no declared deviations\n\n{counts}", out)
+        write_or_print(f"{what}: no declared deviations\n\n{counts}", out)
         return
     frame = pd.DataFrame(rows)
     if fmt != "term":  # after the table; a comment line in CSV
@@ -102,7 +135,8 @@ def show_deviations(paper: str, fmt: str, out: Path | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{paper}: declared deviations from the paper's protocol")
+    anchor = "the paper's" if what.startswith("paper") else "its anchor's"
+    table = Table(title=f"{paper}: declared deviations from {anchor} protocol")
     for col in frame.columns:
         table.add_column(col, overflow="fold", no_wrap=col in ("tables", "path", "paper"))
     for row in rows:

@@ -239,7 +239,9 @@ def table(
     deviations: Annotated[
         bool,
         typer.Option(
-            "--deviations", help="with --paper: list where fpbench's protocol departs from it"
+            "--deviations",
+            help="with --paper (or --suite, a suite with its own protocol): list where "
+            "fpbench's protocol departs from its anchor",
         ),
     ] = False,
 ) -> None:
@@ -250,16 +252,21 @@ def table(
     confidence interval of the mean over seeds, [low, high] (two or more seeds).
     With --paper: the paper's tables in its layout, fpbench's values beside the paper's.
     With --paper --deviations: every declared deviation from the paper's protocol (table(s),
-    cells, config path, the paper's value and source, what fpbench runs, and why).
+    cells, config path, the paper's value and source, what fpbench runs, and why); with
+    --suite --deviations the same for a suite's own protocol (benchmarks/protocols/). A suite
+    whose protocol states a minimum budget fraction notes each method that trains less.
     """
     from fpbench.report.tables import render, summary_table
 
     if deviations:
-        if not paper:
-            raise FpbenchError("--deviations needs --paper NAME")
-        from fpbench.cli.paper import show_deviations
+        if not paper and not suite:
+            raise FpbenchError("--deviations needs --paper NAME or --suite NAME")
+        from fpbench.cli.paper import show_deviations, show_suite_deviations
 
-        show_deviations(paper, fmt.value, out)
+        if paper:
+            show_deviations(paper, fmt.value, out)
+        else:
+            show_suite_deviations(suite_name(suite), fmt.value, out)
         return
     if paper:
         from fpbench.cli.paper import show_paper_tables
@@ -286,7 +293,9 @@ def table(
         )
     else:
         write_or_print(render(summary, fmt.value), out)
-    for note in notes:  # on stderr: the table itself stays clean to redirect or paste
+    from fpbench.cli.paper import budget_lines
+
+    for note in notes + budget_lines(name):  # on stderr: the table stays clean to redirect
         err.print(note, highlight=False, soft_wrap=True, markup=False)
 
 

@@ -202,6 +202,8 @@ def phase_optimizer(
                 momentum=cfg.momentum,
                 weight_decay=cfg.weight_decay,
                 grad_clip=cfg.grad_clip,
+                beta2=cfg.adam_beta2,
+                eps=cfg.adam_eps,
             )
         )
     factor = lr / cfg.lr

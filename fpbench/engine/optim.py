@@ -126,12 +126,15 @@ def make_optimizer(
     momentum: float,
     weight_decay: float,
     grad_clip: float | None,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
 ) -> StackedOptimizer:
+    """SGD (`momentum`) or Adam (betas (`momentum`, `beta2`), `eps`)."""
     if name == "sgd":
         return StackedSGD(params, lr, momentum, weight_decay, grad_clip)
     if name == "adam":
         return StackedAdam(
-            params, lr, (momentum, 0.999), weight_decay=weight_decay, grad_clip=grad_clip
+            params, lr, (momentum, beta2), eps, weight_decay=weight_decay, grad_clip=grad_clip
         )
     raise ValueError(f"unknown optimizer {name!r}")
 

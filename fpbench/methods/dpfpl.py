@@ -17,10 +17,13 @@ global gradients uniformly, adding N(0, (std / N)^2); std = sqrt(R ln(1/delta)) 
 C / B (R: the official round count, B: the largest client batch). Inference: the client's
 global + local, so it is personal.
 
-Adapted to fpbench's rounds: the official protocol exchanges the global gradient after every
-step, so a fpbench round is one step (`max_local_steps = 1`, SGD without momentum, every
-client every round, set in the suite): the server's uniform mean of the clients' one-step
-global prompts is then the official averaged-gradient step. The server's noise is drawn by the
+Adapted to fpbench's rounds: the official protocol trains every batch of each round (SGD
+momentum 0.9) and exchanges the global gradient after every step. The suites train every
+batch each round (a local epoch, the official budget) and the server averages the clients'
+global prompts once per round (declared in their protocols). With `max_local_steps = 1` and
+SGD without momentum a fpbench round is one official step: the server's uniform mean of the
+clients' one-step global prompts is then the official averaged-gradient step. The server's noise is
+drawn by the
 clients instead, N(0, std^2 / N) each, whose mean has the official N(0, (std / N)^2) (declared
 in `method_readings`). Randomness (v0, noise) is seeded per (run, client, round) from generators
 of fpbench's own: it repeats over the steps of a round where a round has several.

@@ -21,8 +21,9 @@ negatives); the server's mean is uniform over the clients that trained (`aggrega
 client's part of the step, which is the client's minibatch of the reference code.
 `loss = "cross-entropy"` is fpbench's C-way reading (cross-entropy over every class's text),
 offered for comparison. The official optimiser is Adam lr 5e-5, betas (0.9, 0.98), eps 1e-6,
-weight decay 0.2 (L2), new every round, batch 32, 1 local epoch: set in the suite
-(fpbench's Adam has beta2 0.999 and eps 1e-8: declared in `method_readings`).
+weight decay 0.2 (L2), new every round, batch 32, 1 local epoch: the suites set it
+(`train.optimizer = "adam"`, `train.adam_beta2`, `train.adam_eps`; flip-compare runs the
+optimiser with FLiP's batch and schedule, flip-compare-own the whole recipe).
 """
 
 from __future__ import annotations

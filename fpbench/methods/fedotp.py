@@ -13,8 +13,10 @@ the logit is exp(logit_scale) * sum_mn T[m, n] S[m, n], trained with cross-entro
 uses the client's (global, local) pair, so it is personal.
 
 Defaults from the public scripts (few-shot): 16 context tokens, COT, rho = 0.8, eps = 0.01,
-stop when mean |v - v_prev| < 1e-3, at most 100 iterations; SGD lr 1e-3 and batch = shots (set
-in the suite). Deviations: the stopping rule is applied to each (image, class) problem on its own
+stop when mean |v - v_prev| < 1e-3, at most 100 iterations; SGD lr 1e-3, batch = shots, 5 local
+epochs, 10 rounds: the recipe the suite flip-compare-own runs (benchmarks/protocols/recipes.toml;
+flip-compare runs FLiP's common recipe and declares the difference). Deviations: the stopping rule
+is applied to each (image, class) problem on its own
 (the original stops when the mean over the whole batch converges), which keeps a client's result
 independent of the batch it shares, and the plan is solved in float64 so that the kernel does not
 underflow at eps = 0.01. `ot = "sinkhorn"` is the balanced variant (b = 1/N).

@@ -21,7 +21,8 @@ same U, V and Sigma. This is the method's own federation; nothing was adapted.
 Defaults from the official code (TianyuCuiOvO/FedPGP, `trainers/fedpgp.py`, commit d43045b) and
 its script (`scripts/plot_basetonew_base.sh`): 16 context tokens, class token at the end, every
 tensor N(0, 0.02^2), rank r = 8 and mu = 0.5 (the script's; the argparse defaults are 4 and 1),
-tau = 0.5, SGD lr 1e-3 constant, 2 local epochs, batch = shots (set in the suite). The script
+tau = 0.5, SGD lr 1e-3 constant, 2 local epochs, 25 rounds, batch = shots, fp32 (the recipe
+the suite flip-compare-own runs: benchmarks/protocols/recipes.toml). The script
 also sets `NUM_PROMPT=2`, which tiles two independent prompt sets into 2C output columns with
 labels in [0, C) (the second set acts as distractor classes); fpbench keeps the argparse default
 and the paper's one prompt set, since its scores are C-way (declared in `method_readings`).

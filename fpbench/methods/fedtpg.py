@@ -21,8 +21,10 @@ Defaults from the official code (boschresearch/FedTPG, `model/prompt_net.py`, `m
 stack (`DEPTH = 0`, the only depth fpbench implements), 4 heads, PyTorch's default inits
 (queries N(0, 0.02^2), xavier-uniform packed q/k/v projections with zero biases, Linear
 defaults, LayerNorm ones and zeros). Official optimiser: SGD lr 3e-3, momentum 0.9, weight
-decay 1e-5, per-round cosine over 500 rounds, 1 local epoch, 8 shots, no augmentation: set in
-the suite. Readings: the generator runs in fp32 (the official casts it to fp16); the key/value
+decay 1e-5, per-round cosine over 500 rounds, 1 local epoch, batch 200, 8 shots, no augmentation:
+the recipe the suite flip-compare-own runs (benchmarks/protocols/recipes.toml; flip-compare
+runs FLiP's common recipe, declared). Readings: the generator runs in fp32 (the official casts it to
+fp16); the key/value
 width is CLIP's joint width (the official hard-codes 512, which is ViT-B/16's; RN50's is 1024).
 """
 

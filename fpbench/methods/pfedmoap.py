@@ -31,8 +31,9 @@ and `train.sh`, commit a481de3): 16 context tokens N(0, 0.02^2), class token at 
 experts, lambda 0.5, scaling 10, 8 heads on 128 pooled dimensions, gates with PyTorch's Linear init
 and their own SGD (lr 0.01, momentum 0.9, weight decay 5e-4, Dassl's defaults under `OPTIMGATING`);
 the context trains with the run's `train` settings (official `train.sh`: SGD lr 0.001, momentum
-0.9, weight decay 5e-4, cosine over 5 local epochs after a warmup epoch, batch 16: set in the
-suite). Adapted to fpbench, declared in `fpbench/report/method_readings.py`: the official clients
+0.9, weight decay 5e-4, cosine over 5 local epochs after a warmup epoch, batch = shots, 10
+rounds: the recipe the suite flip-compare-own runs, benchmarks/protocols/recipes.toml). Adapted to
+fpbench, declared in `fpbench/report/method_readings.py`: the official clients
 train one after another and a client picks its experts among the uploads of the clients trained
 before it in the same round; here every client of a round sees the previous rounds' uploads
 (lockstep). The official code leaves a first-time client of a later round (partial participation)

@@ -15,8 +15,11 @@ Defaults from the official code (PanBikang/PromptFolio, `trainers/PromptFolio.py
 `federated_main.py`, commit 8f729aa): theta = 0.4 (`--frac_p`), 8 context tokens (`--n_ctx`),
 both prompts N(0, 0.02^2) (or both the init phrase's embeddings), class token at the end, every
 client starting from the same local prompt. Its `configs/trainers/PromptFolio/vit_b16.yaml`
-sets SGD lr 0.002, a per-epoch cosine schedule with one warmup epoch and 5 local epochs; the
-script's batch is 16 (`--train_batch_size`): set in the suite. The official server pairs the
+sets SGD with a per-epoch cosine schedule and one warmup epoch, and `federated_main.py`
+overrides the rest: lr 1e-3 (`--lr`), 1 local epoch (`MAX_EPOCH = 1`), 10 rounds, batch 16
+(`--train_batch_size`): the recipe the suite flip-compare-own runs
+(benchmarks/protocols/recipes.toml; flip-compare runs FLiP's common recipe, declared). The official
+server pairs the
 sampled clients' prompts with the train sizes by position in the sampled order (its
 `average_weights` indexes the list of uploads by client id); fpbench weights each client's
 prompt by its own size, which is the same when sizes are equal (declared in

@@ -32,16 +32,17 @@ READINGS: dict[str, dict[str, str]] = {
     "dp-fpl": {
         **COOP,
         **DIFFERENTIAL,  # trainers/DP_FPL.py: tests/test_peer_clip_fl.py
-        # a fpbench round is one official step; the server's Gaussian on the mean global
-        # gradient is drawn by the clients, N(0, std^2 / N) each (the same distribution)
+        # the server's Gaussian on the mean global gradient is drawn by the clients,
+        # N(0, std^2 / N) each (the same distribution)
         "global_noise": "client-drawn",
+        # the official averages the global gradient after every step; the suites train a
+        # round's batches and average the global prompts once per round
+        "global_exchange": "per-round",
         "randomness": "per-run-client-round",
     },
     "fedclip": {
         **COOP,
         **DIFFERENTIAL,  # fedclip/methods/fed_at_clip.py: test_peer_clip_fl
-        # fpbench's Adam; the official (0.9, 0.98), eps 1e-6: TrainConfig has no beta2/eps
-        "adam_beta2_eps": "0.999, 1e-8",
         # a client's batch of one sample has zero contrastive loss; the official code skips it
         # (no optimiser step), fpbench steps (weight decay and momentum still move the adapter)
         "single_sample_batch": "zero-loss-step",
