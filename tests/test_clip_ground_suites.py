@@ -86,3 +86,71 @@ def test_the_ground_suites_train_as_fedtpg_and_flip(suite, cells):
         assert targets == {"imagenet-v2", "imagenet-sketch", "imagenet-a", "imagenet-r"}
     if suite == "clip-xdataset":
         assert len(targets) == 10 and "imagenet" not in targets
+
+
+def _twin_paper(tmp_path, swaps: dict[str, str]):
+    """clip-ground's tables read from the offline twins: `swaps` renames suite, partition,
+    dataset and target names in the data file (a tiny run fills what the real suite would)."""
+    from fpbench.report.paper import PAPERS_DIR, load_paper
+
+    text = (PAPERS_DIR / "clip-ground.toml").read_text()
+    for a, b in swaps.items():
+        text = text.replace(a, b)
+    (tmp_path / "ground.toml").write_text(text)
+    return load_paper("ground", tmp_path)
+
+
+def _filled(tmp_path, paper, number: int):
+    from fpbench.report.paper import fill_paper, load_results
+    from fpbench.store import Store
+
+    store = Store(f"sqlite:///{tmp_path / 'results' / 'fpbench.db'}")
+    (filled,) = fill_paper(paper, load_results(store), number)
+    return filled
+
+
+def test_ground_tables_render_the_twins_value_by_value(tmp_path, monkeypatch):
+    runs = _run("smoke-clip-ground-base2novel", tmp_path, monkeypatch)
+    paper = _twin_paper(tmp_path, {
+        '"clip-ground-base2novel"': '"smoke-clip-ground-base2novel"',
+        '"20-classes"': '"2-classes"', 'dataset = "imagenet"': 'dataset = "synthetic"',
+    })  # fmt: skip
+    table = _filled(tmp_path, paper, 1)
+    for label in ("zero-shot", "coop", "kgcoop", "fedtpg", "centralized"):
+        agg = runs[f"{label}/synthetic"]["agg"][1]
+        for col, metric in (("base", "acc_base"), ("novel", "acc_novel"), ("hm", "acc_hm")):
+            cell = table.cell(label, f"imagenet-{col}")
+            assert cell.n == 1 and cell.mean == pytest.approx(100 * agg[metric]), (label, col)
+        assert table.cell(label, "avg-hm").mean is None  # ten datasets have no run here
+
+
+def test_ground_fewshot_and_xdomain_tables_render_the_twins(tmp_path, monkeypatch):
+    (tmp_path / "f").mkdir()
+    (tmp_path / "x").mkdir()
+    fewshot = _run("smoke-clip-ground-fewshot", tmp_path / "f", monkeypatch)
+    paper = _twin_paper(tmp_path, {
+        '"clip-ground-fewshot"': '"smoke-clip-ground-fewshot"',
+        'name = "imagenet" } } }': 'name = "synthetic" } } }',
+    })  # fmt: skip
+    table = _filled(tmp_path / "f", paper, 4)
+    for row, run in (("coop-1", "coop/synthetic-1shot"), ("coop-2", "coop/synthetic-2shot"),
+                     ("zero-shot", None)):  # fmt: skip
+        cell = table.cell(row, "imagenet")
+        if run is None:  # zero-shot runs at 16 shots in the real suite, at 2 in the twin
+            assert cell.n == 0
+            continue
+        assert cell.mean == pytest.approx(100 * fewshot[run]["agg"][1]["acc_global"])
+    xdomain = _run("smoke-clip-xdomain", tmp_path / "x", monkeypatch)
+    paper = _twin_paper(tmp_path, {
+        '"clip-xdomain"': '"smoke-clip-xdomain"', '"5-classes"': '"2-classes"',
+        'dataset = "imagenet"': 'dataset = "synthetic"', "acc_xd_imagenet-v2": "acc_xd_shift-v2",
+        "acc_xd_imagenet-a": "acc_xd_shift-a",
+    })  # fmt: skip
+    table = _filled(tmp_path / "x", paper, 3)
+    for label in ("zero-shot", "coop", "fedtpg"):
+        agg = xdomain[f"{label}/synthetic"]["agg"][1]
+        assert table.cell(label, "imagenet").mean == pytest.approx(100 * agg["acc_global"])
+        assert table.cell(label, "imagenet-v2").mean == pytest.approx(100 * agg["acc_xd_shift-v2"])
+        assert table.cell(label, "imagenet-a").mean == pytest.approx(100 * agg["acc_xd_shift-a"])
+        assert table.cell(label, "average").mean == pytest.approx(100 * agg["acc_xd_mean"])
+        assert table.cell(label, "imagenet-sketch").n == 0
