@@ -4,7 +4,9 @@ eleven, ImageNet to its shifts), end to end through the CLI."""
 from __future__ import annotations
 
 import pytest
+from typer.testing import CliRunner
 
+from fpbench.cli import app
 from fpbench.suites import load_suite
 from tests.test_clip_eval_suites import _integral, _run
 
@@ -45,21 +47,30 @@ def test_smoke_clip_xdomain(tmp_path, monkeypatch):
     assert counts == {0: 4, 1: 4, 2: 4}  # 3 clients of 2 classes, 2 test images each
 
 
-def test_smoke_clip_ground_fewshot(tmp_path, monkeypatch):
-    runs = _run("smoke-clip-ground-fewshot", tmp_path, monkeypatch)
-    assert set(runs) == {
-        "coop/synthetic-1shot",
-        "coop/synthetic-2shot",
-        "zero-shot/synthetic-2shot",
+def test_smoke_clip_ground_fewshot_and_its_curves(tmp_path, monkeypatch):
+    """One dataset label across the shot grids (the curves' panels), the shots in the config."""
+    from fpbench.report.paper import load_results
+    from fpbench.report.plots import sweep
+    from fpbench.store import Store
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["run", "--suite", "smoke-clip-ground-fewshot"])
+    assert result.exit_code == 0, result.output
+    res = load_results(Store(f"sqlite:///{tmp_path / 'results' / 'fpbench.db'}"))
+    shots = {
+        (res.configs[i]["method"]["label"], res.configs[i]["partition"]["args"]["shots"]): i
+        for i in res.configs
     }
-    shots = {k: r["config"]["partition"]["args"]["shots"] for k, r in runs.items()}
-    assert shots == {
-        "coop/synthetic-1shot": 1,
-        "coop/synthetic-2shot": 2,
-        "zero-shot/synthetic-2shot": 2,
-    }
-    for run in runs.values():
-        assert _integral(run["agg"][1]["acc_global"], 12)  # 6 classes x 2 test images
+    assert set(shots) == {("coop", 1), ("coop", 2), ("zero-shot", 2)}
+    assert set(res.metrics["dataset"]) == {"synthetic"}
+    fig = sweep(res.metrics, res.configs, "partition.args.shots", suite="smoke-clip-ground-fewshot")
+    (ax,) = [a for a in fig.axes if a.has_data()]  # one panel: the dataset, every shot count
+    lines = {c.get_label(): c.lines[0].get_xydata().tolist() for c in ax.containers}
+    finals = res.metrics[(res.metrics["name"] == "acc_global_last1")].set_index("run_id")["value"]
+    assert lines["promptfl"] == [
+        [1.0, 100 * finals[shots["coop", 1]]], [2.0, 100 * finals[shots["coop", 2]]],
+    ]  # fmt: skip
+    assert lines["zero-shot"] == [[2.0, 100 * finals[shots["zero-shot", 2]]]]
 
 
 @pytest.mark.parametrize(
@@ -86,6 +97,19 @@ def test_the_ground_suites_train_as_fedtpg_and_flip(suite, cells):
         assert targets == {"imagenet-v2", "imagenet-sketch", "imagenet-a", "imagenet-r"}
     if suite == "clip-xdataset":
         assert len(targets) == 10 and "imagenet" not in targets
+
+
+def _finals(folder) -> dict[tuple[str, int], float]:
+    """(method label, shots) -> the final acc_global of each run in `folder`'s database."""
+    from fpbench.report.paper import load_results
+    from fpbench.store import Store
+
+    res = load_results(Store(f"sqlite:///{folder / 'results' / 'fpbench.db'}"))
+    last = res.metrics[res.metrics["name"] == "acc_global_last1"].set_index("run_id")["value"]
+    return {
+        (c["method"]["label"], c["partition"]["args"]["shots"]): float(last[i])
+        for i, c in res.configs.items()
+    }
 
 
 def _twin_paper(tmp_path, swaps: dict[str, str]):
@@ -127,19 +151,17 @@ def test_ground_tables_render_the_twins_value_by_value(tmp_path, monkeypatch):
 def test_ground_fewshot_and_xdomain_tables_render_the_twins(tmp_path, monkeypatch):
     (tmp_path / "f").mkdir()
     (tmp_path / "x").mkdir()
-    fewshot = _run("smoke-clip-ground-fewshot", tmp_path / "f", monkeypatch)
+    monkeypatch.chdir(tmp_path / "f")
+    assert CliRunner().invoke(app, ["run", "--suite", "smoke-clip-ground-fewshot"]).exit_code == 0
+    finals = _finals(tmp_path / "f")
     paper = _twin_paper(tmp_path, {
         '"clip-ground-fewshot"': '"smoke-clip-ground-fewshot"',
         'name = "imagenet" } } }': 'name = "synthetic" } } }',
     })  # fmt: skip
     table = _filled(tmp_path / "f", paper, 4)
-    for row, run in (("coop-1", "coop/synthetic-1shot"), ("coop-2", "coop/synthetic-2shot"),
-                     ("zero-shot", None)):  # fmt: skip
-        cell = table.cell(row, "imagenet")
-        if run is None:  # zero-shot runs at 16 shots in the real suite, at 2 in the twin
-            assert cell.n == 0
-            continue
-        assert cell.mean == pytest.approx(100 * fewshot[run]["agg"][1]["acc_global"])
+    for row, key in (("coop-1", ("coop", 1)), ("coop-2", ("coop", 2))):
+        assert table.cell(row, "imagenet").mean == pytest.approx(100 * finals[key])
+    assert table.cell("zero-shot", "imagenet").n == 0  # 16 shots in the real suite, 2 here
     xdomain = _run("smoke-clip-xdomain", tmp_path / "x", monkeypatch)
     paper = _twin_paper(tmp_path, {
         '"clip-xdomain"': '"smoke-clip-xdomain"', '"5-classes"': '"2-classes"',
