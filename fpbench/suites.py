@@ -384,6 +384,11 @@ def _check_compatibility(cfg: RunConfig, where: str) -> None:
     dataset = DATASETS.get(cfg.dataset.name)
     partition = PARTITIONS.get(cfg.partition.name)
     info = _mode_info(cfg.evaluation, dataset.info(dataset.Config(**cfg.dataset.args)))
+    if info.train_size == 0:
+        raise FpbenchError(
+            f"{where}: dataset {cfg.dataset.name!r} is test-only (it has no train split); "
+            "score it as an evaluation target (evaluation.targets) of a run on its source"
+        )
     try:
         partition.check(partition.Config(**cfg.partition.args), info)
     except FpbenchError as e:

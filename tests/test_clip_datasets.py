@@ -28,6 +28,7 @@ COOP = [
     coop.StanfordCars,
     coop.Flowers102,
     coop.Food101,
+    coop.SUN397,
     coop.DTD,
     coop.EuroSAT,
     coop.UCF101,

@@ -91,8 +91,8 @@ def test_smoke_clip_xdataset(tmp_path, monkeypatch):
     assert _integral(agg["acc_xd_syn-a"], 12) and _integral(agg["acc_xd_syn-b"], 16)
 
 
-def test_smoke_clip_xdomain(tmp_path, monkeypatch):
-    runs = _run("smoke-clip-xdomain", tmp_path, monkeypatch)
+def test_smoke_clip_lodo(tmp_path, monkeypatch):
+    runs = _run("smoke-clip-lodo", tmp_path, monkeypatch)
     assert set(runs) == {"coop/synthetic-no-d0", "coop/synthetic-no-d2"}
     for held, trained in (("d0", {"d1", "d2"}), ("d2", {"d0", "d1"})):
         run = runs[f"coop/synthetic-no-{held}"]

@@ -818,3 +818,55 @@ def test_a_two_level_row_index_renders_as_two_cells():
         index=pd.MultiIndex.from_tuples([("m", "b"), ("k", "a")], names=["method", "part"]),
     )
     assert render(table, "csv") == "method,part,acc\nm,b,1\nk,a,2\n"
+
+
+AVERAGES = """
+paper = "avg"
+title = "averages"
+[[tables]]
+number = 1
+caption = "derived columns"
+suite = "toy"
+columns = [
+  { key = "d1-base", label = "Base", dataset = "d1", metric = "acc_base" },
+  { key = "d1-novel", label = "Novel", dataset = "d1", metric = "acc_novel" },
+  { key = "d2-base", label = "Base", dataset = "d2", metric = "acc_base" },
+  { key = "d2-novel", label = "Novel", dataset = "d2", metric = "acc_novel" },
+  { key = "base", label = "Base", metric = "acc_base", mean_of = ["d1-base", "d2-base"] },
+  { key = "novel", label = "Novel", metric = "acc_novel", mean_of = ["d1-novel", "d2-novel"] },
+  { key = "hm", label = "H", metric = "acc_hm", hm_of = ["base", "novel"] },
+]
+rows = [{ key = "a", label = "A", method = "a" }, { key = "b", label = "B", method = "b" }]
+[tables.values]
+a = ["-", "-", "-", "-", "-", "-", "-"]
+b = ["-", "-", "-", "-", "-", "-", "-"]
+"""
+
+
+def test_mean_of_and_hm_of_columns_average_the_row_and_take_the_hm_of_averages(tmp_path):
+    (tmp_path / "avg.toml").write_text(AVERAGES)
+    runs = {  # (method, dataset, seed): (base, novel); method b has no d2 run
+        ("a", "d1", 0): (0.8, 0.6), ("a", "d1", 1): (0.6, 0.4), ("a", "d2", 0): (0.5, 0.2),
+        ("b", "d1", 0): (0.9, 0.7),
+    }  # fmt: skip
+    rows = [{"run_id": i, "suite": "toy", "method": m, "dataset": d, "partition": "p",
+             "seed": s, "round": 0, "name": name, "value": v}
+            for i, ((m, d, s), (base, novel)) in enumerate(runs.items())
+            for name, v in (("acc_base", base), ("acc_novel", novel))]  # fmt: skip
+    (filled,) = fill_paper(load_paper("avg", tmp_path), Results(pd.DataFrame(rows)))
+    got = {(c.row, c.column): c.mean for c in filled.cells}
+    # a: d1 base (80 + 60) / 2 = 70, novel 50; d2 base 50, novel 20; averages 60 and 35
+    assert got["a", "base"] == pytest.approx(60.0) and got["a", "novel"] == pytest.approx(35.0)
+    assert got["a", "hm"] == pytest.approx(2 * 60 * 35 / 95)  # HM of the averages, not of HMs
+    assert filled.cell("a", "hm").n == 1 and filled.cell("a", "base").std is None
+    # b lacks d2: its averages (and their HM) stay empty instead of averaging what there is
+    assert (got["b", "base"], got["b", "novel"], got["b", "hm"]) == (None, None, None)
+
+
+def test_a_derived_column_naming_a_column_to_its_right_is_an_error(tmp_path):
+    bad = AVERAGES.replace('mean_of = ["d1-base", "d2-base"]', 'mean_of = ["d1-base", "hm"]')
+    (tmp_path / "avg.toml").write_text(bad)
+    with pytest.raises(
+        FpbenchError, match=r"column 'base': mean_of needs keys of columns to its left; \['hm'\]"
+    ):
+        fill_paper(load_paper("avg", tmp_path), Results(pd.DataFrame(columns=["run_id"])))

@@ -9,6 +9,7 @@ Drive links in CoOp's DATASETS.md, github.com/KaiyangZhou/CoOp), a JSON object w
     <root>/stanford_cars/{cars_train,cars_test}/... + split_zhou_StanfordCars.json
     <root>/oxford_flowers/jpg/...                   + split_zhou_OxfordFlowers.json
     <root>/food-101/images/...                      + split_zhou_Food101.json
+    <root>/sun397/SUN397/...                        + split_zhou_SUN397.json
     <root>/dtd/images/...                           + split_zhou_DescribableTextures.json
     <root>/eurosat/2750/...                         + split_zhou_EuroSAT.json
     <root>/ucf101/UCF-101-midframes/...             + split_zhou_UCF101.json
@@ -199,6 +200,12 @@ COOP_DATASETS = (
         "split_zhou_Food101.json", 101,
         "food-101.tar.gz from data.vision.ee.ethz.ch/cvl/datasets_extra/food-101",
         "Food-101 (CoOp's random 50/20/30 split): 101 classes, 50,500 / 20,200 / 30,300.",
+    ),
+    CoopRow(
+        "SUN397", "sun397", (15_880, 3_970, 19_850), "sun397", "SUN397",
+        "split_zhou_SUN397.json", 397,
+        "SUN397.tar.gz from vision.princeton.edu/projects/2010/SUN, which extracts to SUN397/",
+        "SUN397 (CoOp's split of Training_01 / Testing_01): 397 classes, 15,880 / 3,970 / 19,850.",
     ),
     CoopRow(
         "DTD", "dtd", (2_820, 1_128, 1_692), "dtd", "images",

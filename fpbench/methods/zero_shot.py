@@ -46,6 +46,10 @@ COOP_TEMPLATES: dict[str, str] = {
     "caltech101": "a photo of a {}.",
     "ucf101": "a photo of a person doing {}.",
     "imagenet": "a photo of a {}.",
+    "imagenet-sketch": "a photo of a {}.",
+    "imagenet-v2": "a photo of a {}.",
+    "imagenet-a": "a photo of a {}.",
+    "imagenet-r": "a photo of a {}.",
 }
 
 

@@ -2,9 +2,9 @@
 
 Registered in `fpbench.registry.PARTITIONS`: `iid`, `pathological`, `dirichlet`, `pachinko`
 (label skew), `natural` (the dataset's own users), `domain`, `domain-dirichlet` (feature
-shift), `disjoint-classes` (few-shot class blocks, PromptFL / FedOTP / SDFed). Each is a class
-with `name`, a `Config` (a `PartitionConfig` subclass), `check(cfg, info)` and
-`split(cfg, data, rng)`.
+shift), `disjoint-classes` (few-shot class blocks, PromptFL / FedOTP / SDFed), `class-blocks`
+(FedTPG's fixed-size label blocks). Each is a class with `name`, a `Config` (a
+`PartitionConfig` subclass), `check(cfg, info)` and `split(cfg, data, rng)`.
 `make_clients` runs one end to end: check, split, n-shot subsampling, held-out flags.
 
 Local test sets: `pathological` follows SGPT's reference rule (floor(n_test_k * p) per dealt
@@ -28,7 +28,7 @@ from pydantic import BaseModel, ValidationError
 from fpbench.data.base import ImageDataset
 from fpbench.data.info import DatasetInfo
 from fpbench.errors import FpbenchError
-from fpbench.partition import domain, fewshot, label  # noqa: F401  (register the partitions)
+from fpbench.partition import class_blocks, domain, fewshot, label  # noqa: F401  (register)
 from fpbench.partition.base import Client, Partition, PartitionConfig, make_client, train_labels
 from fpbench.registry import PARTITIONS
 

@@ -13,6 +13,8 @@ derived one computed from the curve of `target_metric`: `rounds_to_target`,
 `wall_s_to_target`, `bytes_to_target` (up + down), `params_to_target` (fp32 parameters sent
 down to one client: bytes_down / 4 / the cell's `clients_per_round`); `wall_s_per_round` is the
 median of a run's measured round times (a median, so the rounds that also evaluate do not weigh).
+A column with `mean_of = [keys]` or `hm_of = [key, key]` selects no runs: it averages (or takes
+the harmonic mean of) the row's values in those columns to its left (the field's "Average").
 
 Adding a paper or table is a new data file or a new `[[tables]]` entry, not new code.
 """
@@ -344,18 +346,56 @@ def _to_target(results: Results, run_id: int, spec: Mapping[str, Any]) -> float 
 
 
 def fill(table: PaperTable, results: Results) -> list[Cell]:
-    """Every cell of `table` with fpbench's mean ± std over runs, then best/second marks."""
+    """Every cell of `table` with fpbench's mean ± std over runs, then best/second marks.
+
+    A column with `mean_of` (column keys) is the mean of the row's values in those columns, one
+    with `hm_of` (two column keys) their harmonic mean (CoCoOp's average H: the HM of the
+    averaged base and novel accuracies); each is filled only where all its inputs are.
+    """
     cells = []
     for row in table.rows:
+        done: dict[str, Cell] = {}
         for col in table.columns:
             spec = table.spec(row, col)
+            reported = table.values[(row.key, col.key)]
+            if DERIVED_COLUMN & spec.keys():
+                done[col.key] = _derived(row.key, col.key, spec, reported, done)
+                continue
             vals = run_values(results, spec)
             mean = sum(vals) / len(vals) if vals else None
             std = pd.Series(vals).std(ddof=1) if len(vals) > 1 else None
-            reported = table.values[(row.key, col.key)]
             runs = len(_matching_runs(results, spec))
-            cells.append(Cell(row.key, col.key, spec, reported, mean, std, len(vals), runs=runs))
+            done[col.key] = Cell(row.key, col.key, spec, reported, mean, std, len(vals), runs=runs)
+        cells.extend(done.values())
     return _marked(_marked(cells, "mean", "mark"), "paper", "paper_mark")
+
+
+DERIVED_COLUMN = frozenset({"mean_of", "hm_of"})
+
+
+def _derived(
+    row: str, col: str, spec: Mapping[str, Any], reported: Reported, done: Mapping[str, Cell]
+) -> Cell:
+    """A `mean_of` / `hm_of` cell from the row's cells to its left (no std: not a run value)."""
+    kind = "mean_of" if "mean_of" in spec else "hm_of"
+    keys = list(spec[kind])
+    unknown = [k for k in keys if k not in done]
+    if unknown or (kind == "hm_of" and len(keys) != 2):
+        raise FpbenchError(
+            f"column {col!r}: {kind} needs {'two ' if kind == 'hm_of' else ''}keys of columns to "
+            f"its left; {unknown or keys} are not"
+        )
+    inputs = [done[k] for k in keys]
+    values = [c.mean for c in inputs]
+    mean = None
+    if values and all(v is not None for v in values):
+        if kind == "mean_of":
+            mean = sum(values) / len(values)
+        else:
+            a, b = values
+            mean = 2 * a * b / (a + b) if a + b else 0.0
+    n = min(c.n for c in inputs) if mean is not None else 0
+    return Cell(row, col, spec, reported, mean, None, n, runs=min(c.runs for c in inputs))
 
 
 def _marked(cells: list[Cell], source: str, target: str) -> list[Cell]:
