@@ -55,8 +55,9 @@ def test_the_server_step_is_the_official_one(name, tmp_path):
 
 
 def test_a_missing_checkout_is_one_line_saying_how_to_get_it(monkeypatch, tmp_path):
-    for kind, (root, repo, var, file) in list(HARNESS.REPOS.items()):
-        monkeypatch.setitem(HARNESS.REPOS, kind, (tmp_path / root.name, repo, var, file))
+    for kind, (_, repo, var, file) in list(HARNESS.REPOS.items()):
+        name = "PersonalizedFL" if kind == "fedclip" else kind
+        monkeypatch.setitem(HARNESS.REPOS, kind, (tmp_path / name, repo, var, file))
     assert HARNESS.why_not("fedclip") == (
         f"official checkout not found at {tmp_path / 'PersonalizedFL'}: git clone "
         f"https://github.com/microsoft/PersonalizedFL {tmp_path / 'PersonalizedFL'} "
