@@ -327,28 +327,23 @@ def dpfpl_case(folder: Path, clip: float = 0.05, lr: float = 0.1, eps: float = 0
 
 
 def pfedmoap_case(folder: Path, num_experts: int = 4) -> dict[str, float]:
-    """pFedMoAP: the contexts by train size (`federated_main.py` 392), the gates kept where
-    their client trained with experts, and each client's experts: the official
-    `sparse_selection(idx, local_prompts, "nearest")` on a stand-in trainer, with every
-    client's last upload; with no more uploads than `num_experts` it returns every other
-    uploader (in client order), which fpbench's nearest ones are then as a set.
+    """pFedMoAP over two rounds (ROUND, then clients 0, 1, 3): the contexts by train size
+    (`federated_main.py` 392), the gates (a client's trained gate is kept from its second
+    round on, line 386: `local_gatings` is saved only where it uploaded before), and the
+    experts each round's clients then get: the official `sparse_selection(idx, local_prompts,
+    "nearest")` on a stand-in trainer with every client's last upload; with no more uploads
+    than `num_experts` it returns every other uploader (in client order), which fpbench's
+    nearest ones are then as a set.
 
-    Returns `global`, `experts` (clients whose expert sets differ), `experts_n` (how many sets
-    were compared) and `fails`: 1 where the official selection raises with more uploads than
-    experts (its `torch.topk` of a list), 0 where it returns."""
+    Returns `global` (both rounds), `spread`, `kept` (the gates, both rounds), `experts`
+    (clients whose expert sets differ), `experts_n` (how many sets were compared) and `fails`:
+    1 where the official selection raises with more uploads than experts (its `torch.topk` of
+    a list), 0 where it returns."""
+    from fpbench.methods.base import Updates
+
     ours = _method(
         "pfedmoap", folder, n_ctx=4, num_experts=num_experts, gating_embed_dim=8, gating_heads=2
     )
-    server, trained = _round(ours)
-    new = _aggregate(ours, server, trained)
-    theirs = _sized("pfedmoap", trained["ctx"], file="utils/fed_utils.py")
-    out = {
-        "global": REF._diff(new.params["ctx"], theirs),
-        "spread": _spread(theirs, trained["ctx"], torch.ones(len(ROUND))),
-        # no client had experts (none uploaded before): the official keeps no gate
-        # (`local_gatings` is saved from a client's second time on, line 386)
-        "kept": max(REF._diff(new.personal[k], server.personal[k]) for k in server.personal),
-    }
     select = official_def("pfedmoap", "sparse_selection", "PFEDMOAP")
     cached = official_def("pfedmoap", "_get_dist_from_cache", "PFEDMOAP")
     n = len(SIZES)
@@ -360,17 +355,34 @@ def pfedmoap_case(folder: Path, num_experts: int = 4) -> dict[str, float]:
         t._get_dist_from_cache = types.MethodType(cached, t)
         return t
 
-    uploads: list[Any] = [[] for _ in range(n)]
-    for j, i in enumerate(ROUND.tolist()):
-        uploads[i] = trained["ctx"][j]
-    ids, mask = ours.experts(new, ROUND, training=True)
-    differ = 0
-    for j, i in enumerate(ROUND.tolist()):
-        official = select(trainer(num_experts), i, uploads, "nearest")
-        differ += set(official) != set(ids[j][mask[j]].tolist())
-    out["experts"], out["experts_n"] = float(differ), float(len(ROUND))
+    server, trained = _round(ours)
+    gen = torch.Generator().manual_seed(9)
+    second = torch.tensor([0, 1, 3])
+    rounds = [(ROUND, trained), (second, {k: torch.randn(v.shape, generator=gen)
+                                          for k, v in trained.items()})]  # fmt: skip
+    uploads: list[Any] = [[] for _ in range(n)]  # the official local_prompts
+    gates = {k: v.clone() for k, v in server.personal.items()}  # the official's, per client
+    out = {"global": 0.0, "kept": 0.0, "experts": 0.0, "experts_n": 0.0}
+    average = official_def("pfedmoap", "average_weights", file="utils/fed_utils.py")
+    for ids, tensors in rounds:
+        new = ours.aggregate(server, Updates(tensors, ids, SIZES[ids].double()))
+        for j, i in enumerate(ids.tolist()):  # the official loop's upload, lines 385-387
+            if uploads[i] != []:
+                for k in gates:
+                    gates[k][i] = tensors[k][j]
+            uploads[i] = tensors["ctx"][j]
+        theirs = average(uploads, ids.tolist(), SIZES.tolist(), islist=True)
+        out["global"] = max(out["global"], REF._diff(new.params["ctx"], theirs))
+        out["kept"] = max(out["kept"], max(REF._diff(new.personal[k], g) for k, g in gates.items()))
+        got, mask = ours.experts(new, ids, training=True)
+        for j, i in enumerate(ids.tolist()):
+            official = select(trainer(num_experts), i, uploads, "nearest")
+            out["experts"] += set(official) != set(got[j][mask[j]].tolist())
+        out["experts_n"] += len(ids)
+        server = new
+    out["spread"] = _spread(theirs, rounds[-1][1]["ctx"], torch.ones(len(second)))
     try:
-        select(trainer(2), int(ROUND[0]), uploads, "nearest")
+        select(trainer(2), 0, uploads, "nearest")
         out["fails"] = 0.0
     except TypeError:
         out["fails"] = 1.0
@@ -548,7 +560,7 @@ CASES = {
     "promptfolio, every client in order": ("promptfolio", {}),
     "promptfolio, every client shuffled": ("promptfolio", {"order": (2, 0, 3, 1)}),
     "dp-fpl, clipped, noise scale": ("dpfpl", {}),
-    "pfedmoap, 3 uploads, 4 experts": ("pfedmoap", {}),
+    "pfedmoap, 2 rounds, 4 experts": ("pfedmoap", {}),
     "fedtpg, every client": ("fedtpg", {}),
     "fedmvp, every client": ("fedmvp", {}),
     "fedclip, every client": ("fedclip", {}),
