@@ -25,13 +25,16 @@ Covered (each official code at the commit the README names):
   N(0, (std / N)^2); `trainers/DP_FPL.py` `backward_pass` and `build_model`'s std): one SGD step
   from the clients' clipped gradients without noise, and the noise's scale.
 * pFedMoAP (`trainers/pfedmoap.py` `sparse_selection`, "nearest"; `utils/fed_utils.py`
-  `average_weights`): the contexts by train size, the experts each client gets.
+  `average_weights`; `federated_main.py` 383-392): the contexts by train size, the gates kept
+  from a client's second round, the experts each client gets, over two rounds.
 * FedTPG, FedMVP (`federated/server.py` `Server.train`): the generator's tensors, the plain
   mean over the round's clients.
 * FedCLIP (`fedclip/methods/fed_at_clip.py` `communication`): the adapter, weights 1 / K.
 * SGPT (`utils.py` `aggregation_func` and `group_ratio_func`; `main_prompt.py` 179-187):
   head and shared prompts by train size, group prompts by train size then momentum, keys by
   the round's selection counts (uniform where a group's total is at most 50) then momentum.
+* PromptSRC (`trainers/promptsrc.py` `build_model`'s Gaussian weights and `forward_backward`'s
+  GPA over epochs): fpbench's server GPA over rounds, one round an epoch.
 
 `python scripts/peer/official_server.py` prints the largest differences of every case;
 tests/test_peer_server.py asserts them.
@@ -82,6 +85,8 @@ REPOS = {  # kind: (checkout, GitHub repository, variable, the file holding the 
                 "FPBENCH_PEER_FEDCLIP", "fedclip/methods/fed_at_clip.py"),
     "sgpt": (checkout("FPBENCH_PEER_SGPT", "SGPT"), "ubc-tea/SGPT", "FPBENCH_PEER_SGPT",
              "utils.py"),
+    "promptsrc": (checkout("FPBENCH_PEER_PROMPTSRC", "PromptSRC"), "muzairkhattak/PromptSRC",
+                  "FPBENCH_PEER_PROMPTSRC", "trainers/promptsrc.py"),
 }  # fmt: skip
 SIZES = torch.tensor([5, 17, 40, 11])  # the four clients' train sizes
 ROUND = torch.tensor([2, 0, 3])  # this round's clients, in the order the server saw them
@@ -553,6 +558,86 @@ def sgpt_case(folder: Path, counts: tuple[tuple[int, ...], ...] = COUNTS, moment
     return out
 
 
+# -- PromptSRC: Gaussian-weighted prompt aggregation (GPA) --------------------------------------
+
+
+def promptsrc_case(folder: Path, epochs: int = 6, mean: float = 4.0, std: float = 1.5,
+                   clients: int = 2) -> dict[str, float]:  # fmt: skip
+    """PromptSRC's GPA: the official trainer's `build_model` (its Gaussian weights over
+    MAX_EPOCH = `epochs`) and `forward_backward` (its last batch of an epoch folds the model's
+    state into `previous_model_gpa`; after the last epoch it loads it) on a stand-in model
+    whose tensors are each round's FedAvg prompts, against fpbench's server GPA (the buffers
+    `gpa_*` after `epochs` rounds of `clients` clients of unequal sizes, each round one epoch).
+    Returns `gpa` (largest difference after the last round) and `spread` (against the plain
+    mean of the rounds' prompts)."""
+    from unittest import mock
+
+    from fpbench.methods.base import Updates
+
+    ours = _method("promptsrc", folder, prompt_depth_text=2, prompt_depth_vision=2,
+                   gpa_mean=mean, gpa_std=std)  # fmt: skip
+    server = ours.init_server(torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(1)
+    ids, sizes = torch.arange(clients), SIZES[:clients].double()
+    share = sizes / sizes.sum()
+
+    def fedavg(t: torch.Tensor) -> torch.Tensor:  # a round's FedAvg of one tensor (K, ...)
+        return (share.view(-1, *[1] * (t.dim() - 1)).to(t.dtype) * t).sum(0)
+
+    shapes = {k: v.shape for k, v in server.params.items()}
+    rounds = [{k: torch.randn(clients, *sh, generator=gen) for k, sh in shapes.items()}
+              for _ in range(epochs)]  # fmt: skip
+    for trained in rounds:
+        server = ours.aggregate(server, Updates(trained, ids, sizes))
+
+    class Standin(
+        torch.nn.Module
+    ):  # the model: the prompts, and the 7 outputs forward_backward reads
+        def __init__(self) -> None:
+            super().__init__()
+            for k, sh in shapes.items():  # named so that build_model leaves them trainable
+                self.register_parameter(f"prompt_learner_{k}", torch.nn.Parameter(torch.zeros(sh)))
+            self.total_epochs = epochs
+
+        def forward(self, image: torch.Tensor, label: torch.Tensor) -> tuple:
+            x = sum(p.sum() for p in self.parameters()) * torch.ones(2, 3)
+            return (x.sum() * 0, x, x.detach(), x.detach(), x, x.detach(), x)
+
+    model = Standin()
+    build = official_def("promptsrc", "build_model", "PromptSRC",
+                         load_clip_to_cpu=lambda cfg: NS(float=lambda: None),
+                         CustomCLIP=lambda *a: model, load_pretrained_weights=None,
+                         build_optimizer=lambda *a: NS(zero_grad=lambda: None,
+                                                       step=lambda: None),
+                         build_lr_scheduler=lambda *a: None)  # fmt: skip
+    step = official_def("promptsrc", "forward_backward", "PromptSRC", F=torch.nn.functional)
+    cfg = NS(MODEL=NS(BACKBONE=NS(NAME=""), INIT_WEIGHTS=""), OPTIM=NS(MAX_EPOCH=epochs),
+             TRAINER=NS(PROMPTSRC=NS(PREC="fp32", GPA_MEAN=mean, GPA_STD=std,
+                                     TEXT_LOSS_WEIGHT=25, IMAGE_LOSS_WEIGHT=10)))  # fmt: skip
+    trainer = NS(cfg=cfg, dm=NS(dataset=NS(classnames=CLASSES)), device="cpu",
+                 register_model=lambda *a: None, previous_model_gpa=None, num_batches=1,
+                 batch_idx=0, update_lr=lambda: None,
+                 parse_batch_train=lambda batch: (batch["img"], batch["label"]))  # fmt: skip
+    for name in ("state_dict_weighting", "state_dict_add", "get_gauss"):
+        fn = official_def("promptsrc", name, "PromptSRC")
+        setattr(trainer, name, types.MethodType(fn, trainer))
+    same = lambda self, *a, **k: self  # noqa: E731  (its .cuda() calls, on the CPU)
+    batch = {"img": torch.zeros(1), "label": torch.zeros(1, dtype=torch.long)}
+    with contextlib.redirect_stdout(io.StringIO()), mock.patch.object(torch.Tensor, "cuda", same):
+        build(trainer)
+        for trained in rounds:
+            with torch.no_grad():
+                for k in shapes:
+                    getattr(model, f"prompt_learner_{k}").copy_(
+                        fedavg(trained[k])
+                    )  # the round's FedAvg (both: train sizes)
+            step(trainer, batch)
+    got = {k: getattr(model, f"prompt_learner_{k}") for k in shapes}
+    plain = {k: torch.stack([fedavg(t[k]) for t in rounds]).mean(0) for k in shapes}
+    return {"gpa": max(REF._diff(server.buffers[f"gpa_{k}"], got[k]) for k in shapes),
+            "spread": max(REF._diff(plain[k], got[k]) for k in shapes)}  # fmt: skip
+
+
 CASES = {
     "fedotp, 3 of 4 clients": ("fedotp", {}),
     "fedpgp, 3 of 4 clients": ("fedpgp", {}),
@@ -564,6 +649,7 @@ CASES = {
     "fedtpg, every client": ("fedtpg", {}),
     "fedmvp, every client": ("fedmvp", {}),
     "fedclip, every client": ("fedclip", {}),
+    "promptsrc GPA, 6 rounds": ("promptsrc", {}),
     "sgpt, 3 of 4 clients": ("sgpt", {}),
     "sgpt, 3 of 4 clients, no momentum": ("sgpt", {"moment": 0.0, "moment_p": 0.0}),
 }
@@ -575,7 +661,8 @@ def run(name: str, folder: Path) -> dict[str, float]:
         return generator_case(folder, kind)
     cases = {"fedotp": fedotp_case, "fedpgp": fedpgp_case, "fedpha": fedpha_case,
              "promptfolio": promptfolio_case, "dpfpl": dpfpl_case, "pfedmoap": pfedmoap_case,
-             "fedclip": fedclip_case, "sgpt": sgpt_case}  # fmt: skip
+             "fedclip": fedclip_case, "sgpt": sgpt_case,
+             "promptsrc": promptsrc_case}  # fmt: skip
     return cases[kind](folder, **args)
 
 
