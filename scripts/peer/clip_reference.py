@@ -178,10 +178,15 @@ META = {"meta_w1": "linear1.weight", "meta_b1": "linear1.bias", "meta_w2": "line
         "meta_b2": "linear2.bias"}  # fmt: skip
 
 
-def cocoop_case(folder: Path, ctx_init: str = "a photo of a") -> dict[str, float]:
+def cocoop_case(folder: Path, ctx_init: str = "a photo of a", meta_std: float | None = None,
+                seed: int = 0) -> dict[str, float]:  # fmt: skip
     """CoOp's CoCoOp CustomCLIP against fpbench's, the meta-net weights copied across: `init`
     (the context), `logits`, `grad_<tensor>` (cross-entropy gradients of the context and the
-    meta-net) and, for scale, `grad_max`."""
+    meta-net) and, for scale, `grad_max`; `meta_grad_min`: the smallest of the meta-net
+    tensors' largest gradient (all four non-zero where it is).
+
+    `meta_std`: the meta-net's four tensors drawn N(0, meta_std^2) (seeded) and set on both
+    sides instead of the official init, so that every hidden unit is active for some image."""
     from fpbench.methods.base import Context
 
     co, theirs, backbone, images = _setup("cocoop", "trainers.cocoop", folder)
@@ -191,6 +196,11 @@ def cocoop_case(folder: Path, ctx_init: str = "a photo of a") -> dict[str, float
     start = ours.init_params(torch.Generator().manual_seed(0))
     out = {"init": _diff(start["ctx"], official.prompt_learner.ctx)} if ctx_init else {}
     meta = dict(official.prompt_learner.meta_net.named_parameters())
+    if meta_std is not None:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in meta.values():
+                p.copy_(torch.randn(p.shape, generator=gen) * meta_std)
     params = {"ctx": official.prompt_learner.ctx.detach().clone()}
     params |= {k: meta[v].detach().clone() for k, v in META.items()}
     official.eval()  # its forward returns the loss in training mode, the logits in eval
@@ -206,6 +216,7 @@ def cocoop_case(folder: Path, ctx_init: str = "a photo of a") -> dict[str, float
     for k, g in theirs_grads.items():
         out[f"grad_{k}"] = _diff(leaves[k].grad[0], g)
     out["grad_max"] = max(float(g.abs().max()) for g in theirs_grads.values())
+    out["meta_grad_min"] = min(float(theirs_grads[k].abs().max()) for k in META)
     return out
 
 
@@ -292,6 +303,7 @@ CASES = {
     "kgcoop dtd w 1": ("kgcoop", {"dataset": "dtd", "w": 1.0}),
     "cocoop 'a photo of a'": ("cocoop", {}),
     "cocoop random context": ("cocoop", {"ctx_init": ""}),
+    "cocoop random meta-net N(0, 0.5^2)": ("cocoop", {"meta_std": 0.5}),
     "prograd oxford-pets": ("prograd", {}),
     "prograd caltech101 (no conflict)": ("prograd", {"dataset": "caltech101"}),
     "prograd dtd lambda 0.5 T 2": ("prograd", {"dataset": "dtd", "lam": 0.5, "t": 2.0}),

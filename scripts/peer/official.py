@@ -128,7 +128,7 @@ def weights(arch: dict, name: str, folder: Path, seed: int = 0) -> tuple[Path, d
 
     cfg = folder / f"{name}.json"
     cfg.write_text(json.dumps(arch))
-    if name not in open_clip.list_models():
+    if open_clip.get_model_config(name) != arch:  # new, or the name held another config
         open_clip.add_model_config(cfg)
     with torch.random.fork_rng():  # leaves the caller's global generator as it was
         torch.manual_seed(seed)

@@ -66,6 +66,16 @@ def _fp32_on_cpu() -> Iterator[None]:
         yield
 
 
+def _layers(arch: dict, name: str, layers: int) -> tuple[dict, str]:
+    """`arch` with `layers` blocks in both towers, and its registered name (`name` at the
+    config's own depth)."""
+    if layers == arch["vision_cfg"]["layers"] == arch["text_cfg"]["layers"]:
+        return arch, name
+    deeper = {**arch, "vision_cfg": {**arch["vision_cfg"], "layers": layers},
+              "text_cfg": {**arch["text_cfg"], "layers": layers}}  # fmt: skip
+    return deeper, f"{name}-{layers}l"
+
+
 def _ours(tensors: dict[str, torch.Tensor], key: str) -> torch.Tensor:
     """fpbench's tensor of an official one's key: "name", or "name j" for the j-th of a stack."""
     name, _, j = key.partition(" ")
@@ -91,14 +101,16 @@ def _grads(params: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> 
 # -- MaPLe ---------------------------------------------------------------------------------------
 
 
-def maple_case(folder: Path, n_ctx: int = 2, depth: int = 2, seed: int = 0) -> dict[str, float]:
+def maple_case(folder: Path, n_ctx: int = 2, depth: int = 2, layers: int = 2,
+               seed: int = 0) -> dict[str, float]:  # fmt: skip
     """MaPLe's CustomCLIP against fpbench's forward: `logits` and every tensor's cross-entropy
     gradient (largest absolute differences), `init` (the layer-0 context from "a photo of a"),
-    `eot`, and `grad_max` for scale."""
+    `eot`, and `grad_max` for scale; on a CLIP of `layers` blocks per tower (depth <= layers)."""
     from fpbench.methods.base import Context
 
     clip_model, maple = OP.load_official(MAPLE, "trainers.maple", "dassl")
-    path, state = OP.weights(WIDE, "fpbench-peer-wide", folder)
+    arch, name = _layers(WIDE, "fpbench-peer-wide", layers)
+    path, state = OP.weights(arch, name, folder)
     design = {"trainer": "MaPLe", "vision_depth": 0, "language_depth": 0, "vision_ctx": 0,
               "language_ctx": 0, "maple_length": n_ctx}  # fmt: skip
     theirs = OP.official_clip(clip_model, state, design)
@@ -107,7 +119,7 @@ def maple_case(folder: Path, n_ctx: int = 2, depth: int = 2, seed: int = 0) -> d
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         official = maple.CustomCLIP(cfg, CLASSES, theirs).float().eval()
-    ours = OP.fpbench_method("maple", OP.fpbench_backbone("fpbench-peer-wide", path),
+    ours = OP.fpbench_method("maple", OP.fpbench_backbone(name, path),
                             n_ctx=n_ctx, prompt_depth=depth)  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     start = ours.init_params(gen)
@@ -137,14 +149,17 @@ def maple_case(folder: Path, n_ctx: int = 2, depth: int = 2, seed: int = 0) -> d
 # -- PromptSRC -----------------------------------------------------------------------------------
 
 
-def promptsrc_case(folder: Path, depth: int = 2, seed: int = 0) -> dict[str, float]:
+def promptsrc_case(folder: Path, depth: int = 2, layers: int = 2,
+                   seed: int = 0) -> dict[str, float]:  # fmt: skip
     """PromptSRC's CustomCLIP and its trainer's `forward_backward` (cross-entropy plus the
     self-regulating terms) against fpbench's `loss`: `loss`, eval `logits`, `zs_text` (the
-    template-mean teacher), every prompt's gradient, `init`, and `grad_max` for scale."""
+    template-mean teacher), every prompt's gradient, `init`, and `grad_max` for scale; on a
+    CLIP of `layers` blocks per tower (depth <= layers)."""
     from fpbench.methods.base import Context, training_loss
 
     clip_model, psrc = OP.load_official(PROMPTSRC, "trainers.promptsrc", "dassl")
-    path, state = OP.weights(OP.VIT, "fpbench-peer-vit", folder)
+    arch, name = _layers(OP.VIT, "fpbench-peer-vit", layers)
+    path, state = OP.weights(arch, name, folder)
     n = 4
     design = {"trainer": "IVLP", "vision_depth": depth, "language_depth": depth,
               "vision_ctx": n, "language_ctx": n}  # fmt: skip
@@ -163,7 +178,7 @@ def promptsrc_case(folder: Path, depth: int = 2, seed: int = 0) -> dict[str, flo
     frozen = lambda *a, **k: OP.official_clip(clip_model, state, zero)  # noqa: E731
     with _fp32_on_cpu(), mock.patch.object(psrc, "load_clip_to_cpu", frozen):
         official = psrc.CustomCLIP(cfg, CLASSES, theirs).float()
-    ours = OP.fpbench_method("promptsrc", OP.fpbench_backbone("fpbench-peer-vit", path),
+    ours = OP.fpbench_method("promptsrc", OP.fpbench_backbone(name, path),
                             prompt_depth_text=depth, prompt_depth_vision=depth)  # fmt: skip
     start = ours.init_params(torch.Generator().manual_seed(seed)).params
     visual, text = official.image_encoder, official.text_encoder.transformer
@@ -247,6 +262,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "maple depth 2": ("maple", {}),
     "maple depth 1": ("maple", {"depth": 1}),
     "promptsrc depth 2": ("promptsrc", {}),
+    # the suites' depth (the methods' defaults, 9) on a CLIP one block deeper than that
+    "maple depth 9 of 10 blocks": ("maple", {"depth": 9, "layers": 10}),
+    "promptsrc depth 9 of 10 blocks": ("promptsrc", {"depth": 9, "layers": 10}),
     "plot 5 iterations": ("plot", {"max_iter": 5}),
     "plot defaults": ("plot", {}),
 }
