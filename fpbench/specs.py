@@ -206,6 +206,15 @@ _LATER_FIELDS: dict[tuple[str, str], Any] = {
     ("train", "dropout"): 0.0,
 }
 
+# component args added after run keys were first stored, per (component, registered name, arg):
+# at their default they are left out of the identity, as `_LATER_FIELDS` are
+_LATER_ARGS: dict[tuple[str, str, str], Any] = {
+    ("partition", "disjoint-classes", "blocks"): "array-split",
+    ("partition", "dirichlet", "scheme"): "niid-bench",
+    ("dataset", "office31", "resize"): "squash",
+    ("dataset", "officehome", "resize"): "squash",
+}
+
 
 # the local-training settings a client profile may set for its clients
 PROFILE_TRAIN_KEYS = frozenset(
@@ -347,6 +356,10 @@ class RunConfig(_Strict):
         for (section, key), default in _LATER_FIELDS.items():
             if out[section][key] == default:
                 del out[section][key]
+        for (section, name, key), default in _LATER_ARGS.items():
+            args = out[section]["args"]
+            if out[section]["name"] == name and key in args and args[key] == default:
+                del args[key]
         for later in ("model_het", "evaluation"):  # added later: absent keeps the older keys
             if out[later] is None:
                 del out[later]
