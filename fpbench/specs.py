@@ -251,6 +251,15 @@ _LATER_ARGS: dict[tuple[str, str, str], Any] = {
     ("partition", "dirichlet", "scheme"): "niid-bench",
     ("dataset", "office31", "resize"): "squash",
     ("dataset", "officehome", "resize"): "squash",
+    ("method", "gpt-fl", "generation"): {  # fpbench.data.gpt_fl_generate.Generation()
+        "model": "stable-diffusion-2-1",
+        "per_class": 100,
+        "template": "a photo of a {}.",
+        "steps": 50,
+        "guidance_scale": 7.5,
+        "seed": 0,
+        "precision": "auto",
+    },
 }
 
 
