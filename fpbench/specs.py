@@ -24,17 +24,55 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+_CROP_KEYS = ("crop", "crop_scale", "crop_ratio")
+
+
 class Augment(_Strict):
-    """On-device training augmentation (none by default; SGPT's reference code on Office)."""
+    """On-device training augmentation (none by default; SGPT's reference code on Office, CoOp's
+    random-resized-crop and flip)."""
 
     hflip: bool = Field(False, description="random horizontal flip, p = 0.5")
     rotate: float = Field(
         0.0, ge=0, le=180, description="random rotation, uniform in +-this many degrees"
     )
+    crop: bool = Field(
+        False,
+        description="random resized crop (torchvision's RandomResizedCrop, as CoOp / Dassl "
+        "train): a box of crop_scale of the image's area and crop_ratio aspect, resized back "
+        "to the image size (bicubic); before the flip",
+    )
+    crop_scale: tuple[float, float] = Field(
+        (0.08, 1.0), description="the crop's share of the image area, uniform in this range"
+    )
+    crop_ratio: tuple[float, float] = Field(
+        (3 / 4, 4 / 3), description="the crop's aspect ratio (w / h), log-uniform in this range"
+    )
+
+    @model_validator(mode="after")
+    def _ranges(self) -> Augment:
+        lo, hi = self.crop_scale
+        if not 0 < lo <= hi <= 1:
+            raise ValueError(
+                f"augment.crop_scale needs 0 < low <= high <= 1, got {self.crop_scale}"
+            )
+        lo, hi = self.crop_ratio
+        if not 0 < lo <= hi:
+            raise ValueError(f"augment.crop_ratio needs 0 < low <= high, got {self.crop_ratio}")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_crop(self, handler: Any) -> dict[str, Any]:
+        """The crop settings are dumped only with the crop on: a run without it keeps the stored
+        config, run key and protocol paths it had before they existed."""
+        out = handler(self)
+        if not self.crop:
+            for key in _CROP_KEYS:
+                del out[key]
+        return out
 
     @property
     def active(self) -> bool:
-        return self.hflip or self.rotate > 0
+        return self.hflip or self.rotate > 0 or self.crop
 
 
 class TrainConfig(_Strict):
@@ -217,6 +255,24 @@ _LATER_FIELDS: dict[tuple[str, str], Any] = {
     ("train", "dropout"): 0.0,
 }
 
+# component args added after run keys were first stored, per (component, registered name, arg):
+# at their default they are left out of the identity, as `_LATER_FIELDS` are
+_LATER_ARGS: dict[tuple[str, str, str], Any] = {
+    ("partition", "disjoint-classes", "blocks"): "array-split",
+    ("partition", "dirichlet", "scheme"): "niid-bench",
+    ("dataset", "office31", "resize"): "squash",
+    ("dataset", "officehome", "resize"): "squash",
+    ("method", "gpt-fl", "generation"): {  # fpbench.data.gpt_fl_generate.Generation()
+        "model": "stable-diffusion-2-1",
+        "per_class": 100,
+        "template": "a photo of a {}.",
+        "steps": 50,
+        "guidance_scale": 7.5,
+        "seed": 0,
+        "precision": "auto",
+    },
+}
+
 
 # the local-training settings a client profile may set for its clients
 PROFILE_TRAIN_KEYS = frozenset(
@@ -358,6 +414,10 @@ class RunConfig(_Strict):
         for (section, key), default in _LATER_FIELDS.items():
             if out[section][key] == default:
                 del out[section][key]
+        for (section, name, key), default in _LATER_ARGS.items():
+            args = out[section]["args"]
+            if out[section]["name"] == name and key in args and args[key] == default:
+                del args[key]
         for later in ("model_het", "evaluation"):  # added later: absent keeps the older keys
             if out[later] is None:
                 del out[later]

@@ -18,7 +18,8 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from fpbench.cli.data import data_app
-from fpbench.data.gpt_fl_generate import generate_images, load_generated
+from fpbench.data.gpt_fl_generate import Generation, generate_images, load_generated, read_manifest
+from fpbench.errors import FpbenchError
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
@@ -179,7 +180,23 @@ def test_gpt_fl_pretrains_the_prompt_on_a_generated_set(model, tmp_path, tiny):
 
     # a random model's images are not class-separable, so check one full-batch gradient step
     # (12 images <= server_batch_size): with a small lr it must lower the loss
+    made = {"model": model.name, "per_class": 2, "steps": 1}  # as generation.json records
     method.cfg = method.Config(synthetic_dir=str(out), server_epochs=1, server_lr=0.01)
+    with pytest.raises(FpbenchError, match=f"was generated with model = '{model.name}'"):
+        method.init_server(torch.Generator().manual_seed(0))
+    method.cfg = method.Config(
+        synthetic_dir=str(out), server_epochs=1, server_lr=0.01, generation=made
+    )
     pretrained = method.init_server(torch.Generator().manual_seed(0)).params["ctx"]
     assert pretrained.shape == start.shape and not torch.equal(pretrained, start)
     assert loss(pretrained) < loss(start) - 1e-4
+
+
+def test_the_settings_are_recorded_and_a_resume_with_others_is_refused(model, tmp_path):
+    out = tmp_path / "out"
+    generate_images(CLASSES[:1], out, model, per_class=1, steps=1, guidance_scale=2.0, device="cpu")
+    assert read_manifest(out) == Generation(
+        model=model.name, per_class=1, steps=1, guidance_scale=2.0
+    )
+    with pytest.raises(FpbenchError, match=r"steps = 1 \(expected 2\)"):
+        generate_images(CLASSES[:1], out, model, per_class=1, steps=2, guidance_scale=2.0)

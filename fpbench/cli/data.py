@@ -123,13 +123,25 @@ def generate_gpt_fl(
     per_class: Annotated[int, typer.Option("--per-class", min=1, help="images per class")] = 100,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     steps: Annotated[int, typer.Option("--steps", min=1, help="denoising steps")] = 50,
+    template: Annotated[
+        str, typer.Option("--template", help="prompt, {} the class name")
+    ] = "a photo of a {}.",
+    guidance_scale: Annotated[
+        float, typer.Option("--guidance-scale", min=0.0, help="classifier-free guidance")
+    ] = 7.5,
+    precision: Annotated[
+        str, typer.Option("--precision", help="auto (fp16 on CUDA), fp16, fp32")
+    ] = "auto",
     device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda")] = "auto",
     root: RootOpt = None,
     sets: Annotated[
         list[str] | None, typer.Option("--set", help="dataset config KEY=VALUE (repeatable)")
     ] = None,
 ) -> None:
-    """Generate GPT-FL's synthetic training set (gpt-fl's synthetic_dir) with a local model."""
+    """Generate GPT-FL's synthetic training set (gpt-fl's synthetic_dir) with a local model.
+
+    The settings go to <out>/generation.json, which gpt-fl's `generation` must match.
+    """
     from fpbench.data.gpt_fl_generate import generate_images, require_text_to_image
     from fpbench.data.prepared import data_root
     from fpbench.registry import DATASETS
@@ -137,5 +149,10 @@ def generate_gpt_fl(
     require_text_to_image(model)
     cls = DATASETS.get(name)
     classes = cls.load(_config(cls, parse_sets(sets)), data_root(root)).class_names
-    written = generate_images(classes, out, model, per_class, seed=seed, steps=steps, device=device)
+    if precision not in ("auto", "fp16", "fp32"):
+        raise FpbenchError(f"--precision {precision!r}: use auto, fp16 or fp32")
+    written = generate_images(
+        classes, out, model, per_class, seed=seed, steps=steps, template=template,
+        guidance_scale=guidance_scale, precision=precision, device=device,
+    )  # fmt: skip
     console.print(f"wrote {written} images for {len(classes)} classes to {out}")

@@ -9,14 +9,17 @@ Native layouts (as the archives extract; the first folder name found is used)::
 Neither dataset has an official train/test split: a seeded, per-(domain, class) `test_fraction`
 of each domain is its test split (the SDFed / IJCAI-25 protocols split each domain themselves).
 Class names are the folder names with underscores as spaces (CLIP prompts need clean words), in
-sorted folder order. Images are resized once, at prepare time, to `image_size` squared (PIL
-bilinear); greyscale images become RGB. Domains are partitioned with ``domain-dirichlet``.
+sorted folder order. Images are resized once, at prepare time, by `resize`: "squash" (the
+default) to `image_size` squared (PIL bilinear, the aspect lost), or "crop", CLIP's and CoOp's
+test transform: the shorter side to `image_size` (bicubic), then the centred square (SDFed's
+protocol cites it). Greyscale images become RGB. Domains are partitioned with
+``domain-dirichlet``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import Field
@@ -40,6 +43,13 @@ class OfficeConfig(RealConfig):
     image_size: int = Field(224, ge=8, le=1024, description="Images are resized to this square.")
     test_fraction: float = Field(0.2, gt=0, lt=1, description="Test share of each domain x class.")
     seed: int = Field(0, ge=0, description="Seed of the train/test split.")
+    resize: Literal["squash", "crop"] = Field(
+        "squash",
+        description="squash: resized to the square (PIL bilinear); crop: shorter side to "
+        "image_size (bicubic), then the centred square (CLIP's / CoOp's test transform)",
+    )
+
+    later_fields: ClassVar[dict[str, Any]] = {"resize": "squash"}
 
 
 class _OfficeFolders(RealDataset):
@@ -115,7 +125,9 @@ class _OfficeFolders(RealDataset):
                 split[name][2].extend([d] * len(idx))
         out = {}
         for name, (files, labels, doms) in split.items():
-            images = decode_images(files, cfg.image_size, progress, f"{cls.name} {name}")
+            images = decode_images(
+                files, cfg.image_size, progress, f"{cls.name} {name}", crop=cfg.resize == "crop"
+            )
             out[name] = (images, torch.tensor(labels, dtype=torch.int64), torch.tensor(doms))
         return ImageDataset(
             name=cls.name,

@@ -59,6 +59,9 @@ class RealConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    # settings added after prepared files were first keyed: left out of the key at their default
+    later_fields: ClassVar[dict[str, Any]] = {}
+
 
 @dataclass(frozen=True)
 class Status:
@@ -189,7 +192,10 @@ def require_present(names: Sequence[str], root: Path) -> None:
 
 
 def config_key(cfg: BaseModel) -> str:
-    blob = f"{FORMAT}:{cfg.model_dump_json()}"
+    later = getattr(cfg, "later_fields", {})
+    dumped = cfg.model_dump(mode="json")
+    drop = {k for k, v in later.items() if dumped.get(k) == v}
+    blob = f"{FORMAT}:{cfg.model_dump_json(exclude=drop or None)}"
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
 

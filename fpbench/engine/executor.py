@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from fpbench.backbones.recall import PhaseStates
-from fpbench.engine.augment import uniforms
+from fpbench.engine.augment import draws_needed, uniforms
 from fpbench.engine.inputs import Inputs
 from fpbench.engine.optim import OptimizerGroup, make_optimizer
 from fpbench.engine.precision import autocast, start_params
@@ -256,7 +256,8 @@ def _step(
             per_sample, recorded = training_loss(method.forward(leaves, x, rows, ctx), labels)
     else:
         cfg, seeds = views
-        x = inputs.train(idx, augmentation=(cfg, uniforms(seeds[rows], idx, 2)))  # seeds (K,)
+        u = uniforms(seeds[rows], idx, draws_needed(cfg))  # seeds (K,)
+        x = inputs.train(idx, augmentation=(cfg, u))
         per_sample, recorded = training_loss(method.forward(leaves, x, rows, ctx), labels)
     record(stats, recorded)
     counts = torch.zeros(k, device=idx.device).index_add_(0, rows, torch.ones_like(per_sample))

@@ -329,7 +329,7 @@ class Inputs:
         return recalling(Recall(x, frozen, states, idx, rows))
 
     def train(self, idx: Tensor, augmentation: tuple[Augment, Tensor] | None = None) -> Tensor:
-        """Preprocessed train images idx (B,); `augmentation` (config, draws (B, 2)) gives
+        """Preprocessed train images idx (B,); `augmentation` (config, draws (B, n)) gives
         each sample its random view."""
         bb = self.backbone
         x = bb.preprocess(self.task.data.train_images[idx])

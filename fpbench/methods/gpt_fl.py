@@ -17,7 +17,8 @@ images GPT-FL would be PromptFL under another name, so a run without them stops 
 saying how to make them (checked before a suite writes anything); `server_epochs = 0` is the
 explicit opt-out (PromptFL from CoOp's init, for the offline smoke suites and tests). The
 generated set is encoded once by the frozen image encoder (no augmentation) at the start of
-the run.
+the run. `generation` records how the set was generated (model, images per class, prompt,
+steps, guidance, seed, precision): a folder whose ``generation.json`` says otherwise is refused.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
-from fpbench.data.gpt_fl_generate import check_generated, load_generated
+from fpbench.data.gpt_fl_generate import Generation, check_generated, check_manifest, load_generated
 from fpbench.errors import FpbenchError
 from fpbench.lazy import F, torch
 from fpbench.methods.coop import CoOpConfig, CoOpModel
@@ -44,6 +45,11 @@ class GPTFLConfig(CoOpConfig):
     server_epochs: int = Field(50, ge=0, description="server-side CoOp epochs on generated data")
     server_lr: float = Field(0.002, gt=0)
     server_batch_size: int = Field(32, ge=1)
+    generation: Generation = Field(
+        Generation(),
+        description="the generator settings synthetic_dir must have been made with (its "
+        "generation.json; a folder without one is taken as it is)",
+    )
 
 
 def generated_dir(args: GPTFLConfig | dict, dataset: str) -> Path | None:
@@ -81,7 +87,8 @@ def require_generated(cells: list[Any]) -> None:
             if root is not None:
                 dataset = DATASETS.get(cell.dataset.name)
                 info = dataset.info(dataset.Config(**cell.dataset.args))
-                check_generated(root, info.num_classes)
+                args = GPTFLConfig(**cell.method.args)
+                check_generated(root, info.num_classes, args.generation)
 
 
 @METHODS.register()
@@ -94,6 +101,7 @@ class GPTFL(CoOpModel):
         root = generated_dir(self.cfg, self.task.dataset or "DATASET")
         if root is None:
             return {"ctx": ctx}
+        check_manifest(root, self.cfg.generation)
         names = list(self.task.class_names)
         images, labels = load_generated(root, names, size=self.backbone.img_size)
         return {"ctx": self.pretrain(ctx, self.generated_features(images), labels, gen)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import numpy as np
 from pydantic import Field
@@ -139,7 +140,15 @@ def _consume(deal: list[list[tuple[int, float]]], pools: list[np.ndarray]) -> li
 
 @PARTITIONS.register("dirichlet")
 class Dirichlet:
-    """Per-class Dirichlet(alpha) label skew over clients (NIID-Bench protocol)."""
+    """Dirichlet(alpha) label skew, by one of two schemes (`scheme`).
+
+    * "niid-bench" (Li et al., 2022; FedOTP / FedPGP's CIFAR code): per class, shares over the
+      clients ~ Dirichlet(alpha), redrawn until every client has `min_size` (`dirichlet_split`);
+      client sizes vary.
+    * "feddyn" (Acar et al., 2021, FedDyn's `utils_dataset.py`, which PEP-FedPT cites): per
+      client, a class prior ~ Dirichlet(alpha) over the classes and an equal size floor(n / N)
+      (the n mod N samples left over are dropped); see `prior_split`.
+    """
 
     name = "dirichlet"
 
@@ -147,6 +156,11 @@ class Dirichlet:
         alpha: float = Field(0.5, gt=0.0, description="Dirichlet concentration (small: skewed).")
         min_size: int = Field(10, ge=0, description="Resample until every client has this many.")
         max_retries: int = Field(100, ge=1, description="Give up (error) after this many draws.")
+        scheme: Literal["niid-bench", "feddyn"] = Field(
+            "niid-bench",
+            description="niid-bench: per-class shares over clients (Li et al.); feddyn: "
+            "per-client class priors with equal client sizes (Acar et al.)",
+        )
 
     @staticmethod
     def check(cfg: Config, info: DatasetInfo) -> None:
@@ -156,10 +170,59 @@ class Dirichlet:
     def split(cfg: Config, data: ImageDataset, rng: np.random.Generator) -> list[Client]:
         y = train_labels(data)
         idx = np.arange(y.size)
+        if cfg.scheme == "feddyn":
+            parts = prior_split(y, data.num_classes, cfg.num_clients, cfg.alpha, cfg.min_size, rng)
+            return _clients_from_train(parts, data, rng)
         parts = dirichlet_split(
             idx, y, cfg.num_clients, cfg.alpha, cfg.min_size, cfg.max_retries, rng
         )
         return _clients_from_train(parts, data, rng)
+
+
+def prior_split(
+    y: np.ndarray,
+    num_classes: int,
+    num_clients: int,
+    alpha: float,
+    min_size: int,
+    rng: np.random.Generator,
+) -> list[np.ndarray]:
+    """FedDyn's Dirichlet scheme: train indices per client, each of size floor(n / N).
+
+    Each client draws a class prior ~ Dirichlet(alpha * 1_C). Until every client is full: pick a
+    client uniformly among those not yet full, draw a class from its prior restricted to the
+    classes with samples left (FedDyn redraws a class that has run out, which is the same
+    distribution), and give it the next of that class's shuffled samples.
+
+    Raises:
+        FpbenchError: floor(n / N) < `min_size`.
+    """
+    size = y.size // num_clients
+    if size < min_size:
+        raise FpbenchError(
+            f"partition.min_size = {min_size}: scheme 'feddyn' gives each of {num_clients} "
+            f"clients {size} train samples; lower min_size or use fewer clients"
+        )
+    C = num_classes
+    priors = rng.dirichlet(np.full(C, alpha), size=num_clients)  # (N, C)
+    pools = [rng.permutation(np.flatnonzero(y == k)) for k in range(C)]
+    left = np.array([p.size for p in pools])
+    room = np.full(num_clients, size)
+    taken: list[list[int]] = [[] for _ in range(num_clients)]
+    for _ in range(size * num_clients):
+        open_ = np.flatnonzero(room)
+        i = int(open_[rng.integers(open_.size)])
+        p = priors[i] * (left > 0)
+        total = p.sum()
+        # a prior that underflowed to 0 on every class left: uniform over them
+        p = p / total if total > 0 else (left > 0) / np.count_nonzero(left)
+        k = int(min(np.searchsorted(np.cumsum(p), rng.random(), side="right"), C - 1))
+        while left[k] == 0:  # rounding in the cumsum can land on an empty class: step back
+            k -= 1
+        left[k] -= 1
+        room[i] -= 1
+        taken[i].append(int(pools[k][left[k]]))
+    return [np.array(t, dtype=np.int64) for t in taken]
 
 
 @PARTITIONS.register("pachinko")
