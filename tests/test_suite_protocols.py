@@ -451,7 +451,7 @@ def test_cli_lists_a_suites_deviations_and_its_counts():
     assert rows[0] == "match,path,anchor,source,fpbench runs,reason"
     n = suite_coverage(_proto("flip-compare"), _cells("flip-compare")).counts()
     assert last == (
-        f"# flip-compare: 153 config paths of {len(_cells('flip-compare'))} feeding cells: "
+        f"# flip-compare: 154 config paths of {len(_cells('flip-compare'))} feeding cells: "
         f"{n['pinned']} pinned, {n['declared']} declared, {n['free']} free"
     )
     assert any(r.startswith("method.name=dp-fpl,train.rounds,100,") for r in rows)
