@@ -226,14 +226,22 @@ def test_a_departure_from_a_stated_value_says_why_it_cannot_be_run():
                 assert spec["deviation"]["reason"].startswith("impossible here"), (method, key)
 
 
-def test_random_resized_crop_rules_carry_the_switch_mark():
-    """Where a reference trains with random-resized-crop the rule is marked for the integrator
-    (branch recipe-code adds it to fpbench's augmentation)."""
-    for name in ("recipes.toml", "flip-compare.toml", "flip-compare-own.toml"):
-        lines = (PROTOCOLS_DIR / name).read_text().splitlines()
-        for i, line in enumerate(lines):
-            if "random_resized_crop+random_flip" in line:
-                assert lines[i - 1].strip() == "# RRC: switch when recipe-code lands", (name, i)
+@pytest.mark.parametrize(
+    "suite", ["flip-compare", "flip-compare-own", "clip-base2novel", "clip-lodo"]
+)
+def test_the_suites_whose_reference_augments_train_with_random_resized_crop_and_flip(suite):
+    """FLiP's train transform (imageloader.py:145-146): random-resized-crop, then a flip (in
+    flip-compare-own every method's own, which is the same but for FedTPG's: none)."""
+    for cell in _cells(suite):
+        if suite == "flip-compare-own" and cell.method == "fedtpg":
+            assert cell.config["train"]["augment"] == {"hflip": False, "rotate": 0.0}
+            continue
+        assert cell.config["train"]["augment"] == {
+            "hflip": True, "rotate": 0.0, "crop": True, "crop_scale": [0.08, 1.0],
+            "crop_ratio": [0.75, 4 / 3],
+        }, cell.name  # fmt: skip
+    text = "".join(p.read_text() for p in PROTOCOLS_DIR.glob("*.toml"))
+    assert "random_resized_crop+random_flip" not in text  # no rule declares it impossible
 
 
 # -- the checker catches a changed suite -------------------------------------------------------
@@ -451,7 +459,7 @@ def test_cli_lists_a_suites_deviations_and_its_counts():
     assert rows[0] == "match,path,anchor,source,fpbench runs,reason"
     n = suite_coverage(_proto("flip-compare"), _cells("flip-compare")).counts()
     assert last == (
-        f"# flip-compare: 154 config paths of {len(_cells('flip-compare'))} feeding cells: "
+        f"# flip-compare: {sum(n.values())} config paths of {len(_cells('flip-compare'))} feeding cells: "
         f"{n['pinned']} pinned, {n['declared']} declared, {n['free']} free"
     )
     assert any(r.startswith("method.name=dp-fpl,train.rounds,100,") for r in rows)
