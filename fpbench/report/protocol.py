@@ -81,6 +81,7 @@ class Rule:
     match: Mapping[str, Any] = field(default_factory=dict)
     deviation: Deviation | None = None
     free: str | None = None  # why the path cannot change the table's number (no value then)
+    perturb: Any = None  # a free path's value in the proof that it is free (fpbench.report.free_proof)
 
     @property
     def expected(self) -> Any:
@@ -228,14 +229,15 @@ def _rule(raw: Mapping[str, Any], at: str) -> Rule:
 
 
 def _free_rule(raw: Mapping[str, Any], at: str) -> Rule:
-    unknown = sorted(set(raw) - {"path", "free", "match"})
+    unknown = sorted(set(raw) - {"path", "free", "match", "perturb"})
     if unknown or "path" not in raw or not str(raw["free"]).strip():
         raise FpbenchError(
             f'{at}: a free rule is {{ path = "...", free = "why it cannot change the number" }} '
             f"(optional match); unknown {unknown}"
         )
     at = f"{at} ({raw['path']})"
-    return Rule(str(raw["path"]), None, "", _match(raw.get("match", {}), at), free=str(raw["free"]))
+    match = _match(raw.get("match", {}), at)
+    return Rule(str(raw["path"]), None, "", match, free=str(raw["free"]), perturb=raw.get("perturb"))
 
 
 # -- the cells feeding a paper's tables ----------------------------------------------------------
