@@ -4,11 +4,11 @@ A `[[protocol]]` rule may mark a path free ("it cannot change the table's number
 claim about the code, and this module tests it. Each feeding cell gets an *offline twin*
 (`offline_twin`): the same method, method arguments, training recipe and runtime, on the
 test-sized backbone of its family (`vit-test`, `clip-test`), synthetic data and a few clients,
-with the rounds cut to keep the evaluation schedule's shape (the last `eval_last` rounds and one
-`eval_every` stride before them). The twin runs once as it is and once with every free path
-perturbed (`perturbed`); `prove` compares every stored value (`fpbench.store.diff.values`: each
-round's loss and bytes, each metric row) bit for bit and, where they differ, names the paths
-that change a number, one at a time.
+and a few rounds (where an evaluation-schedule path is free, as many as keep the schedule's shape:
+the last `eval_last` rounds and one `eval_every` stride before them). The twin runs once as it
+is and once with every free path perturbed; `prove` compares every stored value
+(`fpbench.store.diff.values`: each round's loss and bytes, each metric row) bit for bit and,
+where they differ, names the paths that change a number, one at a time.
 
 A perturbation value comes from the rule (`perturb = value` beside `free`) or from the field
 (`perturbation`): another choice of a `Literal`, the other boolean, a larger number, a changed
@@ -30,6 +30,7 @@ from pydantic import BaseModel
 
 from fpbench.report.protocol import (
     FREE,
+    NULL,
     READINGS,
     Block,
     FedCell,
@@ -41,6 +42,8 @@ from fpbench.report.protocol import (
 
 TWIN_DATASET = {"num_classes": 6, "image_size": 16, "train_per_class": 12, "test_per_class": 6}
 TWIN_CLIENTS = 4
+TWIN_ROUNDS = 3
+SCHEDULE = ("train.eval_every", "train.eval_last", "train.summary_window")
 # partitions the synthetic twin data can run as they are; any other runs as `pathological`
 TWIN_PARTITIONS = ("pathological", "dirichlet", "disjoint-classes", "iid")
 TWIN_PART_ARGS = {"s": 3, "min_size": 1, "num_clients": TWIN_CLIENTS}
@@ -80,20 +83,31 @@ def free_paths(blocks: list[Block], cell: FedCell) -> list[FreePath]:
 # -- the offline twin ---------------------------------------------------------------------------
 
 
-def offline_twin(config: Mapping[str, Any]) -> dict[str, Any]:
+def offline_twin(config: Mapping[str, Any], schedule_free: bool = False) -> dict[str, Any]:
     """The resolved config (JSON form, `readings` dropped) of a cell's offline twin; see the
-    module docstring. Validate it with `RunConfig.model_validate`."""
+    module docstring. `TWIN_ROUNDS` rounds, unless `schedule_free` (a free `eval_*` path): then
+    the last `eval_last` rounds and one `eval_every` stride before them. Validate it with
+    `RunConfig.model_validate`."""
     from fpbench.registry import METHODS
     from fpbench.tiny import OFFLINE_ARGS
 
     cfg = {k: v for k, v in config.items() if k != READINGS}
     method = dict(cfg["method"])
     family = METHODS.get(method["name"]).backbone_family
-    method["args"] = {**method.get("args", {}), **OFFLINE_ARGS.get(method["name"], {})}
+    method["args"] = {
+        k: v
+        for k, v in {**method.get("args", {}), **OFFLINE_ARGS.get(method["name"], {})}.items()
+        if not k.endswith("_layers")  # ViT-B block indices: the twin's 2 blocks take defaults
+    }
+    if method["args"].get("preset"):  # its arguments are resolved beside it; it would reset
+        method["args"]["preset"] = None  # the layers to ViT-B's
     part = dict(cfg["partition"])
     args = dict(part.get("args", {}))
     if part["name"] not in TWIN_PARTITIONS:
-        part["name"], args = "pathological", {k: args[k] for k in ("min_train",) if k in args}
+        part["name"], args = (
+            "pathological",
+            {"s": 3, **{k: args[k] for k in ("min_train",) if k in args}},
+        )
     args.update({k: v for k, v in TWIN_PART_ARGS.items() if k in args or k == "num_clients"})
     if args.get("heldout_frac"):
         args["heldout_frac"] = 0.25
@@ -101,8 +115,15 @@ def offline_twin(config: Mapping[str, Any]) -> dict[str, Any]:
         args["shots"] = min(args["shots"], 4)
     part["args"] = args
     train = dict(cfg["train"])
+    if train.get("aggregation_weights") == "domain_size":  # synthetic data records no domains
+        train["aggregation_weights"] = "train_size"
     every, last = train["eval_every"], train["eval_last"]
-    train["rounds"] = min(train["rounds"], last + every + 1)
+    if schedule_free:  # keep the schedule's shape: a stride before the last rounds
+        train["rounds"] = min(train["rounds"], last + every + 1)
+    else:
+        train["rounds"] = min(train["rounds"], TWIN_ROUNDS)
+        train["eval_last"] = min(last, TWIN_ROUNDS - 1)
+        train["summary_window"] = min(train["summary_window"], TWIN_ROUNDS - 1)
     het = cfg.get("model_het")
     if het:
         profiles = [
@@ -112,9 +133,10 @@ def offline_twin(config: Mapping[str, Any]) -> dict[str, Any]:
         ]  # fmt: skip
         het = {**het, "profiles": profiles}
         args["num_clients"] = sum(p["clients"] for p in profiles)
+    data = {**TWIN_DATASET, "num_classes": max(TWIN_DATASET["num_classes"], args["num_clients"])}
     return {
         **cfg,
-        "dataset": {"name": "synthetic", "label": cfg["dataset"]["label"], "args": TWIN_DATASET},
+        "dataset": {"name": "synthetic", "label": cfg["dataset"]["label"], "args": data},
         "partition": part,
         "method": method,
         "backbone": {**cfg["backbone"], "name": TWIN_BACKBONES[family], "weights": None},
@@ -180,17 +202,30 @@ def perturbation(value: Any, annotation: Any) -> Any:
         return (value or 0) + 1
     if isinstance(value, float) or (value is None and float in arms):
         return value * 2 if value else 0.5
+    if value is None and (fixed := [a for a in arms if typing.get_origin(a) is tuple]):
+        return [0.5] * len(typing.get_args(fixed[0]))
     if isinstance(value, str) or (value is None and str in arms):
         return f"{value or 'x'}-perturbed"
     raise ValueError(f"no perturbation derived for {value!r} ({annotation}); give perturb")
 
 
+PAIRED = {"backbone.mean": "backbone.std", "backbone.std": "backbone.mean"}  # both or neither
+
+
 def set_path(config: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
-    """A copy of `config` with dotted `path` set to `value`."""
+    """A copy of `config` with dotted `path` set to `value` (and a `PAIRED` partner that is
+    None to the same value, so the config stays valid)."""
+    partner = PAIRED.get(path)
+    if partner and value is not None and lookup(config, partner) is None:
+        config = _set(config, partner, value)
+    return _set(config, path, value)
+
+
+def _set(config: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
     head, _, rest = path.partition(".")
     if not rest:
         return {**config, head: value}
-    return {**config, head: set_path(dict(config[head]), rest, value)}
+    return {**config, head: _set(dict(config[head]), rest, value)}
 
 
 @dataclass
@@ -207,6 +242,7 @@ def perturbations(
 ) -> list[Perturbation]:
     """Each free path's perturbation on `twin` (`files(path, twin)` gives a value for a path
     that names a file, e.g. a copy of the twin's weights for `backbone.weights`)."""
+    from fpbench.registry import METHODS
     from fpbench.specs import RunConfig
 
     out = []
@@ -218,7 +254,7 @@ def perturbations(
         if current is _missing():
             p.problem = "the offline twin has no such path (a setting of the real dataset)"
         elif free.rule.perturb is not None:
-            p.value = free.rule.perturb
+            p.value = None if free.rule.perturb == NULL else free.rule.perturb
         elif files is not None and (made := files(free.path, twin)) is not None:
             p.value = made
         else:
@@ -228,7 +264,8 @@ def perturbations(
                 p.problem = str(e)
         if not p.problem:
             try:
-                RunConfig.model_validate(set_path(dict(twin), free.path, p.value))
+                changed = RunConfig.model_validate(set_path(dict(twin), free.path, p.value))
+                METHODS.get(changed.method.name).Config(**changed.method.args)
             except Exception as e:  # noqa: BLE001 (any validation error: one line)
                 p.problem = f"perturbed to {p.value!r} the config is invalid: {_line(e)}"
         out.append(p)
@@ -349,9 +386,10 @@ def prove(
 ) -> Proof:
     """Run the cell's twin as it is and with every free path perturbed at once; where the
     stored values differ, perturb one path at a time to name each that changes a number."""
-    twin = offline_twin(cell.config)
+    frees = free_paths(blocks, cell)
+    twin = offline_twin(cell.config, any(f.path in SCHEDULE for f in frees))
     files = files or twin_files(folder / "files")
-    proof = Proof(cell.name, perturbations(twin, free_paths(blocks, cell), files))
+    proof = Proof(cell.name, perturbations(twin, frees, files))
     runnable = [p for p in proof.perturbed if not p.problem]
     if not runnable:
         return proof
@@ -366,4 +404,3 @@ def prove(
         if found := differences(base, one):
             proof.changes[p.free.path] = found
     return proof
-

@@ -81,7 +81,9 @@ class Rule:
     match: Mapping[str, Any] = field(default_factory=dict)
     deviation: Deviation | None = None
     free: str | None = None  # why the path cannot change the table's number (no value then)
-    perturb: Any = None  # a free path's value in the proof that it is free (fpbench.report.free_proof)
+    perturb: Any = (
+        None  # a free path's value in the proof that it is free (fpbench.report.free_proof)
+    )
 
     @property
     def expected(self) -> Any:
@@ -237,7 +239,9 @@ def _free_rule(raw: Mapping[str, Any], at: str) -> Rule:
         )
     at = f"{at} ({raw['path']})"
     match = _match(raw.get("match", {}), at)
-    return Rule(str(raw["path"]), None, "", match, free=str(raw["free"]), perturb=raw.get("perturb"))
+    return Rule(
+        str(raw["path"]), None, "", match, free=str(raw["free"]), perturb=raw.get("perturb")
+    )
 
 
 # -- the cells feeding a paper's tables ----------------------------------------------------------
