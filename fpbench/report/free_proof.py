@@ -94,13 +94,10 @@ def offline_twin(config: Mapping[str, Any], schedule_free: bool = False) -> dict
     cfg = {k: v for k, v in config.items() if k != READINGS}
     method = dict(cfg["method"])
     family = METHODS.get(method["name"]).backbone_family
-    method["args"] = {
-        k: v
+    method["args"] = {  # ViT-B block indices: None gives the twin's 2 blocks the defaults
+        k: None if k.endswith("_layers") and isinstance(v, list) else v
         for k, v in {**method.get("args", {}), **OFFLINE_ARGS.get(method["name"], {})}.items()
-        if not k.endswith("_layers")  # ViT-B block indices: the twin's 2 blocks take defaults
     }
-    if method["args"].get("preset"):  # its arguments are resolved beside it; it would reset
-        method["args"]["preset"] = None  # the layers to ViT-B's
     part = dict(cfg["partition"])
     args = dict(part.get("args", {}))
     if part["name"] not in TWIN_PARTITIONS:
