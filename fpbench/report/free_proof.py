@@ -43,6 +43,7 @@ from fpbench.report.protocol import (
 TWIN_DATASET = {"num_classes": 6, "image_size": 16, "train_per_class": 12, "test_per_class": 6}
 TWIN_CLIENTS = 4
 TWIN_ROUNDS = 3
+TWIN_WIDTH = 32  # the test backbones' feature width
 SCHEDULE = ("train.eval_every", "train.eval_last", "train.summary_window")
 # partitions the synthetic twin data can run as they are; any other runs as `pathological`
 TWIN_PARTITIONS = ("pathological", "dirichlet", "disjoint-classes", "iid")
@@ -98,6 +99,8 @@ def offline_twin(config: Mapping[str, Any], schedule_free: bool = False) -> dict
         k: None if k.endswith("_layers") and isinstance(v, list) else v
         for k, v in {**method.get("args", {}), **OFFLINE_ARGS.get(method["name"], {})}.items()
     }
+    if (method["args"].get("num_groups") or 0) > TWIN_WIDTH:  # orthogonal keys need <= width
+        method["args"]["num_groups"] = TWIN_WIDTH
     part = dict(cfg["partition"])
     args = dict(part.get("args", {}))
     if part["name"] not in TWIN_PARTITIONS:
