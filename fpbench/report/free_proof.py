@@ -101,6 +101,8 @@ def offline_twin(config: Mapping[str, Any], schedule_free: bool = False) -> dict
     }
     if (method["args"].get("num_groups") or 0) > TWIN_WIDTH:  # orthogonal keys need <= width
         method["args"]["num_groups"] = TWIN_WIDTH
+    if method["args"].get("select_encoder") not in (None, "backbone"):  # hub weights: offline,
+        method["args"]["select_encoder"] = "backbone"  # the twin's own backbone selects
     part = dict(cfg["partition"])
     args = dict(part.get("args", {}))
     if part["name"] not in TWIN_PARTITIONS:
