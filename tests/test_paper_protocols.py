@@ -22,6 +22,7 @@ from fpbench.report.protocol import (
     check,
     check_paper,
     coverage,
+    deviation_counts,
     deviations,
     feeding_cells,
     leaf_paths,
@@ -78,8 +79,9 @@ def test_every_path_of_every_feeding_cell_is_pinned_declared_or_free(paper):
 @pytest.mark.parametrize("paper", list_papers())
 def test_precision_and_executor_are_held_to_the_reference_not_freed(paper):
     kinds = _coverage(paper).kinds
-    assert kinds["runtime.precision"] == "declared", kinds["runtime.precision"]  # auto: bf16
-    assert kinds["runtime.executor"] == "declared", kinds["runtime.executor"]  # lockstep
+    for path in ("precision", "executor", "frozen_precision", "device", "threads", "compile",
+                 "deterministic", "cpu_linear"):  # fmt: skip
+        assert kinds[f"runtime.{path}"] != "free", path  # each changes the last bits
     partial = any(c.config["train"]["participation"] < 1 for c in feeding_cells(load_paper(paper)))
     if partial:  # clients may go unsampled: how they are scored is a protocol choice
         assert kinds["train.unseen_clients"] != "free"
@@ -199,7 +201,7 @@ rules = [{ path = "train.batch_size", value = 40, source = "sec. 5" }]
 def test_a_declared_deviation_passes_only_with_its_runs_value(tmp_path):
     rule = (
         '{ path = "train.batch_size", value = 40, source = "sec. 5", '
-        'deviation = { runs = %d, reason = "memory" } }'
+        'deviation = { runs = %d, reason = "memory", impossible = "no GPU has 80 GB" } }'
     )
     ok = f"[[protocol]]\ntables = [1]\nrules = [{rule % 8}]\n"
     paper, blocks, cells = _paper(tmp_path, ok)
@@ -210,6 +212,7 @@ def test_a_declared_deviation_passes_only_with_its_runs_value(tmp_path):
     assert deviations(blocks) == [{
         "tables": "1", "match": "all", "path": "train.batch_size", "paper": "40",
         "source": "sec. 5", "fpbench runs": "16", "reason": "memory",
+        "impossible here": "no GPU has 80 GB",
     }]  # fmt: skip
 
 
@@ -263,6 +266,61 @@ def test_malformed_blocks_are_one_clear_error(block, message):
         parse_protocol({"protocol": [block]})
 
 
+def test_a_deviation_from_a_stated_value_needs_an_impossible_reason():
+    stated = {"path": "a", "value": 1, "source": "-", "deviation": {"runs": 2, "reason": "r"}}
+    with pytest.raises(FpbenchError, match='states 1, so it is run; .* needs impossible = "'):
+        parse_protocol({"protocol": [{"tables": [1], "rules": [stated]}]})
+    silent = {**stated, "value": "unstated"}  # where the sources are silent: no reason needed
+    (block,) = parse_protocol({"protocol": [{"tables": [1], "rules": [silent]}]})
+    assert block.rules[0].deviation.impossible is None
+    blank = {**stated, "deviation": {"runs": 2, "reason": "r", "impossible": " "}}
+    with pytest.raises(FpbenchError, match="needs impossible"):
+        parse_protocol({"protocol": [{"tables": [1], "rules": [blank]}]})
+
+
+@pytest.mark.parametrize("paper", WITH_PROTOCOL)
+def test_no_paper_declares_a_stated_value_without_saying_why_it_cannot_run(paper):
+    for block in load_protocol(paper):  # parse_protocol refuses it; the rows say it
+        for rule in block.rules:
+            if rule.deviation is not None and rule.value != UNSTATED:
+                assert rule.deviation.impossible, (paper, block.index, rule.path)
+
+
+def test_the_stated_values_issue_44_names_are_run_not_declared():
+    def rules(paper, path, method):
+        return [
+            r for b in load_protocol(paper) for r in b.rules
+            if r.path == path and method in str(r.match.get("method", ""))
+        ]  # fmt: skip
+
+    (fedvpt,) = rules("pep-fedpt", "method.args.prompt_len", "'fedvpt',")
+    assert (fedvpt.value, fedvpt.deviation) == (1, None)
+    (baselines,) = rules("sgpt", "method.args.prompt_len", "fedem")
+    assert (baselines.value, baselines.deviation) == (1, None)
+    (visual,) = rules("tpfl", "method.args.visual_optimizer", "tpfl")
+    assert (visual.value, visual.deviation) == ("shared", None)
+    assert check_paper("pep-fedpt") == [] and check_paper("sgpt") == [] == check_paper("tpfl")
+
+
+def test_deviation_counts_split_stated_from_silent_per_suite(tmp_path):
+    paper, blocks, cells = _paper(
+        tmp_path,
+        """
+[[protocol]]
+tables = [1]
+rules = [
+  { path = "train.batch_size", value = 40, source = "s", match = { method = "fedvpt" }, DEV },
+  { path = "train.rounds", value = "unstated", source = "x", deviation = SILENT },
+]
+""".replace("DEV", 'deviation = { runs = 8, reason = "r", impossible = "i" }').replace(
+            "SILENT", '{ runs = 2, reason = "r" }'
+        ),
+    )
+    assert deviation_counts(blocks, cells) == {
+        "all": {"stated": 1, "silent": 1}, "tiny": {"stated": 1, "silent": 1},
+    }  # fmt: skip
+
+
 def test_a_block_naming_a_table_the_paper_lacks_is_an_error(tmp_path):
     paper, blocks, cells = _paper(
         tmp_path,
@@ -307,7 +365,8 @@ def test_match_config_selects_cells_by_their_resolved_config(tmp_path):
                 "tiny: fedvpt/synthetic/pathological"
             ]
     assert deviations(parse_protocol({"protocol": [{"tables": [1], "rules": [{
-        "path": "a", "value": 1, "source": "s", "deviation": {"runs": 2, "reason": "r"},
+        "path": "a", "value": 1, "source": "s",
+        "deviation": {"runs": 2, "reason": "r", "impossible": "i"},
         "match": {"config": {"train": {"local_epochs": 2}}},
     }]}]}))[0]["match"] == "train.local_epochs=2"  # fmt: skip
     with pytest.raises(FpbenchError, match="non-empty table"):
@@ -337,12 +396,14 @@ def test_coverage_names_every_uncovered_path_and_counts_the_kinds(tmp_path):
 tables = [1]
 rules = [
   { path = "train.rounds", value = 2, source = "s" },
-  { path = "train.batch_size", value = 40, source = "s", deviation = { runs = 8, reason = "r" } },
+  { path = "train.batch_size", value = 40, source = "s", DEV },
   { path = "seeds", value = [0], source = "s" },
   { path = "runtime.*", free = "how the run executes" },
   { path = "train", free = "everything else of train", match = { method = "fedvpt" } },
 ]
-""",
+""".replace("DEV", 'deviation = { runs = 8, reason = "r", impossible = "i" }').replace(
+            "SILENT", '{ runs = 2, reason = "r" }'
+        ),
     )
     cov = coverage(paper, blocks, cells)
     uncovered = {p for _, p in cov.uncovered}
@@ -485,10 +546,19 @@ def test_cli_lists_the_declared_deviations_of_a_paper():
     assert result.exit_code == 0, result.output
     lines = [line for line in result.output.splitlines() if line]
     assert lines[0].split("|")[1:-1] == [
-        " tables ", " match ", " path ", " paper ", " source ", " fpbench runs ", " reason ",
+        " kind ", " tables ", " match ", " path ", " paper ", " source ", " fpbench runs ",
+        " reason ", " impossible here ",
     ]  # fmt: skip
-    want = [r["path"] for r in deviations(load_protocol("sgpt"))]
-    assert [line.split("|")[3].strip() for line in lines[2:-1]] == want
+    rows = deviations(load_protocol("sgpt"))
+    stated = [r["path"] for r in rows if r["paper"] != UNSTATED]
+    silent = [r["path"] for r in rows if r["paper"] == UNSTATED]
+    assert [line.split("|")[4].strip() for line in lines[2:-2]] == stated + silent
+    kinds = [line.split("|")[1].strip() for line in lines[2:-2]]
+    assert kinds == ["stated"] * len(stated) + ["silent"] * len(silent)
+    assert lines[-2].startswith(
+        f"sgpt deviations: {len(stated)} from stated values (impossible here), "
+        f"{len(silent)} silent choices; per suite (stated/silent): sgpt-ablations "
+    )
     cov = paper_coverage("sgpt")
     n = cov.counts()
     assert lines[-1] == (
@@ -496,8 +566,8 @@ def test_cli_lists_the_declared_deviations_of_a_paper():
         f"feeding cells: {n['pinned']} pinned, {n['declared']} declared, {n['free']} free"
     )
     (alpha,) = [line for line in lines if "partition.args.alpha" in line]
-    assert [c.strip() for c in alpha.split("|")[1:7]] == [
-        "1", "dataset=five-dataset", "partition.args.alpha", "unstated",
+    assert [c.strip() for c in alpha.split("|")[1:8]] == [
+        "silent", "1", "dataset=five-dataset", "partition.args.alpha", "unstated",
         'sec. 5.1: "with every 4 clients originating from the same dataset"', "1000.0",
     ]  # fmt: skip
 
@@ -512,7 +582,8 @@ def test_cli_deviations_csv_keeps_the_counts_in_a_comment_line():
     assert last.startswith("# tpfl: ") and last.endswith(
         f"{n['pinned']} pinned, {n['declared']} declared, {n['free']} free"
     )
-    assert rows[0] == "tables,match,path,paper,source,fpbench runs,reason"
+    assert rows[0] == "kind,tables,match,path,paper,source,fpbench runs,reason,impossible here"
+    assert rows[-1].startswith("# tpfl deviations: 1 from stated values (impossible here), ")
 
 
 def test_cli_deviations_without_a_paper_is_one_clear_error():

@@ -76,18 +76,21 @@ def show_paper_tables(db: str, paper: str, table: int | None, fmt: str, out: Pat
 
 
 def show_deviations(paper: str, fmt: str, out: Path | None) -> None:
-    """Print every deviation `paper`'s protocol declares (what fpbench runs instead, and why),
-    then how many config paths of its feeding cells are pinned, declared and free."""
+    """Print every deviation `paper`'s protocol declares (what fpbench runs instead, and why):
+    first the departures from values the paper or its code states (each with why it cannot run
+    here), then fpbench's choices where the sources are silent; then their counts per suite and
+    how many config paths of the feeding cells are pinned, declared and free."""
     from fpbench.report.paper import load_paper
     from fpbench.report.protocol import deviations, feeding_cells, load_protocol
 
     spec = load_paper(paper)  # unknown paper: one clear line
     blocks = load_protocol(paper)
-    rows = deviations(blocks)
     if not blocks:
         write_or_print(f"paper {paper} has no [[protocol]] blocks", out)
         return
-    counts = coverage_line(paper, spec, blocks, feeding_cells(spec))
+    rows = _by_kind(deviations(blocks))
+    cells = feeding_cells(spec)
+    counts = f"{deviation_line(paper, blocks, cells)}\n{coverage_line(paper, spec, blocks, cells)}"
     _deviation_table(f"paper {paper}", rows, counts, fmt, out)
 
 
@@ -128,8 +131,12 @@ def _deviation_table(
         write_or_print(f"{what}: no declared deviations\n\n{counts}", out)
         return
     frame = pd.DataFrame(rows)
-    if fmt != "term":  # after the table; a comment line in CSV
-        tail = f"# {counts}" if fmt == "csv" else f"\n{counts}"
+    if fmt != "term":  # after the table; comment lines in CSV
+        tail = (
+            "\n".join(f"# {line}" for line in counts.splitlines())
+            if fmt == "csv"
+            else (f"\n{counts}")
+        )
         write_or_print(f"{render(frame, fmt).rstrip()}\n{tail}", out)
         return
     from rich.console import Console
@@ -138,14 +145,38 @@ def _deviation_table(
     anchor = "the paper's" if what.startswith("paper") else "its anchor's"
     table = Table(title=f"{paper}: declared deviations from {anchor} protocol")
     for col in frame.columns:
-        table.add_column(col, overflow="fold", no_wrap=col in ("tables", "path", "paper"))
+        table.add_column(col, overflow="fold", no_wrap=col in ("kind", "tables", "path", "paper"))
     for row in rows:
         table.add_row(*row.values())
     target = Console(record=True, width=220) if out else console
     target.print(table)
-    target.print(counts)
+    target.print(counts, highlight=False, soft_wrap=True)
     if out:
         write_or_print(target.export_text(), out)
+
+
+def _by_kind(rows: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The deviation rows with their kind first: departures from stated values, then silent
+    choices (`fpbench.report.protocol.deviation_kind`: a paper value of "unstated")."""
+    from fpbench.report.protocol import SILENT, STATED, UNSTATED
+
+    kinds = [{"kind": SILENT if r["paper"] == UNSTATED else STATED, **r} for r in rows]
+    return [r for r in kinds if r["kind"] == STATED] + [r for r in kinds if r["kind"] == SILENT]
+
+
+def deviation_line(paper: str, blocks: list[Any], cells: list[Any]) -> str:
+    """'sgpt deviations: 3 from stated values (impossible here), 52 silent choices; per suite
+    (stated/silent): sgpt-table1 2/40, ...'."""
+    from fpbench.report.protocol import SILENT, STATED, deviation_counts
+
+    n = deviation_counts(blocks, cells)
+    suites = ", ".join(
+        f"{suite} {c[STATED]}/{c[SILENT]}" for suite, c in sorted(n.items()) if suite != "all"
+    )
+    return (
+        f"{paper} deviations: {n['all'][STATED]} from stated values (impossible here), "
+        f"{n['all'][SILENT]} silent choices; per suite (stated/silent): {suites}"
+    )
 
 
 def coverage_line(paper: str, spec: Any, blocks: list[Any], cells: list[Any]) -> str:

@@ -15,16 +15,18 @@ Native layouts (each source's own)::
 notMNIST has no official split: a seeded, per-class 10 % is its test split (unreadable files of
 the archive are skipped). Protocols: SGPT uses the sources' full train/test splits (default);
 FGPT samples 1,000 images per source and splits them into train and test (`per_domain = 1000`;
-the split share is not given in the paper, `test_fraction` defaults to 20 %).
+the split share is not given in the paper, `test_fraction` defaults to 20 %). `test_per_source`
+keeps that many random test images of each source (SGPT Table 1 in fpbench: 1,000, FGPT's count,
+so each source's clients hold test sets of one size).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, model_serializer
 
 from fpbench.data.base import ImageDataset
 from fpbench.data.cifar import CIFAR10_DIR, Cifar10, read_cifar10
@@ -161,6 +163,19 @@ class FiveDataset(RealDataset):
         test_fraction: float = Field(0.2, gt=0, lt=1, description="Test share with per_domain.")
         notmnist_test_fraction: float = Field(0.1, gt=0, lt=1, description="notMNIST test share.")
         seed: int = Field(0, ge=0, description="Seed of the notMNIST split and the sampling.")
+        test_per_source: int | None = Field(
+            None,
+            ge=1,
+            description="Keep this many random test images of each source (seeded): equal "
+            "client test sets, as SGPT Table 1's Global = Local needs; None: the whole split.",
+        )
+
+        @model_serializer(mode="wrap")
+        def _later_field(self, handler: Any) -> dict[str, Any]:
+            out = handler(self)  # added later: at None left out, so older run keys stay
+            if out.get("test_per_source", 0) is None:
+                del out["test_per_source"]
+            return out
 
     @classmethod
     def raw_dir(cls, root: Path) -> Path:
@@ -186,6 +201,8 @@ class FiveDataset(RealDataset):
         else:
             test = len(SOURCES) * round(cfg.per_domain * cfg.test_fraction)
             train = len(SOURCES) * cfg.per_domain - test
+        if cfg.test_per_source is not None:  # each source's test split holds more
+            test = min(test, len(SOURCES) * cfg.test_per_source)
         return DatasetInfo(
             10 * len(SOURCES), len(SOURCES), has_coarse=True,
             train_size=train, test_size=test, image_size=32, sizes_exact=False,
@@ -200,6 +217,10 @@ class FiveDataset(RealDataset):
             train, test = read_source(source, root, cfg)
             if cfg.per_domain is not None:
                 train, test = _subsample(train, cfg, d)
+            if cfg.test_per_source is not None:
+                keep = sample_per_group(np.zeros(len(test[1]), np.int64), cfg.test_per_source,
+                                        cfg.seed, 100 + d)  # fmt: skip
+                test = (test[0][keep], test[1][keep])
             for key, (x, y) in (("tr", train), ("te", test)):
                 parts[f"x{key}"].append(x)
                 parts[f"y{key}"].append(y + 10 * d)

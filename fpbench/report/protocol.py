@@ -64,10 +64,12 @@ REL_TOL = 1e-9
 
 @dataclass(frozen=True)
 class Deviation:
-    """What fpbench runs instead of the paper's value, and why."""
+    """What fpbench runs instead of the paper's value, and why (`impossible`: why the stated
+    value cannot be run here, required where the paper or its code states one)."""
 
     runs: Any
     reason: str
+    impossible: str | None = None
 
 
 PINNED, DECLARED, FREE = "pinned", "declared", "free"
@@ -81,6 +83,9 @@ class Rule:
     match: Mapping[str, Any] = field(default_factory=dict)
     deviation: Deviation | None = None
     free: str | None = None  # why the path cannot change the table's number (no value then)
+    perturb: Any = (
+        None  # a free path's value in the proof that it is free (fpbench.report.free_proof)
+    )
 
     @property
     def expected(self) -> Any:
@@ -217,9 +222,19 @@ def _rule(raw: Mapping[str, Any], at: str) -> Rule:
     at = f"{at} ({raw['path']})"
     dev = raw.get("deviation")
     if dev is not None:
-        if not isinstance(dev, Mapping) or set(dev) != {"runs", "reason"} or not dev["reason"]:
-            raise FpbenchError(f'{at}: deviation = {{ runs = ..., reason = "one line" }}')
-        dev = Deviation(dev["runs"], str(dev["reason"]))
+        keys = set(dev) if isinstance(dev, Mapping) else set()
+        if not {"runs", "reason"} <= keys <= {"runs", "reason", "impossible"} or not dev["reason"]:
+            raise FpbenchError(
+                f'{at}: deviation = {{ runs = ..., reason = "one line" }} (and impossible = '
+                '"why the stated value cannot run here", where the value is stated)'
+            )
+        impossible = str(dev["impossible"]).strip() if "impossible" in dev else None
+        dev = Deviation(dev["runs"], str(dev["reason"]), impossible or None)
+        if raw["value"] != UNSTATED and dev.impossible is None:
+            raise FpbenchError(
+                f"{at}: the paper or its code states {raw['value']!r}, so it is run; a deviation "
+                'from it needs impossible = "why it cannot run here" (else run the value)'
+            )
     if raw["value"] == UNSTATED and dev is None:
         raise FpbenchError(f'{at}: value "unstated" needs a deviation saying what fpbench runs')
     return Rule(
@@ -228,14 +243,17 @@ def _rule(raw: Mapping[str, Any], at: str) -> Rule:
 
 
 def _free_rule(raw: Mapping[str, Any], at: str) -> Rule:
-    unknown = sorted(set(raw) - {"path", "free", "match"})
+    unknown = sorted(set(raw) - {"path", "free", "match", "perturb"})
     if unknown or "path" not in raw or not str(raw["free"]).strip():
         raise FpbenchError(
             f'{at}: a free rule is {{ path = "...", free = "why it cannot change the number" }} '
             f"(optional match); unknown {unknown}"
         )
     at = f"{at} ({raw['path']})"
-    return Rule(str(raw["path"]), None, "", _match(raw.get("match", {}), at), free=str(raw["free"]))
+    match = _match(raw.get("match", {}), at)
+    return Rule(
+        str(raw["path"]), None, "", match, free=str(raw["free"]), perturb=raw.get("perturb")
+    )
 
 
 # -- the cells feeding a paper's tables ----------------------------------------------------------
@@ -516,8 +534,40 @@ def deviations(blocks: list[Block]) -> list[dict[str, str]]:
                 "source": rule.source,
                 "fpbench runs": _show(rule.deviation.runs),
                 "reason": rule.deviation.reason,
+                "impossible here": rule.deviation.impossible or "",
             })  # fmt: skip
     return rows
+
+
+STATED, SILENT = "stated", "silent"
+
+
+def deviation_kind(rule: Rule) -> str:
+    """`stated`: a departure from a value the paper or its code states (impossible to run
+    here); `silent`: fpbench's choice where the sources are silent (value "unstated")."""
+    return SILENT if rule.value == UNSTATED else STATED
+
+
+def deviation_counts(blocks: list[Block], cells: list[FedCell]) -> dict[str, dict[str, int]]:
+    """Per suite, how many declared deviations (rules) apply to at least one of its feeding
+    cells, by kind (`deviation_kind`); the key "all" counts the paper's rules once each."""
+    out: dict[str, dict[str, int]] = {"all": {STATED: 0, SILENT: 0}}
+    for block in blocks:
+        for rule in block.rules:
+            if rule.deviation is None:
+                continue
+            kind = deviation_kind(rule)
+            out["all"][kind] += 1
+            suites = {
+                c.suite
+                for c in cells
+                if c.tables & set(block.tables)
+                and _matches(block.match, c)
+                and _matches(rule.match, c)
+            }
+            for suite in suites:
+                out.setdefault(suite, {STATED: 0, SILENT: 0})[kind] += 1
+    return out
 
 
 def _show_match(key: str, want: Any) -> str:
