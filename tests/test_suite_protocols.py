@@ -19,7 +19,7 @@ from fpbench.engine.optim import make_optimizer
 from fpbench.errors import FpbenchError
 from fpbench.report.budget import budget_notes, budget_problems, budgets, cell_budget
 from fpbench.report.protocol import UNSTATED
-from fpbench.report.recipes import load_recipes, parse_recipes, recipe_blocks
+from fpbench.report.recipes import ALIGNED, load_recipes, parse_recipes, recipe_blocks
 from fpbench.report.sources import anchors, form_problems, text_problems
 from fpbench.report.suite_protocol import (
     PROTOCOLS_DIR,
@@ -316,7 +316,9 @@ def test_aligned_rules_pin_agreement_and_declare_each_departure():
     rules = {r["path"]: r for r in block["rules"]}
     assert rules["train.lr"] == {
         "path": "train.lr", "value": 0.001, "source": "a.md:1",
-        "deviation": {"runs": 0.002, "reason": "the suite's common recipe (s.md:1)"},
+        "deviation": {
+            "runs": 0.002, "reason": "the suite's common recipe (s.md:1)", "impossible": ALIGNED,
+        },
     }  # fmt: skip
     assert rules["train.batch_size"] == {
         "path": "train.batch_size",
@@ -456,10 +458,11 @@ def test_cli_lists_a_suites_deviations_and_its_counts():
     )
     assert result.exit_code == 0, result.output
     *rows, last = result.output.strip().splitlines()
-    assert rows[0] == "match,path,anchor,source,fpbench runs,reason"
+    assert rows[0] == "match,path,anchor,source,fpbench runs,reason,impossible here"
     n = suite_coverage(_proto("flip-compare"), _cells("flip-compare")).counts()
     assert last == (
-        f"# flip-compare: {sum(n.values())} config paths of {len(_cells('flip-compare'))} feeding cells: "
+        f"# flip-compare: {sum(n.values())} config paths of {len(_cells('flip-compare'))} "
+        "feeding cells: "
         f"{n['pinned']} pinned, {n['declared']} declared, {n['free']} free"
     )
     assert any(r.startswith("method.name=dp-fpl,train.rounds,100,") for r in rows)

@@ -111,6 +111,8 @@ def offline_twin(config: Mapping[str, Any], schedule_free: bool = False) -> dict
             {"s": 3, **{k: args[k] for k in ("min_train",) if k in args}},
         )
     args.update({k: v for k, v in TWIN_PART_ARGS.items() if k in args or k == "num_clients"})
+    if args.get("blocks") == "dassl":  # round(C / N) classes each must leave none empty
+        args["num_clients"] = 3
     if args.get("heldout_frac"):
         args["heldout_frac"] = 0.25
     if args.get("shots"):

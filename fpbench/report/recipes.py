@@ -4,7 +4,7 @@
 settings of its official code, each `{ value = ..., source = "Name/path:line@commit ..." }`
 (a code reference into the checkout of its official code, or a spec `file:line`; see
 `fpbench.report.sources`). A setting fpbench cannot run as stated also carries
-`deviation = { runs = ..., reason = "why impossible here" }`: what every suite runs instead.
+`deviation = { runs = ..., reason = "...", impossible = "why" }`: what every suite runs instead.
 The settings and the config paths they are held to are `SETTINGS`.
 
 `recipe_blocks` makes the protocol rules of a suite that runs every method with its own recipe
@@ -72,8 +72,10 @@ def parse_recipes(data: Mapping[str, Any], where: str = "<memory>") -> dict[str,
             if not isinstance(spec, Mapping) or set(spec) - SETTING_KEYS or not spec.get("source"):
                 raise FpbenchError(f"{at}: {{ value = ..., source = '...' }} (optional deviation)")
             dev = spec.get("deviation")
-            if dev is not None and (set(dev) != {"runs", "reason"} or not dev["reason"]):
-                raise FpbenchError(f'{at}: deviation = {{ runs = ..., reason = "..." }}')
+            if dev is not None and not _deviation_form(dev):
+                raise FpbenchError(
+                    f'{at}: deviation = {{ runs = ..., reason = "...", impossible = "..." }}'
+                )
             out[method][key] = dict(spec)
     return out
 
@@ -107,8 +109,10 @@ def recipe_blocks(
         if not isinstance(spec, Mapping) or {"value", "source"} - set(spec):
             raise FpbenchError(f"{at}: {{ value = ..., source = '...' }} (optional methods)")
         dev = spec.get("deviation")
-        if dev is not None and (set(dev) != {"runs", "reason"} or not dev["reason"]):
-            raise FpbenchError(f'{at}: deviation = {{ runs = ..., reason = "..." }}')
+        if dev is not None and not _deviation_form(dev):
+            raise FpbenchError(
+                f'{at}: deviation = {{ runs = ..., reason = "...", impossible = "..." }}'
+            )
     blocks = []
     for method in sorted(set(methods)):
         own_recipe = recipes.get(method, {})
@@ -145,10 +149,28 @@ def _rule(
     if _same(own["value"], value):
         return rule | {"value": own["value"], "source": f"{own['source']}; {runs['source']}"}
     why = (dev or {}).get("reason") or runs.get("reason") or "the suite's common recipe"
+    impossible = (dev or {}).get("impossible") or ALIGNED
     return rule | {
         "value": own["value"], "source": own["source"],
-        "deviation": {"runs": value, "reason": f"{why} ({runs['source']})"},
+        "deviation": {
+            "runs": value, "reason": f"{why} ({runs['source']})", "impossible": impossible,
+        },
     }  # fmt: skip
+
+
+# why an aligned suite cannot run a method's own stated value: it exists to hold every method
+# to its anchor's one recipe (the suite of own recipes runs the other reading)
+ALIGNED = (
+    "the suite holds every method to its anchor's one recipe; the method's own value runs in "
+    "the suite of own recipes"
+)
+
+
+def _deviation_form(dev: Mapping[str, Any]) -> bool:
+    """A deviation has runs and a reason, and may say why the stated value is impossible here."""
+    return {"runs", "reason"} <= set(dev) <= {"runs", "reason", "impossible"} and bool(
+        dev["reason"]
+    )
 
 
 def defaults_blocks(
