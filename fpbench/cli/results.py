@@ -169,12 +169,14 @@ def show(
     db: DbOpt = DEFAULT_DB,
 ) -> None:
     """Show one run: its identity, status, what it cost, its config and final metrics."""
+    from fpbench.store.claims import CLAIM_TIMEOUT_S, stale_reason
     from fpbench.units import human_bytes, human_flops
 
     store = open_store(db, must_exist=True)
     record = store.get_run(run_ref)
+    stale = stale_reason(record.status, record.owner, record.heartbeat_at, CLAIM_TIMEOUT_S)
     console.print(
-        f"[bold]run {record.id}[/] {record.run_key}  status={record.status}  "
+        f"[bold]run {record.id}[/] {record.run_key}  status={'stale' if stale else record.status}  "
         f"suite={record.suite} method={record.method} dataset={record.dataset} "
         f"partition={record.partition} seed={record.seed}"
     )
@@ -186,6 +188,8 @@ def show(
         f"peak memory={human_bytes(record.peak_mem_bytes)} "
         f"FLOPs of a round={human_flops(record.round_flops)}"
     )
+    if stale:
+        console.print(f"stale: running, but {stale}; a rerun takes it over and resumes it")
     if record.error:
         err.print(f"[red]error:[/] {escape(record.error)}", highlight=False)
     if record.traceback:

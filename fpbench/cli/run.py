@@ -28,6 +28,7 @@ from fpbench.cli.common import (
     user_errors,
 )
 from fpbench.cli.run_log import LineObserver
+from fpbench.cli.signals import SignalWatch, sigterm_interrupts
 from fpbench.errors import FpbenchError
 
 
@@ -226,10 +227,14 @@ def run(
     warn_if_oversubscribed(threads)
     live = console.is_terminal  # off a terminal (cluster logs, tee): plain lines, no bars
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    signals = SignalWatch()
     try:
-        with Progress(
-            *columns, TimeElapsedColumn(), console=err, transient=False, disable=not live
-        ) as progress:
+        with (
+            sigterm_interrupts(signals),
+            Progress(
+                *columns, TimeElapsedColumn(), console=err, transient=False, disable=not live
+            ) as progress,
+        ):
             observer = (
                 _ProgressObserver(progress, len(cells))
                 if live
@@ -245,10 +250,12 @@ def run(
                 dispatch=dispatch,
                 observer=observer,
             )
-    except KeyboardInterrupt as e:  # Ctrl-C: the cell is stored as interrupted (runner.py)
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the cell is stored as interrupted
         said = str(e) if e.args else "interrupted; rerun the same command to resume"
+        if signals.terminated:
+            said = f"SIGTERM: {said}"
         err.print(said, highlight=False, soft_wrap=True, markup=False)
-        raise typer.Exit(130) from None
+        raise typer.Exit(signals.exit_code) from None
     _report_results(loaded.name, results, loaded.name if sets else suite, db)
 
 
@@ -402,7 +409,7 @@ def _print_cells(suite: str, cells, db: str) -> None:
             "it over and resumes it (see `fpbench db check`)"
         )
     if "interrupted" in statuses:
-        console.print("interrupted: stopped by Ctrl-C; a rerun resumes it")
+        console.print("interrupted: stopped by Ctrl-C or SIGTERM; a rerun resumes it")
     if "missing" in data.values():
         console.print(f"data missing under {root}: see `fpbench data status`")
 

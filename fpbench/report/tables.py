@@ -31,7 +31,7 @@ def no_results_error(suite: str | None = None) -> FpbenchError:
     return FpbenchError("no results in the database; run `fpbench run --suite <name>` first")
 
 
-UNFINISHED = ("running", "failed", "interrupted")  # started, not done (pending: no rows yet)
+UNFINISHED = ("running", "stale", "failed", "interrupted")  # started, not done (pending: no rows)
 
 
 def finished_only(metrics: pd.DataFrame, runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -43,15 +43,20 @@ def finished_only(metrics: pd.DataFrame, runs: pd.DataFrame) -> tuple[pd.DataFra
 
 
 def unfinished_note(left_out: pd.DataFrame, shown: int = 4) -> str | None:
-    """'left out 2 unfinished runs: fedvpt / synthetic / dir / seed 1 (running, rounds 0-2
-    stored), ...', or None when every run is done."""
+    """'left out 2 unfinished runs: fedvpt / synthetic / dir / seed 1 (running, stored up to
+    round 3), ...' (rounds counted from 1, as progress shows them), or None when every run is
+    done."""
     if left_out.empty:
         return None
     parts = []
     for r in left_out.head(shown).itertuples():
-        stored = "no rounds" if pd.isna(r.last_round) else f"rounds 0-{r.last_round}"
+        stored = (
+            "no rounds stored"
+            if pd.isna(r.last_round)
+            else f"stored up to round {r.last_round + 1}"
+        )
         cell = f"{r.method} / {r.dataset} / {r.partition} / seed {r.seed}"
-        parts.append(f"{cell} ({r.status}, {stored} stored)")
+        parts.append(f"{cell} ({r.status}, {stored})")
     more = f", and {len(left_out) - shown} more" if len(left_out) > shown else ""
     noun = "run" if len(left_out) == 1 else "runs"
     return f"left out {len(left_out)} unfinished {noun}: {'; '.join(parts)}{more}"

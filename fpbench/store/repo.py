@@ -24,7 +24,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, SQLAlchemy
 from sqlalchemy.orm import Session, sessionmaker
 
 from fpbench.errors import FpbenchError
-from fpbench.store.claims import ClaimMixin, touch_or_raise
+from fpbench.store.claims import ClaimMixin, shown_status, touch_or_raise
 from fpbench.store.models import Metric, Round, Run
 from fpbench.store.ownership import State, create, probe
 from fpbench.store.schema import check_version, database_id, upgrade
@@ -293,7 +293,9 @@ class Store(ClaimMixin):
         return run
 
     def runs(self, suite: str | None = None) -> pd.DataFrame:
-        """One row per run (config omitted) plus `last_round` (None before any round)."""
+        """One row per run (config omitted) plus `last_round` (None before any round); a
+        'running' run whose process died or whose heartbeat stopped has status 'stale', as every
+        view shows it (`shown_status`)."""
         if not self.has_schema():
             empty = pd.DataFrame(columns=[*RUN_COLUMNS, "last_round"])
             return empty.astype({"last_round": "Int64"})
@@ -303,12 +305,14 @@ class Store(ClaimMixin):
             .subquery()
         )
         cols = [getattr(Run, c) for c in RUN_COLUMNS]
-        stmt = select(*cols, last.c.last_round).outerjoin(last, last.c.run_id == Run.id)
+        claim = [Run.owner, Run.heartbeat_at]
+        stmt = select(*cols, last.c.last_round, *claim).outerjoin(last, last.c.run_id == Run.id)
         if suite is not None:
             stmt = stmt.where(Run.suite == suite)
         with self._session() as s:
             rows = s.execute(stmt.order_by(Run.id)).all()
-        df = pd.DataFrame(rows, columns=[*RUN_COLUMNS, "last_round"])
+        df = pd.DataFrame([r[:-2] for r in rows], columns=[*RUN_COLUMNS, "last_round"])
+        df["status"] = [shown_status(r.status, r.owner, r.heartbeat_at) for r in rows]
         return df.astype({"last_round": "Int64"})
 
     def get_run(self, ref: str | int) -> RunRecord:
