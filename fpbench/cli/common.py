@@ -87,13 +87,17 @@ def sqlite_missing(db: str) -> bool:
     return url.startswith("sqlite:///") and not Path(url[len("sqlite:///") :]).exists()
 
 
-def open_store(db: str, *, must_exist: bool = False):
-    """The results store; with `must_exist`, a missing SQLite file is an error, not created."""
+def open_store(db: str, *, must_exist: bool = False, read_only: bool | None = None):
+    """The results store; with `must_exist`, a missing SQLite file is an error, not created.
+
+    `read_only` (default: `must_exist`, which every command that only reads passes): opened
+    without writing a byte, so a database in a read-only folder opens (`Store`)."""
     from fpbench.store import Store
 
     if must_exist and sqlite_missing(db):
         raise FpbenchError(f"no results database at {db}; run `fpbench run` first or pass --db")
-    return Store(Store.url_from_path_or_url(db))
+    read_only = must_exist if read_only is None else read_only
+    return Store(Store.url_from_path_or_url(db), read_only=read_only)
 
 
 def suite_name(suite: str) -> str:

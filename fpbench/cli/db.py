@@ -38,7 +38,9 @@ def merge(
 
     urls = [_existing(db) for db in inputs]  # every input checked before OUT is touched
     for db, url in zip(inputs, urls, strict=True):
-        with Store(url) as src:  # readable, not of a newer schema version, no broken runs
+        with Store(
+            url, read_only=True
+        ) as src:  # readable, not of a newer schema version, no broken runs
             if broken := broken_runs(src):
                 p = broken[0]
                 more = f" (and {len(broken) - 1} more problems)" if len(broken) > 1 else ""
@@ -49,7 +51,7 @@ def merge(
     total = MergeStats()
     with Store(Store.url_from_path_or_url(out)) as target:
         for db, url in zip(inputs, urls, strict=True):
-            with Store(url) as src:
+            with Store(url, read_only=True) as src:
                 stats = merge_into(target, src)
             copied = _copy_params(url, target.url)
             more = f", {copied} trained state(s) copied" if copied else ""
@@ -97,7 +99,7 @@ def check(
     from fpbench.store import Store
     from fpbench.store.check import check as find_problems
 
-    with Store(_existing(db)) as store:
+    with Store(_existing(db), read_only=True) as store:
         problems = find_problems(store)
         n_runs = len(store.runs())
     if not problems:
@@ -130,7 +132,7 @@ def diff(
     from fpbench.store.diff import diff as compare
 
     url_a, url_b = _existing(a), _existing(b)
-    with Store(url_a) as sa, Store(url_b) as sb:
+    with Store(url_a, read_only=True) as sa, Store(url_b, read_only=True) as sb:
         found = compare(sa, sb, keep=show)
     for line in (
         f"runs in A ({a}): {found.runs_a:,}",

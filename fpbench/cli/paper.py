@@ -48,7 +48,7 @@ def paper_renderables(
     if sqlite_missing(db):
         results = Results(pd.DataFrame(columns=METRIC_COLUMNS))
     else:
-        with open_store(db) as store:
+        with open_store(db, read_only=True) as store:
             results = load_results(store, suites)
     return [render(filled, fmt, width) for filled in fill_paper(spec, results, table)]
 

@@ -223,7 +223,8 @@ def run(
     if retry_failed and not (cells := _retry_selection(loaded.name, cells, url)):
         return
     if CELL_KEY not in url:
-        open_store(db).close()  # an unreachable or foreign database fails here; creates nothing
+        open_store(db).close()  # unreachable, foreign or read-only: fails here; creates nothing
+    _require_writable_folder(checkpoint_dir, "--checkpoint-dir")  # before a run row is stored
     warn_if_oversubscribed(threads)
     live = console.is_terminal  # off a terminal (cluster logs, tee): plain lines, no bars
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
@@ -257,6 +258,19 @@ def run(
         err.print(said, highlight=False, soft_wrap=True, markup=False)
         raise typer.Exit(signals.exit_code) from None
     _report_results(loaded.name, results, loaded.name if sets else suite, db)
+
+
+def _require_writable_folder(folder: Path, option: str) -> None:
+    """Fail now where `folder` (or the nearest existing folder above it) cannot be written."""
+    from fpbench.store.sqlite import folder_writable
+
+    place = folder.resolve()
+    while not place.exists():
+        place = place.parent
+    if not place.is_dir() or not folder_writable(place):
+        raise FpbenchError(
+            f"{option} {folder}: {place} is read-only or not a folder; name a writable one"
+        )
 
 
 def _passive_waits() -> None:
@@ -382,7 +396,7 @@ def _print_cells(suite: str, cells, db: str) -> None:
     from fpbench.data.prepared import data_root, dataset_state
 
     # no database yet: every cell is new, and a dry run creates nothing
-    store = None if sqlite_missing(db) else open_store(db)
+    store = None if sqlite_missing(db) else open_store(db, read_only=True)
     table = Table(title=f"suite {suite}: {plural(len(cells), 'cell')}")
     for col in ("run_key", "method", "dataset", "partition", "seed", "status", "data"):
         table.add_column(col)

@@ -26,9 +26,14 @@ from sqlalchemy.orm import Session, sessionmaker
 from fpbench.errors import FpbenchError
 from fpbench.store.claims import ClaimMixin, shown_status, touch_or_raise
 from fpbench.store.models import Metric, Round, Run
-from fpbench.store.ownership import State, create, probe
-from fpbench.store.schema import check_version, database_id, upgrade
-from fpbench.store.sqlite import configure_sqlite
+from fpbench.store.ownership import State, create, probe, sqlite_path
+from fpbench.store.schema import check_version, database_id, needs_upgrade, upgrade
+from fpbench.store.sqlite import (
+    configure_sqlite,
+    folder_writable,
+    in_memory_copy,
+    read_only_engine,
+)
 
 MIN_KEY_PREFIX = 4
 RUN_COLUMNS = [
@@ -108,9 +113,11 @@ def _safe_url(url: str) -> str:
         return url
 
 
-def _open_engine(url: str) -> tuple[Engine, State]:
+def _open_engine(url: str, read_only: bool = False) -> tuple[Engine, State]:
     """The engine and what the database holds; a database that is not fpbench's is refused and
-    a missing one is not created (see `fpbench.store.ownership`)."""
+    a missing one is not created (see `fpbench.store.ownership`). `read_only`: an existing
+    SQLite file is read without writing a byte (one of an older schema through an upgraded
+    in-memory copy); else one in a folder that cannot be written is refused now."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         engine = configure_sqlite(create_engine(parsed))
@@ -118,13 +125,40 @@ def _open_engine(url: str) -> tuple[Engine, State]:
         engine = create_engine(parsed, pool_pre_ping=True)
     try:
         state = probe(engine)  # reads only
-        if state is State.FPBENCH:
+        path = sqlite_path(engine)
+        if state is State.FPBENCH and path is not None and read_only:
+            engine.dispose()
+            engine = read_only_engine(path)
+            check_version(engine)
+            if needs_upgrade(engine):
+                engine.dispose()
+                engine = in_memory_copy(path)
+                upgrade(engine)
+        elif state is State.FPBENCH:
+            if path is not None:
+                _require_writable(path)
             check_version(engine)  # a newer database is refused before anything is written
             upgrade(engine)
     except BaseException:
         engine.dispose()
         raise
     return engine, state
+
+
+def _require_writable(path: Path) -> None:
+    """Refuse, before anything is stored, a database this process could read but not write."""
+    folder = path.resolve().parent
+    if not folder_writable(folder):
+        raise FpbenchError(
+            f"its folder {folder} is read-only (an archive or a shared mount?): commands that "
+            "only read it (runs, show, table, compare, export, report, plot, db check, db diff) "
+            "open it read-only; to run or merge into it, copy it to a writable folder"
+        )
+    if not os.access(path, os.W_OK):
+        raise FpbenchError(
+            f"the file is read-only: commands that only read it open it read-only; to run or "
+            f"merge into it, make it writable (chmod u+w {path}) or copy it"
+        )
 
 
 def _metric_dicts(run_id: int, round_: int, rows: Iterable[MetricRow]) -> list[dict[str, Any]]:
@@ -157,15 +191,19 @@ class Store(ClaimMixin):
         url: any SQLAlchemy URL; SQLite files get WAL mode and foreign keys. A database that is
             not fpbench's is refused unchanged; a new one (a missing SQLite file and its parent
             folder, or an empty server database) is created only when the first run is written.
+        read_only: for commands that only read: an existing SQLite file is opened without
+            writing a byte, so one in a read-only folder (an archive, a shared mount) opens.
+            Without it, such a database is refused at once, before anything is stored.
 
     Raises:
-        FpbenchError: the database cannot be opened, or is not fpbench's.
+        FpbenchError: the database cannot be opened, or is not fpbench's (or, without
+            `read_only`, is a SQLite file in a folder that cannot be written).
     """
 
-    def __init__(self, url: str):
-        self.url = url
+    def __init__(self, url: str, *, read_only: bool = False):
+        self.url, self.read_only = url, read_only
         with self._errors():
-            self._engine, self._state = _open_engine(url)
+            self._engine, self._state = _open_engine(url, read_only)
         self._session = sessionmaker(self._engine, expire_on_commit=False)
 
     @contextlib.contextmanager

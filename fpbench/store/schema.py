@@ -60,6 +60,16 @@ def check_version(engine: Engine) -> None:
         )
 
 
+def needs_upgrade(engine: Engine) -> bool:
+    """Whether `upgrade` would change this fpbench database (an older version, a missing column)."""
+    tables = set(inspect(engine).get_table_names())
+    if "meta" not in tables or set(ADDED_COLUMNS) - _run_columns(engine):
+        return True
+    if any(t.name not in tables for t in Base.metadata.sorted_tables):
+        return True
+    return stored_version(engine) != SCHEMA_VERSION
+
+
 def upgrade(engine: Engine) -> None:
     """Add the tables and columns an older fpbench database lacks; record the current version."""
     _create_missing_tables(engine)
