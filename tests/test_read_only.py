@@ -40,6 +40,7 @@ def place():
     url = fake_db(root / "ro" / "s.db", {("a", 0): [0.5, 0.6], ("b", 0): [0.4, 0.7]})
     assert url.endswith("s.db")
     (root / "rw" / "tiny.toml").write_text(TINY_SUITE_TOML)
+    fake_db(root / "rw" / "other.db", {("c", 0): [0.1, 0.2]})
     for path in [root, *root.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
     (root / "rw").chmod(0o777)
@@ -117,7 +118,7 @@ def test_writing_commands_refuse_a_read_only_folder_before_storing_anything(plac
     before = _freeze(place)
     for args in (
         ["run", "--suite", "tiny.toml", "--db", "../ro/s.db"],
-        ["db", "merge", "../ro/s.db", "../ro/s.db"],
+        ["db", "merge", "../ro/s.db", "other.db"],
     ):
         done = fpbench(place, *args)
         assert done.returncode == 2, done.stdout + done.stderr

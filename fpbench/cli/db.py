@@ -21,6 +21,16 @@ def _existing(db: str) -> str:
     return url
 
 
+def _same_database(a: str, b: str) -> bool:
+    """Whether two URLs name one database (SQLite paths compared as resolved files)."""
+    from fpbench.store import Store
+
+    fa, fb = Store.sqlite_file(a), Store.sqlite_file(b)
+    if fa is not None and fb is not None:
+        return fa.expanduser().resolve() == fb.expanduser().resolve()
+    return a == b
+
+
 @db_app.command("merge")
 @user_errors
 def merge(
@@ -37,6 +47,9 @@ def merge(
     from fpbench.store.merge import MergeStats, merge_into
 
     urls = [_existing(db) for db in inputs]  # every input checked before OUT is touched
+    for db, url in zip(inputs, urls, strict=True):
+        if _same_database(url, Store.url_from_path_or_url(out)):
+            raise FpbenchError(f"cannot merge {db} into itself (it is OUT); name another output")
     for db, url in zip(inputs, urls, strict=True):
         with Store(
             url, read_only=True

@@ -281,6 +281,9 @@ def table(
             f"no finished runs of suite {suite} yet ({notes[-1]}); "
             f"`fpbench run --suite {suite}` finishes them"
         )
+    if ci and not frame.empty and frame.groupby(CELL)["seed"].nunique().max() < 2:
+        ci = False  # a Student-t interval needs two seeds: say so instead of a bare title
+        notes = ["--ci: every cell has one seed, so no confidence interval (it needs two)", *notes]
     summary = summary_table(frame, metric or DEFAULT_METRICS, suite=name, ci=ci)
     if fmt is TableFormat.term:
         _print_term(
@@ -292,6 +295,9 @@ def table(
         write_or_print(render(summary, fmt.value), out)
     for note in notes:  # on stderr: the table itself stays clean to redirect or paste
         err.print(note, highlight=False, soft_wrap=True, markup=False)
+
+
+CELL = ["method", "dataset", "partition"]
 
 
 def _print_term(summary: Any, title: str, out: Path | None) -> None:

@@ -23,6 +23,7 @@ from fpbench.cli.common import (
     err,
     load_cells,
     open_store,
+    parse_sets,
     plural,
     sqlite_missing,
     user_errors,
@@ -186,7 +187,8 @@ def run(
         "frozen_precision": frozen_precision,
         "threads": threads,
     }
-    runtime = {k: v for k, v in given.items() if v is not None}
+    overridden = {path.removeprefix("runtime.") for path in parse_sets(sets)}  # --set wins
+    runtime = {k: v for k, v in given.items() if v is not None and k not in overridden}
     if frozen_precision not in (None, "fp32", "tf32", "bf16"):
         raise FpbenchError(
             f"--frozen-precision must be fp32, tf32 or bf16, got {frozen_precision!r}"
@@ -197,6 +199,7 @@ def run(
         )
     cells = [c.model_copy(update={"runtime": c.runtime.model_copy(update=runtime)}) for c in cells]
     if dry_run:
+        _check_devices(cells)  # as the run would, before it builds anything
         _print_cells(loaded.name, cells, db)
         return
     from fpbench.cli.trackers import TrackingObserver, make_trackers
@@ -258,6 +261,14 @@ def run(
         err.print(said, highlight=False, soft_wrap=True, markup=False)
         raise typer.Exit(signals.exit_code) from None
     _report_results(loaded.name, results, loaded.name if sets else suite, db)
+
+
+def _check_devices(cells) -> None:
+    """Each device the cells name exists here (`--device cuda` on a machine without CUDA)."""
+    from fpbench.engine.build import resolve_device
+
+    for name in sorted({c.runtime.device for c in cells}):
+        resolve_device(name)
 
 
 def _require_writable_folder(folder: Path, option: str) -> None:

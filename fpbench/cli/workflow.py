@@ -43,7 +43,10 @@ def runs(
     method: RunsMethodOpt = None,
     status: Annotated[
         list[str] | None,
-        typer.Option(help="only runs with this status: done, failed, running, ... (repeatable)"),
+        typer.Option(
+            help="only runs with this status: done, failed, running, stale, interrupted or "
+            "pending (repeatable)"
+        ),
     ] = None,
     db: DbOpt = DEFAULT_DB,
 ) -> None:
@@ -55,6 +58,7 @@ def runs(
 
     from fpbench.report.listing import HEADLINE, run_listing
 
+    check_statuses(status)
     name = suite_name(suite) if suite else None
     with open_store(db, must_exist=True) as store:
         listing = run_listing(store, suite=name, methods=method or (), statuses=status or ())
@@ -83,6 +87,15 @@ def runs(
             *(percent(getattr(row, h)) for h in HEADLINE),
         )
     print_wide(table)
+
+
+def check_statuses(statuses: list[str] | None) -> None:
+    """Refuse a --status no run can have (a typo would list nothing and exit 0)."""
+    from fpbench.store.models import STATUSES
+
+    valid = (*STATUSES, "stale")
+    if bad := [s for s in statuses or [] if s not in valid]:
+        raise FpbenchError(f"--status {bad[0]!r} is no run status; valid: {', '.join(valid)}")
 
 
 def print_wide(table: Table) -> None:
@@ -130,6 +143,7 @@ def export(
     from fpbench.report.export import export_tables, write_tables
     from fpbench.report.listing import run_listing
 
+    check_statuses(status)
     name = suite_name(suite) if suite else None
     with open_store(db, must_exist=True) as store:
         listing = run_listing(store, suite=name, methods=method or (), statuses=status or ())
@@ -189,7 +203,7 @@ def compare(
         table.add_row(
             f"{row.dataset} / {row.partition}",
             row.metric,
-            ", ".join(map(str, row.seeds)),
+            str(len(row.seeds)),
             f"{row.mean_a * scale:.2f}",
             f"{row.mean_b * scale:.2f}",
             " ".join(f"{d * scale:+.2f}" for d in row.diffs),
