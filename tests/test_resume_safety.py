@@ -211,7 +211,7 @@ def test_ctrl_c_says_where_stores_interrupted_and_exits_130_then_a_rerun_resumes
     assert _rounds(workdir / "x.db") == [0]
     code, stdout, _ = _cli(*run, "--db", "x.db", "--dry-run")
     assert (
-        re.search(r"│ interrupt… +│", stdout)
+        re.search(r"  interrupted  ", stdout)  # the status whole, never cut
         and "interrupted: stopped by Ctrl-C or SIGTERM" in stdout
     )
     check = CliRunner().invoke(app, ["db", "check", "x.db"])
@@ -246,7 +246,7 @@ def test_a_run_whose_process_died_shows_as_stale_and_is_taken_over(workdir):
     assert check.exit_code == 1
     assert f"stale: running, but its process ({dead}) is gone" in check.output
     _, stdout, _ = _cli("run", "--suite", "tiny.toml", "--db", "x.db", "--dry-run")
-    assert re.search(r"│ stale +│", stdout) and "stale: running, but its process is gone" in stdout
+    assert re.search(r"  stale  ", stdout) and "stale: running, but its process is gone" in stdout
     # every view says stale, as `db check` does, never `running` for a dead process
     views = {
         "runs": ["runs", "--db", "x.db"],

@@ -74,6 +74,16 @@ def parse_sets(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
+def fit_table(title: str | None = None, **kwargs: Any):
+    """A rich Table shaped for a narrow screen: a rule under the header, no outer frame, one
+    space between columns. Numbers belong in `no_wrap` columns (never cut); text columns
+    fold, so the table fits the width (the terminal's, else $COLUMNS, else 80)."""
+    from rich import box
+    from rich.table import Table
+
+    return Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, **kwargs)
+
+
 def plural(n: int, noun: str) -> str:
     """'1 cell', '5 cells' (nouns whose plural adds an s)."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

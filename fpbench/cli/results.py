@@ -301,19 +301,24 @@ CELL = ["method", "dataset", "partition"]
 
 
 def _print_term(summary: Any, title: str, out: Path | None) -> None:
-    """A summary table as a rich terminal table (recorded to `out` when given)."""
+    """A summary table as a rich terminal table fitted to the width, headed as in the README
+    (`path-s4 local mean`), with its legend (recorded to `out` when given)."""
     from rich.console import Console
 
-    from fpbench.report.tables import flat_parts
+    from fpbench.cli.common import fit_table
+    from fpbench.report.tables import readable_parts
 
-    index_names, headers, rows = flat_parts(summary)
-    table = Table(title=title)
+    index_names, headers, rows, legend = readable_parts(summary)
+    table = fit_table(title)
     for i, head in enumerate([*index_names, *headers]):
-        table.add_column(head, justify="left" if i < len(index_names) else "right")
+        left = i < len(index_names)
+        table.add_column(head, justify="left" if left else "right", overflow="fold")
     for row in rows:
         table.add_row(*row)
     target = Console(record=True, width=220) if out else console
     target.print(table)
+    if legend:
+        target.print(legend + " (%)", highlight=False)
     if out:
         write_or_print(target.export_text(), out)
 

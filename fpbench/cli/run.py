@@ -10,7 +10,6 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from fpbench.cli.apps import app
 from fpbench.cli.common import (
@@ -21,6 +20,7 @@ from fpbench.cli.common import (
     SuiteOpt,
     console,
     err,
+    fit_table,
     load_cells,
     open_store,
     parse_sets,
@@ -384,12 +384,28 @@ def _print_summary(suite: str, db: str) -> None:
     if "{run_key}" in db:  # one file per cell: the tables need them merged first
         console.print(f"next: fpbench db merge results/merged.db {db.replace('{run_key}', '*')}")
         return
-    text = summary_text(db, suite, DEFAULT_METRICS)
-    if text is not None:
-        print(text)
+    if console.is_terminal:  # fitted to the screen, as `fpbench table --format term`
+        _print_term_summary(suite, db)
+    elif (text := summary_text(db, suite, DEFAULT_METRICS)) is not None:
+        print(text)  # Markdown in the README's form: a log or a pipe keeps it whole
     console.print("next:", highlight=False)
     for command in next_commands(suite, db):
         console.print(f"  {command}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _print_term_summary(suite: str, db: str) -> None:
+    from fpbench.cli.common import suite_name
+    from fpbench.cli.results import _print_term
+    from fpbench.cli.summary import finished_results
+    from fpbench.report.tables import summary_table
+
+    frame, notes = finished_results(db, suite, DEFAULT_METRICS)
+    if frame.empty:
+        return
+    title = f"suite {suite_name(suite)}: mean ± std over seeds"
+    _print_term(summary_table(frame, DEFAULT_METRICS), title, None)
+    for note in notes:
+        console.print(note, highlight=False, markup=False)
 
 
 def _datasets_of(cfg) -> list[str]:
@@ -408,9 +424,12 @@ def _print_cells(suite: str, cells, db: str) -> None:
 
     # no database yet: every cell is new, and a dry run creates nothing
     store = None if sqlite_missing(db) else open_store(db, read_only=True)
-    table = Table(title=f"suite {suite}: {plural(len(cells), 'cell')}")
+    table = fit_table(f"suite {suite}: {plural(len(cells), 'cell')}")
     for col in ("run_key", "method", "dataset", "partition", "seed", "status", "data"):
-        table.add_column(col)
+        fixed = col in ("run_key", "seed", "status")
+        table.add_column(
+            col, no_wrap=fixed, overflow="fold", justify="right" if col == "seed" else "left"
+        )
     root = data_root()
     data = {name: dataset_state(name, root) for c in cells for name in _datasets_of(c)}
     statuses = set()

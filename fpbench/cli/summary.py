@@ -21,14 +21,20 @@ def next_commands(suite: str, db: str) -> list[str]:
 
 
 def summary_text(db: str, suite: str, metrics: Sequence[str]) -> str | None:
-    """The suite's summary table as `fpbench table --suite` prints it, with its notes (how many
-    seeds each cell averages, which unfinished runs are left out); None: no run is done."""
-    from fpbench.report.tables import render, summary_table
+    """The suite's summary table in the README's form (Markdown, headed `path-s4 global`), its
+    legend and notes (how many seeds each cell averages, which unfinished runs are left out);
+    None: no run is done. On a terminal `fpbench run` prints it fitted instead (`summary_table`
+    through `fpbench.cli.results._print_term`)."""
+    from fpbench.report.tables import readable_parts, summary_table
 
     frame, notes = finished_results(db, suite, metrics)
     if frame.empty:
         return None
-    return render(summary_table(frame, list(metrics)), "md") + "".join(f"{n}\n" for n in notes)
+    table = summary_table(frame, list(metrics))
+    index_names, headers, rows, legend = readable_parts(table)
+    lines = [[*index_names, *headers], [":--"] * len(index_names) + ["--:"] * len(headers)]
+    md = "".join("| " + " | ".join(line) + " |\n" for line in [*lines, *rows])
+    return md + "".join(f"{n}\n" for n in [legend + " (%)", *notes] if n)
 
 
 def finished_results(db: str, suite: str, metrics: Sequence[str]) -> tuple[Any, list[str]]:

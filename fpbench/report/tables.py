@@ -318,6 +318,33 @@ def flat_parts(table: pd.DataFrame) -> tuple[list[str], list[str], list[list[str
     return index_names, [" / ".join(c) for c in columns], rows
 
 
+SHORT_METRICS = {
+    "acc_global": "global",
+    "acc_local_mean": "local mean",
+    "acc_local_worst": "local worst",
+}
+
+
+def readable_parts(table: pd.DataFrame) -> tuple[list[str], list[str], list[list[str]], str]:
+    """(index names, headers, body rows, legend) for a table read by a person, in the README's
+    form: header levels every column shares (one dataset) left out and named in the legend,
+    metrics by their short names (`path-s4 global`, `path-s4 local mean`)."""
+    index_names, columns, rows = _parts(table)
+    depth = max((len(c) for c in columns), default=0)
+    shared = [i for i in range(depth - 1) if len({c[i] for c in columns if len(c) == depth}) == 1]
+    headers, shortened = [], {}
+    for c in columns:
+        kept = [x for i, x in enumerate(c) if i not in shared or len(c) != depth]
+        if kept and kept[-1] in SHORT_METRICS:
+            shortened[SHORT_METRICS[kept[-1]]] = kept[-1]
+            kept[-1] = SHORT_METRICS[kept[-1]]
+        headers.append(" ".join(kept))
+    legend = [f"{short} = {name}" for short, name in shortened.items()]
+    if shared and columns:
+        legend.insert(0, "all columns: " + " / ".join(columns[0][i] for i in shared))
+    return index_names, headers, rows, "; ".join(legend)
+
+
 def _to_csv(table: pd.DataFrame) -> str:
     index_names, columns, rows = _parts(table)
     header = index_names + ["/".join(c) for c in columns]
