@@ -145,7 +145,12 @@ def write_or_print(text: str, out: Path | None) -> None:
 
 
 def load_cells(
-    suite: str, sets: list[str] | None, methods: list[str] | None, seeds: list[int] | None = None
+    suite: str,
+    sets: list[str] | None,
+    methods: list[str] | None,
+    seeds: list[int] | None = None,
+    datasets: list[str] | None = None,
+    partitions: list[str] | None = None,
 ) -> tuple[Any, list]:
     """The suite (with `--set`s applied) and its cells of these methods and seeds.
 
@@ -158,12 +163,31 @@ def load_cells(
     if values and methods:
         select_cells(load_suite(suite), methods)  # an unknown method is named as without sets
     loaded = load_suite(suite, values, methods if values else None)
-    return loaded, select_cells(loaded, methods, seeds)
+    return loaded, select_cells(loaded, methods, seeds, datasets, partitions)
 
 
-def select_cells(suite, methods: list[str] | None, seeds: list[int] | None = None) -> list:
-    """The suite's cells of these methods (names or labels) and seeds; none given: all."""
+def select_cells(
+    suite,
+    methods: list[str] | None,
+    seeds: list[int] | None = None,
+    datasets: list[str] | None = None,
+    partitions: list[str] | None = None,
+) -> list:
+    """The suite's cells of these methods, datasets and partitions (names or labels) and seeds;
+    a filter not given keeps all."""
     cells = list(suite.cells)
+    for what, wanted in (("dataset", datasets), ("partition", partitions)):
+        if wanted:
+            known = sorted(
+                {getattr(c, what).label for c in cells} | {getattr(c, what).name for c in cells}
+            )
+            if unknown := [w for w in wanted if w not in known]:
+                raise FpbenchError(
+                    f"{what}(s) {unknown} not in suite {suite.name}; valid: {', '.join(known)}"
+                )
+            cells = [
+                c for c in cells if {getattr(c, what).label, getattr(c, what).name} & set(wanted)
+            ]
     if methods:
         known = sorted({c.method.label for c in cells} | {c.method.name for c in cells})
         unknown = [m for m in methods if m not in known]

@@ -167,3 +167,46 @@ def diff(
             console.print(line, highlight=False, soft_wrap=True, markup=False)
     if not found.same:
         raise typer.Exit(1)
+
+
+@db_app.command("delete")
+@user_errors
+def delete(
+    runs: Annotated[
+        list[str], typer.Argument(metavar="RUN...", help="run ids or run_key prefixes")
+    ],
+    db: Annotated[str, typer.Option("--db", help="results database: a path or SQLAlchemy URL")] = (
+        "results/fpbench.db"
+    ),
+    yes: Annotated[bool, typer.Option("--yes", help="delete; without it, only list them")] = False,
+) -> None:
+    """Delete runs with their rounds and metrics, to run them afresh (reset) or drop them.
+
+    Without --yes, lists what would go. A running run whose claim is live is refused. A rerun of
+    the suite runs a deleted cell from round 0: its old checkpoint is bound to the deleted run
+    and ignored.
+    """
+    from fpbench.cli.common import open_store
+    from fpbench.store import claim_is_live
+
+    with open_store(db, must_exist=True, read_only=False) as store:
+        records = list({r.id: r for r in (store.get_run(ref) for ref in runs)}.values())
+        for r in records:
+            if claim_is_live(r):
+                raise FpbenchError(
+                    f"run {r.id} ({r.run_key}) is running in a live process ({r.owner}); "
+                    "stop it first"
+                )
+        for r in records:
+            cell = f"{r.method} / {r.dataset} / {r.partition} / seed {r.seed}"
+            said = "deleted" if yes else "would delete"
+            console.print(
+                f"{said} run {r.id} {r.run_key} ({r.suite}: {cell}, {r.status})",
+                highlight=False,
+                markup=False,
+                soft_wrap=True,
+            )
+            if yes:
+                store.delete_run(r.id)
+    if not yes:
+        console.print("nothing deleted: add --yes to delete", highlight=False)

@@ -182,7 +182,8 @@ def show(
     )
     console.print(
         f"device={record.device} torch={record.torch_version} "
-        f"fpbench={record.fpbench_version} wall_s={record.wall_s or 0:.1f}"
+        f"fpbench={record.fpbench_version} git={record.git_commit or '-'} "
+        f"wall_s={record.wall_s or 0:.1f}"
     )
     console.print(
         f"peak memory={human_bytes(record.peak_mem_bytes)} "

@@ -9,7 +9,14 @@ from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from fpbench.cli.apps import app
 from fpbench.cli.common import (
@@ -28,7 +35,7 @@ from fpbench.cli.common import (
     sqlite_missing,
     user_errors,
 )
-from fpbench.cli.run_log import LineObserver
+from fpbench.cli.run_log import LineObserver, headline
 from fpbench.cli.signals import SignalWatch, sigterm_interrupts
 from fpbench.errors import FpbenchError
 
@@ -42,24 +49,27 @@ class _ProgressObserver:
 
     def __init__(self, progress: Progress, total_cells: int) -> None:
         self.progress = progress
-        self.cells = progress.add_task("cells", total=total_cells)
+        self.cells = progress.add_task("cells", total=total_cells, shown="")
         self.rounds: dict[str, Any] = {}  # run_key -> rounds bar (several with --jobs)
 
     def cell_start(self, cfg, start_round: int) -> None:
         label = f"{cfg.method.label} / {cfg.dataset.label} / {cfg.partition.label} / s{cfg.seed}"
         self.rounds[cfg.run_key] = self.progress.add_task(
-            f"  {label}", total=cfg.train.rounds, completed=start_round
+            f"  {label}", total=cfg.train.rounds, completed=start_round, shown=""
         )
 
     def round_end(self, cfg, round_idx: int, metrics: dict[str, float]) -> None:
         if cfg.run_key in self.rounds:
-            self.progress.update(self.rounds[cfg.run_key], completed=round_idx + 1)
+            bar = self.rounds[cfg.run_key]
+            self.progress.update(bar, completed=round_idx + 1)
+            if metrics:  # as the plain log: accuracies and loss (ETA: its own column)
+                self.progress.update(bar, shown=headline(metrics))
 
     def stage(self, cfg, what: str, done: int, total: int) -> None:
         """A bar for long work outside the rounds (frozen passes, data, pretraining)."""
         key = f"{cfg.run_key if cfg is not None else ''}:{what}"
         if key not in self.rounds:
-            self.rounds[key] = self.progress.add_task(f"  {what}", total=total)
+            self.rounds[key] = self.progress.add_task(f"  {what}", total=total, shown="")
         self.progress.update(self.rounds[key], completed=done)
         if done >= total:
             self.progress.remove_task(self.rounds.pop(key))
@@ -78,6 +88,12 @@ def run(
         list[str] | None, typer.Option(help="only these methods (repeatable)")
     ] = None,
     seed: Annotated[list[int] | None, typer.Option(help="only these seeds (repeatable)")] = None,
+    dataset: Annotated[
+        list[str] | None, typer.Option(help="only these datasets (name or label; repeatable)")
+    ] = None,
+    partition: Annotated[
+        list[str] | None, typer.Option(help="only these partitions (label or name; repeatable)")
+    ] = None,
     sets: SetOpt = None,
     db: DbOpt = DEFAULT_DB,
     device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N")] = None,
@@ -177,7 +193,7 @@ def run(
             f"slurm, ray), how a round's clients train is --client-executor (lockstep, "
             f"reference); got --executor {executor}"
         )
-    loaded, cells = load_cells(suite, sets, method, seed)
+    loaded, cells = load_cells(suite, sets, method, seed, dataset, partition)
     if data_root is not None:  # read by every worker through the environment
         os.environ["FPBENCH_DATA"] = str(data_root.expanduser().absolute())
     given = {
@@ -230,7 +246,13 @@ def run(
     _require_writable_folder(checkpoint_dir, "--checkpoint-dir")  # before a run row is stored
     warn_if_oversubscribed(threads)
     live = console.is_terminal  # off a terminal (cluster logs, tee): plain lines, no bars
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[shown]}"),
+        TimeRemainingColumn(),
+    )
     signals = SignalWatch()
     try:
         with (

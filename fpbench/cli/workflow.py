@@ -48,6 +48,14 @@ def runs(
             "pending (repeatable)"
         ),
     ] = None,
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="term (a table), csv or json (every listed column, accuracies as "
+            "fractions, as stored)",
+        ),
+    ] = "term",
     db: DbOpt = DEFAULT_DB,
 ) -> None:
     """List the runs stored in a database, with their headline accuracies.
@@ -62,6 +70,14 @@ def runs(
     name = suite_name(suite) if suite else None
     with open_store(db, must_exist=True) as store:
         listing = run_listing(store, suite=name, methods=method or (), statuses=status or ())
+    if fmt not in ("term", "csv", "json"):
+        raise FpbenchError(f"--format must be term, csv or json, got {fmt!r}")
+    if fmt == "csv":
+        print(listing.to_csv(index=False, lineterminator="\n"), end="")
+        return
+    if fmt == "json":
+        print(listing.to_json(orient="records", indent=1))
+        return
     if listing.empty:
         console.print(
             f"no runs in {db} match" if (suite or method or status) else f"no runs in {db}"

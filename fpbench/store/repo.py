@@ -27,6 +27,7 @@ from fpbench.errors import FpbenchError
 from fpbench.store.claims import ClaimMixin, shown_status, touch_or_raise
 from fpbench.store.models import Metric, Round, Run
 from fpbench.store.ownership import State, create, probe, sqlite_path
+from fpbench.store.provenance import git_commit as source_commit
 from fpbench.store.schema import check_version, database_id, needs_upgrade, upgrade
 from fpbench.store.sqlite import (
     configure_sqlite,
@@ -39,7 +40,7 @@ MIN_KEY_PREFIX = 4
 RUN_COLUMNS = [
     "id", "run_key", "suite", "method", "dataset", "partition", "seed", "status", "error",
     "created_at", "finished_at", "wall_s", "fpbench_version", "torch_version", "device",
-    "peak_mem_bytes", "round_flops",
+    "peak_mem_bytes", "round_flops", "git_commit",
 ]  # fmt: skip
 METRIC_COLUMNS = [
     "run_id", "suite", "method", "dataset", "partition", "seed", "round", "client_id", "name",
@@ -75,6 +76,7 @@ class RunRecord:
     traceback: str | None = None  # of a failed run
     peak_mem_bytes: int | None = None  # what it cost (fpbench.engine.cost)
     round_flops: int | None = None
+    git_commit: str | None = None  # the source it ran (`fpbench.store.provenance`)
 
 
 def _record(run: Run) -> RunRecord:
@@ -293,8 +295,10 @@ class Store(ClaimMixin):
         fpbench_version: str,
         torch_version: str,
         device: str,
+        git_commit: str | None | bool = True,
     ) -> RunRecord:
-        """Insert a new run with status 'pending'.
+        """Insert a new run with status 'pending'. `git_commit`: True (default) stores fpbench's
+        own commit (`fpbench.store.provenance`); a string or None is stored as given.
 
         Raises:
             FpbenchError: a run with this key already exists.
@@ -313,6 +317,7 @@ class Store(ClaimMixin):
             fpbench_version=fpbench_version,
             torch_version=torch_version,
             device=device,
+            git_commit=source_commit() if git_commit is True else git_commit or None,
         )
         try:
             with self._session.begin() as s:
@@ -442,6 +447,13 @@ class Store(ClaimMixin):
             )
             if metric_rows:
                 s.execute(insert(Metric), metric_rows)
+
+    def delete_run(self, run_id: int) -> None:
+        """Remove a run with its rounds and metrics (a rerun of its suite runs it afresh)."""
+        with self._session.begin() as s:
+            s.execute(delete(Metric).where(Metric.run_id == run_id))
+            s.execute(delete(Round).where(Round.run_id == run_id))
+            s.execute(delete(Run).where(Run.id == run_id))
 
     def truncate_after(self, run_id: int, round: int) -> None:
         """Delete rounds and metrics with round > `round` (before resuming from a checkpoint)."""

@@ -11,7 +11,8 @@ only widened); a newer one is refused before anything is written, because this f
 not know what its extra tables, columns and statuses mean.
 
 Later nullable columns that an older fpbench can ignore are added the same way without a new
-version: `peak_mem_bytes` and `round_flops` (what a run cost, `fpbench.engine.cost`).
+version: `peak_mem_bytes` and `round_flops` (what a run cost, `fpbench.engine.cost`), and
+`git_commit` (the source it ran, `fpbench.store.provenance`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ SCHEMA_VERSION = 3
 VERSION_KEY = "schema_version"
 DATABASE_ID_KEY = "database_id"
 # runs columns newer than version 1
-ADDED_COLUMNS = ("owner", "heartbeat_at", "traceback", "peak_mem_bytes", "round_flops")
+ADDED_COLUMNS = (
+    "owner", "heartbeat_at", "traceback", "peak_mem_bytes", "round_flops", "git_commit",
+)  # fmt: skip
 
 
 def stored_version(engine: Engine) -> int | None:
