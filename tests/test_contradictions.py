@@ -68,7 +68,7 @@ def test_compare_counts_the_seeds_it_pairs(tmp_path):
     db = fake_db(tmp_path / "s.db", values)
     got = invoke("compare", "a", "b", "--suite", "s", "--db", db.removeprefix("sqlite:///"))
     assert got.exit_code == 0, got.output
-    row = next(line for line in got.stdout.splitlines() if line.startswith("d / p"))
+    row = next(line.strip() for line in got.stdout.splitlines() if "  global  " in line)
     assert row.split()[:5] == ["d", "/", "p", "global", "3"]  # how many seeds, not the ids
     assert "seeds paired" in got.stdout and "3: +20.00, 5: +20.00, 7: +20.00" in got.stdout
 

@@ -81,7 +81,15 @@ def fit_table(title: str | None = None, **kwargs: Any):
     from rich import box
     from rich.table import Table
 
-    return Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, **kwargs)
+    width = min(len(title or ""), console.width)  # a title wider than the columns: one line
+    return Table(
+        title=title,
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+        min_width=width,
+        **kwargs,
+    )
 
 
 def plural(n: int, noun: str) -> str:

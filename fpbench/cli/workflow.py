@@ -84,23 +84,21 @@ def runs(
         )
         return
     suites = sorted(set(listing["suite"]))
-    where = f" of suite {suites[0]}" if len(suites) == 1 else ""
-    table = fit_table(f"{len(listing)} run{'s' if len(listing) != 1 else ''}{where} in {db}")
+    where = f" (suite {suites[0]})" if len(suites) == 1 else ""
+    table = fit_table(f"{len(listing)} run{'s' if len(listing) != 1 else ''} in {db}{where}")
     number = {"justify": "right", "no_wrap": True}
-    wide = console.width >= 100  # the key prefix too (`show` takes either)
     parts = (
         ("method", "dataset", "partition") if where else ("suite", "method", "dataset", "partition")
     )
     table.add_column("id", **number)
-    if wide:
-        table.add_column("key", no_wrap=True)
+    table.add_column("key", no_wrap=True)  # `show` takes the id or the key
     table.add_column(" / ".join(parts), overflow="fold", ratio=1)
     for head in ("seed", "status", "rounds", "wall s", "glob", "mean", "worst"):
         table.add_column(head, **(number if head != "status" else {"no_wrap": True}))
     for row in listing.itertuples(index=False):
         table.add_row(
             str(row.id),
-            *([row.run_key[:8]] if wide else []),
+            row.run_key[:8],
             " / ".join(str(getattr(row, c)) for c in parts),
             str(row.seed),
             row.status,
