@@ -292,6 +292,12 @@ def table(
             f"suite {name}: mean ± std over seeds" + (", [95% t-interval]" if ci else ""),
             out,
         )
+    elif fmt is TableFormat.md:  # the README's form, its legend a note on stderr
+        from fpbench.cli.summary import readme_markdown
+
+        text, legend = readme_markdown(summary)
+        write_or_print(text, out)
+        notes = [legend, *notes] if legend else notes
     else:
         write_or_print(render(summary, fmt.value), out)
     for note in notes:  # on stderr: the table itself stays clean to redirect or paste
