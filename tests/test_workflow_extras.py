@@ -149,3 +149,19 @@ def test_the_live_view_shows_accuracy_and_loss_beside_the_bar():
     assert bar.fields["shown"] == "" and bar.completed == 1
     observer.round_end(cfg, 1, {"acc_global": 0.2189, "acc_local_worst": 0.05, "loss_train": 1.5})
     assert bar.fields["shown"] == "global 21.89%  worst 5.00%  loss 1.5" and bar.completed == 2
+
+
+def test_every_missing_dataset_is_named_at_once(here):
+    suite = (
+        'name = "real"\nseeds = [0]\n[defaults]\nbackbone = { name = "vit-test" }\n'
+        'train = { rounds = 1 }\n[[datasets]]\nname = "cifar10"\n[[datasets]]\nname = "dtd"\n'
+        '[[partitions]]\nname = "iid"\n[[methods]]\nname = "fedvpt"\n'
+    )
+    (here / "real.toml").write_text(suite)
+    (here / "empty").mkdir()
+    got = invoke("run", "--suite", "real.toml", "--data-root", "empty", "--db", "x.db")
+    assert got.exit_code == 2, got.output
+    said = " ".join(got.stderr.split())
+    assert said.startswith("error: 2 inputs are missing: dataset 'cifar10' not found under")
+    assert "; dataset 'dtd' not found under" in said
+    assert not (here / "x.db").exists()

@@ -224,9 +224,11 @@ def run(
     from fpbench.engine.dispatch import CELL_KEY, Dispatch, run_cells, validate  # imports torch
 
     needed = [name for c in cells for name in _datasets_of(c)]  # cross-dataset targets too
-    require_present(needed, data_root_of())  # before anything is written
-    require_generated(cells)  # GPT-FL's generated images, likewise
-    require_descriptions(cells)  # FedMVP's attribute descriptions, likewise
+    root = data_root_of()
+    _all_present(  # before anything is written; every missing input named at once
+        [lambda n=name: require_present([n], root) for name in dict.fromkeys(needed)]
+        + [lambda: require_generated(cells), lambda: require_descriptions(cells)]
+    )
     url = Store.url_from_path_or_url(db if "://" in db else Path(db).absolute())
     dispatch = Dispatch(
         launcher=launcher,
@@ -283,6 +285,20 @@ def run(
         err.print(said, highlight=False, soft_wrap=True, markup=False)
         raise typer.Exit(signals.exit_code) from None
     _report_results(loaded.name, results, loaded.name if sets else suite, db)
+
+
+def _all_present(checks) -> None:
+    """Run every check; one error naming each missing dataset or file, not only the first."""
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except FpbenchError as e:
+            problems.append(str(e))
+    if len(problems) == 1:
+        raise FpbenchError(problems[0])
+    if problems:
+        raise FpbenchError(f"{len(problems)} inputs are missing: " + "; ".join(problems))
 
 
 def _check_devices(cells) -> None:
