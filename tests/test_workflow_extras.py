@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import sqlite3
 import subprocess
 from types import SimpleNamespace
@@ -165,3 +166,20 @@ def test_every_missing_dataset_is_named_at_once(here):
     assert said.startswith("error: 2 inputs are missing: dataset 'cifar10' not found under")
     assert "; dataset 'dtd' not found under" in said
     assert not (here / "x.db").exists()
+
+
+def test_the_report_runs_table_has_each_runs_final_accuracies(here):
+    from fpbench.report.html import build_report
+
+    url = fake_db(here / "r.db", {("a", 0): [0.5, 0.6], ("b", 0): [0.4, 0.25]})
+    with Store(url) as store:
+        page = build_report(store.metrics(suite="s"), store.runs(suite="s"), "s").html
+    table = page[page.index('<table class="dataframe runs">') :]
+    table = table[: table.index("</table>")]
+    heads = re.findall(r"<th>(.*?)</th>", table)
+    rows = [re.findall(r"<td>(.*?)</td>", r) for r in table.split("<tr>")[1:]]
+    column = {h: [r[i] for r in rows] for i, h in enumerate(heads)}
+    assert column["global %"] == ["60.00", "25.00"]  # the last round's (a 2-round run)
+    assert column["local mean %"] == ["30.00", "12.50"]
+    assert "local worst %" not in column  # not stored: no empty column
+    assert "table.runs { font-size: 0.8rem; display: block; max-width: 100%" in page
