@@ -368,6 +368,8 @@ def test_table_of_a_suite_with_an_interrupted_seed_shows_the_finished_ones(workd
     assert code == 0, stderr
     assert stdout == _cli("table", "--suite", "tiny.toml", "--db", "seed0.db")[1]
     assert stderr.splitlines() == [
+        "all columns: synthetic / pathological; global = acc_global; local mean = "
+        "acc_local_mean; local worst = acc_local_worst (%)",
         "each cell: mean ± std over 1 seed",
         "left out 1 unfinished run: fedvpt / synthetic / pathological / seed 1 (interrupted, "
         "stored up to round 1)",
