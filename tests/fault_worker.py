@@ -11,6 +11,7 @@ FAULT (K: the round, or the training step for kill-at-step; ignored where not ne
   kill-in-finish        SIGKILL inside the commit that marks the cell done
   kill-in-create        SIGKILL while the new database file is being created
   ctrl-c                SIGINT (Ctrl-C) at the start of round K
+  sigterm               SIGTERM (SLURM's time limit, scancel, timeout) at the start of round K
   disk-full-checkpoint  round K's checkpoint write fails: no space left on device
   disk-full-db          round K's database write fails: database or disk is full
 Used by tests/test_fault_campaign.py.
@@ -118,14 +119,15 @@ def inject(fault: str, k: int) -> None:
         from fpbench.store import ownership
 
         ownership.os.link = lambda *a, **kw: _die()
-    elif fault == "ctrl-c":
+    elif fault in ("ctrl-c", "sigterm"):
         from fpbench.engine import rounds
 
         play = rounds.play_round
+        signum = signal.SIGINT if fault == "ctrl-c" else signal.SIGTERM
 
         def play_round(populations, server, task, cfg, r, *args, **kwargs):
             if r == k:
-                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signum)
             return play(populations, server, task, cfg, r, *args, **kwargs)
 
         rounds.play_round = play_round

@@ -200,12 +200,45 @@ def test_kill_9_then_rerun_equals_the_uninterrupted_run(folder, reference, fedvp
 def test_ctrl_c_then_rerun(folder, reference, fedvpt_key):
     stopped = _run(folder, "ctrl-c", 1, "ctrl-c.db", "--method", "fedvpt")
     assert stopped.returncode == 130, stopped.stdout + stopped.stderr
-    assert "interrupted at round 1 of cell fedvpt / synthetic / pathological / seed 0" in (
+    assert "interrupted after round 1/3 of cell fedvpt / synthetic / pathological / seed 0" in (
         " ".join(stopped.stderr.split())
     )
     _after_fault(folder, "ctrl-c.db", fedvpt_key[0], "interrupted")
     _settle(folder, "ctrl-c.db", "--method", "fedvpt")
     _compare(folder, "ctrl-c.db", reference, fedvpt_key)
+
+
+def test_sigterm_then_rerun(folder, reference, fedvpt_key):
+    """SIGTERM (SLURM's time limit, scancel, timeout) is Ctrl-C: stored interrupted, exit 143."""
+    stopped = _run(folder, "sigterm", 1, "sigterm.db", "--method", "fedvpt")
+    assert stopped.returncode == 143, stopped.stdout + stopped.stderr
+    said = " ".join(stopped.stderr.split())
+    assert said.startswith("SIGTERM: interrupted after round 1/3 of cell fedvpt / synthetic"), said
+    assert "Traceback" not in said
+    _after_fault(folder, "sigterm.db", fedvpt_key[0], "interrupted")
+    with Store(_url(folder, "sigterm.db")) as store:
+        assert store.find_run(fedvpt_key[0]).error == "interrupted after round 1/3 (SIGTERM)"
+    _settle(folder, "sigterm.db", "--method", "fedvpt")
+    _compare(folder, "sigterm.db", reference, fedvpt_key)
+
+
+def test_sigterm_from_outside_stops_every_worker_of_a_pool(folder, reference):
+    """`kill PID` (or `timeout`) on a `--jobs 2` driver: its workers stop too, storing their
+    cells interrupted, not `running`; the rerun completes them to the uninterrupted rows."""
+    driver = _start(folder, "none", 0, "pool.db", "--jobs", "2")
+    for line in driver.stdout:  # plain log lines off a terminal
+        if line.split()[1:2] == ["round"]:
+            break
+    driver.send_signal(signal.SIGTERM)
+    _, stderr = driver.communicate(timeout=TIMEOUT_S)
+    COUNTS["faults injected"] += 1
+    assert driver.returncode == 143, stderr
+    assert "SIGTERM: interrupted" in stderr and "Traceback" not in stderr
+    with Store(_url(folder, "pool.db")) as store:
+        statuses = set(store.runs()["status"])
+    assert "running" not in statuses and "interrupted" in statuses, statuses
+    _settle(folder, "pool.db", "--jobs", "2")
+    _compare(folder, "pool.db", reference)
 
 
 @pytest.mark.parametrize("fault", ["disk-full-checkpoint", "disk-full-db"])

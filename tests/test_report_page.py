@@ -274,7 +274,7 @@ def test_page_head_body_order_and_left_out_runs():
         "<h2>Summary tables</h2>",
         INTRO,
         '<p class="missing">left out 1 unfinished run: sgpt / cifar100 / dir / seed 0 (running, '
-        "rounds 0-0 stored)</p>",
+        "stored up to round 1)</p>",
     ]
     assert rest[3] == "<h3>base-novel harmonic mean (%)</h3>"
     tail = rest[rest.index("<h2>Plots</h2>") :]
@@ -324,7 +324,7 @@ def test_page_errors_name_the_suite_and_the_unfinished_runs():
         build_report(metrics, runs, "s")
     assert str(err.value) == (
         "no finished runs of suite s yet (left out 1 unfinished run: sgpt / cifar100 / dir / "
-        "seed 0 (failed, rounds 0-0 stored))"
+        "seed 0 (failed, stored up to round 1))"
     )
 
 

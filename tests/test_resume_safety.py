@@ -196,7 +196,7 @@ def test_ctrl_c_says_where_stores_interrupted_and_exits_130_then_a_rerun_resumes
     assert code == 130, stderr
     key = load_suite("tiny.toml").cells[1].run_key
     said = (
-        f"interrupted at round 1 of cell fedvpt / synthetic / pathological / seed 0 ({key}); "
+        f"interrupted after round 1/2 of cell fedvpt / synthetic / pathological / seed 0 ({key}); "
         "rerun the same command to resume"
     )
     assert [line for line in stderr.splitlines() if line.strip()][-1] == said, stderr
@@ -205,15 +205,19 @@ def test_ctrl_c_says_where_stores_interrupted_and_exits_130_then_a_rerun_resumes
         record = store.find_run(key)
     assert (record.status, record.error, record.traceback) == (
         "interrupted",
-        "interrupted at round 1 (Ctrl-C)",
+        "interrupted after round 1/2 (Ctrl-C)",
         None,
     )
     assert _rounds(workdir / "x.db") == [0]
     code, stdout, _ = _cli(*run, "--db", "x.db", "--dry-run")
-    assert re.search(r"│ interrupt… +│", stdout) and "interrupted: stopped by Ctrl-C" in stdout
+    assert (
+        re.search(r"  interrupted  ", stdout)  # the status whole, never cut
+        and "interrupted: stopped by Ctrl-C or SIGTERM" in stdout
+    )
     check = CliRunner().invoke(app, ["db", "check", "x.db"])
     assert (
-        check.exit_code == 1 and "interrupted at round 1 (Ctrl-C); rerun the suite" in check.output
+        check.exit_code == 1
+        and "interrupted after round 1/2 (Ctrl-C); rerun the suite" in check.output
     )
     code, stdout, stderr = _cli(*run, "--db", "x.db")
     assert code == 0, stderr
@@ -242,7 +246,25 @@ def test_a_run_whose_process_died_shows_as_stale_and_is_taken_over(workdir):
     assert check.exit_code == 1
     assert f"stale: running, but its process ({dead}) is gone" in check.output
     _, stdout, _ = _cli("run", "--suite", "tiny.toml", "--db", "x.db", "--dry-run")
-    assert re.search(r"│ stale +│", stdout) and "stale: running, but its process is gone" in stdout
+    assert re.search(r"  stale  ", stdout) and "stale: running, but its process is gone" in stdout
+    # every view says stale, as `db check` does, never `running` for a dead process
+    views = {
+        "runs": ["runs", "--db", "x.db"],
+        "show": ["show", "1", "--db", "x.db"],
+        "table": ["table", "--suite", "tiny.toml", "--db", "x.db"],
+    }
+    said = {name: _cli(*args) for name, args in views.items()}
+    assert said["runs"][0] == said["show"][0] == 0, said  # table: nothing finished to show
+    assert " stale " in said["runs"][1] and " running " not in said["runs"][1]
+    assert "status=stale" in said["show"][1]
+    assert f"stale: running, but its process ({dead}) is gone" in said["show"][1]
+    assert "(stale, stored up to round 1)" in " ".join(said["table"][2].split())
+    from fpbench.report import html
+
+    with _store(workdir / "x.db") as store:
+        header = html._header(store.runs(suite="tiny"), "tiny", dt.datetime.now())
+    assert "1 stale" in header and "running" not in header
+    assert _cli("runs", "--status", "stale", "--db", "x.db")[1].count(" stale ") == 1
     code, stdout, stderr = _cli("run", "--suite", "tiny.toml", "--method", "fedvpt", "--db", "x.db")
     assert code == 0 and "1 cell ran, 0 already done" in stdout, stdout + stderr
     assert _rounds(workdir / "x.db") == [0, 1]
@@ -322,7 +344,7 @@ def test_unfinished_runs_are_left_out_of_tables_saying_so():
     table = summary_table(kept, ["acc_global"])
     assert table.loc["fedvpt"].tolist() == ["60.00 ± 14.14"]  # seeds 0 and 1, not seed 2's 10%
     assert unfinished_note(left_out) == (
-        "left out 1 unfinished run: fedvpt / syn / dir / seed 2 (interrupted, rounds 0-1 stored)"
+        "left out 1 unfinished run: fedvpt / syn / dir / seed 2 (interrupted, stored up to round 2)"
     )
     assert unfinished_note(left_out.iloc[:0]) is None
     assert seeds_note(kept, ["acc_global"]) == (
@@ -346,11 +368,45 @@ def test_table_of_a_suite_with_an_interrupted_seed_shows_the_finished_ones(workd
     assert code == 0, stderr
     assert stdout == _cli("table", "--suite", "tiny.toml", "--db", "seed0.db")[1]
     assert stderr.splitlines() == [
+        "all columns: synthetic / pathological; global = acc_global; local mean = "
+        "acc_local_mean; local worst = acc_local_worst (%)",
         "each cell: mean ± std over 1 seed",
         "left out 1 unfinished run: fedvpt / synthetic / pathological / seed 1 (interrupted, "
-        "rounds 0-0 stored)",
+        "stored up to round 1)",
     ]
     with _store(workdir / "x.db") as store:
         page = build_report(store.metrics(suite="tiny"), store.runs(suite="tiny"), "tiny").html
     assert "left out 1 unfinished run: fedvpt / synthetic / pathological / seed 1" in page
     assert "each cell: mean ± std over 1 seed" in page
+
+
+def test_sigterm_is_stored_as_interrupted_exits_143_and_a_rerun_resumes(workdir, monkeypatch):
+    """What SLURM's time limit, scancel, `timeout` and `docker stop` send, handled as Ctrl-C."""
+    import os
+    import signal
+
+    run = ("run", "--suite", "tiny.toml", "--method", "fedvpt", "--checkpoint-dir", "ck")
+    assert _cli(*run, "--db", "whole.db")[0] == 0
+    play = rounds.play_round
+
+    def play_round(populations, server, task, cfg, r, *args, **kwargs):
+        if r == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return play(populations, server, task, cfg, r, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(rounds, "play_round", play_round)
+        code, _, stderr = _cli(*run, "--db", "x.db")
+    assert code == 143, stderr
+    key = load_suite("tiny.toml").cells[1].run_key
+    assert [line for line in stderr.splitlines() if line.strip()][-1] == (
+        f"SIGTERM: interrupted after round 1/2 of cell fedvpt / synthetic / pathological / "
+        f"seed 0 ({key}); rerun the same command to resume"
+    )
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
+    with _store(workdir / "x.db") as store:
+        record = store.find_run(key)
+    assert (record.status, record.error) == ("interrupted", "interrupted after round 1/2 (SIGTERM)")
+    assert _rounds(workdir / "x.db") == [0]
+    assert _cli(*run, "--db", "x.db")[0] == 0
+    assert rows(workdir / "x.db") == rows(workdir / "whole.db")

@@ -63,7 +63,7 @@ def test_rounds_cells_and_eta():
     lines = out.getvalue().splitlines()[2:]
     assert len(lines) == 3 and all(re.match(STAMP, line) for line in lines)
     assert lines[0].endswith(
-        "start  fedvpt / cifar100 / s=10 / seed 0 (10 rounds, resuming at round 3)"
+        "start  fedvpt / cifar100 / s=10 / seed 0 (10 rounds, resuming after round 2/10)"
     )
     # 3 rounds (2, 3, 4) in 30 s: 10 s a round, 5 rounds to go
     assert lines[1][9:] == (

@@ -177,9 +177,11 @@ class _InterruptAt(Observer):
             raise KeyboardInterrupt
 
 
-@pytest.mark.parametrize("after, resume_at", [(None, 0), (0, 1)])
+@pytest.mark.parametrize(
+    "after, resume_at, said", [(None, 0, "before round 1/2"), (0, 1, "after round 1/2")]
+)
 def test_ctrl_c_in_the_rounds_stores_where_to_resume(
-    store, tmp_path, monkeypatch, after, resume_at
+    store, tmp_path, monkeypatch, after, resume_at, said
 ):
     """Interrupted after round k is stored: the cell resumes at k + 1 (0 if none is stored)."""
     cfg = tiny_config(rounds=2)
@@ -192,7 +194,7 @@ def test_ctrl_c_in_the_rounds_stores_where_to_resume(
     record = store.find_run(cfg.run_key)
     assert (record.status, record.error) == (
         "interrupted",
-        f"interrupted at round {resume_at} (Ctrl-C)",
+        f"interrupted {said} (Ctrl-C)",
     )
 
 

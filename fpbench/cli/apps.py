@@ -10,18 +10,21 @@ import typer
 import fpbench
 from fpbench.cli.common import console
 
+# help as click writes it (rich_markup_mode=None): reflowed to the terminal's width (at most
+# 80 columns), option names and defaults never cut, and `[low, high]` in a help text kept (Rich
+# markup would eat it)
+PLAIN = {"no_args_is_help": True, "rich_markup_mode": None}
 app = typer.Typer(
     help="Benchmark suite for federated prompt tuning.",
-    no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    **PLAIN,
 )
-plot_app = typer.Typer(help="Draw plots from the results database.", no_args_is_help=True)
+plot_app = typer.Typer(help="Draw plots from the results database.", **PLAIN)
 
-db_app = typer.Typer(help="Maintain results databases (merge, check, diff).", no_args_is_help=True)
+db_app = typer.Typer(help="Maintain results databases (merge, check, diff).", **PLAIN)
 data_app = typer.Typer(
-    help="Real datasets: where they are (status) and preparing them once (prepare).",
-    no_args_is_help=True,
+    help="Real datasets: where they are (status) and preparing them once (prepare).", **PLAIN
 )
 app.add_typer(plot_app, name="plot")
 app.add_typer(db_app, name="db")

@@ -74,6 +74,24 @@ def parse_sets(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
+def fit_table(title: str | None = None, **kwargs: Any):
+    """A rich Table shaped for a narrow screen: a rule under the header, no outer frame, one
+    space between columns. Numbers belong in `no_wrap` columns (never cut); text columns
+    fold, so the table fits the width (the terminal's, else $COLUMNS, else 80)."""
+    from rich import box
+    from rich.table import Table
+
+    width = min(len(title or ""), console.width)  # a title wider than the columns: one line
+    return Table(
+        title=title,
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+        min_width=width,
+        **kwargs,
+    )
+
+
 def plural(n: int, noun: str) -> str:
     """'1 cell', '5 cells' (nouns whose plural adds an s)."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
@@ -87,13 +105,17 @@ def sqlite_missing(db: str) -> bool:
     return url.startswith("sqlite:///") and not Path(url[len("sqlite:///") :]).exists()
 
 
-def open_store(db: str, *, must_exist: bool = False):
-    """The results store; with `must_exist`, a missing SQLite file is an error, not created."""
+def open_store(db: str, *, must_exist: bool = False, read_only: bool | None = None):
+    """The results store; with `must_exist`, a missing SQLite file is an error, not created.
+
+    `read_only` (default: `must_exist`, which every command that only reads passes): opened
+    without writing a byte, so a database in a read-only folder opens (`Store`)."""
     from fpbench.store import Store
 
     if must_exist and sqlite_missing(db):
         raise FpbenchError(f"no results database at {db}; run `fpbench run` first or pass --db")
-    return Store(Store.url_from_path_or_url(db))
+    read_only = must_exist if read_only is None else read_only
+    return Store(Store.url_from_path_or_url(db), read_only=read_only)
 
 
 def suite_name(suite: str) -> str:
@@ -131,7 +153,12 @@ def write_or_print(text: str, out: Path | None) -> None:
 
 
 def load_cells(
-    suite: str, sets: list[str] | None, methods: list[str] | None, seeds: list[int] | None = None
+    suite: str,
+    sets: list[str] | None,
+    methods: list[str] | None,
+    seeds: list[int] | None = None,
+    datasets: list[str] | None = None,
+    partitions: list[str] | None = None,
 ) -> tuple[Any, list]:
     """The suite (with `--set`s applied) and its cells of these methods and seeds.
 
@@ -144,12 +171,31 @@ def load_cells(
     if values and methods:
         select_cells(load_suite(suite), methods)  # an unknown method is named as without sets
     loaded = load_suite(suite, values, methods if values else None)
-    return loaded, select_cells(loaded, methods, seeds)
+    return loaded, select_cells(loaded, methods, seeds, datasets, partitions)
 
 
-def select_cells(suite, methods: list[str] | None, seeds: list[int] | None = None) -> list:
-    """The suite's cells of these methods (names or labels) and seeds; none given: all."""
+def select_cells(
+    suite,
+    methods: list[str] | None,
+    seeds: list[int] | None = None,
+    datasets: list[str] | None = None,
+    partitions: list[str] | None = None,
+) -> list:
+    """The suite's cells of these methods, datasets and partitions (names or labels) and seeds;
+    a filter not given keeps all."""
     cells = list(suite.cells)
+    for what, wanted in (("dataset", datasets), ("partition", partitions)):
+        if wanted:
+            known = sorted(
+                {getattr(c, what).label for c in cells} | {getattr(c, what).name for c in cells}
+            )
+            if unknown := [w for w in wanted if w not in known]:
+                raise FpbenchError(
+                    f"{what}(s) {unknown} not in suite {suite.name}; valid: {', '.join(known)}"
+                )
+            cells = [
+                c for c in cells if {getattr(c, what).label, getattr(c, what).name} & set(wanted)
+            ]
     if methods:
         known = sorted({c.method.label for c in cells} | {c.method.name for c in cells})
         unknown = [m for m in methods if m not in known]

@@ -21,6 +21,16 @@ def _existing(db: str) -> str:
     return url
 
 
+def _same_database(a: str, b: str) -> bool:
+    """Whether two URLs name one database (SQLite paths compared as resolved files)."""
+    from fpbench.store import Store
+
+    fa, fb = Store.sqlite_file(a), Store.sqlite_file(b)
+    if fa is not None and fb is not None:
+        return fa.expanduser().resolve() == fb.expanduser().resolve()
+    return a == b
+
+
 @db_app.command("merge")
 @user_errors
 def merge(
@@ -38,7 +48,12 @@ def merge(
 
     urls = [_existing(db) for db in inputs]  # every input checked before OUT is touched
     for db, url in zip(inputs, urls, strict=True):
-        with Store(url) as src:  # readable, not of a newer schema version, no broken runs
+        if _same_database(url, Store.url_from_path_or_url(out)):
+            raise FpbenchError(f"cannot merge {db} into itself (it is OUT); name another output")
+    for db, url in zip(inputs, urls, strict=True):
+        with Store(
+            url, read_only=True
+        ) as src:  # readable, not of a newer schema version, no broken runs
             if broken := broken_runs(src):
                 p = broken[0]
                 more = f" (and {len(broken) - 1} more problems)" if len(broken) > 1 else ""
@@ -49,7 +64,7 @@ def merge(
     total = MergeStats()
     with Store(Store.url_from_path_or_url(out)) as target:
         for db, url in zip(inputs, urls, strict=True):
-            with Store(url) as src:
+            with Store(url, read_only=True) as src:
                 stats = merge_into(target, src)
             copied = _copy_params(url, target.url)
             more = f", {copied} trained state(s) copied" if copied else ""
@@ -97,7 +112,7 @@ def check(
     from fpbench.store import Store
     from fpbench.store.check import check as find_problems
 
-    with Store(_existing(db)) as store:
+    with Store(_existing(db), read_only=True) as store:
         problems = find_problems(store)
         n_runs = len(store.runs())
     if not problems:
@@ -130,7 +145,7 @@ def diff(
     from fpbench.store.diff import diff as compare
 
     url_a, url_b = _existing(a), _existing(b)
-    with Store(url_a) as sa, Store(url_b) as sb:
+    with Store(url_a, read_only=True) as sa, Store(url_b, read_only=True) as sb:
         found = compare(sa, sb, keep=show)
     for line in (
         f"runs in A ({a}): {found.runs_a:,}",
@@ -152,3 +167,46 @@ def diff(
             console.print(line, highlight=False, soft_wrap=True, markup=False)
     if not found.same:
         raise typer.Exit(1)
+
+
+@db_app.command("delete")
+@user_errors
+def delete(
+    runs: Annotated[
+        list[str], typer.Argument(metavar="RUN...", help="run ids or run_key prefixes")
+    ],
+    db: Annotated[str, typer.Option("--db", help="results database: a path or SQLAlchemy URL")] = (
+        "results/fpbench.db"
+    ),
+    yes: Annotated[bool, typer.Option("--yes", help="delete; without it, only list them")] = False,
+) -> None:
+    """Delete runs with their rounds and metrics, to run them afresh (reset) or drop them.
+
+    Without --yes, lists what would go. A running run whose claim is live is refused. A rerun of
+    the suite runs a deleted cell from round 0: its old checkpoint is bound to the deleted run
+    and ignored.
+    """
+    from fpbench.cli.common import open_store
+    from fpbench.store import claim_is_live
+
+    with open_store(db, must_exist=True, read_only=False) as store:
+        records = list({r.id: r for r in (store.get_run(ref) for ref in runs)}.values())
+        for r in records:
+            if claim_is_live(r):
+                raise FpbenchError(
+                    f"run {r.id} ({r.run_key}) is running in a live process ({r.owner}); "
+                    "stop it first"
+                )
+        for r in records:
+            cell = f"{r.method} / {r.dataset} / {r.partition} / seed {r.seed}"
+            said = "deleted" if yes else "would delete"
+            console.print(
+                f"{said} run {r.id} {r.run_key} ({r.suite}: {cell}, {r.status})",
+                highlight=False,
+                markup=False,
+                soft_wrap=True,
+            )
+            if yes:
+                store.delete_run(r.id)
+    if not yes:
+        console.print("nothing deleted: add --yes to delete", highlight=False)

@@ -25,6 +25,7 @@ from fpbench.cli.common import (
     user_errors,
     write_or_print,
 )
+from fpbench.errors import FpbenchError
 
 OutOpt = Annotated[
     Path, typer.Option(help="output image (.png also writes a .pdf beside it; .pdf, .svg)")
@@ -48,7 +49,7 @@ def paper_renderables(
     if sqlite_missing(db):
         results = Results(pd.DataFrame(columns=METRIC_COLUMNS))
     else:
-        with open_store(db) as store:
+        with open_store(db, read_only=True) as store:
             results = load_results(store, suites)
     return [render(filled, fmt, width) for filled in fill_paper(spec, results, table)]
 
@@ -270,20 +271,36 @@ def plot_comm(
     out: OutOpt,
     metric: MetricOpt = "acc_global",
     target: Annotated[
-        float | None, typer.Option(help="target accuracy (percent or fraction)")
+        float | None,
+        typer.Option(help="target accuracy: a percent (60) or a fraction (0.6); at most 100%"),
     ] = None,
     db: DbOpt = DEFAULT_DB,
 ) -> None:
     """Accuracy vs cumulative bytes; with --target, rounds/time/bytes to reach it."""
     from fpbench.report.plots import comm, to_target
 
+    goal = None if target is None else accuracy_target(target, metric)
     name, res = _load(db, suite)
-    goal = None if target is None else (target / 100 if target > 1 else target)
     save_figure(
         comm(res.metrics, res.rounds, metric, target=goal, suite=name), out, pdf_beside=True
     )
     if goal is not None:
         console.print(_target_table(to_target(res.metrics, res.rounds, metric, goal), goal))
+
+
+def accuracy_target(target: float, metric: str) -> float:
+    """`--target` as the stored value: 60 and 0.6 both mean 60% of an accuracy; above 100% no
+    accuracy reaches, so it is refused (150 meant 1.5 = 150% before)."""
+    from fpbench.report.tables import is_percent
+
+    if not is_percent(metric):
+        return target
+    if not 0 < target <= 100:
+        raise FpbenchError(
+            f"--target {target:g}: an accuracy target is a percent in (0, 100] or a fraction "
+            "in (0, 1], e.g. 60 or 0.6"
+        )
+    return target / 100 if target > 1 else target
 
 
 def _target_table(frame: Any, goal: float) -> Any:

@@ -169,23 +169,28 @@ def show(
     db: DbOpt = DEFAULT_DB,
 ) -> None:
     """Show one run: its identity, status, what it cost, its config and final metrics."""
+    from fpbench.store.claims import CLAIM_TIMEOUT_S, stale_reason
     from fpbench.units import human_bytes, human_flops
 
     store = open_store(db, must_exist=True)
     record = store.get_run(run_ref)
+    stale = stale_reason(record.status, record.owner, record.heartbeat_at, CLAIM_TIMEOUT_S)
     console.print(
-        f"[bold]run {record.id}[/] {record.run_key}  status={record.status}  "
+        f"[bold]run {record.id}[/] {record.run_key}  status={'stale' if stale else record.status}  "
         f"suite={record.suite} method={record.method} dataset={record.dataset} "
         f"partition={record.partition} seed={record.seed}"
     )
     console.print(
         f"device={record.device} torch={record.torch_version} "
-        f"fpbench={record.fpbench_version} wall_s={record.wall_s or 0:.1f}"
+        f"fpbench={record.fpbench_version} git={record.git_commit or '-'} "
+        f"wall_s={record.wall_s or 0:.1f}"
     )
     console.print(
         f"peak memory={human_bytes(record.peak_mem_bytes)} "
         f"FLOPs of a round={human_flops(record.round_flops)}"
     )
+    if stale:
+        console.print(f"stale: running, but {stale}; a rerun takes it over and resumes it")
     if record.error:
         err.print(f"[red]error:[/] {escape(record.error)}", highlight=False)
     if record.traceback:
@@ -284,6 +289,9 @@ def table(
             f"no finished runs of suite {suite} yet ({notes[-1]}); "
             f"`fpbench run --suite {suite}` finishes them"
         )
+    if ci and not frame.empty and frame.groupby(CELL)["seed"].nunique().max() < 2:
+        ci = False  # a Student-t interval needs two seeds: say so instead of a bare title
+        notes = ["--ci: every cell has one seed, so no confidence interval (it needs two)", *notes]
     summary = summary_table(frame, metric or DEFAULT_METRICS, suite=name, ci=ci)
     if fmt is TableFormat.term:
         _print_term(
@@ -291,6 +299,12 @@ def table(
             f"suite {name}: mean ± std over seeds" + (", [95% t-interval]" if ci else ""),
             out,
         )
+    elif fmt is TableFormat.md:  # the README's form, its legend a note on stderr
+        from fpbench.cli.summary import readme_markdown
+
+        text, legend = readme_markdown(summary)
+        write_or_print(text, out)
+        notes = [legend, *notes] if legend else notes
     else:
         write_or_print(render(summary, fmt.value), out)
     from fpbench.cli.paper import budget_lines
@@ -299,20 +313,28 @@ def table(
         err.print(note, highlight=False, soft_wrap=True, markup=False)
 
 
+CELL = ["method", "dataset", "partition"]
+
+
 def _print_term(summary: Any, title: str, out: Path | None) -> None:
-    """A summary table as a rich terminal table (recorded to `out` when given)."""
+    """A summary table as a rich terminal table fitted to the width, headed as in the README
+    (`path-s4 local mean`), with its legend (recorded to `out` when given)."""
     from rich.console import Console
 
-    from fpbench.report.tables import flat_parts
+    from fpbench.cli.common import fit_table
+    from fpbench.report.tables import readable_parts
 
-    index_names, headers, rows = flat_parts(summary)
-    table = Table(title=title)
+    index_names, headers, rows, legend = readable_parts(summary)
+    table = fit_table(title)
     for i, head in enumerate([*index_names, *headers]):
-        table.add_column(head, justify="left" if i < len(index_names) else "right")
+        left = i < len(index_names)
+        table.add_column(head, justify="left" if left else "right", overflow="fold")
     for row in rows:
         table.add_row(*row)
     target = Console(record=True, width=220) if out else console
     target.print(table)
+    if legend:
+        target.print(legend + " (%)", highlight=False)
     if out:
         write_or_print(target.export_text(), out)
 

@@ -9,8 +9,14 @@ from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from fpbench.cli.apps import app
 from fpbench.cli.common import (
@@ -21,13 +27,16 @@ from fpbench.cli.common import (
     SuiteOpt,
     console,
     err,
+    fit_table,
     load_cells,
     open_store,
+    parse_sets,
     plural,
     sqlite_missing,
     user_errors,
 )
-from fpbench.cli.run_log import LineObserver
+from fpbench.cli.run_log import LineObserver, headline
+from fpbench.cli.signals import SignalWatch, sigterm_interrupts
 from fpbench.errors import FpbenchError
 
 
@@ -40,24 +49,27 @@ class _ProgressObserver:
 
     def __init__(self, progress: Progress, total_cells: int) -> None:
         self.progress = progress
-        self.cells = progress.add_task("cells", total=total_cells)
+        self.cells = progress.add_task("cells", total=total_cells, shown="")
         self.rounds: dict[str, Any] = {}  # run_key -> rounds bar (several with --jobs)
 
     def cell_start(self, cfg, start_round: int) -> None:
         label = f"{cfg.method.label} / {cfg.dataset.label} / {cfg.partition.label} / s{cfg.seed}"
         self.rounds[cfg.run_key] = self.progress.add_task(
-            f"  {label}", total=cfg.train.rounds, completed=start_round
+            f"  {label}", total=cfg.train.rounds, completed=start_round, shown=""
         )
 
     def round_end(self, cfg, round_idx: int, metrics: dict[str, float]) -> None:
         if cfg.run_key in self.rounds:
-            self.progress.update(self.rounds[cfg.run_key], completed=round_idx + 1)
+            bar = self.rounds[cfg.run_key]
+            self.progress.update(bar, completed=round_idx + 1)
+            if metrics:  # as the plain log: accuracies and loss (ETA: its own column)
+                self.progress.update(bar, shown=headline(metrics))
 
     def stage(self, cfg, what: str, done: int, total: int) -> None:
         """A bar for long work outside the rounds (frozen passes, data, pretraining)."""
         key = f"{cfg.run_key if cfg is not None else ''}:{what}"
         if key not in self.rounds:
-            self.rounds[key] = self.progress.add_task(f"  {what}", total=total)
+            self.rounds[key] = self.progress.add_task(f"  {what}", total=total, shown="")
         self.progress.update(self.rounds[key], completed=done)
         if done >= total:
             self.progress.remove_task(self.rounds.pop(key))
@@ -76,6 +88,12 @@ def run(
         list[str] | None, typer.Option(help="only these methods (repeatable)")
     ] = None,
     seed: Annotated[list[int] | None, typer.Option(help="only these seeds (repeatable)")] = None,
+    dataset: Annotated[
+        list[str] | None, typer.Option(help="only these datasets (name or label; repeatable)")
+    ] = None,
+    partition: Annotated[
+        list[str] | None, typer.Option(help="only these partitions (label or name; repeatable)")
+    ] = None,
     sets: SetOpt = None,
     db: DbOpt = DEFAULT_DB,
     device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N")] = None,
@@ -175,7 +193,7 @@ def run(
             f"slurm, ray), how a round's clients train is --client-executor (lockstep, "
             f"reference); got --executor {executor}"
         )
-    loaded, cells = load_cells(suite, sets, method, seed)
+    loaded, cells = load_cells(suite, sets, method, seed, dataset, partition)
     if data_root is not None:  # read by every worker through the environment
         os.environ["FPBENCH_DATA"] = str(data_root.expanduser().absolute())
     given = {
@@ -185,7 +203,8 @@ def run(
         "frozen_precision": frozen_precision,
         "threads": threads,
     }
-    runtime = {k: v for k, v in given.items() if v is not None}
+    overridden = {path.removeprefix("runtime.") for path in parse_sets(sets)}  # --set wins
+    runtime = {k: v for k, v in given.items() if v is not None and k not in overridden}
     if frozen_precision not in (None, "fp32", "tf32", "bf16"):
         raise FpbenchError(
             f"--frozen-precision must be fp32, tf32 or bf16, got {frozen_precision!r}"
@@ -196,6 +215,7 @@ def run(
         )
     cells = [c.model_copy(update={"runtime": c.runtime.model_copy(update=runtime)}) for c in cells]
     if dry_run:
+        _check_devices(cells)  # as the run would, before it builds anything
         _print_cells(loaded.name, cells, db)
         return
     from fpbench.cli.trackers import TrackingObserver, make_trackers
@@ -204,9 +224,11 @@ def run(
     from fpbench.engine.dispatch import CELL_KEY, Dispatch, run_cells, validate  # imports torch
 
     needed = [name for c in cells for name in _datasets_of(c)]  # cross-dataset targets too
-    require_present(needed, data_root_of())  # before anything is written
-    require_generated(cells)  # GPT-FL's generated images, likewise
-    require_descriptions(cells)  # FedMVP's attribute descriptions, likewise
+    root = data_root_of()
+    _all_present(  # before anything is written; every missing input named at once
+        [lambda n=name: require_present([n], root) for name in dict.fromkeys(needed)]
+        + [lambda: require_generated(cells), lambda: require_descriptions(cells)]
+    )
     url = Store.url_from_path_or_url(db if "://" in db else Path(db).absolute())
     dispatch = Dispatch(
         launcher=launcher,
@@ -222,14 +244,25 @@ def run(
     if retry_failed and not (cells := _retry_selection(loaded.name, cells, url)):
         return
     if CELL_KEY not in url:
-        open_store(db).close()  # an unreachable or foreign database fails here; creates nothing
+        open_store(db).close()  # unreachable, foreign or read-only: fails here; creates nothing
+    _require_writable_folder(checkpoint_dir, "--checkpoint-dir")  # before a run row is stored
     warn_if_oversubscribed(threads)
     live = console.is_terminal  # off a terminal (cluster logs, tee): plain lines, no bars
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[shown]}"),
+        TimeRemainingColumn(),
+    )
+    signals = SignalWatch()
     try:
-        with Progress(
-            *columns, TimeElapsedColumn(), console=err, transient=False, disable=not live
-        ) as progress:
+        with (
+            sigterm_interrupts(signals),
+            Progress(
+                *columns, TimeElapsedColumn(), console=err, transient=False, disable=not live
+            ) as progress,
+        ):
             observer = (
                 _ProgressObserver(progress, len(cells))
                 if live
@@ -245,11 +278,48 @@ def run(
                 dispatch=dispatch,
                 observer=observer,
             )
-    except KeyboardInterrupt as e:  # Ctrl-C: the cell is stored as interrupted (runner.py)
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the cell is stored as interrupted
         said = str(e) if e.args else "interrupted; rerun the same command to resume"
+        if signals.terminated:
+            said = f"SIGTERM: {said}"
         err.print(said, highlight=False, soft_wrap=True, markup=False)
-        raise typer.Exit(130) from None
+        raise typer.Exit(signals.exit_code) from None
     _report_results(loaded.name, results, loaded.name if sets else suite, db)
+
+
+def _all_present(checks) -> None:
+    """Run every check; one error naming each missing dataset or file, not only the first."""
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except FpbenchError as e:
+            problems.append(str(e))
+    if len(problems) == 1:
+        raise FpbenchError(problems[0])
+    if problems:
+        raise FpbenchError(f"{len(problems)} inputs are missing: " + "; ".join(problems))
+
+
+def _check_devices(cells) -> None:
+    """Each device the cells name exists here (`--device cuda` on a machine without CUDA)."""
+    from fpbench.engine.build import resolve_device
+
+    for name in sorted({c.runtime.device for c in cells}):
+        resolve_device(name)
+
+
+def _require_writable_folder(folder: Path, option: str) -> None:
+    """Fail now where `folder` (or the nearest existing folder above it) cannot be written."""
+    from fpbench.store.sqlite import folder_writable
+
+    place = folder.resolve()
+    while not place.exists():
+        place = place.parent
+    if not place.is_dir() or not folder_writable(place):
+        raise FpbenchError(
+            f"{option} {folder}: {place} is read-only or not a folder; name a writable one"
+        )
 
 
 def _passive_waits() -> None:
@@ -352,12 +422,28 @@ def _print_summary(suite: str, db: str) -> None:
     if "{run_key}" in db:  # one file per cell: the tables need them merged first
         console.print(f"next: fpbench db merge results/merged.db {db.replace('{run_key}', '*')}")
         return
-    text = summary_text(db, suite, DEFAULT_METRICS)
-    if text is not None:
-        print(text)
+    if console.is_terminal:  # fitted to the screen, as `fpbench table --format term`
+        _print_term_summary(suite, db)
+    elif (text := summary_text(db, suite, DEFAULT_METRICS)) is not None:
+        print(text)  # Markdown in the README's form: a log or a pipe keeps it whole
     console.print("next:", highlight=False)
     for command in next_commands(suite, db):
         console.print(f"  {command}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _print_term_summary(suite: str, db: str) -> None:
+    from fpbench.cli.common import suite_name
+    from fpbench.cli.results import _print_term
+    from fpbench.cli.summary import finished_results
+    from fpbench.report.tables import summary_table
+
+    frame, notes = finished_results(db, suite, DEFAULT_METRICS)
+    if frame.empty:
+        return
+    title = f"suite {suite_name(suite)}: mean ± std over seeds"
+    _print_term(summary_table(frame, DEFAULT_METRICS), title, None)
+    for note in notes:
+        console.print(note, highlight=False, markup=False)
 
 
 def _datasets_of(cfg) -> list[str]:
@@ -375,10 +461,13 @@ def _print_cells(suite: str, cells, db: str) -> None:
     from fpbench.data.prepared import data_root, dataset_state
 
     # no database yet: every cell is new, and a dry run creates nothing
-    store = None if sqlite_missing(db) else open_store(db)
-    table = Table(title=f"suite {suite}: {plural(len(cells), 'cell')}")
+    store = None if sqlite_missing(db) else open_store(db, read_only=True)
+    table = fit_table(f"suite {suite}: {plural(len(cells), 'cell')}")
     for col in ("run_key", "method", "dataset", "partition", "seed", "status", "data"):
-        table.add_column(col)
+        fixed = col in ("run_key", "seed", "status")
+        table.add_column(
+            col, no_wrap=fixed, overflow="fold", justify="right" if col == "seed" else "left"
+        )
     root = data_root()
     data = {name: dataset_state(name, root) for c in cells for name in _datasets_of(c)}
     statuses = set()
@@ -402,7 +491,7 @@ def _print_cells(suite: str, cells, db: str) -> None:
             "it over and resumes it (see `fpbench db check`)"
         )
     if "interrupted" in statuses:
-        console.print("interrupted: stopped by Ctrl-C; a rerun resumes it")
+        console.print("interrupted: stopped by Ctrl-C or SIGTERM; a rerun resumes it")
     if "missing" in data.values():
         console.print(f"data missing under {root}: see `fpbench data status`")
 

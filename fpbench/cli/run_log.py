@@ -63,7 +63,7 @@ class LineObserver:
 
     def cell_start(self, cfg: Any, start_round: int) -> None:
         self.started[cfg.run_key] = (self.now(), start_round)
-        resumed = f", resuming at round {start_round + 1}" if start_round else ""
+        resumed = f", resuming after round {start_round}/{cfg.train.rounds}" if start_round else ""
         rounds = f"{cfg.train.rounds} round{'s' if cfg.train.rounds != 1 else ''}"
         self._line(f"start  {cell_label(cfg)} ({rounds}{resumed})")
 

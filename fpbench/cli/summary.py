@@ -21,14 +21,30 @@ def next_commands(suite: str, db: str) -> list[str]:
 
 
 def summary_text(db: str, suite: str, metrics: Sequence[str]) -> str | None:
-    """The suite's summary table as `fpbench table --suite` prints it, with its notes (how many
-    seeds each cell averages, which unfinished runs are left out); None: no run is done."""
-    from fpbench.report.tables import render, summary_table
+    """The suite's summary table in the README's form (Markdown, headed `path-s4 global`), its
+    legend and notes (how many seeds each cell averages, which unfinished runs are left out);
+    None: no run is done. On a terminal `fpbench run` prints it fitted instead (`summary_table`
+    through `fpbench.cli.results._print_term`)."""
+    from fpbench.report.tables import summary_table
 
     frame, notes = finished_results(db, suite, metrics)
     if frame.empty:
         return None
-    return render(summary_table(frame, list(metrics)), "md") + "".join(f"{n}\n" for n in notes)
+    md, legend = readme_markdown(summary_table(frame, list(metrics)))
+    return md + "".join(f"{n}\n" for n in [legend, *notes] if n)
+
+
+def readme_markdown(table: Any) -> tuple[str, str]:
+    """(a summary table as Markdown in the README's form, `| method | path-s4 global | ...`,
+    its legend line or ''), as `fpbench table` and the end of `fpbench run` print it."""
+    from fpbench.report.tables import readable_parts
+
+    index_names, headers, rows, legend = readable_parts(table)
+    lines = [[*index_names, *headers], [":--"] * len(index_names) + ["--:"] * len(headers)]
+    md = "".join(
+        "| " + " | ".join(c.replace("|", "\\|") for c in line) + " |\n" for line in [*lines, *rows]
+    )
+    return md, f"{legend} (%)" if legend else ""
 
 
 def finished_results(db: str, suite: str, metrics: Sequence[str]) -> tuple[Any, list[str]]:

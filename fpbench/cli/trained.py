@@ -12,7 +12,6 @@ from rich.table import Table
 
 from fpbench.cli.apps import app
 from fpbench.cli.common import DEFAULT_DB, DbOpt, console, open_store, user_errors
-from fpbench.cli.workflow import print_wide
 from fpbench.errors import FpbenchError
 
 
@@ -168,7 +167,7 @@ def _print_rescore(record, cfg, rows: list, stored, split: str) -> None:
         shown = (lambda v: f"{100 * v:.2f}") if is_percent(name) else (lambda v: f"{v:.4g}")
         cells = [shown(known[(None, name)]) if (None, name) in known else "-"] if compare else []
         table.add_row(name + (" (%)" if is_percent(name) else ""), *cells, shown(value))
-    print_wide(table)
+    console.print(table)
     if compare:
         verdict = "all equal" if same == checked else f"{checked - same} differ"
         console.print(

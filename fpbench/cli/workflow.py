@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from fpbench.cli.apps import app
 from fpbench.cli.common import (
@@ -16,6 +15,7 @@ from fpbench.cli.common import (
     DbOpt,
     SuiteOpt,
     console,
+    fit_table,
     open_store,
     suite_name,
     user_errors,
@@ -43,8 +43,19 @@ def runs(
     method: RunsMethodOpt = None,
     status: Annotated[
         list[str] | None,
-        typer.Option(help="only runs with this status: done, failed, running, ... (repeatable)"),
+        typer.Option(
+            help="only runs with this status: done, failed, running, stale, interrupted or "
+            "pending (repeatable)"
+        ),
     ] = None,
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="term (a table), csv or json (every listed column, accuracies as "
+            "fractions, as stored)",
+        ),
+    ] = "term",
     db: DbOpt = DEFAULT_DB,
 ) -> None:
     """List the runs stored in a database, with their headline accuracies.
@@ -55,46 +66,61 @@ def runs(
 
     from fpbench.report.listing import HEADLINE, run_listing
 
+    check_statuses(status)
     name = suite_name(suite) if suite else None
     with open_store(db, must_exist=True) as store:
         listing = run_listing(store, suite=name, methods=method or (), statuses=status or ())
+    if fmt not in ("term", "csv", "json"):
+        raise FpbenchError(f"--format must be term, csv or json, got {fmt!r}")
+    if fmt == "csv":
+        print(listing.to_csv(index=False, lineterminator="\n"), end="")
+        return
+    if fmt == "json":
+        print(listing.to_json(orient="records", indent=1))
+        return
     if listing.empty:
         console.print(
             f"no runs in {db} match" if (suite or method or status) else f"no runs in {db}"
         )
         return
-    table = Table(title=f"{len(listing)} run{'s' if len(listing) != 1 else ''} in {db}")
-    heads = {
-        "acc_global": "global %",
-        "acc_local_mean": "local mean %",
-        "acc_local_worst": "worst %",
-    }
-    columns = ["id", "suite", "method", "dataset", "partition", "seed", "status"]
-    for col in ["id", "key", *columns[1:], "rounds", "wall s", *(heads[h] for h in HEADLINE)]:
-        right = col in ("id", "seed", "rounds", "wall s") or col.endswith("%")
-        table.add_column(col, justify="right" if right else "left", no_wrap=True)
+    suites = sorted(set(listing["suite"]))
+    where = f" (suite {suites[0]})" if len(suites) == 1 else ""
+    table = fit_table(f"{len(listing)} run{'s' if len(listing) != 1 else ''} in {db}{where}")
+    number = {"justify": "right", "no_wrap": True}
+    parts = (
+        ("method", "dataset", "partition") if where else ("suite", "method", "dataset", "partition")
+    )
+    table.add_column("id", **number)
+    table.add_column("key", no_wrap=True)  # `show` takes the id or the key
+    table.add_column(" / ".join(parts), overflow="fold", ratio=1)
+    for head in ("seed", "status", "rounds", "wall s", "glob", "mean", "worst"):
+        table.add_column(head, **(number if head != "status" else {"no_wrap": True}))
     for row in listing.itertuples(index=False):
         table.add_row(
             str(row.id),
             row.run_key[:8],
-            *(str(getattr(row, c)) for c in columns[1:]),
+            " / ".join(str(getattr(row, c)) for c in parts),
+            str(row.seed),
+            row.status,
             "-" if pd.isna(row.rounds) else str(row.rounds),
             "-" if pd.isna(row.wall_s) else f"{row.wall_s:.1f}",
             *(percent(getattr(row, h)) for h in HEADLINE),
         )
-    print_wide(table)
+    console.print(table)
+    console.print(
+        "glob / mean / worst: the run's final global, local-mean and local-worst accuracy (%); "
+        "rounds: how many are stored; `fpbench show ID` shows one",
+        highlight=False,
+    )
 
 
-def print_wide(table: Table) -> None:
-    """Print `table` at its natural width (off a terminal too, where rich assumes 80 columns)."""
-    from rich.console import Console
-    from rich.measure import Measurement
+def check_statuses(statuses: list[str] | None) -> None:
+    """Refuse a --status no run can have (a typo would list nothing and exit 0)."""
+    from fpbench.store.models import STATUSES
 
-    width = Measurement.get(console, console.options.update(max_width=10_000), table).maximum
-    if console.is_terminal or width <= console.width:
-        console.print(table)
-    else:
-        Console(width=width).print(table)
+    valid = (*STATUSES, "stale")
+    if bad := [s for s in statuses or [] if s not in valid]:
+        raise FpbenchError(f"--status {bad[0]!r} is no run status; valid: {', '.join(valid)}")
 
 
 class ExportFormat(str, Enum):
@@ -130,6 +156,7 @@ def export(
     from fpbench.report.export import export_tables, write_tables
     from fpbench.report.listing import run_listing
 
+    check_statuses(status)
     name = suite_name(suite) if suite else None
     with open_store(db, must_exist=True) as store:
         listing = run_listing(store, suite=name, methods=method or (), statuses=status or ())
@@ -163,7 +190,7 @@ def compare(
     import pandas as pd
 
     from fpbench.report.compare import compare_methods
-    from fpbench.report.tables import is_percent
+    from fpbench.report.tables import SHORT_METRICS, is_percent
 
     name = suite_name(suite)
     with open_store(db, must_exist=True) as store:
@@ -172,13 +199,19 @@ def compare(
         frame, method_a, method_b, metric or DEFAULT_METRICS, alpha=alpha, suite=name
     )
     level = f"{100 * (1 - alpha):g}%"
-    table = Table(
-        title=f"suite {name}: B = {method_b} vs A = {method_a}, paired by seed "
-        f"(paired t-test, alpha {alpha:g}; {level} t-interval of the mean difference)"
+    table = fit_table(
+        f"suite {name}: B = {method_b} vs A = {method_a}, paired by seed (paired t-test, "
+        f"alpha {alpha:g}; {level} t-interval of the mean difference)"
     )
-    heads = ["dataset / partition", "metric", "seeds", method_a, method_b, "B - A per seed"]
-    for i, head in enumerate([*heads, "mean B - A", f"{level} CI", "p", "verdict"]):
-        table.add_column(head, justify="left" if i < 3 or i == 9 else "right")
+    number = {"justify": "right", "no_wrap": True}
+    table.add_column("dataset / partition", overflow="fold", ratio=1)
+    table.add_column("metric")
+    for head in ("n", "A", "B", "B - A"):
+        table.add_column(head, **number)
+    table.add_column(f"{level} CI", **number)
+    table.add_column("p", **number)
+    table.add_column("verdict")
+    per_seed = []
     for row in found.itertuples(index=False):
         scale = 100.0 if is_percent(row.metric) else 1.0
         ci = (
@@ -186,16 +219,30 @@ def compare(
             if pd.isna(row.ci_low)
             else f"[{row.ci_low * scale:+.2f}, {row.ci_high * scale:+.2f}]"
         )
+        metric_name = SHORT_METRICS.get(row.metric, row.metric)
         table.add_row(
             f"{row.dataset} / {row.partition}",
-            row.metric,
-            ", ".join(map(str, row.seeds)),
+            metric_name,
+            str(len(row.seeds)),
             f"{row.mean_a * scale:.2f}",
             f"{row.mean_b * scale:.2f}",
-            " ".join(f"{d * scale:+.2f}" for d in row.diffs),
             f"{row.mean_diff * scale:+.2f}",
             ci,
             "-" if pd.isna(row.p) else f"{row.p:.3g}",
             row.verdict,
         )
-    print_wide(table)
+        diffs = ", ".join(
+            f"{s}: {d * scale:+.2f}" for s, d in zip(row.seeds, row.diffs, strict=True)
+        )
+        per_seed.append(f"  {row.dataset} / {row.partition} {metric_name}: {diffs}")
+    console.print(table)
+    shown = sorted({row.metric for row in found.itertuples()} & set(SHORT_METRICS))
+    legend = ", ".join(f"{SHORT_METRICS[m]} = {m}" for m in shown)
+    console.print(
+        f"A = {method_a}, B = {method_b}; n: seeds paired; B - A: their mean difference"
+        + (f"; {legend}" if legend else "")
+        + "; accuracies in percentage points. B - A per seed:",
+        highlight=False,
+    )
+    for line in per_seed:
+        console.print(line, highlight=False)

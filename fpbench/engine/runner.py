@@ -36,11 +36,17 @@ class CellInterrupted(KeyboardInterrupt):
         self.cfg, self.round = cfg, round_idx  # round None: while the cell was being prepared
 
     def __str__(self) -> str:
-        where = "while preparing" if self.round is None else f"at round {self.round} of"
+        where = "while preparing" if self.round is None else f"{rounds_stored(self)} of"
         return (
             f"interrupted {where} cell {cell_label(self.cfg)} ({self.cfg.run_key}); "
             "rerun the same command to resume"
         )
+
+
+def rounds_stored(stop: CellInterrupted) -> str:
+    """'after round 2/3' (rounds counted from 1, as progress shows them) or 'before round 1/3'."""
+    total = stop.cfg.train.rounds
+    return f"after round {stop.round}/{total}" if stop.round else f"before round 1/{total}"
 
 
 def run_suite(
@@ -139,10 +145,11 @@ def _run_cell(
             elapsed = run_rounds(cfg, populations, task, store, record.id, folder, observer, owner)
     except ClaimLost as e:
         return CellResult(cfg, "skipped", str(e))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM as `fpbench run` raises it
         last = store.last_round(record.id)
         interrupted = CellInterrupted(cfg, 0 if last is None else last + 1)
-        message = f"interrupted at round {interrupted.round} (Ctrl-C)"
+        why = getattr(e, "signal_name", "Ctrl-C")
+        message = f"interrupted {rounds_stored(interrupted)} ({why})"
         store.finish_run(record.id, owner, "interrupted", error=message)
         raise interrupted from None
     except BaseException as e:

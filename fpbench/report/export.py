@@ -36,8 +36,10 @@ def export_tables(store, run_ids: Sequence[int]) -> dict[str, pd.DataFrame]:
     ids = [int(i) for i in run_ids]
     runs = store.runs()
     runs = runs[runs["id"].isin(ids)].reset_index(drop=True)
-    configs = {i: json.dumps(store.get_run(i).config, sort_keys=True) for i in runs["id"]}
+    parsed = {i: store.get_run(i).config for i in runs["id"]}
+    configs = {i: json.dumps(c, sort_keys=True) for i, c in parsed.items()}
     runs = runs.assign(config_json=runs["id"].map(configs))
+    runs = pd.concat([runs, flat_config(runs["id"], parsed)], axis=1)
     labels = runs.rename(columns={"id": "run_id"})[LABELS]
     rounds = pd.concat([store.rounds(i) for i in runs["id"]] or [pd.DataFrame()])
     metrics = store.metrics(run_ids=ids, aggregate_only=False)
@@ -53,6 +55,24 @@ def export_tables(store, run_ids: Sequence[int]) -> dict[str, pd.DataFrame]:
         "rounds": _labelled(labels, per_round, ["run_id", "round"]),
         "clients": _labelled(labels, per_client, ["run_id", "round", "client_id"]),
     }
+
+
+def flat_config(ids: pd.Series, configs: dict[int, dict]) -> pd.DataFrame:
+    """Each run's config as one column per setting, `config.train.lr` (lists as JSON text), in
+    the order of `ids`: a table to filter and group runs by their settings."""
+
+    def flat(tree: dict, prefix: str) -> dict[str, object]:
+        out: dict[str, object] = {}
+        for key, value in sorted(tree.items()):
+            name = f"{prefix}.{key}"
+            if isinstance(value, dict) and value:
+                out.update(flat(value, name))
+            else:
+                out[name] = json.dumps(value) if isinstance(value, list | dict) else value
+        return out
+
+    rows = [flat(configs[i], "config") for i in ids]
+    return pd.DataFrame(rows, index=ids.index)
 
 
 def _wide(long: pd.DataFrame, keys: list[str], counts: bool = True) -> pd.DataFrame:

@@ -52,6 +52,7 @@ DOMAIN_METRIC = r"acc_domain_[0-9a-z-]+"  # fpbench.engine.metrics.domain_accura
 CURVE_METRICS = ("acc_global", "acc_local_mean", "acc_local_worst", "loss_train")
 RUN_COLUMNS = [
     "id", "run_key", "method", "dataset", "partition", "seed", "status", "rounds", "wall_s",
+    *("global %", "local mean %", "local worst %"),
     "peak_mem_bytes", "round_flops", "fpbench_version", "torch_version", "device",
 ]  # fmt: skip
 COST_HEADERS = {"peak_mem_bytes": "peak memory", "round_flops": "FLOPs / round"}
@@ -66,6 +67,8 @@ th { background: #f3f3f3; } td:first-child, th:first-child { text-align: left; }
 .plots { display: flex; flex-wrap: wrap; gap: 1rem; align-items: flex-start; }
 figure { margin: 0; } figure img { max-width: 100%; border: 1px solid #eee; }
 figcaption { color: #555; font-size: 0.9rem; }
+table.runs { font-size: 0.8rem; display: block; max-width: 100%; overflow-x: auto; }
+table.runs th, table.runs td { padding: 0.2rem 0.4rem; }
 """
 
 
@@ -87,6 +90,7 @@ def build_report(
     """
     if metrics.empty:
         raise no_results_error(suite)
+    runs = with_final_accuracies(runs, metrics)  # every run's, as `fpbench runs` shows them
     metrics, left_out = finished_only(metrics, runs)  # tables and plots: done runs only
     unfinished = unfinished_note(left_out)
     if metrics.empty:
@@ -159,6 +163,29 @@ def _header(runs: pd.DataFrame, suite: str, now: dt.datetime) -> str:
         "</details>",
     ]
     return "\n".join(lines)
+
+
+FINAL_HEADERS = {
+    "acc_global": "global %",
+    "acc_local_mean": "local mean %",
+    "acc_local_worst": "local worst %",
+}
+
+
+def with_final_accuracies(runs: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame:
+    """`runs` with each run's final headline accuracies (%, two decimals; '' for none yet), one
+    column per headline metric stored."""
+    from fpbench.report.tables import final_values
+
+    names = [n for n in FINAL_HEADERS if metrics["name"].str.startswith(n).any()]
+    if not names or runs.empty:
+        return runs
+    wide = final_values(metrics, names).pivot(index="run_id", columns="metric", values="value")
+    out = runs.copy()
+    for name in names:
+        values = out["id"].map(wide[name]) if name in wide else pd.Series(float("nan"), out.index)
+        out[FINAL_HEADERS[name]] = values.map(lambda v: "" if pd.isna(v) else f"{100 * v:.2f}")
+    return out
 
 
 def _runs_table(runs: pd.DataFrame) -> str:

@@ -11,7 +11,7 @@ from fpbench.report.tables import final_values
 HEADLINE = ("acc_global", "acc_local_mean", "acc_local_worst")
 COLUMNS = [
     "id", "run_key", "suite", "method", "dataset", "partition", "seed", "status", "rounds",
-    "wall_s", *HEADLINE,
+    "wall_s", *HEADLINE, "git_commit",
 ]  # fmt: skip
 
 

@@ -31,7 +31,7 @@ def no_results_error(suite: str | None = None) -> FpbenchError:
     return FpbenchError("no results in the database; run `fpbench run --suite <name>` first")
 
 
-UNFINISHED = ("running", "failed", "interrupted")  # started, not done (pending: no rows yet)
+UNFINISHED = ("running", "stale", "failed", "interrupted")  # started, not done (pending: no rows)
 
 
 def finished_only(metrics: pd.DataFrame, runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -43,15 +43,20 @@ def finished_only(metrics: pd.DataFrame, runs: pd.DataFrame) -> tuple[pd.DataFra
 
 
 def unfinished_note(left_out: pd.DataFrame, shown: int = 4) -> str | None:
-    """'left out 2 unfinished runs: fedvpt / synthetic / dir / seed 1 (running, rounds 0-2
-    stored), ...', or None when every run is done."""
+    """'left out 2 unfinished runs: fedvpt / synthetic / dir / seed 1 (running, stored up to
+    round 3), ...' (rounds counted from 1, as progress shows them), or None when every run is
+    done."""
     if left_out.empty:
         return None
     parts = []
     for r in left_out.head(shown).itertuples():
-        stored = "no rounds" if pd.isna(r.last_round) else f"rounds 0-{r.last_round}"
+        stored = (
+            "no rounds stored"
+            if pd.isna(r.last_round)
+            else f"stored up to round {r.last_round + 1}"
+        )
         cell = f"{r.method} / {r.dataset} / {r.partition} / seed {r.seed}"
-        parts.append(f"{cell} ({r.status}, {stored} stored)")
+        parts.append(f"{cell} ({r.status}, {stored})")
     more = f", and {len(left_out) - shown} more" if len(left_out) > shown else ""
     noun = "run" if len(left_out) == 1 else "runs"
     return f"left out {len(left_out)} unfinished {noun}: {'; '.join(parts)}{more}"
@@ -311,6 +316,33 @@ def flat_parts(table: pd.DataFrame) -> tuple[list[str], list[str], list[list[str
     """(index names, column headers joined by " / ", body rows) for a terminal table."""
     index_names, columns, rows = _parts(table)
     return index_names, [" / ".join(c) for c in columns], rows
+
+
+SHORT_METRICS = {
+    "acc_global": "global",
+    "acc_local_mean": "local mean",
+    "acc_local_worst": "local worst",
+}
+
+
+def readable_parts(table: pd.DataFrame) -> tuple[list[str], list[str], list[list[str]], str]:
+    """(index names, headers, body rows, legend) for a table read by a person, in the README's
+    form: header levels every column shares (one dataset) left out and named in the legend,
+    metrics by their short names (`path-s4 global`, `path-s4 local mean`)."""
+    index_names, columns, rows = _parts(table)
+    depth = max((len(c) for c in columns), default=0)
+    shared = [i for i in range(depth - 1) if len({c[i] for c in columns if len(c) == depth}) == 1]
+    headers, shortened = [], {}
+    for c in columns:
+        kept = [x for i, x in enumerate(c) if i not in shared or len(c) != depth]
+        if kept and kept[-1] in SHORT_METRICS:
+            shortened[SHORT_METRICS[kept[-1]]] = kept[-1]
+            kept[-1] = SHORT_METRICS[kept[-1]]
+        headers.append(" ".join(kept))
+    legend = [f"{short} = {name}" for short, name in shortened.items()]
+    if shared and columns:
+        legend.insert(0, "all columns: " + " / ".join(columns[0][i] for i in shared))
+    return index_names, headers, rows, "; ".join(legend)
 
 
 def _to_csv(table: pd.DataFrame) -> str:

@@ -98,6 +98,14 @@ def stale_reason(
     return None
 
 
+def shown_status(
+    status: str, owner: str | None, heartbeat_at: dt.datetime | None, timeout_s: float = 0.0
+) -> str:
+    """A run's status as views show it: 'stale' for a 'running' run whose owner is gone."""
+    timeout_s = timeout_s or CLAIM_TIMEOUT_S
+    return "stale" if stale_reason(status, owner, heartbeat_at, timeout_s) else status
+
+
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 

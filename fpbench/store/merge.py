@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from fpbench.errors import FpbenchError
 from fpbench.store.models import Metric, Round, Run
-from fpbench.store.repo import Store
+from fpbench.store.repo import Store, _safe_url
 
 RUN_FIELDS = [c.name for c in Run.__table__.columns if c.name != "id"]
 ROUND_FIELDS = [c.name for c in Round.__table__.columns if c.name != "run_id"]
@@ -50,7 +50,8 @@ class _Copy:
 def merge_into(out: Store, src: Store) -> MergeStats:
     """Copy every run of `src` into `out` unless `out` already has it as complete or more."""
     if out.url == src.url:
-        raise FpbenchError(f"cannot merge {src!r} into itself; name another output")
+        where = Store.sqlite_file(src.url) or _safe_url(src.url)
+        raise FpbenchError(f"cannot merge {where} into itself; name another output")
     stats = MergeStats()
     if not src.has_schema():
         return stats

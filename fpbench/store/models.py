@@ -101,6 +101,7 @@ class Run(Base):
     # CPU: peak RSS) and the FLOPs of its first round
     peak_mem_bytes: Mapped[int | None] = mapped_column(BigInteger)
     round_flops: Mapped[int | None] = mapped_column(BigInteger)
+    git_commit: Mapped[str | None] = mapped_column(String(64))  # store/provenance.py
 
 
 class Round(Base):

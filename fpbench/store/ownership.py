@@ -23,7 +23,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from fpbench.errors import FpbenchError
 from fpbench.store.models import Base, Meta, Metric, Round, Run
 from fpbench.store.schema import ADDED_COLUMNS, DATABASE_ID_KEY, SCHEMA_VERSION, VERSION_KEY
-from fpbench.store.sqlite import configure_sqlite
+from fpbench.store.sqlite import configure_sqlite, read_only_uri
 
 # what every fpbench database has had since version 1
 REQUIRED = {
@@ -100,7 +100,7 @@ def _check_creatable(path: Path) -> None:
 
 
 def _sqlite_tables(path: Path) -> tuple[dict[str, set[str]], bool]:
-    con = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)
+    con = sqlite3.connect(read_only_uri(path), uri=True)
     try:
         names = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")]
         tables = {n: {r[1] for r in con.execute(f'PRAGMA table_info("{n}")')} for n in names}

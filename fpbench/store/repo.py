@@ -24,17 +24,23 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, SQLAlchemy
 from sqlalchemy.orm import Session, sessionmaker
 
 from fpbench.errors import FpbenchError
-from fpbench.store.claims import ClaimMixin, touch_or_raise
+from fpbench.store.claims import ClaimMixin, shown_status, touch_or_raise
 from fpbench.store.models import Metric, Round, Run
-from fpbench.store.ownership import State, create, probe
-from fpbench.store.schema import check_version, database_id, upgrade
-from fpbench.store.sqlite import configure_sqlite
+from fpbench.store.ownership import State, create, probe, sqlite_path
+from fpbench.store.provenance import git_commit as source_commit
+from fpbench.store.schema import check_version, database_id, needs_upgrade, upgrade
+from fpbench.store.sqlite import (
+    configure_sqlite,
+    folder_writable,
+    in_memory_copy,
+    read_only_engine,
+)
 
 MIN_KEY_PREFIX = 4
 RUN_COLUMNS = [
     "id", "run_key", "suite", "method", "dataset", "partition", "seed", "status", "error",
     "created_at", "finished_at", "wall_s", "fpbench_version", "torch_version", "device",
-    "peak_mem_bytes", "round_flops",
+    "peak_mem_bytes", "round_flops", "git_commit",
 ]  # fmt: skip
 METRIC_COLUMNS = [
     "run_id", "suite", "method", "dataset", "partition", "seed", "round", "client_id", "name",
@@ -70,6 +76,7 @@ class RunRecord:
     traceback: str | None = None  # of a failed run
     peak_mem_bytes: int | None = None  # what it cost (fpbench.engine.cost)
     round_flops: int | None = None
+    git_commit: str | None = None  # the source it ran (`fpbench.store.provenance`)
 
 
 def _record(run: Run) -> RunRecord:
@@ -108,9 +115,11 @@ def _safe_url(url: str) -> str:
         return url
 
 
-def _open_engine(url: str) -> tuple[Engine, State]:
+def _open_engine(url: str, read_only: bool = False) -> tuple[Engine, State]:
     """The engine and what the database holds; a database that is not fpbench's is refused and
-    a missing one is not created (see `fpbench.store.ownership`)."""
+    a missing one is not created (see `fpbench.store.ownership`). `read_only`: an existing
+    SQLite file is read without writing a byte (one of an older schema through an upgraded
+    in-memory copy); else one in a folder that cannot be written is refused now."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         engine = configure_sqlite(create_engine(parsed))
@@ -118,13 +127,40 @@ def _open_engine(url: str) -> tuple[Engine, State]:
         engine = create_engine(parsed, pool_pre_ping=True)
     try:
         state = probe(engine)  # reads only
-        if state is State.FPBENCH:
+        path = sqlite_path(engine)
+        if state is State.FPBENCH and path is not None and read_only:
+            engine.dispose()
+            engine = read_only_engine(path)
+            check_version(engine)
+            if needs_upgrade(engine):
+                engine.dispose()
+                engine = in_memory_copy(path)
+                upgrade(engine)
+        elif state is State.FPBENCH:
+            if path is not None:
+                _require_writable(path)
             check_version(engine)  # a newer database is refused before anything is written
             upgrade(engine)
     except BaseException:
         engine.dispose()
         raise
     return engine, state
+
+
+def _require_writable(path: Path) -> None:
+    """Refuse, before anything is stored, a database this process could read but not write."""
+    folder = path.resolve().parent
+    if not folder_writable(folder):
+        raise FpbenchError(
+            f"its folder {folder} is read-only (an archive or a shared mount?): commands that "
+            "only read it (runs, show, table, compare, export, report, plot, db check, db diff) "
+            "open it read-only; to run or merge into it, copy it to a writable folder"
+        )
+    if not os.access(path, os.W_OK):
+        raise FpbenchError(
+            f"the file is read-only: commands that only read it open it read-only; to run or "
+            f"merge into it, make it writable (chmod u+w {path}) or copy it"
+        )
 
 
 def _metric_dicts(run_id: int, round_: int, rows: Iterable[MetricRow]) -> list[dict[str, Any]]:
@@ -157,15 +193,19 @@ class Store(ClaimMixin):
         url: any SQLAlchemy URL; SQLite files get WAL mode and foreign keys. A database that is
             not fpbench's is refused unchanged; a new one (a missing SQLite file and its parent
             folder, or an empty server database) is created only when the first run is written.
+        read_only: for commands that only read: an existing SQLite file is opened without
+            writing a byte, so one in a read-only folder (an archive, a shared mount) opens.
+            Without it, such a database is refused at once, before anything is stored.
 
     Raises:
-        FpbenchError: the database cannot be opened, or is not fpbench's.
+        FpbenchError: the database cannot be opened, or is not fpbench's (or, without
+            `read_only`, is a SQLite file in a folder that cannot be written).
     """
 
-    def __init__(self, url: str):
-        self.url = url
+    def __init__(self, url: str, *, read_only: bool = False):
+        self.url, self.read_only = url, read_only
         with self._errors():
-            self._engine, self._state = _open_engine(url)
+            self._engine, self._state = _open_engine(url, read_only)
         self._session = sessionmaker(self._engine, expire_on_commit=False)
 
     @contextlib.contextmanager
@@ -255,8 +295,10 @@ class Store(ClaimMixin):
         fpbench_version: str,
         torch_version: str,
         device: str,
+        git_commit: str | None | bool = True,
     ) -> RunRecord:
-        """Insert a new run with status 'pending'.
+        """Insert a new run with status 'pending'. `git_commit`: True (default) stores fpbench's
+        own commit (`fpbench.store.provenance`); a string or None is stored as given.
 
         Raises:
             FpbenchError: a run with this key already exists.
@@ -275,6 +317,7 @@ class Store(ClaimMixin):
             fpbench_version=fpbench_version,
             torch_version=torch_version,
             device=device,
+            git_commit=source_commit() if git_commit is True else git_commit or None,
         )
         try:
             with self._session.begin() as s:
@@ -293,7 +336,9 @@ class Store(ClaimMixin):
         return run
 
     def runs(self, suite: str | None = None) -> pd.DataFrame:
-        """One row per run (config omitted) plus `last_round` (None before any round)."""
+        """One row per run (config omitted) plus `last_round` (None before any round); a
+        'running' run whose process died or whose heartbeat stopped has status 'stale', as every
+        view shows it (`shown_status`)."""
         if not self.has_schema():
             empty = pd.DataFrame(columns=[*RUN_COLUMNS, "last_round"])
             return empty.astype({"last_round": "Int64"})
@@ -303,12 +348,14 @@ class Store(ClaimMixin):
             .subquery()
         )
         cols = [getattr(Run, c) for c in RUN_COLUMNS]
-        stmt = select(*cols, last.c.last_round).outerjoin(last, last.c.run_id == Run.id)
+        claim = [Run.owner, Run.heartbeat_at]
+        stmt = select(*cols, last.c.last_round, *claim).outerjoin(last, last.c.run_id == Run.id)
         if suite is not None:
             stmt = stmt.where(Run.suite == suite)
         with self._session() as s:
             rows = s.execute(stmt.order_by(Run.id)).all()
-        df = pd.DataFrame(rows, columns=[*RUN_COLUMNS, "last_round"])
+        df = pd.DataFrame([r[:-2] for r in rows], columns=[*RUN_COLUMNS, "last_round"])
+        df["status"] = [shown_status(r.status, r.owner, r.heartbeat_at) for r in rows]
         return df.astype({"last_round": "Int64"})
 
     def get_run(self, ref: str | int) -> RunRecord:
@@ -400,6 +447,13 @@ class Store(ClaimMixin):
             )
             if metric_rows:
                 s.execute(insert(Metric), metric_rows)
+
+    def delete_run(self, run_id: int) -> None:
+        """Remove a run with its rounds and metrics (a rerun of its suite runs it afresh)."""
+        with self._session.begin() as s:
+            s.execute(delete(Metric).where(Metric.run_id == run_id))
+            s.execute(delete(Round).where(Round.run_id == run_id))
+            s.execute(delete(Run).where(Run.id == run_id))
 
     def truncate_after(self, run_id: int, round: int) -> None:
         """Delete rounds and metrics with round > `round` (before resuming from a checkpoint)."""

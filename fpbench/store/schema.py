@@ -11,7 +11,8 @@ only widened); a newer one is refused before anything is written, because this f
 not know what its extra tables, columns and statuses mean.
 
 Later nullable columns that an older fpbench can ignore are added the same way without a new
-version: `peak_mem_bytes` and `round_flops` (what a run cost, `fpbench.engine.cost`).
+version: `peak_mem_bytes` and `round_flops` (what a run cost, `fpbench.engine.cost`), and
+`git_commit` (the source it ran, `fpbench.store.provenance`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ SCHEMA_VERSION = 3
 VERSION_KEY = "schema_version"
 DATABASE_ID_KEY = "database_id"
 # runs columns newer than version 1
-ADDED_COLUMNS = ("owner", "heartbeat_at", "traceback", "peak_mem_bytes", "round_flops")
+ADDED_COLUMNS = (
+    "owner", "heartbeat_at", "traceback", "peak_mem_bytes", "round_flops", "git_commit",
+)  # fmt: skip
 
 
 def stored_version(engine: Engine) -> int | None:
@@ -58,6 +61,16 @@ def check_version(engine: Engine) -> None:
             f"schema version {version} is newer than this fpbench's ({SCHEMA_VERSION}); "
             "upgrade fpbench (pip install -U fpbench) to use it"
         )
+
+
+def needs_upgrade(engine: Engine) -> bool:
+    """Whether `upgrade` would change this fpbench database (an older version, a missing column)."""
+    tables = set(inspect(engine).get_table_names())
+    if "meta" not in tables or set(ADDED_COLUMNS) - _run_columns(engine):
+        return True
+    if any(t.name not in tables for t in Base.metadata.sorted_tables):
+        return True
+    return stored_version(engine) != SCHEMA_VERSION
 
 
 def upgrade(engine: Engine) -> None:

@@ -1,0 +1,120 @@
+"""Every help screen and table reads at 80 columns, off a terminal (COLUMNS=80) as on one: no line
+longer than 80, nothing cut with an ellipsis, Rich markup in help texts kept (`[low, high]`)."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from fpbench.cli import app
+from fpbench.report.tables import SHORT_METRICS
+from tests.conftest import TINY_SUITE_TOML
+from tests.test_help_readme import ALL
+from tests.test_workflow import fake_db
+
+WIDTH = 80
+
+
+def render(*args: str):
+    return CliRunner().invoke(app, list(args), terminal_width=WIDTH, env={"COLUMNS": str(WIDTH)})
+
+
+def check_fits(result) -> None:
+    text = result.stdout + result.stderr
+    too_long = [line for line in text.splitlines() if len(line) > WIDTH]
+    assert not too_long, "\n".join(too_long)
+    assert "…" not in text, text
+
+
+@pytest.mark.parametrize("path", [p for p, _ in ALL], ids=lambda p: " ".join(p) or "fpbench")
+def test_every_help_screen_fits_80_columns(path):
+    result = render(*path, "--help")
+    assert result.exit_code == 0, result.output
+    check_fits(result)
+    for param in dict(ALL)[path].params:  # every option named whole
+        if param.param_type_name == "option" and not param.hidden:
+            assert param.opts[-1] in result.stdout, (path, param.opts)
+
+
+def test_help_keeps_brackets_that_rich_would_eat():
+    result = render("table", "--help")
+    assert "[low, high]" in " ".join(result.stdout.split())
+
+
+@pytest.fixture
+def db(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.toml").write_text(TINY_SUITE_TOML)
+    methods = ("fedavg-prompt-long-name", "fedvpt")
+    values = {
+        (m, s): [0.123456 * (s + 1), 0.1512 * (s + 1) + 0.01 * i]
+        for i, m in enumerate(methods)
+        for s in (0, 1, 2)
+    }
+    fake_db(tmp_path / "r.db", values, suite="a-suite-with-a-long-name")
+    return "r.db"
+
+
+VIEWS = {
+    "runs": ["runs"],
+    "show": ["show", "1"],
+    "table term": ["table", "--suite", "a-suite-with-a-long-name", "--format", "term", "--ci"],
+    "compare": [
+        "compare",
+        "fedvpt",
+        "fedavg-prompt-long-name",
+        "--suite",
+        "a-suite-with-a-long-name",
+    ],
+    "db check": ["db", "check"],
+    "db diff": ["db", "diff", "r.db"],
+}
+
+
+@pytest.mark.parametrize("name", list(VIEWS))
+def test_every_view_fits_80_columns_with_its_numbers_whole(db, name):
+    args = VIEWS[name]
+    args = [*args, db] if name.startswith("db ") else [*args, "--db", db]
+    result = render(*args)
+    assert result.exit_code in (0, 1), result.output  # db check: 1 = problems found
+    check_fits(result)
+    whole = {"runs": "45.36", "table term": "30.24 ± 15.12", "compare": "31.24"}.get(name)
+    assert whole is None or whole in " ".join(result.stdout.split()), result.stdout
+
+
+def test_runs_headers_are_explained(db):
+    result = render("runs", "--db", db)
+    said = " ".join(result.stdout.split())
+    assert "glob mean worst" in said
+    assert (
+        "glob / mean / worst: the run's final global, local-mean and local-worst accuracy" in said
+    )
+
+
+def test_table_headers_tell_local_mean_from_local_worst():
+    """The README's form: shared header levels left out (named in the legend), short names."""
+    import pandas as pd
+
+    from fpbench.report.tables import readable_parts
+
+    columns = [
+        (d, p, m) for d in ["synthetic"] for p in ("path-s4", "dir-0.3") for m in SHORT_METRICS
+    ]
+    table = pd.DataFrame([["1"] * 6], columns=pd.MultiIndex.from_tuples(columns))
+    table.index = pd.Index(["fedvpt"], name="method")
+    index, headers, rows, legend = readable_parts(table)
+    assert (index, rows) == (["method"], [["fedvpt", *["1"] * 6]])
+    assert headers == [
+        "path-s4 global", "path-s4 local mean", "path-s4 local worst",
+        "dir-0.3 global", "dir-0.3 local mean", "dir-0.3 local worst",
+    ]  # fmt: skip
+    assert legend == (
+        "all columns: synthetic; global = acc_global; local mean = acc_local_mean; "
+        "local worst = acc_local_worst"
+    )
+
+
+def test_dry_run_fits_80_columns(db):
+    result = render("run", "--suite", "tiny.toml", "--dry-run", "--db", "new.db")
+    assert result.exit_code == 0, result.output
+    check_fits(result)
