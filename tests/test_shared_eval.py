@@ -154,3 +154,47 @@ def test_a_site_stores_the_first_item_of_each_slot_and_reuses_only_equal_values(
     assert site.map(y, torch.tensor([0, 1, 2]), fn).tolist() == [[2.0], [10.0], [0.0]]
     assert calls == [3, 2]  # slot 0 reused; slot 1 differs; slot 2 new (and stored)
     assert site.get("in", torch.tensor([1, 2])).tolist() == [[2.0], [0.0]]
+
+
+@pytest.mark.parametrize("name", ["fedrep", "pep-fedpt"])
+def test_full_split_clients_changes_only_the_full_split_metrics(tiny, name):
+    """`train.full_split_clients`: "none" scores no client on the full split, 2 a seeded sample of
+    two participants (the same at every call), "all" every participant; the local counts and ECE
+    stay bit for bit those of "all", and a sampled client's full-split scores are its own."""
+    _, task, method = tiny(name)
+    server = _perturbed(seeded_server(method), tuple({"head_w", "head_b"} & method.personal))
+    every = evaluate(method, server, task, batch_size=16)
+    participants = np.flatnonzero(~task.heldout.numpy())
+    assert np.isfinite(every.global_acc[participants]).all() and len(participants) == 3
+    for setting, scored in (("none", 0), (2, 2), (5, 3)):
+        got = evaluate(method, server, task, batch_size=16, full_split=setting)
+        for f in ("correct_local", "total_local", "ece_local", "heldout"):
+            np.testing.assert_array_equal(getattr(got, f), getattr(every, f), err_msg=f)
+        done = np.flatnonzero(np.isfinite(got.global_acc))
+        assert len(done) == scored and set(done) <= set(participants)
+        for f in ("global_acc", "f1_global", "ece_global"):
+            np.testing.assert_array_equal(getattr(got, f)[done], getattr(every, f)[done])
+            assert np.isnan(np.delete(getattr(got, f), done)).all()
+        if setting == 2:
+            sample = done
+    again = evaluate(method, server, task, batch_size=16, full_split=2)
+    assert np.flatnonzero(np.isfinite(again.global_acc)).tolist() == sample.tolist()
+
+
+def test_the_field_at_its_default_leaves_run_keys_as_they_were():
+    """At its default the field is left out of the run identity (the keys of stored runs stay);
+    set, it is part of it; 0 or another word is refused."""
+    from pydantic import ValidationError
+
+    from fpbench.specs import TrainConfig
+    from fpbench.testing.tiny import tiny_config
+
+    cfg = tiny_config("fedrep")
+    assert cfg.train.full_split_clients == "all"
+    assert "full_split_clients" not in cfg.identity()["train"]
+    other = cfg.model_copy(update={"train": cfg.train.model_copy(update={"full_split_clients": 4})})
+    assert other.identity()["train"]["full_split_clients"] == 4
+    assert cfg.run_key != other.run_key
+    for bad in (0, "some"):
+        with pytest.raises(ValidationError):
+            TrainConfig(full_split_clients=bad)

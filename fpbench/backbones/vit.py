@@ -149,13 +149,6 @@ class PromptedViT(nn.Module):
 
     def embed(self, x: Tensor) -> Tensor:
         """Preprocessed images (B, 3, S, S) -> the tokens entering block 0, (B, T0, d)."""
-        found = shared_site(x)
-        if found is not None:  # scoring many clients: each test sample's embedding once
-            site, slots = found
-            return site.map(x, slots, self._embed)
-        return self._embed(x)
-
-    def _embed(self, x: Tensor) -> Tensor:
         vit = self.vit
         tokens = vit._pos_embed(vit.patch_embed(x))  # (B, T0, d): prefix + patches
         return vit.norm_pre(vit.patch_drop(tokens))

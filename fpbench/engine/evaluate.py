@@ -126,19 +126,38 @@ def evaluate(
     precision: str = "fp32",
     label_space: str = "all",
     clients: list[int] | None = None,
+    full_split: str | int = "all",
 ) -> EvalCounts:
     """Per-client counts; `label_space` "client" restricts local predictions (module doc).
 
     `clients`, if given, are the only clients a personal or client-conditioned method evaluates
     (the others count zero); a global model's local counts are cheap and cover every client.
+    `full_split` (`TrainConfig.full_split_clients`): which of a personal or client-conditioned
+    method's participants score the full test split (`full_split_sample`); the others' full-split
+    scores stay NaN.
     """
     inputs = inputs or Inputs.of(method, task)
     with autocast(task.priors.device, precision):
         if method.inference == "global":
             return _evaluate_global(method, server, task, inputs, batch_size, label_space)
         return _evaluate_per_client(
-            method, server, task, inputs, batch_size, label_space, clients, precision
+            method, server, task, inputs, batch_size, label_space, clients, precision, full_split
         )
+
+
+def full_split_sample(task: Task, full_split: str | int) -> set[int] | None:
+    """The participants that score the full test split: None (all) for "all", none for
+    "none", else a sample of that many (all if fewer) drawn from the federation alone, so the
+    same clients at every evaluation, for every method and seed of a federation."""
+    if full_split == "all":
+        return None
+    if full_split == "none":
+        return set()
+    participants = [c for c in range(task.num_clients) if not task.heldout[c]]
+    if int(full_split) >= len(participants):
+        return set(participants)
+    rng = np.random.default_rng(derive_seed("full-split", task.num_clients))
+    return {int(c) for c in rng.choice(participants, size=int(full_split), replace=False)}
 
 
 def client_classes(task: Task) -> Tensor:
@@ -207,6 +226,7 @@ def _evaluate_per_client(
     label_space: str = "all",
     only: list[int] | None = None,
     precision: str = "fp32",
+    full_split: str | int = "all",
 ) -> EvalCounts:
     """Each client with its own parameters / context, many clients per batch.
 
@@ -228,6 +248,7 @@ def _evaluate_per_client(
     ece_local = np.full(task.num_clients, np.nan)
     ece_global = np.full(task.num_clients, np.nan)
     classes = client_classes(task) if label_space == "client" else None  # (N, C)
+    scored = full_split_sample(task, full_split)
     chunk = max(1, batch_size // 32)
     chunks: list[tuple[Tensor, dict[str, Tensor], Context, list[int]]] = []
     for start in range(0, len(clients), chunk):
@@ -243,7 +264,11 @@ def _evaluate_per_client(
         for row, c in enumerate(ids.tolist()):
             correct_local[c] = int(correct[row].sum())
             ece_local[c] = _ece(confs[row], correct[row])
-        participants = [row for row, c in enumerate(ids.tolist()) if not task.heldout[c]]
+        participants = [
+            row
+            for row, c in enumerate(ids.tolist())
+            if not task.heldout[c] and (scored is None or c in scored)
+        ]
         if participants:
             chunks.append((ids, params, ctx, participants))
     for c, (pred, conf) in _full_split(method, chunks, inputs, batch_size).items():
