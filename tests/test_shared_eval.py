@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -198,3 +199,29 @@ def test_the_field_at_its_default_leaves_run_keys_as_they_were():
     for bad in (0, "some"):
         with pytest.raises(ValidationError):
             TrainConfig(full_split_clients=bad)
+
+
+@pytest.mark.slow
+def test_a_run_with_full_split_clients_none_stores_no_full_split_metric(tmp_path):
+    """The wire from the config to the evaluation: a FedRep run with `full_split_clients =
+    "none"` stores no acc_global / f1_macro_global / ece_global (per client or aggregate) and
+    the same local metrics as the run that computes them."""
+    from fpbench.engine.runner import run_cell
+    from fpbench.store import Store
+    from fpbench.testing.tiny import tiny_config
+
+    full = {"acc_global", "f1_macro_global", "ece_global"}
+    values = {}
+    for setting in ("all", "none"):
+        cfg = tiny_config("fedrep", rounds=1, full_split_clients=setting)
+        with Store(f"sqlite:///{tmp_path / f'{setting}.db'}") as store:
+            assert run_cell(cfg, store, checkpoint_dir=tmp_path / setting).status == "done"
+            rows = store.metrics(aggregate_only=False)
+        values[setting] = {
+            (r.name, None if pd.isna(r.client_id) else int(r.client_id), r.round): r.value
+            for r in rows.itertuples()
+        }
+    names = {k[0] for k in values["all"]}
+    assert full <= names and not full & {k[0] for k in values["none"]}
+    kept = {k: v for k, v in values["all"].items() if not k[0].startswith(tuple(full))}
+    assert values["none"] == kept

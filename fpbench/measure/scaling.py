@@ -92,12 +92,17 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     train_s = time.perf_counter() - start
     del result
     start = time.perf_counter()
-    evaluate(method, server, task, cfg.train.eval_batch_size)
+    if args.full_split is None:
+        evaluate(method, server, task, cfg.train.eval_batch_size)
+    else:  # train.full_split_clients (not in older code)
+        full = args.full_split if args.full_split in ("all", "none") else int(args.full_split)
+        evaluate(method, server, task, cfg.train.eval_batch_size, full_split=full)
     eval_s = time.perf_counter() - start
     return {
         "method": args.method,
         "clients": args.clients,
         "sampled": len(ids),
+        "full_split": args.full_split or "all",
         "test": len(task.data.test_labels),
         "train_round_s": round(train_s, 3),
         "eval_s": round(eval_s, 3),
@@ -122,6 +127,7 @@ def main() -> None:
     p.add_argument("--test-per-client", type=int, default=6)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--eval-batch", type=int, default=256)
+    p.add_argument("--full-split", default=None, help="train.full_split_clients (newer code)")
     print(json.dumps(measure(p.parse_args())), flush=True)
 
 
