@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -117,6 +117,13 @@ class TrainConfig(_Strict):
         description="personal methods' participating clients not yet sampled in any round: "
         "exclude them from local metrics (their count is `clients_untrained`) or score them "
         "with their untrained personal parameters",
+    )
+    full_split_clients: Literal["all", "none"] | Annotated[int, Field(ge=1)] = Field(
+        "all",
+        description="personal and client-conditioned methods: whose models score the full test "
+        "split (acc_global, f1_macro_global, ece_global): every participating client, a seeded "
+        "sample of this many (the same clients at every evaluation), or none (those metrics are "
+        "then not computed); a global model scores it once either way",
     )
     augment: Augment = Field(Augment(), description="training augmentation, on the device")
     aggregation_weights: Literal["train_size", "domain_size"] = Field(
@@ -253,6 +260,7 @@ _LATER_FIELDS: dict[tuple[str, str], Any] = {
     ("train", "augment"): Augment().model_dump(mode="json"),
     ("train", "aggregation_weights"): "train_size",
     ("train", "dropout"): 0.0,
+    ("train", "full_split_clients"): "all",
 }
 
 # component args added after run keys were first stored, per (component, registered name, arg):

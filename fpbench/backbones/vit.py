@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fpbench.backbones.frozen_linear import freeze_linears
-from fpbench.backbones.recall import Recall, current, flat_prompts, recalled
+from fpbench.backbones.recall import Recall, _Site, current, flat_prompts, recalled, shared_site
 
 if TYPE_CHECKING:
     from timm.models.vision_transformer import VisionTransformer
@@ -188,7 +188,11 @@ class PromptedViT(nn.Module):
             raise ValueError(f"return_layers {sorted(wanted)} outside blocks [{start}, {end})")
         layer_cls: dict[int, Tensor] = {}
         blocks, tokens, own = self.blocks_for(tokens) if start < end else (None, tokens, False)
+        found = shared_site(tokens) if start < end else None
         with torch.autocast(tokens.device.type, enabled=False) if own else nullcontext():
+            if found is not None:  # scoring many clients: shared states computed once
+                args = (blocks, tokens, start, end, prompts, style, num_prompt_tokens, wanted)
+                return self._run_shared(*found, *args)
             for layer in range(start, end):
                 if layer in prompts:
                     tokens, num_prompt_tokens = self._insert(
@@ -198,6 +202,72 @@ class PromptedViT(nn.Module):
                 if layer in wanted:
                     layer_cls[layer] = tokens[:, 0]  # (B, d)
         return tokens, layer_cls, num_prompt_tokens
+
+    def _run_shared(
+        self,
+        site: _Site,
+        slots: Tensor,
+        blocks: nn.ModuleList,
+        tokens: Tensor,
+        start: int,
+        end: int,
+        prompts: dict[int, Tensor],
+        style: str,
+        n: int,
+        wanted: set[int],
+    ) -> tuple[Tensor, dict[int, Tensor], int]:
+        """`run_blocks`'s loop where many clients' models score the same test samples: an item
+        whose states entering the call and whose prompts so far equal (exactly) those stored
+        for its sample takes the stored states; the others are computed, the first of each
+        sample stored (`fpbench.backbones.recall.SharedStates`)."""
+        batch = tokens.shape[0]
+        fill, known = site.begin(slots)
+        hit = site.same("in", slots, tokens, known)  # (B,) items riding the stored states
+        live = (~hit).nonzero().squeeze(1)  # the computed items, in the order of `cur`
+        cur = tokens[live]
+        kept = site.store("in", slots[fill], tokens[fill]) if bool(fill.any()) else True
+        where = torch.full((batch,), -1, dtype=torch.long, device=live.device)
+        where[live] = torch.arange(len(live), device=live.device)
+        fill_at = where[fill]  # positions in `cur` of the items stored (never moved)
+        layer_cls: dict[int, Tensor] = {}
+        last = "in"
+        for layer in range(start, end):
+            if layer in prompts:
+                p = prompts[layer]
+                p = p.expand(batch, -1, -1) if p.shape[0] == 1 else p
+                name = f"p{layer}"
+                still = hit & site.same(name, slots, p.to(tokens.dtype), known)
+                broke = (hit & ~still).nonzero().squeeze(1)
+                if len(broke):  # their prompts differ: computed from here on
+                    cur = torch.cat([cur, site.get(last, slots[broke])])
+                    live = torch.cat([live, broke])
+                hit = still
+                if bool(fill.any()):
+                    kept = site.store(name, slots[fill], p[fill].to(tokens.dtype)) and kept
+                cur, n = self._insert(cur, p[live], style, n)
+            if len(cur):
+                cur = blocks[layer](cur)  # (b, T, d)
+            last = f"out{layer}"
+            if len(fill_at):
+                kept = site.store(last, slots[fill], cur[fill_at]) and kept
+            if layer in wanted:
+                layer_cls[layer] = self._assemble(site, last, slots, hit, live, cur)[:, 0]
+        if bool(fill.any()):
+            site.filled[slots[fill]] = kept
+        return self._assemble(site, last, slots, hit, live, cur), layer_cls, n
+
+    @staticmethod
+    def _assemble(
+        site: _Site, name: str, slots: Tensor, hit: Tensor, live: Tensor, cur: Tensor
+    ) -> Tensor:
+        """The batch's states (B, T, d): the computed rows `cur` at `live`, stored ones at hit."""
+        if not len(live):
+            return site.get(name, slots)
+        out = cur.new_empty(len(hit), *cur.shape[1:])
+        out[live] = cur
+        if bool(hit.any()):
+            out[hit] = site.get(name, slots[hit])
+        return out
 
     def forward_features(
         self,

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fpbench.backbones.recall import SharedStates
 from fpbench.engine.inputs import Inputs
 from fpbench.engine.metrics import EvalCounts, expected_calibration_error, macro_f1
 from fpbench.engine.precision import Draw, autocast, start_params
@@ -44,6 +45,30 @@ def logits_of(
         x = inputs.test(part)
         with inputs.recall(x, "test", part):
             out = method.forward(params, x, rows[start : start + batch_size], ctx)
+        yield as_logits(out)
+
+
+@torch.no_grad()
+def _shared_logits(
+    method: Method,
+    params: dict[str, Tensor],
+    inputs: Inputs,
+    block: Tensor,
+    images: Tensor,
+    rows: list[int],
+    ctx: Context,
+    batch_size: int,
+    shared: SharedStates,
+) -> Iterator[Tensor]:
+    """Logits (B, C) of the test samples `block` (S,) (preprocessed: `images`) under each of
+    the given rows in turn, batch by batch, with the states the rows share kept in `shared`."""
+    pos = torch.arange(len(block), device=block.device).repeat(len(rows))  # (S * R,)
+    row = torch.tensor(rows, device=block.device).repeat_interleave(len(block))
+    for start in range(0, len(pos), batch_size):
+        at = pos[start : start + batch_size]
+        x, part, r = images[at], block[at], row[start : start + batch_size]
+        with inputs.recall(x, "test", part, r, None, shared):
+            out = method.forward(params, x, r, ctx)
         yield as_logits(out)
 
 
@@ -101,19 +126,38 @@ def evaluate(
     precision: str = "fp32",
     label_space: str = "all",
     clients: list[int] | None = None,
+    full_split: str | int = "all",
 ) -> EvalCounts:
     """Per-client counts; `label_space` "client" restricts local predictions (module doc).
 
     `clients`, if given, are the only clients a personal or client-conditioned method evaluates
     (the others count zero); a global model's local counts are cheap and cover every client.
+    `full_split` (`TrainConfig.full_split_clients`): which of a personal or client-conditioned
+    method's participants score the full test split (`full_split_sample`); the others' full-split
+    scores stay NaN.
     """
     inputs = inputs or Inputs.of(method, task)
     with autocast(task.priors.device, precision):
         if method.inference == "global":
             return _evaluate_global(method, server, task, inputs, batch_size, label_space)
         return _evaluate_per_client(
-            method, server, task, inputs, batch_size, label_space, clients, precision
+            method, server, task, inputs, batch_size, label_space, clients, precision, full_split
         )
+
+
+def full_split_sample(task: Task, full_split: str | int) -> set[int] | None:
+    """The participants that score the full test split: None (all) for "all", none for
+    "none", else a sample of that many (all if fewer) drawn from the federation alone, so the
+    same clients at every evaluation, for every method and seed of a federation."""
+    if full_split == "all":
+        return None
+    if full_split == "none":
+        return set()
+    participants = [c for c in range(task.num_clients) if not task.heldout[c]]
+    if int(full_split) >= len(participants):
+        return set(participants)
+    rng = np.random.default_rng(derive_seed("full-split", task.num_clients))
+    return {int(c) for c in rng.choice(participants, size=int(full_split), replace=False)}
 
 
 def client_classes(task: Task) -> Tensor:
@@ -182,12 +226,14 @@ def _evaluate_per_client(
     label_space: str = "all",
     only: list[int] | None = None,
     precision: str = "fp32",
+    full_split: str | int = "all",
 ) -> EvalCounts:
     """Each client with its own parameters / context, many clients per batch.
 
     Clients are evaluated in chunks: the chunk's parameters are stacked (K, ...) and the local
-    test sets (and, for participants, K copies of the full test split) are concatenated with
-    each sample's row, so one forward serves several clients, as in lockstep training.
+    test sets are concatenated with each sample's row, so one forward serves several clients,
+    as in lockstep training. The participants' scores on the full test split (`_full_split`)
+    then share the work their models share.
     """
     data = task.data
     heldout_ok = method.inference in ("client-conditioned", "personal-deploys")
@@ -201,9 +247,10 @@ def _evaluate_per_client(
     f1_global = np.full(task.num_clients, np.nan)
     ece_local = np.full(task.num_clients, np.nan)
     ece_global = np.full(task.num_clients, np.nan)
-    everything = torch.arange(len(data.test_labels), device=data.test_labels.device)
     classes = client_classes(task) if label_space == "client" else None  # (N, C)
+    scored = full_split_sample(task, full_split)
     chunk = max(1, batch_size // 32)
+    chunks: list[tuple[Tensor, dict[str, Tensor], Context, list[int]]] = []
     for start in range(0, len(clients), chunk):
         ids = torch.tensor(clients[start : start + chunk])
         draws = _draws(method, task, inputs, ids, precision)
@@ -217,14 +264,18 @@ def _evaluate_per_client(
         for row, c in enumerate(ids.tolist()):
             correct_local[c] = int(correct[row].sum())
             ece_local[c] = _ece(confs[row], correct[row])
-        participants = [row for row, c in enumerate(ids.tolist()) if not task.heldout[c]]
-        full = [everything if row in participants else everything[:0] for row in range(len(ids))]
-        preds, confs = _predicted(method, params, inputs, full, ctx, batch_size)
-        for row in participants:
-            hit = preds[row] == data.test_labels
-            global_acc[ids[row]] = hit.float().mean().item()
-            f1_global[ids[row]] = _f1(preds[row], data.test_labels, data.num_classes)
-            ece_global[ids[row]] = _ece(confs[row], hit)
+        participants = [
+            row
+            for row, c in enumerate(ids.tolist())
+            if not task.heldout[c] and (scored is None or c in scored)
+        ]
+        if participants:
+            chunks.append((ids, params, ctx, participants))
+    for c, (pred, conf) in _full_split(method, chunks, inputs, batch_size).items():
+        hit = pred == data.test_labels
+        global_acc[c] = hit.float().mean().item()
+        f1_global[c] = _f1(pred, data.test_labels, data.num_classes)
+        ece_global[c] = _ece(conf, hit)
     return EvalCounts(
         correct_local=correct_local,
         total_local=np.array([len(idx) for idx in task.test_idx]),
@@ -236,6 +287,39 @@ def _evaluate_per_client(
         ece_local=ece_local,
         ece_global=ece_global,
     )
+
+
+def _full_split(
+    method: Method,
+    chunks: list[tuple[Tensor, dict[str, Tensor], Context, list[int]]],
+    inputs: Inputs,
+    batch_size: int,
+) -> dict[int, tuple[Tensor, Tensor]]:
+    """Each listed client's predictions (M,) and confidences (M,) on the full test split.
+
+    The split is scored a block of `batch_size` samples at a time, by every chunk's clients
+    in turn, each block's images preprocessed once; the backbone keeps, per sample, the states
+    that the first client computes and reuses them for every client whose own are exactly
+    equal (`fpbench.backbones.recall.SharedStates`): the work the clients' models share is
+    done once per sample, the rest per client. The values are those of one client at a time.
+    """
+    labels = inputs.task.data.test_labels
+    everything = torch.arange(len(labels), device=labels.device)
+    preds: dict[int, list[Tensor]] = {}
+    confs: dict[int, list[Tensor]] = {}
+    for block in everything.split(batch_size):
+        images = inputs.test(block)
+        shared = SharedStates(block, len(labels))
+        for ids, params, ctx, rows in chunks:
+            batches = _shared_logits(
+                method, params, inputs, block, images, rows, ctx, batch_size, shared
+            )
+            logits = torch.cat([b.float() for b in batches])  # (R * S, C), row-major
+            for row, part in zip(rows, logits.split(len(block)), strict=True):
+                c = int(ids[row])
+                preds.setdefault(c, []).append(part.argmax(-1))
+                confs.setdefault(c, []).append(confidence(part))
+    return {c: (torch.cat(preds[c]), torch.cat(confs[c])) for c in preds}
 
 
 def _draws(

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from fpbench.backbones import PromptedViT
-from fpbench.backbones.recall import PhaseStates, Recall, recalling
+from fpbench.backbones.recall import PhaseStates, Recall, SharedStates, recalling
 from fpbench.engine.augment import augment
 from fpbench.engine.cost import uncounted
 from fpbench.engine.frozen_cache import (
@@ -320,13 +320,15 @@ class Inputs:
         idx: Tensor,
         rows: Tensor | None = None,
         states: PhaseStates | None = None,
+        shared: SharedStates | None = None,
     ) -> AbstractContextManager[None]:
         """While a forward runs on x (the preprocessed images of split[idx], not augmented),
-        its backbone recalls frozen work (and, given `states`, the phase's hidden states)."""
+        its backbone recalls frozen work (and, given `states`, the phase's hidden states;
+        given `shared`, the states that the clients scored on these samples share)."""
         frozen = None
         if self.cache is not None:
             frozen = lambda kind, fn: self.frozen(kind, fn, split)[idx]  # noqa: E731
-        return recalling(Recall(x, frozen, states, idx, rows))
+        return recalling(Recall(x, frozen, states, idx, rows, shared=shared))
 
     def train(self, idx: Tensor, augmentation: tuple[Augment, Tensor] | None = None) -> Tensor:
         """Preprocessed train images idx (B,); `augmentation` (config, draws (B, n)) gives

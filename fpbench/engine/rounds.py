@@ -333,6 +333,7 @@ def evaluate_populations(
                     precision,
                     label_space=cfg.train.local_label_space,
                     clients=None if single else pop.clients,
+                    full_split=cfg.train.full_split_clients,
                 ),
                 pop.clients,
             )

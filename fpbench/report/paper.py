@@ -238,6 +238,7 @@ class Cell:
     mark: str = ""  # "best" / "second" among fpbench's values
     paper_mark: str = ""  # the same among the paper's values
     runs: int = 0  # stored runs the cell selects, with or without its metric
+    not_computed: str = ""  # the runs' train.full_split_clients where it left the metric out
 
     @property
     def diff(self) -> float | None:
@@ -254,6 +255,10 @@ class Cell:
         if spec.get("needs"):  # an input the runs need first (e.g. GPT-FL's generated images)
             return f"needs {spec['needs']} (suite {spec.get('suite', '?')}: {labels})"
         extra = f" {_flat(spec['config'])}" if spec.get("config") else ""
+        if self.runs and not self.n and self.not_computed:
+            return f"{self.runs} run(s) of {labels}{extra} did not compute {spec['metric']} " + (
+                f"(train.full_split_clients = {self.not_computed})"
+            )
         if self.runs and not self.n:
             return f"{self.runs} run(s) of {labels}{extra} lack metric {spec['metric']}"
         return f"needs suite {spec.get('suite', '?')}: {labels}{extra} · {spec['metric']}"
@@ -345,6 +350,22 @@ def _to_target(results: Results, run_id: int, spec: Mapping[str, Any]) -> float 
     return total_bytes
 
 
+FULL_SPLIT_METRICS = frozenset({"acc_global", "f1_macro_global", "ece_global"})
+
+
+def _full_split_setting(results: Results, ids: list[int], metric: str) -> str:
+    """The runs' `train.full_split_clients` where it is not "all" and the metric is one of the
+    full-split metrics it can leave out ("" otherwise)."""
+    if metric not in FULL_SPLIT_METRICS and not metric.startswith(tuple(FULL_SPLIT_METRICS)):
+        return ""
+    settings = {
+        str(results.configs.get(i, {}).get("train", {}).get("full_split_clients", "all"))
+        for i in ids
+    }
+    settings.discard("all")
+    return ", ".join(sorted(settings))
+
+
 def fill(table: PaperTable, results: Results) -> list[Cell]:
     """Every cell of `table` with fpbench's mean ± std over runs, then best/second marks.
 
@@ -364,8 +385,12 @@ def fill(table: PaperTable, results: Results) -> list[Cell]:
             vals = run_values(results, spec)
             mean = sum(vals) / len(vals) if vals else None
             std = pd.Series(vals).std(ddof=1) if len(vals) > 1 else None
-            runs = len(_matching_runs(results, spec))
-            done[col.key] = Cell(row.key, col.key, spec, reported, mean, std, len(vals), runs=runs)
+            ids = _matching_runs(results, spec)
+            why = "" if vals else _full_split_setting(results, ids, str(spec.get("metric", "")))
+            done[col.key] = Cell(
+                row.key, col.key, spec, reported, mean, std, len(vals), runs=len(ids),
+                not_computed=why,
+            )  # fmt: skip
         cells.extend(done.values())
     return _marked(_marked(cells, "mean", "mark"), "paper", "paper_mark")
 

@@ -105,7 +105,10 @@ def tradeoff(
     values = final_values(metrics, [x, y], suite=suite)
     labels = [c for c in ["method", *PANEL_KEYS] if c in values.columns]
     wide = values.pivot_table(index=["run_id", *labels], columns="metric", values="value")
-    wide = wide.reindex(columns=[x, y]).dropna().reset_index()
+    wide = wide.reindex(columns=[x, y])
+    short = wide[wide.isna().any(axis=1)]
+    lacking = sorted({str(m) for m in short.index.get_level_values("method")})
+    wide = wide.dropna().reset_index()
     if wide.empty:
         raise FpbenchError(f"no run has both {x!r} and {y!r}; pick other metrics with --x/--y")
     groups, styles = _panel_groups(wide), _styles(wide["method"])
@@ -114,6 +117,9 @@ def tradeoff(
         _tradeoff_panel(ax, rows, x, y, styles)
         ax.set_title(title)
     _suptitle(fig, f"{LABELS.get(y, y)} vs {LABELS.get(x, x)}", suite)
+    if lacking:  # a run that did not compute a metric (e.g. train.full_split_clients = "none")
+        note = f"not shown, runs without {x} or {y}: {', '.join(lacking)}"
+        fig.text(0.01, 0.005, note, fontsize=7, ha="left", va="bottom")
     return fig
 
 
