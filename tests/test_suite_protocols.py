@@ -514,7 +514,7 @@ def test_the_suite_table_notes_a_method_below_the_stated_budget(monkeypatch):
     )
     monkeypatch.setattr(fpbench.report.tables, "summary_table", lambda *a, **k: "SUMMARY")
     monkeypatch.setattr(fpbench.report.tables, "render", lambda summary, fmt: f"{summary}\n")
-    result = CliRunner().invoke(app, ["table", "--suite", "flip-compare-own"])
+    result = CliRunner().invoke(app, ["table", "--suite", "flip-compare-own", "--format", "csv"])
     assert result.exit_code == 0, result.output
     assert "SUMMARY" in result.output.splitlines()
     assert "note: promptfolio trains 20% of the median budget: its official script" in (
