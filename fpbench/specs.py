@@ -93,6 +93,13 @@ class TrainConfig(_Strict):
         "of the round's clients' train data trains local_epochs over it (the same samples and "
         "epochs as the federation; a global method only); evaluated like the federated rows",
     )
+    validation: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="fraction of each client's train samples carved off (seeded) as its "
+        "validation set, scored in place of the test split (`fpbench tune`); 0: the test split",
+    )
 
     @model_serializer(mode="wrap")
     def _drop_unset_centralized(self, handler: Any) -> dict[str, Any]:
@@ -101,6 +108,8 @@ class TrainConfig(_Strict):
         out = handler(self)
         if not out.get("centralized", True):
             del out["centralized"]
+        if out.get("validation", 1) == 0:  # likewise `validation` (fpbench tune's)
+            del out["validation"]
         return out
 
 

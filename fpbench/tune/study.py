@@ -1,0 +1,268 @@
+"""One method's search: an Optuna study in the results database, its trials run as suite cells.
+
+A trial's cells are the suite's cells of the method with the trial's values, the budget's rounds
+and `train.validation` set (`--set` paths), stored under a suite name of their own,
+`NAME+tune+...` (`sets_name`), so tables never mix them with the suite's. Each evaluated round's
+stored validation metric is reported to the trial (step: the cell's position times the rounds,
+plus the round) and Optuna's pruner may stop it there; a stopped cell is stored `interrupted` and
+resumes if a later trial draws the same values. The objective is the mean over the trial's cells
+of the metric's stored summary (`<metric>_last<summary_window>`).
+
+Resuming: a trial that was interrupted (Ctrl-C) or whose process died (its heartbeat went silent)
+is failed by Optuna and enqueued again once with its values, so its cells resume from their
+checkpoints; the study is done when `trials` of its trials are complete or pruned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fpbench.engine.observer import Observer
+from fpbench.errors import FpbenchError
+from fpbench.specs import RunConfig
+from fpbench.store import Store
+from fpbench.suites import load_suite, sets_name
+from fpbench.tune.space import Param, fingerprint
+
+HEARTBEAT_S, GRACE_S = 30, 120  # a trial silent this long is a dead worker's: failed, retried
+PRUNER_STARTUP = 2  # trials that complete before the median pruner prunes
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What every method compared gets alike: trials, rounds, validation split, metric, seeds."""
+
+    trials: int
+    rounds: int
+    validation: float
+    metric: str = "acc_global"
+    seed: int = 0  # the sampler's
+    seeds: tuple[int, ...] | None = None  # the cells' seeds; None: the suite's
+
+    def check(self) -> None:
+        """Raises FpbenchError on a budget no search can run with."""
+        if self.trials < 1:
+            raise FpbenchError(f"--trials must be at least 1, got {self.trials}")
+        if self.rounds < 1:
+            raise FpbenchError(f"--rounds must be at least 1, got {self.rounds}")
+        if not 0 < self.validation < 1:
+            raise FpbenchError(
+                f"--validation must be a fraction in (0, 1) of each client's train samples, "
+                f"got {self.validation}"
+            )
+
+    @property
+    def direction(self) -> str:
+        return "minimize" if self.metric.startswith(("loss", "ece")) else "maximize"
+
+    def text(self) -> str:
+        """The budget as one line (stored with the study and in the tuned suite)."""
+        seeds = "suite" if self.seeds is None else ",".join(map(str, self.seeds))
+        return (
+            f"trials={self.trials} rounds={self.rounds} validation={self.validation} "
+            f"metric={self.metric} seeds={seeds} sampler-seed={self.seed}"
+        )
+
+
+class CellsFailed(Exception):
+    """A trial's cell failed (a crash stored with the cell): the trial fails, not retried."""
+
+
+class _Pruned(KeyboardInterrupt):
+    """Raised in the round loop to stop a pruned trial's cell (stored as interrupted)."""
+
+
+def study_name(suite: str, label: str, space: tuple[Param, ...], budget: Budget) -> str:
+    """The study's name: suite, method and a hash of all but the trial count (which may grow)."""
+    what = [budget.rounds, budget.validation, budget.metric, budget.seed, budget.seeds]
+    digest = hashlib.sha256(json.dumps([fingerprint(space), what]).encode()).hexdigest()[:10]
+    return f"fpbench-tune:{suite}:{label}:{digest}"
+
+
+def trial_cells(suite: str, label: str, values: dict[str, Any], budget: Budget) -> list[RunConfig]:
+    """The cells of method `label` in `suite` with `values`, the budget's rounds and
+    validation split set, named `NAME+tune+...`."""
+    sets = {**values, "train.rounds": budget.rounds, "train.validation": budget.validation}
+    loaded = load_suite(suite, sets=sets, methods=[label])
+    name = sets_name(f"{load_suite(suite, methods=[label]).name}+tune", sets)
+    cells = [
+        c.model_copy(update={"suite": name})
+        for c in loaded.cells
+        if c.method.label == label and (budget.seeds is None or c.seed in budget.seeds)
+    ]
+    if not cells:
+        raise FpbenchError(f"suite {suite}: method {label!r} has no cells of seeds {budget.seeds}")
+    return cells
+
+
+class _Pruning(Observer):
+    """Reports each evaluated round's stored metric to the trial; stops the cell if pruned."""
+
+    def __init__(self, trial: Any, metric: str, cells: list[RunConfig], store: Store) -> None:
+        self.trial, self.metric, self.store = trial, metric, store
+        self.offset = {c.run_key: i * c.train.rounds for i, c in enumerate(cells)}
+        self.reported: set[int] = set()
+        self.pruned: int | None = None  # the step it was pruned at
+
+    def cell_start(self, cfg: RunConfig, start_round: int) -> None:
+        if start_round:  # resumed: the rounds stored before
+            self._feed(cfg)
+
+    def round_end(self, cfg: RunConfig, round_idx: int, metrics: dict[str, float]) -> None:
+        if self.metric in metrics:
+            self._feed(cfg)
+
+    def _feed(self, cfg: RunConfig) -> None:
+        for r, value in stored_curve(self.store, cfg.run_key, self.metric):
+            step = self.offset[cfg.run_key] + r
+            if step not in self.reported:
+                self.reported.add(step)
+                self.trial.report(value, step)
+                if self.trial.should_prune():
+                    self.pruned = step
+                    raise _Pruned(step)
+
+
+def stored_curve(store: Store, run_key: str, metric: str) -> list[tuple[int, float]]:
+    """(round, value) of a run's stored per-round aggregate `metric`, in round order."""
+    record = store.find_run(run_key)
+    if record is None:
+        return []
+    df = store.metrics(run_ids=[record.id], names=[metric])
+    df = df[df["round"].notna()]
+    return [(int(r), float(v)) for r, v in zip(df["round"], df["value"], strict=True)]
+
+
+def objective_value(store: Store, cells: list[RunConfig], metric: str) -> float:
+    """The mean over `cells` of their stored `<metric>_last<summary_window>`."""
+    values = []
+    for c in cells:
+        name = f"{metric}_last{c.train.summary_window}"
+        record = store.find_run(c.run_key)
+        df = store.metrics(run_ids=[record.id], names=[name]) if record else None
+        if df is None or df.empty or record.status != "done":
+            raise CellsFailed(f"cell {c.run_key} stored no {name}")
+        values.append(float(df["value"].iloc[-1]))
+    return sum(values) / len(values)
+
+
+def open_study(url: str, name: str, budget: Budget) -> Any:
+    """The study `name` in the database at `url` (created, or loaded to resume)."""
+    import warnings
+
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", "Argument ``heartbeat_interval``", category=Warning)
+    with Store(url) as store:  # fpbench's tables first: a database of Optuna's alone is foreign
+        store.ensure_schema()
+    storage = optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
+    study = optuna.create_study(
+        storage=storage,
+        study_name=name,
+        load_if_exists=True,
+        direction=budget.direction,
+        sampler=optuna.samplers.TPESampler(seed=budget.seed),
+        pruner=optuna.pruners.MedianPruner(n_startup_trials=PRUNER_STARTUP),
+    )
+    study.set_user_attr("budget", budget.text())
+    return study
+
+
+def finished(study: Any) -> list[Any]:
+    """The study's complete and pruned trials, in trial order."""
+    from optuna.trial import TrialState
+
+    states = (TrialState.COMPLETE, TrialState.PRUNED)
+    return sorted(study.get_trials(deepcopy=False, states=states), key=lambda t: t.number)
+
+
+def best_trial(study: Any, trials: int) -> Any:
+    """The best complete trial among the first `trials` finished ones (parallel workers may
+    finish a few more; every method is judged on the same count)."""
+    counted = [t for t in finished(study)[:trials] if t.value is not None]
+    from optuna.trial import TrialState
+
+    done = [t for t in counted if t.state == TrialState.COMPLETE and math.isfinite(t.value)]
+    if not done:
+        raise FpbenchError(f"study {study.study_name}: no complete trial among the first {trials}")
+    pick = max if study.direction.name == "MAXIMIZE" else min
+    return pick(done, key=lambda t: (t.value, -t.number))
+
+
+def tune_method(
+    suite: str,
+    label: str,
+    space: tuple[Param, ...],
+    budget: Budget,
+    url: str,
+    *,
+    checkpoint_dir: Path,
+    on_trial: Callable[[Any, int], None] = lambda trial, total: None,
+) -> Any:
+    """Run (or resume) method `label`'s study until `budget.trials` trials are complete or
+    pruned; returns the study.
+
+    Raises:
+        CellsFailed: a trial's cell failed.
+        KeyboardInterrupt: Ctrl-C (the trial is failed and is enqueued again on the next run).
+    """
+    import optuna
+
+    from fpbench.engine.dispatch import run_cells
+
+    study = open_study(url, study_name(suite, label, space, budget), budget)
+    store = Store(url)
+
+    def objective(trial: optuna.Trial) -> float:
+        values = {p.path: p.suggest(trial) for p in space}
+        cells = trial_cells(suite, label, values, budget)
+        trial.set_user_attr("suite", cells[0].suite)
+        watcher = _Pruning(trial, budget.metric, cells, store)
+        try:
+            results = run_cells(cells, url, checkpoint_dir=checkpoint_dir, observer=watcher)
+        except KeyboardInterrupt:
+            if watcher.pruned is None:
+                raise
+            raise optuna.TrialPruned(f"pruned at step {watcher.pruned}") from None
+        failed = [r for r in results if r.status == "failed"]
+        if failed:
+            trial.set_user_attr("failed", failed[0].error)
+            raise CellsFailed(f"trial {trial.number}: cell failed: {failed[0].error}")
+        return objective_value(store, cells, budget.metric)
+
+    try:
+        while len(finished(study)) < budget.trials:
+            requeue(study)
+            study.optimize(objective, n_trials=1, catch=(CellsFailed,))
+            last = max(study.get_trials(deepcopy=False), key=lambda t: t.number)
+            if "failed" in last.user_attrs:
+                raise CellsFailed(f"trial {last.number} of {label}: {last.user_attrs['failed']}")
+            on_trial(last, budget.trials)
+    finally:
+        store.close()
+    return study
+
+
+def requeue(study: Any) -> list[int]:
+    """Enqueue once, with the same values, every failed trial that no cell failure ended
+    (interrupted, or failed by Optuna as a dead worker's); returns their numbers."""
+    from optuna.trial import TrialState
+
+    done = set(study.user_attrs.get("requeued", []))
+    again = [
+        t
+        for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+        if t.number not in done and "failed" not in t.user_attrs
+    ]
+    for t in again:
+        study.enqueue_trial(t.params, user_attrs={"retry_of": t.number}, skip_if_exists=False)
+    if again:
+        study.set_user_attr("requeued", sorted(done | {t.number for t in again}))
+    return [t.number for t in again]
