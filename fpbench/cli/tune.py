@@ -37,7 +37,9 @@ def tune(
     sampler_seed: Annotated[int, typer.Option(help="seed of Optuna's TPE sampler")] = 0,
     space: Annotated[
         Path | None,
-        typer.Option(help="search spaces file (default: search-spaces.toml of the suite folders)"),
+        typer.Option(
+            help="search spaces file (default: fpbench's own, fpbench/tune/search-spaces.toml)"
+        ),
     ] = None,
     out: Annotated[
         Path | None,
@@ -57,10 +59,15 @@ def tune(
     values of each method become the suite NAME+tuned (labels LABEL+tuned), written to --out:
     run it with `fpbench run --suite NAME+tuned`.
     """
+    import importlib.util
+
     from fpbench.store import Store
     from fpbench.suites import load_suite
+
+    if importlib.util.find_spec("optuna") is None:
+        raise FpbenchError("fpbench tune needs Optuna: pip install 'fpbench[tune]'")
     from fpbench.tune.best import tuned_suite, write_toml
-    from fpbench.tune.space import default_file, space_for
+    from fpbench.tune.space import SHIPPED, space_for
     from fpbench.tune.study import Budget, CellsFailed, best_trial, tune_method
 
     loaded = load_suite(suite)
@@ -87,7 +94,7 @@ def tune(
         seeds=tuple(sorted(set(seed))) if seed else None,
     )
     budget.check()
-    space_file = space or default_file()
+    space_file = space or SHIPPED
     by_label = {c.method.label: c.method.name for c in loaded.cells}
     spaces = {m: space_for(by_label[m], space_file) for m in chosen}  # all checked up front
     out = out or Path("benchmarks") / f"{loaded.name}+tuned.toml"

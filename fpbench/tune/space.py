@@ -1,6 +1,7 @@
 """Search spaces: per method, the config paths `fpbench tune` searches and their ranges, as data.
 
-`benchmarks/search-spaces.toml` holds one table per registered method name; each key is a config
+`fpbench/tune/search-spaces.toml` (package data; `--space` reads another) holds one table per
+registered method name; each key is a config
 path as `--set` takes it (`train.lr`, `method.args.prompt_len`), each value a range::
 
     [fedvpt]
@@ -25,7 +26,6 @@ from typing import Any
 import tomllib
 
 from fpbench.errors import FpbenchError
-from fpbench.suites import suite_dirs
 
 FILE = "search-spaces.toml"
 _KEYS = {"low", "high", "log", "step", "choices", "source"}
@@ -59,13 +59,7 @@ class Param:
         return trial.suggest_float(self.path, self.low, self.high, log=self.log)
 
 
-def default_file() -> Path:
-    """The first `search-spaces.toml` of the suite folders ($FPBENCH_SUITES, ./benchmarks,
-    fpbench's own)."""
-    for folder in suite_dirs():
-        if (folder / FILE).is_file():
-            return folder / FILE
-    raise FpbenchError(f"no {FILE} in the suite folders {[str(d) for d in suite_dirs()]}")
+SHIPPED = Path(__file__).with_name(FILE)  # not in benchmarks/, where every .toml is a suite
 
 
 def load_spaces(path: Path) -> dict[str, tuple[Param, ...]]:
