@@ -293,7 +293,8 @@ def test_tune_end_to_end_then_the_best_entry_runs_as_a_suite_with_tuned_rows(wor
     (workdir / "space.toml").write_text(SPACE)
     result = _tune()
     assert result.exit_code == 0, result.output
-    assert "fedvpt trial 1/2" in result.output and "fedvpt trial 2/2" in result.output
+    assert "fedvpt trial 0: " in result.output and "(1/2 done)" in result.output
+    assert "fedvpt trial 1: " in result.output and "(2/2 done)" in result.output
     with sqlite3.connect(workdir / "t.db") as con:
         trial_runs = con.execute("select suite, config_json from runs").fetchall()
         states = [s for (s,) in con.execute("select state from trials order by number")]
@@ -314,7 +315,10 @@ def test_tune_end_to_end_then_the_best_entry_runs_as_a_suite_with_tuned_rows(wor
         ).fetchone()
     assert "validation" not in json.loads(config)["train"]  # it runs on the test split
     again = _tune()  # a finished study: nothing runs again
-    assert again.exit_code == 0 and "trial" not in again.output.split("\n", 1)[1].split("best")[0]
+    assert again.exit_code == 0, again.output
+    assert "fedvpt trial" not in again.output and "fedvpt: best trial" in again.output
+    with sqlite3.connect(workdir / "t.db") as con:
+        assert con.execute("select count(*) from trials").fetchone() == (2,)
 
 
 @pytest.mark.slow
@@ -350,3 +354,39 @@ def test_a_killed_tune_continues_its_study_and_resumes_the_cell(workdir, monkeyp
     assert [s for _, s in states] == ["COMPLETE", "FAIL", "COMPLETE"]
     assert lrs[1][1] == lrs[2][1]  # the retried trial has the interrupted one's values
     assert sorted(r for (r,) in rounds) == [0, 1, 2] and status == ("done",)  # resumed, no dupes
+
+
+@pytest.mark.slow
+def test_parallel_workers_share_one_study_on_postgresql(workdir, pg_url):
+    """Two `fpbench tune` processes on one PostgreSQL database: one study, its trials shared
+    (none run twice), and both write the same best entry."""
+    import subprocess
+    import sys
+
+    import optuna
+
+    (workdir / "space.toml").write_text(SPACE)
+    args = ["tune", "--suite", "tiny", "--method", "fedvpt", "--trials", "4", "--validation",
+            "0.25", "--space", "space.toml", "--db", pg_url]  # fmt: skip
+    outs = [f"w{i}.toml" for i in range(2)]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "fpbench", *args, "--out", out, "--worker", str(i)],
+            cwd=workdir,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i, out in enumerate(outs)
+    ]
+    logs = [w.communicate(timeout=600)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], logs
+    (summary,) = optuna.get_all_study_summaries(pg_url)
+    study = optuna.load_study(study_name=summary.study_name, storage=pg_url)
+    trials = study.get_trials(deepcopy=False)
+    assert sum(t.state.name in ("COMPLETE", "PRUNED") for t in trials) >= 4
+    ran = [line for log in logs for line in log.splitlines() if line.startswith("fedvpt trial")]
+    assert len(ran) == len(trials)  # each trial ran in one worker
+    assert len({tuple(sorted(t.params.items())) for t in trials}) == len(trials)  # drawn apart
+    written = [tomllib.loads((workdir / out).read_text()) for out in outs]
+    assert written[0] == written[1]

@@ -35,6 +35,14 @@ def tune(
         list[int] | None, typer.Option(help="only the cells of these seeds (repeatable)")
     ] = None,
     sampler_seed: Annotated[int, typer.Option(help="seed of Optuna's TPE sampler")] = 0,
+    worker: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="this process's number among parallel workers sharing the study (each its "
+            "own, e.g. $SLURM_ARRAY_TASK_ID): their samplers draw apart",
+        ),
+    ] = 0,
     space: Annotated[
         Path | None,
         typer.Option(
@@ -105,7 +113,7 @@ def tune(
         soft_wrap=True,
     )
 
-    def show(trial, total: int) -> None:
+    def show(trial, done: int, total: int) -> None:
         shown = " ".join(f"{k}={_short(v)}" for k, v in trial.params.items())
         ended = (
             f"{metric} {trial.value:.4f}"
@@ -113,7 +121,7 @@ def tune(
             else trial.state.name.lower()
         )
         console.print(
-            f"{label} trial {trial.number + 1}/{total}: {shown} -> {ended}",
+            f"{label} trial {trial.number}: {shown} -> {ended} ({done}/{total} done)",
             highlight=False,
             markup=False,
             soft_wrap=True,
@@ -129,12 +137,13 @@ def tune(
                 budget,
                 url,
                 checkpoint_dir=checkpoint_dir.absolute(),
+                worker=worker,
                 on_trial=show,
             )
             top = best_trial(study, trials)
             best[label] = top.params
             console.print(
-                f"{label}: best trial {top.number + 1}, {metric} {top.value:.4f} on validation",
+                f"{label}: best trial {top.number}, {metric} {top.value:.4f} on validation",
                 highlight=False,
                 soft_wrap=True,
             )

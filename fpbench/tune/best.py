@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,7 @@ def write_toml(raw: dict[str, Any], path: Path) -> None:
     lines = ["# written by `fpbench tune`: the best configuration of each tuned method"]
     lines += [f"{_key(k)} = {_value(v)}" for k, v in raw.items()]
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # parallel workers write the same file
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(path)
 

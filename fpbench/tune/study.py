@@ -10,7 +10,8 @@ of the metric's stored summary (`<metric>_last<summary_window>`).
 
 Resuming: a trial that was interrupted (Ctrl-C) or whose process died (its heartbeat went silent)
 is failed by Optuna and enqueued again once with its values, so its cells resume from their
-checkpoints; the study is done when `trials` of its trials are complete or pruned.
+checkpoints; the study is done when `trials` of its trials are complete or pruned and no worker
+is still running one (`settle`).
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fpbench.engine.observer import Observer
+from fpbench.engine.seeding import derive_seed
 from fpbench.errors import FpbenchError
 from fpbench.specs import RunConfig
 from fpbench.store import Store
@@ -32,6 +35,7 @@ from fpbench.tune.space import Param, fingerprint
 
 HEARTBEAT_S, GRACE_S = 30, 120  # a trial silent this long is a dead worker's: failed, retried
 PRUNER_STARTUP = 2  # trials that complete before the median pruner prunes
+BUSY_POLL_S = 2.0  # how often a trial looks again at a cell another worker is running
 
 
 @dataclass(frozen=True)
@@ -152,8 +156,9 @@ def objective_value(store: Store, cells: list[RunConfig], metric: str) -> float:
     return sum(values) / len(values)
 
 
-def open_study(url: str, name: str, budget: Budget) -> Any:
-    """The study `name` in the database at `url` (created, or loaded to resume)."""
+def open_study(url: str, name: str, budget: Budget, worker: int = 0) -> Any:
+    """The study `name` in the database at `url` (created, or loaded to resume); parallel
+    workers each draw with a sampler seed of their own (`worker`), else they draw alike."""
     import warnings
 
     import optuna
@@ -162,17 +167,40 @@ def open_study(url: str, name: str, budget: Budget) -> Any:
     warnings.filterwarnings("ignore", "Argument ``heartbeat_interval``", category=Warning)
     with Store(url) as store:  # fpbench's tables first: a database of Optuna's alone is foreign
         store.ensure_schema()
-    storage = optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
+    storage = _storage(url)
     study = optuna.create_study(
         storage=storage,
         study_name=name,
         load_if_exists=True,
         direction=budget.direction,
-        sampler=optuna.samplers.TPESampler(seed=budget.seed),
+        sampler=optuna.samplers.TPESampler(seed=_sampler_seed(budget.seed, worker)),
         pruner=optuna.pruners.MedianPruner(n_startup_trials=PRUNER_STARTUP),
     )
     study.set_user_attr("budget", budget.text())
     return study
+
+
+def _sampler_seed(seed: int, worker: int) -> int:
+    """Worker 0 draws with `seed` itself; others with seeds derived from it."""
+    return seed if worker == 0 else derive_seed(seed, "worker", worker) % 2**32
+
+
+def _storage(url: str, attempts: int = 5) -> Any:
+    """Optuna's storage at `url`, retried: workers starting together race to create its tables
+    (on PostgreSQL, its enum types), and the losers see the winner's half-made schema."""
+    import optuna
+    from sqlalchemy.exc import DBAPIError, IntegrityError
+
+    for attempt in range(attempts):
+        try:
+            return optuna.storages.RDBStorage(
+                url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S
+            )
+        except (IntegrityError, DBAPIError):
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.5 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def finished(study: Any) -> list[Any]:
@@ -204,10 +232,12 @@ def tune_method(
     url: str,
     *,
     checkpoint_dir: Path,
-    on_trial: Callable[[Any, int], None] = lambda trial, total: None,
+    worker: int = 0,
+    on_trial: Callable[[Any, int, int], None] = lambda trial, done, total: None,
 ) -> Any:
     """Run (or resume) method `label`'s study until `budget.trials` trials are complete or
-    pruned; returns the study.
+    pruned; returns the study. `on_trial(trial, done, total)` follows each trial this process
+    ran (`done`: the study's finished trials).
 
     Raises:
         CellsFailed: a trial's cell failed.
@@ -217,7 +247,7 @@ def tune_method(
 
     from fpbench.engine.dispatch import run_cells
 
-    study = open_study(url, study_name(suite, label, space, budget), budget)
+    study = open_study(url, study_name(suite, label, space, budget), budget, worker)
     store = Store(url)
 
     def objective(trial: optuna.Trial) -> float:
@@ -225,29 +255,51 @@ def tune_method(
         cells = trial_cells(suite, label, values, budget)
         trial.set_user_attr("suite", cells[0].suite)
         watcher = _Pruning(trial, budget.metric, cells, store)
-        try:
-            results = run_cells(cells, url, checkpoint_dir=checkpoint_dir, observer=watcher)
-        except KeyboardInterrupt:
-            if watcher.pruned is None:
-                raise
-            raise optuna.TrialPruned(f"pruned at step {watcher.pruned}") from None
-        failed = [r for r in results if r.status == "failed"]
-        if failed:
-            trial.set_user_attr("failed", failed[0].error)
-            raise CellsFailed(f"trial {trial.number}: cell failed: {failed[0].error}")
-        return objective_value(store, cells, budget.metric)
+        while True:  # a cell another worker runs (it drew the same values): wait for it
+            try:
+                results = run_cells(cells, url, checkpoint_dir=checkpoint_dir, observer=watcher)
+            except KeyboardInterrupt:
+                if watcher.pruned is None:
+                    raise
+                raise optuna.TrialPruned(f"pruned at step {watcher.pruned}") from None
+            failed = [r for r in results if r.status == "failed"]
+            if failed:
+                trial.set_user_attr("failed", failed[0].error)
+                raise CellsFailed(f"trial {trial.number}: cell failed: {failed[0].error}")
+            if not any(r.status == "skipped" and r.error for r in results):
+                return objective_value(store, cells, budget.metric)
+            time.sleep(BUSY_POLL_S)
+
+    ended: list[Any] = []  # this worker's trials (others' run beside them)
 
     try:
         while len(finished(study)) < budget.trials:
             requeue(study)
-            study.optimize(objective, n_trials=1, catch=(CellsFailed,))
-            last = max(study.get_trials(deepcopy=False), key=lambda t: t.number)
+            study.optimize(
+                objective,
+                n_trials=1,
+                catch=(CellsFailed,),
+                callbacks=[lambda study, trial: ended.append(trial)],
+            )
+            last = ended[-1]
             if "failed" in last.user_attrs:
                 raise CellsFailed(f"trial {last.number} of {label}: {last.user_attrs['failed']}")
-            on_trial(last, budget.trials)
+            on_trial(last, len(finished(study)), budget.trials)
+        settle(study)
     finally:
         store.close()
     return study
+
+
+def settle(study: Any, poll_s: float = 1.0) -> None:
+    """Wait for the trials other workers are running (failed by Optuna once their heartbeat has
+    been silent for `GRACE_S`), so that every worker judges the same first trials."""
+    import optuna
+    from optuna.trial import TrialState
+
+    while study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        optuna.storages.fail_stale_trials(study)
+        time.sleep(poll_s)
 
 
 def requeue(study: Any) -> list[int]:
