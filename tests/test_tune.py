@@ -119,6 +119,16 @@ def test_validation_with_an_evaluation_mode_is_refused():
         build_task(cell, torch.device("cpu"))
 
 
+def test_no_shipped_cell_has_the_field_so_no_protocol_covers_it():
+    """`train.validation` at 0 is left out of the stored config, the run key and the paths the
+    paper protocols cover (`leaf_paths`): shipped suites never set it, only `fpbench tune`."""
+    from fpbench.suites import list_suites, load_suite
+
+    for name in list_suites():
+        for cell in load_suite(name).cells:
+            assert "validation" not in cell.model_dump(mode="json")["train"], name
+
+
 def test_task_of_with_validation_zero_is_the_plain_task():
     cell = _cell()
     data = load_dataset(cell.dataset)
@@ -213,7 +223,7 @@ def test_every_method_gets_the_same_rounds_validation_and_seeds_under_a_name_of_
     b = trial_cells("tiny", "head-tune", {"train.lr": 0.02}, budget)
     for c in (*a, *b):
         assert (c.train.rounds, c.train.validation) == (1, 0.3)
-        assert c.suite.startswith("tiny+tune+")
+        assert c.suite.startswith("tiny+tune-")
     assert [c.seed for c in a] == [c.seed for c in b] == [0]
 
 
@@ -271,10 +281,21 @@ def test_the_tuned_entry_sets_args_and_overrides_and_reads_back(workdir):
         (["--trials", "0"], "--trials"),
         (["--validation", "1.5"], "--validation"),
         (["--method", "fedvpt", "--space", "empty.toml"], "empty"),
+        (["--method", "fedvpt", "--space", "badpath.toml"], "not a settable path"),
+        (["--method", "fedvpt", "--space", "badvalue.toml"], "prompt_len"),
+        (["--method", "head-tune"], "no search space for method 'head-tune'"),
     ],
 )
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(workdir, args, needle):
     (workdir / "empty.toml").write_text("[fedvpt]\n")
+    (workdir / "badpath.toml").write_text(
+        "[fedvpt]\nlr = { low = 0.1, high = 1.0, source = 's' }\n"
+    )
+    bad = '"method.args.prompt_len" = { low = 0, high = 3, source = "s" }'
+    (workdir / "badvalue.toml").write_text(f"[fedvpt]\n{bad}\n")
+    (workdir / "fedvpt-only.toml").write_text(SPACE.split("[head-tune]")[0])
+    if "head-tune" in args:
+        args = [*args, "--space", "fedvpt-only.toml"]
     result = runner.invoke(app, ["tune", "--suite", "tiny", *args, "--db", "t.db"])
     assert result.exit_code == 2, result.output
     assert needle in result.output and len(result.output.strip().splitlines()) == 1
@@ -301,7 +322,7 @@ def test_tune_end_to_end_then_the_best_entry_runs_as_a_suite_with_tuned_rows(wor
         params = con.execute("select param_name from trial_params").fetchall()
     assert len(trial_runs) == 2 and states == ["COMPLETE", "COMPLETE"]
     assert {p for (p,) in params} == {"train.lr", "method.args.prompt_len"}
-    assert all(s.startswith("tiny+tune+") for s, _ in trial_runs)
+    assert all(s.startswith("tiny+tune-") for s, _ in trial_runs)
     assert [json.loads(c)["train"]["validation"] for _, c in trial_runs] == [0.25, 0.25]
     tuned = tomllib.loads((workdir / "benchmarks" / "tiny+tuned.toml").read_text())
     assert [e["label"] for e in tuned["methods"]] == ["fedvpt+tuned"]

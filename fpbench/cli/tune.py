@@ -76,7 +76,7 @@ def tune(
         raise FpbenchError("fpbench tune needs Optuna: pip install 'fpbench[tune]'")
     from fpbench.tune.best import tuned_suite, write_toml
     from fpbench.tune.space import SHIPPED, space_for
-    from fpbench.tune.study import Budget, CellsFailed, best_trial, tune_method
+    from fpbench.tune.study import Budget, CellsFailed, best_trial, trial_cells, tune_method
 
     loaded = load_suite(suite)
     labels = list(dict.fromkeys(c.method.label for c in loaded.cells))
@@ -105,6 +105,10 @@ def tune(
     space_file = space or SHIPPED
     by_label = {c.method.label: c.method.name for c in loaded.cells}
     spaces = {m: space_for(by_label[m], space_file) for m in chosen}  # all checked up front
+    for m, params in spaces.items():  # every path settable, every range's values valid
+        for pick in ("low", "high"):
+            values = {p.path: p.example if pick == "low" else p.last for p in params}
+            trial_cells(suite, m, values, budget)
     out = out or Path("benchmarks") / f"{loaded.name}+tuned.toml"
     url = Store.url_from_path_or_url(db if "://" in db else Path(db).absolute())
     console.print(

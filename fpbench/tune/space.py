@@ -44,6 +44,16 @@ class Param:
     source: str = ""
 
     @property
+    def example(self) -> Any:
+        """A value of the range (its first choice, else its low end)."""
+        return self.choices[0] if self.choices is not None else self.low
+
+    @property
+    def last(self) -> Any:
+        """The other end of the range (its last choice, else its high end)."""
+        return self.choices[-1] if self.choices is not None else self.high
+
+    @property
     def kind(self) -> str:
         if self.choices is not None:
             return "categorical"

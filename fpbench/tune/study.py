@@ -2,7 +2,7 @@
 
 A trial's cells are the suite's cells of the method with the trial's values, the budget's rounds
 and `train.validation` set (`--set` paths), stored under a suite name of their own,
-`NAME+tune+...` (`sets_name`), so tables never mix them with the suite's. Each evaluated round's
+`NAME+tune-<hash of the values>`, so tables never mix them with the suite's. Each evaluated round's
 stored validation metric is reported to the trial (step: the cell's position times the rounds,
 plus the round) and Optuna's pruner may stop it there; a stopped cell is stored `interrupted` and
 resumes if a later trial draws the same values. The objective is the mean over the trial's cells
@@ -30,7 +30,7 @@ from fpbench.engine.seeding import derive_seed
 from fpbench.errors import FpbenchError
 from fpbench.specs import RunConfig
 from fpbench.store import Store
-from fpbench.suites import load_suite, sets_name
+from fpbench.suites import load_suite
 from fpbench.tune.space import Param, fingerprint
 
 HEARTBEAT_S, GRACE_S = 30, 120  # a trial silent this long is a dead worker's: failed, retried
@@ -91,10 +91,11 @@ def study_name(suite: str, label: str, space: tuple[Param, ...], budget: Budget)
 
 def trial_cells(suite: str, label: str, values: dict[str, Any], budget: Budget) -> list[RunConfig]:
     """The cells of method `label` in `suite` with `values`, the budget's rounds and
-    validation split set, named `NAME+tune+...`."""
+    validation split set, named `NAME+tune-<hash of those>`."""
     sets = {**values, "train.rounds": budget.rounds, "train.validation": budget.validation}
     loaded = load_suite(suite, sets=sets, methods=[label])
-    name = sets_name(f"{load_suite(suite, methods=[label]).name}+tune", sets)
+    digest = hashlib.sha256(json.dumps(sets, sort_keys=True).encode()).hexdigest()[:8]
+    name = f"{load_suite(suite, methods=[label]).name}+tune-{digest}"
     cells = [
         c.model_copy(update={"suite": name})
         for c in loaded.cells
