@@ -302,6 +302,14 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(workdir, args, needl
     assert not (workdir / "t.db").exists()
 
 
+def test_a_metric_the_runs_do_not_store_fails_the_search_once_with_exit_1(workdir):
+    (workdir / "space.toml").write_text(SPACE)
+    result = _tune("--metric", "acc_nonesuch", "--trials", "1")
+    assert result.exit_code == 1 and "acc_nonesuch_last10" in result.output, result.output
+    with sqlite3.connect(workdir / "t.db") as con:
+        assert con.execute("select state from trials").fetchall() == [("FAIL",)]
+
+
 def _tune(*extra: str):
     return runner.invoke(
         app,

@@ -110,6 +110,8 @@ def tune(
             values = {p.path: p.example if pick == "low" else p.last for p in params}
             trial_cells(suite, m, values, budget)
     out = out or Path("benchmarks") / f"{loaded.name}+tuned.toml"
+    existing = _read_tuned(out)
+    tuned_suite(suite, {m: {} for m in chosen}, budget.text(), existing)  # the file can be made
     url = Store.url_from_path_or_url(db if "://" in db else Path(db).absolute())
     console.print(
         f"tuning {', '.join(chosen)} of suite {loaded.name}: {budget.text()}",
@@ -157,11 +159,20 @@ def tune(
     except CellsFailed as e:
         err.print(f"[red]failed:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
-    import tomllib
-
-    existing = tomllib.loads(out.read_text()) if out.is_file() else None
     write_toml(tuned_suite(suite, best, budget.text(), existing), out)
     console.print(f"wrote {out}; next: fpbench run --suite {out}", highlight=False, soft_wrap=True)
+
+
+def _read_tuned(path: Path) -> dict | None:
+    """An earlier tuned suite file at `path`, if any."""
+    import tomllib
+
+    if not path.is_file():
+        return None
+    try:
+        return tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise FpbenchError(f"cannot read the tuned suite {path}: {e}") from None
 
 
 def _short(v) -> str:

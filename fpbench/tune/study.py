@@ -152,7 +152,7 @@ def objective_value(store: Store, cells: list[RunConfig], metric: str) -> float:
         record = store.find_run(c.run_key)
         df = store.metrics(run_ids=[record.id], names=[name]) if record else None
         if df is None or df.empty or record.status != "done":
-            raise CellsFailed(f"cell {c.run_key} stored no {name}")
+            raise CellsFailed(f"cell {c.run_key} stored no {name} (is --metric {metric} right?)")
         values.append(float(df["value"].iloc[-1]))
     return sum(values) / len(values)
 
@@ -268,7 +268,11 @@ def tune_method(
                 trial.set_user_attr("failed", failed[0].error)
                 raise CellsFailed(f"trial {trial.number}: cell failed: {failed[0].error}")
             if not any(r.status == "skipped" and r.error for r in results):
-                return objective_value(store, cells, budget.metric)
+                try:
+                    return objective_value(store, cells, budget.metric)
+                except CellsFailed as e:  # e.g. a --metric the runs do not store
+                    trial.set_user_attr("failed", str(e))
+                    raise
             time.sleep(BUSY_POLL_S)
 
     ended: list[Any] = []  # this worker's trials (others' run beside them)
