@@ -314,7 +314,7 @@ def _tune(*extra: str):
     return runner.invoke(
         app,
         ["tune", "--suite", "tiny", "--method", "fedvpt", "--trials", "2", "--validation",
-         "0.25", "--space", "space.toml", "--db", "t.db", *extra],
+         "0.25", "--space", "space.toml", "--db", "t.db", "--threads", "1", *extra],
     )  # fmt: skip
 
 
@@ -332,6 +332,7 @@ def test_tune_end_to_end_then_the_best_entry_runs_as_a_suite_with_tuned_rows(wor
     assert {p for (p,) in params} == {"train.lr", "method.args.prompt_len"}
     assert all(s.startswith("tiny+tune-") for s, _ in trial_runs)
     assert [json.loads(c)["train"]["validation"] for _, c in trial_runs] == [0.25, 0.25]
+    assert [json.loads(c)["runtime"]["threads"] for _, c in trial_runs] == [1, 1]
     tuned = tomllib.loads((workdir / "benchmarks" / "tiny+tuned.toml").read_text())
     assert [e["label"] for e in tuned["methods"]] == ["fedvpt+tuned"]
     ran = runner.invoke(app, ["run", "--suite", "tiny+tuned", "--db", "t.db"])

@@ -54,6 +54,11 @@ def tune(
         typer.Option(help="the tuned suite file (default: benchmarks/NAME+tuned.toml)"),
     ] = None,
     db: DbOpt = DEFAULT_DB,
+    device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N")] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(min=1, help="CPU threads each cell computes with (runtime.threads)"),
+    ] = None,
     checkpoint_dir: Annotated[Path, typer.Option(help="where per-round checkpoints live")] = Path(
         "results/checkpoints"
     ),
@@ -144,6 +149,7 @@ def tune(
                 url,
                 checkpoint_dir=checkpoint_dir.absolute(),
                 worker=worker,
+                runtime={k: v for k, v in (("device", device), ("threads", threads)) if v},
                 on_trial=show,
             )
             top = best_trial(study, trials)

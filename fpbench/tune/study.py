@@ -234,11 +234,13 @@ def tune_method(
     *,
     checkpoint_dir: Path,
     worker: int = 0,
+    runtime: dict[str, Any] | None = None,
     on_trial: Callable[[Any, int, int], None] = lambda trial, done, total: None,
 ) -> Any:
     """Run (or resume) method `label`'s study until `budget.trials` trials are complete or
     pruned; returns the study. `on_trial(trial, done, total)` follows each trial this process
-    ran (`done`: the study's finished trials).
+    ran (`done`: the study's finished trials). `runtime`: settings of the cells' `runtime`
+    (device, threads), which change no result and no run key.
 
     Raises:
         CellsFailed: a trial's cell failed.
@@ -253,7 +255,10 @@ def tune_method(
 
     def objective(trial: optuna.Trial) -> float:
         values = {p.path: p.suggest(trial) for p in space}
-        cells = trial_cells(suite, label, values, budget)
+        cells = [
+            c.model_copy(update={"runtime": c.runtime.model_copy(update=runtime or {})})
+            for c in trial_cells(suite, label, values, budget)
+        ]
         trial.set_user_attr("suite", cells[0].suite)
         watcher = _Pruning(trial, budget.metric, cells, store)
         while True:  # a cell another worker runs (it drew the same values): wait for it
