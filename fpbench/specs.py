@@ -144,6 +144,13 @@ class TrainConfig(_Strict):
         "of the round's clients' train data trains local_epochs over it (the same samples and "
         "epochs as the federation; a global method only); evaluated like the federated rows",
     )
+    validation: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="fraction of each client's train samples carved off (seeded) as its "
+        "validation set, scored in place of the test split (`fpbench tune`); 0: the test split",
+    )
 
     @model_serializer(mode="wrap")
     def _drop_unset_centralized(self, handler: Any) -> dict[str, Any]:
@@ -157,7 +164,7 @@ class TrainConfig(_Strict):
         return out
 
 
-_DUMPED_WHERE_SET = {"centralized": False, "adam_beta2": 0.999, "adam_eps": 1e-8}
+_DUMPED_WHERE_SET = {"centralized": False, "adam_beta2": 0.999, "adam_eps": 1e-8, "validation": 0.0}
 
 
 class RuntimeConfig(_Strict):

@@ -16,7 +16,7 @@ LAYERS = [
     {"partition", "backbones"},
     {"methods", "cache"},
     {"engine"},
-    {"measure", "report", "testing"},
+    {"measure", "report", "testing", "tune"},
     {"cli"},
     {"__main__"},
 ]

@@ -7,6 +7,7 @@ imported before a command runs, so `fpbench --help` stays free of torch.
 
 from fpbench.cli import run, results, workflow, trained, paper, report  # noqa: F401, I001
 from fpbench.cli import measure, db, data, cache  # noqa: F401, I001
+from fpbench.cli import tune  # noqa: F401, I001  (fpbench tune)
 from fpbench.cli.apps import app, main
 
 __all__ = ["app", "main"]

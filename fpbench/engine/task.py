@@ -15,6 +15,7 @@ from torch import Tensor
 from fpbench.data import ImageDataset
 from fpbench.data.prepared import data_root
 from fpbench.engine.eval_modes import EvalSet, split_for
+from fpbench.engine.validation import carve_validation
 from fpbench.errors import FpbenchError
 from fpbench.partition import Client, make_clients
 from fpbench.registry import DATASETS
@@ -70,7 +71,19 @@ def build_task(cfg: RunConfig, device: torch.device) -> Task:
     domains not held out) and the task carries the sets the mode scores besides.
     """
     data, extra = split_for(cfg.evaluation, load_dataset(cfg.dataset), load_dataset)
-    task = task_of(data, cfg.partition, cfg.seed, device, cfg.train.aggregation_weights)
+    if cfg.train.validation and cfg.evaluation is not None:
+        raise FpbenchError(
+            f"train.validation = {cfg.train.validation} scores a split carved from the train "
+            f"data; evaluation mode {cfg.evaluation.mode!r} scores its own sets: use one of them"
+        )
+    task = task_of(
+        data,
+        cfg.partition,
+        cfg.seed,
+        device,
+        cfg.train.aggregation_weights,
+        validation=cfg.train.validation,
+    )
     task.eval_sets = tuple(dataclasses.replace(e, data=e.data.moved(device)) for e in extra)
     return task
 
@@ -81,9 +94,13 @@ def task_of(
     seed: int,
     device: torch.device,
     aggregation_weights: str = "train_size",
+    validation: float = 0.0,
 ) -> Task:
-    """Partition `data` with `partition` and move images and indices to `device`."""
+    """Partition `data` with `partition` and move images and indices to `device`; with
+    `validation` > 0 the test split is one carved from the clients' train data
+    (`fpbench.engine.validation`)."""
     clients = make_clients(partition.name, partition.args, data, seed=seed)
+    data, clients = carve_validation(data, clients, validation, seed)
     on_device = data.moved(device)
     return Task(
         data=on_device,
