@@ -243,9 +243,12 @@ def test_an_older_schema_is_upgraded_in_place_keeping_its_runs(workdir):
         con.execute("DROP TABLE meta")
     with sqlite3.connect(db) as con:
         assert "traceback" not in {r[1] for r in con.execute("PRAGMA table_info(runs)")}
-    code, stdout, stderr = _cli("show", "1", "--db", str(db))
+    code, stdout, stderr = _cli("show", "1", "--db", str(db))  # reads it: nothing written
     assert code == 0, stderr
     assert "k" * 16 in stdout
+    with sqlite3.connect(db) as con:
+        assert "meta" not in {r[0] for r in con.execute("SELECT name FROM sqlite_master")}
+    Store(f"sqlite:///{db}").close()  # a writer upgrades it in place
     with sqlite3.connect(db) as con:
         columns = {r[1] for r in con.execute("PRAGMA table_info(runs)")}
         version = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()

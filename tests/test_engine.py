@@ -209,7 +209,8 @@ def test_how_a_cell_is_named_in_errors_and_on_its_record():
         "5-6",
     ]
     assert str(runner.CellInterrupted(cfg, 3)) == (
-        f"interrupted at round 3 of cell {label} ({cfg.run_key}); rerun the same command to resume"
+        f"interrupted after round 3/3 of cell {label} ({cfg.run_key}); rerun the same command to "
+        "resume"
     )
     assert str(runner.CellInterrupted(cfg, None)) == (
         f"interrupted while preparing cell {label} ({cfg.run_key}); "

@@ -59,8 +59,9 @@ def test_every_paper_table_fits_80_columns_with_hints_once(paper):
         assert max(len(line) for line in lines) <= 80, filled.title
         assert "…" not in text  # nothing truncated
         assert "needs suite" not in text  # no per-cell hint
+        flat = " ".join(text.split())  # a long suite name wraps at the space before it
         for suite in filled.missing_suites():
-            assert text.count(f"`fpbench run --suite {suite}`") == 1
+            assert flat.count(f"`fpbench run --suite {suite}`") == 1
         legend = next((line for line in lines if line.startswith("legend: ")), "")
         legend_text = " ".join(lines[lines.index(legend) :]) if legend else ""
         for col in filled.table.columns:

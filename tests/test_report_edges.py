@@ -120,7 +120,7 @@ def test_every_rule_of_a_block_reports_its_findings(tmp_path):
 
 
 def test_deviations_show_each_match_of_block_and_rule():
-    dev = {"runs": 2, "reason": "r"}
+    dev = {"runs": 2, "reason": "r", "impossible": "i"}
     rows = deviations(parse_protocol({"protocol": [{
         "tables": [1, 2], "match": {"method": ["fed*", "sgpt"]},
         "rules": [
@@ -186,7 +186,8 @@ def test_a_free_rule_parses_to_its_path_and_reason_only():
          "x protocol block 1 rule 1: needs path, value, source (optional match, deviation), or "
          "path and free; unknown ['vaule'], missing []"),
         ({"path": "a", "value": 1, "source": "s", "deviation": {"runs": 2}},
-         'x protocol block 1 rule 1 (a): deviation = { runs = ..., reason = "one line" }'),
+         'x protocol block 1 rule 1 (a): deviation = { runs = ..., reason = "one line" } (and '
+         'impossible = "why the stated value cannot run here", where the value is stated)'),
     ],
 )  # fmt: skip
 def test_a_malformed_rule_is_one_error_naming_block_rule_and_path(rule, message):
@@ -717,18 +718,18 @@ def test_unfinished_runs_are_running_failed_or_interrupted_runs_with_rows():
 def test_the_unfinished_note_shows_four_runs_then_counts_the_rest():
     runs = _runs(6)
     assert unfinished_note(runs.iloc[[0, 1]]) == (
-        "left out 2 unfinished runs: m0 / syn / dir / seed 0 (running, rounds 0-3 stored); "
+        "left out 2 unfinished runs: m0 / syn / dir / seed 0 (running, stored up to round 4); "
         "m1 / syn / dir / seed 0 (failed, no rounds stored)"
     )
     assert unfinished_note(runs) == (
-        "left out 6 unfinished runs: m0 / syn / dir / seed 0 (running, rounds 0-3 stored); "
+        "left out 6 unfinished runs: m0 / syn / dir / seed 0 (running, stored up to round 4); "
         "m1 / syn / dir / seed 0 (failed, no rounds stored); "
-        "m2 / syn / dir / seed 0 (interrupted, rounds 0-0 stored); "
-        "m3 / syn / dir / seed 0 (running, rounds 0-5 stored), and 2 more"
+        "m2 / syn / dir / seed 0 (interrupted, stored up to round 1); "
+        "m3 / syn / dir / seed 0 (running, stored up to round 6), and 2 more"
     )
     assert unfinished_note(runs.iloc[:5], shown=5).endswith("(failed, rounds 0-7 stored)")
     assert unfinished_note(runs.iloc[[2]]) == (
-        "left out 1 unfinished run: m2 / syn / dir / seed 0 (interrupted, rounds 0-0 stored)"
+        "left out 1 unfinished run: m2 / syn / dir / seed 0 (interrupted, stored up to round 1)"
     )
 
 

@@ -625,7 +625,7 @@ def test_a_round_evaluates_with_the_runs_batch_size_inputs_and_label_space(tiny,
     assert args[0] is pop.method and args[2] is task and args[4] is pop.inputs
     assert torch.equal(args[1].params["prompts"], server.params["prompts"])
     assert args[3:] == (5, pop.inputs, "fp32")
-    assert kwargs == {"label_space": "client", "clients": None}
+    assert kwargs == {"label_space": "client", "clients": None, "full_split": "all"}
 
 
 def test_the_forwards_stats_reach_aggregate_summed_over_the_round(tiny, monkeypatch):
