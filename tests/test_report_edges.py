@@ -727,7 +727,7 @@ def test_the_unfinished_note_shows_four_runs_then_counts_the_rest():
         "m2 / syn / dir / seed 0 (interrupted, stored up to round 1); "
         "m3 / syn / dir / seed 0 (running, stored up to round 6), and 2 more"
     )
-    assert unfinished_note(runs.iloc[:5], shown=5).endswith("(failed, rounds 0-7 stored)")
+    assert unfinished_note(runs.iloc[:5], shown=5).endswith("(failed, stored up to round 8)")
     assert unfinished_note(runs.iloc[[2]]) == (
         "left out 1 unfinished run: m2 / syn / dir / seed 0 (interrupted, stored up to round 1)"
     )
