@@ -165,6 +165,21 @@ class Component(_Strict):
     args: dict[str, Any] = Field(default_factory=dict)
 
 
+class StrategyRef(_Strict):
+    """A federation strategy (`fpbench.strategies`) by name and its validated settings."""
+
+    name: str
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class MethodRef(Component):
+    """The method (a learner) and, optionally, the strategy that federates it."""
+
+    strategy: StrategyRef | None = Field(
+        None, description="the federation strategy; None: the method's own (FedAvg by default)"
+    )
+
+
 Triple = tuple[float, float, float]
 
 
@@ -321,7 +336,7 @@ class RunConfig(_Strict):
     seed: int
     dataset: Component
     partition: Component
-    method: Component
+    method: MethodRef
     backbone: BackboneRef = BackboneRef()
     train: TrainConfig = TrainConfig()
     model_het: ModelHet | None = None
@@ -347,6 +362,8 @@ class RunConfig(_Strict):
         for (section, key), default in _LATER_FIELDS.items():
             if out[section][key] == default:
                 del out[section][key]
+        if out["method"]["strategy"] is None:  # added later: the method's own federation
+            del out["method"]["strategy"]
         for later in ("model_het", "evaluation"):  # added later: absent keeps the older keys
             if out[later] is None:
                 del out[later]
