@@ -16,8 +16,8 @@ import torch
 from fpbench.errors import FpbenchError
 from fpbench.methods.base import Method, MethodConfig, ServerState, Updates
 from fpbench.registry import METHODS, STRATEGIES
-from fpbench.strategies import build_strategy, own_aggregate
 from fpbench.specs import StrategyRef
+from fpbench.strategies import build_strategy, own_aggregate
 
 FLOWER = Path(__file__).parents[1] / ".." / "peer" / "flower"
 D = torch.float64
@@ -131,7 +131,9 @@ def test_fedprox_term_and_its_gradient_by_hand():
 def test_scaffold_control_variates_by_hand():
     s, m = strategy("scaffold"), learner(num_clients=4)
     server = ServerState({"w": torch.tensor([1.0], dtype=D)})
-    assert s.client_term(server, torch.tensor([0]), {"w": torch.ones(1, 1)}) is None  # all zero
+    w = torch.ones(1, 1, dtype=D, requires_grad=True)
+    s.client_step(server, torch.tensor([0]), {"w": w}, 0.1, torch.tensor([True]))
+    assert w.tolist() == [[1.0]]  # round 1: every variate is zero
     # clients 0 and 2 end at 0.5 and 1.5 after steps whose lr sums to 0.5 and 1.0
     lr_steps = torch.tensor([0.5, 1.0], dtype=D)
     new = s.aggregate(m, server, updates([[0.5], [1.5]], [0, 2], [1.0, 1.0]), lr_steps)
@@ -139,10 +141,10 @@ def test_scaffold_control_variates_by_hand():
     assert ci == [1.0, 0.0, -0.5, 0.0]  # (1 - 0.5) / 0.5, (1 - 1.5) / 1.0
     assert new.buffers["scaffold.c.w"].tolist() == [0.125]  # (1.0 - 0.5) / N, N = 4
     assert new.params["w"].tolist() == [1.0]  # the weighted mean of 0.5 and 1.5
-    # round 2: client 0's gradient is corrected by c - c_0 = 0.125 - 1 = -0.875
-    w = torch.tensor([[3.0]], dtype=D, requires_grad=True)
-    s.client_term(new, torch.tensor([0]), {"w": w}).sum().backward()
-    assert w.grad.tolist() == [[-0.875]]
+    # round 2: a step of client 0 (active) and 2 (not) is corrected by lr (c - c_0) = 0.1 * -0.875
+    w = torch.tensor([[3.0], [3.0]], dtype=D, requires_grad=True)
+    s.client_step(new, torch.tensor([0, 2]), {"w": w}, 0.1, torch.tensor([True, False]))
+    assert w.tolist() == [[3.0875], [3.0]]
     # c_0+ = c_0 - c + (x - y) / lr_steps = 1 - 0.125 + (1 - 0.75) / 0.25
     again = s.aggregate(m, new, updates([[0.75]], [0], [1.0]), torch.tensor([0.25], dtype=D))
     assert again.buffers["scaffold.ci.w"][0].item() == pytest.approx(1.875, abs=1e-15)
@@ -194,8 +196,10 @@ def test_which_learners_take_which_strategies():
 def _flower():
     """Flower's framework package from ../peer/flower, or a skip saying what is missing."""
     root = FLOWER / "framework" / "py"
-    if not (root / "flwr").is_dir():
-        pytest.skip(f"Flower's checkout is missing: git clone https://github.com/adap/flower {FLOWER}")
+    if not (root / "flwr").is_dir():  # the line names the folder the clone is looked for in
+        pytest.skip(
+            f"Flower's checkout is missing: git clone https://github.com/adap/flower {FLOWER}"
+        )
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     try:
@@ -274,16 +278,19 @@ def _tiny_client():
     return net, batches
 
 
-def _train_ours(w0, batches, server, strat, lr):
-    """Plain SGD on cross-entropy plus the strategy's client term, one client (K = 1)."""
+def _train_ours(w0, batches, server, strat, lr, momentum=0.0):
+    """SGD on cross-entropy plus the strategy's client term, then its client step, as the
+    executor runs them, for one client (K = 1)."""
     w = w0.clone().unsqueeze(0).requires_grad_(True)
-    opt = torch.optim.SGD([w], lr=lr)
+    opt = torch.optim.SGD([w], lr=lr, momentum=momentum)
+    ids, active = torch.tensor([1]), torch.tensor([True])
     for x, y in batches:
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(x @ w[0].T, y)
-        term = strat.client_term(server, torch.tensor([1]), {"w": w})
-        (loss + term.sum()).backward()
+        term = strat.client_term(server, ids, {"w": w})
+        (loss if term is None else loss + term.sum()).backward()
         opt.step()
+        strat.client_step(server, ids, {"w": w}, lr, active)
     return w.detach()[0]
 
 
@@ -303,8 +310,8 @@ def test_scaffold_client_step_matches_flowers_baseline():
     w0 = net.weight.detach().clone()
     gen = torch.Generator().manual_seed(1)
     c, c1 = torch.randn(2, 3, generator=gen, dtype=D), torch.randn(2, 3, generator=gen, dtype=D)
-    models.train_scaffold(net, batches, torch.device("cpu"), 1, 0.1, 0.0, 0.0, [c], [c1])
+    models.train_scaffold(net, batches, torch.device("cpu"), 1, 0.1, 0.9, 0.0, [c], [c1])
     ci = torch.stack([torch.zeros_like(c1), c1])  # client 1's row
     server = ServerState({"w": w0}, buffers={"scaffold.c.w": c, "scaffold.ci.w": ci})
-    ours = _train_ours(w0, batches, server, strategy("scaffold"), 0.1)
+    ours = _train_ours(w0, batches, server, strategy("scaffold"), 0.1, momentum=0.9)
     torch.testing.assert_close(ours, net.weight.detach(), rtol=1e-13, atol=1e-13)

@@ -162,12 +162,13 @@ def compare(
     (p < alpha). Accuracies in percentage points."""
     import pandas as pd
 
-    from fpbench.report.compare import compare_methods
+    from fpbench.cli.summary import with_stored_federation
+    from fpbench.report.compare import compare_methods, federation_of
     from fpbench.report.tables import is_percent
 
     name = suite_name(suite)
     with open_store(db, must_exist=True) as store:
-        frame = store.metrics(suite=name)
+        frame = with_stored_federation(store, store.metrics(suite=name))
     found = compare_methods(
         frame, method_a, method_b, metric or DEFAULT_METRICS, alpha=alpha, suite=name
     )
@@ -176,9 +177,14 @@ def compare(
         title=f"suite {name}: B = {method_b} vs A = {method_a}, paired by seed "
         f"(paired t-test, alpha {alpha:g}; {level} t-interval of the mean difference)"
     )
-    heads = ["dataset / partition", "metric", "seeds", method_a, method_b, "B - A per seed"]
-    for i, head in enumerate([*heads, "mean B - A", f"{level} CI", "p", "verdict"]):
-        table.add_column(head, justify="left" if i < 3 or i == 9 else "right")
+    fed = federation_of(frame, method_a, method_b)  # (learner, strategy) of A and B, if known
+    heads = ["dataset / partition", "metric", "seeds"]
+    if fed:
+        heads += ["learner A / B", "strategy A / B"]
+    left = len(heads)
+    heads += [method_a, method_b, "B - A per seed", "mean B - A", f"{level} CI", "p", "verdict"]
+    for i, head in enumerate(heads):
+        table.add_column(head, justify="left" if i < left or i == len(heads) - 1 else "right")
     for row in found.itertuples(index=False):
         scale = 100.0 if is_percent(row.metric) else 1.0
         ci = (
@@ -190,6 +196,7 @@ def compare(
             f"{row.dataset} / {row.partition}",
             row.metric,
             ", ".join(map(str, row.seeds)),
+            *([f"{fed[0][0]} / {fed[1][0]}", f"{fed[0][1]} / {fed[1][1]}"] if fed else []),
             f"{row.mean_a * scale:.2f}",
             f"{row.mean_b * scale:.2f}",
             " ".join(f"{d * scale:+.2f}" for d in row.diffs),

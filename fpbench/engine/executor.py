@@ -143,7 +143,7 @@ def train_together(
     `earlier` holds the statistics of the clients trained before these in the same round,
     summed over them (empty in lockstep, where every client trains in one pass). A strategy's
     `client_term` is added to each client's loss in the backward pass only (the loss recorded is
-    the learner's).
+    the learner's); its `client_step` follows each optimiser step.
     """
     device = task.priors.device
     ids = torch.tensor(client_ids, dtype=torch.long)
@@ -195,6 +195,8 @@ def train_together(
                     opt.zero_grad()
                     objective.sum().backward()
                     opt.step(active)
+                    if strategy is not None:
+                        strategy.client_step(server, ids.to(device), leaves, lr * factor, active)
                     lr_steps += active * (lr * factor)
                 loss_sum += per_client.detach()
                 loss_steps += active

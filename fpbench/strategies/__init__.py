@@ -8,9 +8,19 @@ runs its method's own federation (FedAvg for every method that keeps the default
 from fpbench.registry import STRATEGIES
 from fpbench.specs import StrategyRef
 from fpbench.strategies import fedotp, fedprox, scaffold, server_opt  # noqa: F401  (register)
-from fpbench.strategies.base import FedAvg, Strategy, StrategyConfig, own_aggregate
+from fpbench.strategies.base import (
+    FedAvg,
+    Strategy,
+    StrategyConfig,
+    learner_of,
+    own_aggregate,
+    strategy_label,
+)
 
-__all__ = ["FedAvg", "Strategy", "StrategyConfig", "build_strategy", "own_aggregate"]
+__all__ = [
+    "FedAvg", "Strategy", "StrategyConfig", "build_strategy", "learner_of", "own_aggregate",
+    "strategy_label",
+]  # fmt: skip
 
 
 def build_strategy(ref: StrategyRef | None) -> Strategy:

@@ -6,8 +6,8 @@ around them. The server step starts from the learner's `aggregate` (FedAvg by th
 personal rows written back, unless the learner has its own rule) and may move the global
 parameters further (a server optimiser), keep state of its own (in `ServerState.buffers`, names
 `<strategy>.<what>.<param>`, so that checkpoints carry it), or keep part of a tensor per client
-(FedOTP). A client may add a term to its per-client loss (FedProx's proximal term, SCAFFOLD's
-correction), built by `client_term` from the tensors it trains.
+(FedOTP). A client may add a term to its per-client loss (`client_term`: FedProx's proximal
+term) or move its tensors after each optimiser step (`client_step`: SCAFFOLD's correction).
 
 A learner that overrides `aggregate` (its federation is its contribution, as SGPT's) takes only
 `fedavg`, which then means its own rule; `check` refuses the rest at suite load.
@@ -69,6 +69,17 @@ class Strategy:
         tensors being trained (`params`, (K, ...)); None: nothing to add."""
         return None
 
+    def client_step(
+        self,
+        server: ServerState,
+        client_ids: Tensor,
+        params: dict[str, Tensor],
+        lr: float,
+        active: Tensor,
+    ) -> None:
+        """Move the trained tensors (`params`, (K, ...)) in place after each optimiser step of
+        the `active` (K,) rows, `lr` the step's run lr (default: nothing)."""
+
     def communication(
         self, method: Method, server: ServerState
     ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
@@ -78,8 +89,9 @@ class Strategy:
 
 @STRATEGIES.register()
 class FedAvg(Strategy):
-    """FedAvg (McMahan et al., AISTATS 2017): the learner's aggregate, the weighted mean of the
-    uploads by default; a learner with its own rule keeps it."""
+    """FedAvg: the learner's aggregate (the uploads' weighted mean, or the learner's own rule).
+
+    McMahan et al., AISTATS 2017."""
 
     name = "fedavg"
 
@@ -91,6 +103,27 @@ class FedAvg(Strategy):
 def own_aggregate(learner: type[Method]) -> bool:
     """Whether `learner` federates by an `aggregate` of its own."""
     return inspect.getattr_static(learner, "aggregate") is not Method.__dict__["aggregate"]
+
+
+def learner_of(cls: type[Method]) -> str:
+    """The registered learner a method is a preset of (PromptFL: `coop`), else its own name: a
+    subclass of a registered method that only renames it (name and docstring) is a preset."""
+    base = cls.__bases__[0]
+    renames = set(vars(cls)) <= {"name", "__doc__", "__module__", "__qualname__"}
+    if renames and isinstance(getattr(base, "name", None), str) and base.name != cls.name:
+        return learner_of(base)
+    return cls.name
+
+
+def strategy_label(config: dict) -> str:
+    """The strategy a stored run config ran: its name, `fedavg` for a method on the default
+    aggregate, `own` for one that federates by its own."""
+    from fpbench.registry import METHODS
+
+    ref = config["method"].get("strategy")
+    if ref:
+        return ref["name"]
+    return "own" if own_aggregate(METHODS.get(config["method"]["name"])) else "fedavg"
 
 
 def global_floats(server: ServerState) -> list[str]:

@@ -31,6 +31,8 @@ class FedOTPConfig(StrategyConfig):
 
 @STRATEGIES.register()
 class FedOTPAggregation(Strategy):
+    """FedOTP's aggregation: a several-prompt tensor's first prompts shared, the rest personal."""
+
     name = "fedotp"
     Config = FedOTPConfig
 

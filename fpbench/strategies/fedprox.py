@@ -25,6 +25,8 @@ class FedProxConfig(StrategyConfig):
 
 @STRATEGIES.register()
 class FedProx(Strategy):
+    """FedProx: FedAvg, and each client's loss + (mu / 2) ||w - w_global||^2."""
+
     name = "fedprox"
     Config = FedProxConfig
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from fpbench.lazy import torch
 from fpbench.methods.base import Method, ServerState, Updates
 from fpbench.registry import STRATEGIES
 from fpbench.strategies.base import Strategy, buffer, global_floats
@@ -29,20 +30,27 @@ if TYPE_CHECKING:
 
 @STRATEGIES.register()
 class Scaffold(Strategy):
+    """SCAFFOLD: FedAvg with control variates correcting each client's drift (option II)."""
+
     name = "scaffold"
 
-    def client_term(
-        self, server: ServerState, client_ids: Tensor, params: dict[str, Tensor]
-    ) -> Tensor | None:
-        terms = []
+    def client_step(
+        self,
+        server: ServerState,
+        client_ids: Tensor,
+        params: dict[str, Tensor],
+        lr: float,
+        active: Tensor,
+    ) -> None:
         for n in global_floats(server):
             c, ci = server.buffers.get(f"scaffold.c.{n}"), server.buffers.get(f"scaffold.ci.{n}")
             if c is None or ci is None or n not in params or not params[n].requires_grad:
                 continue  # round 1: every variate is zero
             w = params[n]
             corr = (c.unsqueeze(0) - ci[client_ids.to(ci.device)]).to(w)
-            terms.append((corr * w).flatten(1).sum(1))
-        return sum(terms) if terms else None
+            mask = active.to(w).view(-1, *[1] * (w.dim() - 1))
+            with torch.no_grad():
+                w.sub_(lr * mask * corr)
 
     def aggregate(
         self, method: Method, server: ServerState, updates: Updates, lr_steps: Tensor | None

@@ -57,7 +57,7 @@ class FedAvgMConfig(StrategyConfig):
 
 @STRATEGIES.register()
 class FedAvgM(ServerOptimizer):
-    """FedAvgM: v = beta v + (x - avg); x = x - server_lr v (Flower's FedAvgM)."""
+    """FedAvgM: server momentum, v = beta v + (x - avg); x = x - server_lr v."""
 
     name = "fedavgm"
     Config = FedAvgMConfig
@@ -103,8 +103,9 @@ class FedAdamConfig(AdaptiveConfig):
 
 @STRATEGIES.register()
 class FedAdam(Adaptive):
-    """FedAdam: v = b2 v + (1 - b2) delta^2 (Flower's defaults eta 0.1, b 0.9 / 0.99,
-    tau 1e-9; moments start at 0)."""
+    """FedAdam: Adam on the server, v = b2 v + (1 - b2) delta^2 (Flower's defaults).
+
+    Flower's defaults: eta 0.1, betas 0.9 / 0.99, tau 1e-9, moments starting at 0."""
 
     name = "fedadam"
     Config = FedAdamConfig
@@ -126,8 +127,9 @@ class FedYogiConfig(AdaptiveConfig):
 
 @STRATEGIES.register()
 class FedYogi(Adaptive):
-    """FedYogi: v = v - (1 - b2) delta^2 sign(v - delta^2) (Flower's defaults eta 0.01,
-    tau 1e-3)."""
+    """FedYogi: Yogi on the server, v = v - (1 - b2) delta^2 sign(v - delta^2).
+
+    Flower's defaults: eta 0.01, betas 0.9 / 0.99, tau 1e-3."""
 
     name = "fedyogi"
     Config = FedYogiConfig
@@ -145,7 +147,9 @@ class FedAdagradConfig(StrategyConfig):
 
 @STRATEGIES.register()
 class FedAdagrad(Adaptive):
-    """FedAdagrad: v = v + delta^2 (Flower's defaults eta 0.1, b1 0, tau 1e-9)."""
+    """FedAdagrad: Adagrad on the server, v = v + delta^2 (Flower's defaults).
+
+    Flower's defaults: eta 0.1, beta_1 0, tau 1e-9."""
 
     name = "fedadagrad"
     Config = FedAdagradConfig
