@@ -68,16 +68,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from fpbench.lazy import F, torch
-
-# batched_queries, init_linear, init_prompts and per_client_linear moved to helpers; re-exported
-# only for code written before the move (import them from helpers): drop once none is left.
-from fpbench.methods.helpers import (  # noqa: F401
-    batched_queries,
-    init_linear,
-    init_prompts,
-    per_client_linear,
-    weighted_mean,
-)
+from fpbench.methods.helpers import weighted_mean
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -417,8 +408,6 @@ class Method:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        for old in _FOLDED.keys() & vars(cls).keys():  # a method written before #32's folds
-            raise TypeError(f"{cls.__name__}.{old} is no longer read: {_FOLDED[old]}")
         own = vars(cls).get("client_params")
         if own is not None and not _takes_draw(own):
             raise TypeError(
@@ -430,15 +419,3 @@ class Method:
 def _takes_draw(fn: Callable[..., Any]) -> bool:
     params = inspect.signature(fn).parameters.values()
     return any(p.name == "draw" or p.kind is p.VAR_KEYWORD for p in params)
-
-
-# names a method no longer declares (issue #32), and where their content went
-_FOLDED = {
-    "readings": "a method's readings are listed by name in fpbench/report/method_readings.py",
-    "optimizer_settings": "name a tensor's own optimiser in Phase.optimizers (`phases`)",
-    "adapt_samples": "client_params(..., training=False, draw) draws its own batch: draw(n)",
-    "scores_new_clients": 'set inference = "personal-deploys"',
-    "init_server": "return a ServerState from init_params",
-    "loss": "a forward given ctx.labels returns its training loss in Output.loss",
-    "adapt": "adapt in client_params(server, client_ids, training=False, draw): draw(n)",
-}
