@@ -157,3 +157,27 @@ def test_fedotp_strategy_on_a_several_prompt_learner():
     ).cells  # fmt: skip
     assert cell.method.strategy.args == {"tensor": "ctx", "shared": 1}
     assert load_suite("smoke-strategies").cells[0].method.label == "fedvpt+fedprox"
+
+
+@pytest.mark.slow
+def test_fedotp_strategy_runs_plot_with_shared_and_personal_prompts(tmp_path):
+    """PLOT's four prompts under FedOTP's aggregation with two shared: a personal method that
+    sends half of what PLOT with FedAvg sends."""
+    path = tmp_path / "otp.toml"
+    path.write_text(
+        '[defaults]\nbackbone = { name = "clip-test" }\n'
+        "dataset = { num_classes = 6, image_size = 16, train_per_class = 12, test_per_class = 6 }\n"
+        "partition = { num_clients = 4 }\n"
+        "train = { rounds = 1, participation = 1.0, batch_size = 8, lr = 0.05 }\n"
+        '[[datasets]]\nname = "synthetic"\n[[partitions]]\nname = "iid"\n'
+        '[[methods]]\nname = "plot"\n[[strategies]]\nname = "fedavg"\n'
+        '[[strategies]]\nname = "fedotp"\nshared = 2\n'
+    )
+    db = str(tmp_path / "otp.db")
+    result = runner.invoke(app, ["run", "--suite", str(path), "--db", db, "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    up = {m: rounds[0][2] for m, rounds in _rounds(db).items()}
+    assert up["plot+fedotp"] * 2 == up["plot+fedavg"]
+    with sqlite3.connect(db) as con:
+        names = {n for (n,) in con.execute("select distinct name from metrics")}
+    assert "acc_local_mean" in names
