@@ -2,9 +2,10 @@
 
 The built-in components register when their packages are imported; components of other
 installed packages register through entry points (group `fpbench.methods`, `fpbench.datasets`,
-`fpbench.partitions` or `fpbench.backbones`): `name = "module:object"` registers the object under
-`name` (unless importing the module registered it already), `name = "module"` imports a module
-whose decorators register its components. Each name keeps the package it came from.
+`fpbench.partitions`, `fpbench.backbones` or `fpbench.strategies`): `name = "module:object"`
+registers the object under `name` (unless importing the module registered it already),
+`name = "module"` imports a module whose decorators register its components. Each name keeps
+the package it came from.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from fpbench.errors import FpbenchError
 T = TypeVar("T")
 
 # Modules whose import registers the built-in components (timm's models/__init__.py pattern).
-PLUGINS = ("fpbench.data", "fpbench.partition", "fpbench.backbones", "fpbench.methods")
+PLUGINS = (
+    "fpbench.data", "fpbench.partition", "fpbench.backbones", "fpbench.methods",
+    "fpbench.strategies",
+)  # fmt: skip
 BUILTIN = "fpbench"  # the source of the built-in components
 _loaded = False
 
@@ -128,12 +132,14 @@ DATASETS: Registry = Registry("dataset")
 PARTITIONS: Registry = Registry("partition")
 BACKBONES: Registry = Registry("backbone")
 METHODS: Registry = Registry("method")
+STRATEGIES: Registry = Registry("strategy")
 
 ENTRY_POINT_GROUPS: dict[str, Registry] = {
     "fpbench.methods": METHODS,
     "fpbench.datasets": DATASETS,
     "fpbench.partitions": PARTITIONS,
     "fpbench.backbones": BACKBONES,
+    "fpbench.strategies": STRATEGIES,
 }
 
 

@@ -228,6 +228,21 @@ class Component(_Strict):
     args: dict[str, Any] = Field(default_factory=dict)
 
 
+class StrategyRef(_Strict):
+    """A federation strategy (`fpbench.strategies`) by name and its validated settings."""
+
+    name: str
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class MethodRef(Component):
+    """The method (a learner) and, optionally, the strategy that federates it."""
+
+    strategy: StrategyRef | None = Field(
+        None, description="the federation strategy; None: the method's own (FedAvg by default)"
+    )
+
+
 Triple = tuple[float, float, float]
 
 
@@ -403,7 +418,7 @@ class RunConfig(_Strict):
     seed: int
     dataset: Component
     partition: Component
-    method: Component
+    method: MethodRef
     backbone: BackboneRef = BackboneRef()
     train: TrainConfig = TrainConfig()
     model_het: ModelHet | None = None
@@ -433,6 +448,8 @@ class RunConfig(_Strict):
             args = out[section]["args"]
             if out[section]["name"] == name and key in args and args[key] == default:
                 del args[key]
+        if out["method"]["strategy"] is None:  # added later: the method's own federation
+            del out["method"]["strategy"]
         for later in ("model_het", "evaluation"):  # added later: absent keeps the older keys
             if out[later] is None:
                 del out[later]

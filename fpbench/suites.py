@@ -17,6 +17,13 @@ A suite file (``benchmarks/NAME.toml``) holds ``defaults`` plus one list per gri
     [[methods]]                # a sweep: one entry per value (labels fedvpt-prompt_len=1, ...)
     name = "fedvpt"
     sweep = { prompt_len = [1, 5, 10] }
+    [[methods]]                # a learner with a federation strategy and its settings
+    name = "kgcoop"
+    strategy = { name = "fedprox", mu = 0.01 }
+
+A suite may also list ``[[strategies]]`` (each: name, optional label, settings): every method is
+then crossed with every strategy, its label `method+strategy`. Without a strategy a cell runs its
+method's own federation (`fpbench.strategies`); `fedavg` without settings is that same cell.
 
 The cells are datasets x partitions x methods x seeds. A cell's config is the deep merge of the
 defaults, the three entries (in that order) and their ``overrides``; every component's args are
@@ -49,7 +56,7 @@ import tomllib
 from pydantic import ValidationError
 
 from fpbench.errors import FpbenchError
-from fpbench.registry import BACKBONES, DATASETS, METHODS, PARTITIONS, Registry
+from fpbench.registry import BACKBONES, DATASETS, METHODS, PARTITIONS, STRATEGIES, Registry
 from fpbench.shipped import shipped_dir
 from fpbench.specs import MAX_LABEL, Component, Evaluation, RunConfig, Suite, first_error
 
@@ -181,7 +188,7 @@ def expand_suite(
     sets: Mapping[str, Any] | None = None,
     methods: Collection[str] | None = None,
 ) -> Suite:
-    known = {"name", "description", "seeds", "defaults", "grids", *AXES}
+    known = {"name", "description", "seeds", "defaults", "grids", "strategies", *AXES}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise FpbenchError(f"{path}: unknown top-level key(s) {unknown}; valid: {sorted(known)}")
@@ -191,15 +198,18 @@ def expand_suite(
     seeds = _seeds(raw.get("seeds", [0]), path)
     forced = set_overrides(sets or {})
     plans = [_grid_plan(raw, grid, seeds, path) for grid in _grids(raw, path)]
-    total = sum(math.prod(map(len, axes.values())) * len(s) for _, axes, s in plans)
+    total = sum(math.prod(map(len, axes.values())) * len(st) * len(s) for _, axes, st, s in plans)
     if total > MAX_CELLS:
         raise FpbenchError(
             f"{path}: the grid expands to {total:,} cells, more than the limit of {MAX_CELLS:,}; "
             "check the lists (seeds, [[methods]], ...) or split the suite into several files"
         )
     cells = []
-    for defaults, axes, grid_seeds in plans:
-        for ds, part, meth, seed in itertools.product(*axes.values(), grid_seeds):
+    for defaults, axes, strategies, grid_seeds in plans:
+        for ds, part, meth, strat, seed in itertools.product(
+            *axes.values(), strategies, grid_seeds
+        ):
+            meth = _with_strategy(meth, strat, path)
             if methods and not {meth["name"], meth.get("label", meth["name"])} & set(methods):
                 continue
             cells.append(
@@ -240,7 +250,7 @@ def _grids(raw: dict[str, Any], path: str) -> list[dict[str, Any]]:
     if not isinstance(grids, list):
         raise FpbenchError(f"{path}: grids must be a list of [[grids]] tables, got {grids!r}")
     for grid in grids:
-        if not isinstance(grid, dict) or set(grid) - {"defaults", "seeds", *AXES}:
+        if not isinstance(grid, dict) or set(grid) - {"defaults", "seeds", "strategies", *AXES}:
             raise FpbenchError(f"{path}: [[grids]] entries hold only defaults, seeds and the axes")
     return grids
 
@@ -252,8 +262,26 @@ def _grid_plan(raw: dict[str, Any], grid: dict[str, Any], seeds: list[int], path
             raise FpbenchError(f"{path}: defaults must be a table ([defaults]), not a value")
     defaults = _deep_merge(raw.get("defaults", {}), grid.get("defaults", {}))
     axes = {axis: _entries(grid if axis in grid else raw, axis, path) for axis in AXES}
+    where = grid if "strategies" in grid else raw
+    strategies = _entries(where, "strategies", path) if "strategies" in where else [None]
     grid_seeds = _seeds(grid["seeds"], path, "[[grids]] seeds") if "seeds" in grid else seeds
-    return defaults, axes, grid_seeds
+    return defaults, axes, strategies, grid_seeds
+
+
+def _with_strategy(
+    method: dict[str, Any], strategy: dict[str, Any] | None, path: str
+) -> dict[str, Any]:
+    """A [[methods]] entry crossed with a [[strategies]] entry: its strategy, label `m+s`."""
+    if strategy is None:
+        return method
+    if "strategy" in method:
+        raise FpbenchError(
+            f"{path}: [[methods]] {method.get('label', method['name'])!r} names a strategy and "
+            "the suite lists [[strategies]]: give one or the other"
+        )
+    settings = {k: v for k, v in strategy.items() if k not in ("label", "overrides")}
+    label = f"{method.get('label', method['name'])}+{strategy.get('label', strategy['name'])}"
+    return {**method, "strategy": settings, "label": label}
 
 
 def _entries(raw: dict[str, Any], axis: str, path: str) -> list[dict[str, Any]]:
@@ -326,7 +354,9 @@ def resolve_cell(
     validated RunConfig."""
     merged = _deep_merge({}, defaults)
     for axis_key, entry in zip(AXES.values(), entries, strict=True):
-        args = {k: v for k, v in entry.items() if k not in ("name", "label", "overrides")}
+        args = {
+            k: v for k, v in entry.items() if k not in ("name", "label", "overrides", "strategy")
+        }
         base = merged.get(axis_key, {})
         if not isinstance(base, dict):
             raise FpbenchError(f"{path}: defaults.{axis_key} must be a table {{ key = value }}")
@@ -335,6 +365,8 @@ def resolve_cell(
             "label": entry.get("label", entry["name"]),
             "args": _deep_merge(_deep_merge({}, base), args),
         }
+        if axis_key == "method" and "strategy" in entry:
+            merged["method"]["strategy"] = _strategy_ref(entry["strategy"], path)
     for entry in entries:
         merged = _deep_merge(merged, entry.get("overrides", {}))
     merged = _deep_merge(merged, sets or {})
@@ -346,6 +378,37 @@ def resolve_cell(
     except ValidationError as e:
         raise FpbenchError(f"{where}: {first_error(e)}") from None
     return _validate_components(cfg, where)
+
+
+def _strategy_ref(value: Any, path: str) -> dict[str, Any]:
+    """A method entry's `strategy = { name = "...", setting = value, ... }` as stored."""
+    if isinstance(value, str):
+        value = {"name": value}
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        raise FpbenchError(
+            f'{path}: strategy must be a table with a name, e.g. strategy = {{ name = "fedprox", '
+            f"mu = 0.01 }}; got {value!r}"
+        )
+    return {"name": value["name"], "args": {k: v for k, v in value.items() if k != "name"}}
+
+
+def _validate_strategy(cfg: RunConfig, where: str) -> RunConfig:
+    """The strategy's settings validated by its Config and checked against the learner; a
+    strategy that is the method's own federation (`fedavg`) is stored as none."""
+    ref = cfg.method.strategy
+    if ref is None:
+        return cfg
+    strategy = _lookup(STRATEGIES, ref.name, where)
+    try:
+        args = strategy.Config(**ref.args).model_dump(mode="json")
+    except ValidationError as e:
+        raise FpbenchError(f"{where}: method.strategy.{first_error(e)}") from None
+    try:
+        strategy.check(METHODS.get(cfg.method.name))
+    except FpbenchError as e:
+        raise FpbenchError(f"{where}: {e}") from None
+    resolved = None if ref.name == "fedavg" else ref.model_copy(update={"args": args})
+    return cfg.model_copy(update={"method": cfg.method.model_copy(update={"strategy": resolved})})
 
 
 def _validate_components(cfg: RunConfig, where: str) -> RunConfig:
@@ -374,7 +437,7 @@ def _validate_components(cfg: RunConfig, where: str) -> RunConfig:
     for profile in cfg.model_het.profiles if cfg.model_het else ():
         if profile.backbone is not None:
             _lookup(BACKBONES, profile.backbone.name, where)
-    cfg = cfg.model_copy(update=resolved)
+    cfg = _validate_strategy(cfg.model_copy(update=resolved), where)
     _check_compatibility(cfg, where)
     return cfg
 

@@ -28,7 +28,7 @@ def site(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("plugin")
     pkg, site = root / "pkg", root / "site"
     pkg.mkdir()
-    (pkg / "trimmed_vpt.py").write_text(_blocks("python")[0])
+    (pkg / "cosine_vpt.py").write_text(_blocks("python")[0])
     (pkg / "pyproject.toml").write_text(_blocks("toml")[0])
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
@@ -36,7 +36,7 @@ def site(tmp_path_factory) -> Path:
         check=True,
         capture_output=True,
     )
-    assert (site / "trimmed_vpt.py").exists()
+    assert (site / "cosine_vpt.py").exists()
     return site
 
 
@@ -48,9 +48,9 @@ def _cli(args: list[str], site: Path, cwd: Path) -> subprocess.CompletedProcess:
 def test_the_installed_method_is_listed_with_its_package(site, tmp_path):
     out = _cli(["list", "methods"], site, tmp_path)
     assert out.returncode == 0, out.stderr
-    row = next(line for line in out.stdout.splitlines() if "trimmed-vpt" in line)
+    row = next(line for line in out.stdout.splitlines() if "cosine-vpt" in line)
     assert "my-fpbench-methods" in row
-    assert "Trimmed-mean FedVPT" in row
+    assert "Cosine VPT" in row
     fedvpt = next(line for line in out.stdout.splitlines() if " fedvpt " in line)
     assert "fpbench" in fedvpt and "my-fpbench-methods" not in fedvpt
 
@@ -64,7 +64,7 @@ def test_the_doc_tests_pass_from_a_fresh_folder(site, tmp_path):
     conftest, test_module = _blocks("python")[1:3]
     (tmp_path / "conftest.py").write_text(conftest)
     (tmp_path / "tests").mkdir()
-    (tmp_path / "tests" / "test_trimmed_vpt.py").write_text(test_module)
+    (tmp_path / "tests" / "test_cosine_vpt.py").write_text(test_module)
     command = shlex.split(_blocks("bash")[0].strip())
     assert command[0] == "pytest"
     env = {
@@ -86,15 +86,17 @@ def test_the_doc_tests_pass_from_a_fresh_folder(site, tmp_path):
 
 
 def test_the_suite_runs_and_gives_a_table_row(site, tmp_path):
-    (tmp_path / "trimmed-demo.toml").write_text(_blocks("toml")[1])
+    (tmp_path / "cosine-demo.toml").write_text(_blocks("toml")[1])
     commands = [shlex.split(line) for line in _blocks("bash")[1].splitlines()]
     assert [c[:2] for c in commands] == [["fpbench", "run"], ["fpbench", "table"]]
     run = _cli(commands[0][1:], site, tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     with sqlite3.connect(tmp_path / "results" / "demo.db") as db:
         rows = db.execute("SELECT method, status FROM runs ORDER BY method").fetchall()
-    assert rows == [("fedvpt", "done"), ("trimmed-vpt", "done")]
+    assert rows == [("cosine-vpt+fedavg", "done"), ("cosine-vpt+fedprox", "done")]
     table = _cli(commands[1][1:], site, tmp_path)
     assert table.returncode == 0, table.stderr
-    row = next(line for line in table.stdout.splitlines() if "trimmed-vpt" in line)
-    assert len(re.findall(r"\d+\.\d", row)) >= 3  # global, mean local and worst accuracy
+    for strategy in ("fedavg", "fedprox"):  # the learner with two strategies, a row each
+        row = next(line for line in table.stdout.splitlines() if f"+{strategy} " in line)
+        assert f"| cosine-vpt | {strategy} |" in row
+        assert len(re.findall(r"\d+\.\d", row)) >= 3  # global, mean local and worst accuracy

@@ -22,7 +22,7 @@ from fpbench.engine.metrics import expected_calibration_error, macro_f1
 from fpbench.engine.seeding import client_batches, derive_seed
 from fpbench.errors import FpbenchError
 from fpbench.methods.base import Context
-from fpbench.methods.fedvpt import ShallowPromptModel
+from fpbench.methods.fedvpt import VPTModel
 from fpbench.methods.per_fedavg import PerFedAvg
 from fpbench.testing.tiny import seeded_server, with_config
 
@@ -267,7 +267,7 @@ def test_the_draw_holds_gradients_and_the_evaluations_autocast_until_client_para
     _, task, method = tiny("per-fedavg")
     server = seeded_server(method)
     # the forward of the model under Per-FedAvg: its step and its test forwards both reach it
-    seen, client_params, forward = [], PerFedAvg.client_params, ShallowPromptModel.forward
+    seen, client_params, forward = [], PerFedAvg.client_params, VPTModel.forward
 
     def spy(self, server, ids, training=True, draw=None):
         def recorded(n):
@@ -283,7 +283,7 @@ def test_the_draw_holds_gradients_and_the_evaluations_autocast_until_client_para
         return forward(self, params, x, rows, ctx)
 
     monkeypatch.setattr(PerFedAvg, "client_params", spy)
-    monkeypatch.setattr(ShallowPromptModel, "forward", spy_forward)
+    monkeypatch.setattr(VPTModel, "forward", spy_forward)
     with torch.no_grad():
         evaluate(method, server, task, batch_size=16, precision="bf16", clients=[1])
     # the draw; the step's forward; the test forwards: local set and full split

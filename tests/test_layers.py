@@ -15,6 +15,7 @@ LAYERS = [
     {"data", "suites", "tiny"},
     {"partition", "backbones"},
     {"methods", "cache"},
+    {"strategies"},
     {"engine"},
     {"measure", "report", "testing", "tune"},
     {"cli"},

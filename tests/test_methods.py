@@ -181,12 +181,6 @@ def test_a_forwards_loss_is_refused_beside_aux_loss_or_in_another_shape():
         as_logits(Output(None, loss=torch.ones(2)))
 
 
-def test_the_loss_hook_is_refused_and_points_to_output_loss():
-    hint = re.escape("Old.loss is no longer read: ") + ".*Output.loss"
-    with pytest.raises(TypeError, match=hint):
-        type("Old", (Method,), {"loss": lambda self, *a: None})
-
-
 def test_every_method_declares_its_backbone_family():
     families = {name: METHODS.get(name).backbone_family for name in ALL}
     assert Method.backbone_family == "vit"
@@ -233,19 +227,3 @@ def test_a_config_with_presets_applies_them_and_must_declare_the_field():
         class NoField(MethodConfig):  # noqa: F841
             PRESETS: ClassVar[dict[str, dict[str, int]]] = {"table2": {"a": 3}}
             a: int = 1
-
-
-@pytest.mark.parametrize(
-    ("old", "hint"),
-    [
-        ("optimizer_settings", "Phase.optimizers"),
-        ("adapt_samples", "draw"),
-        ("adapt", "in client_params.*training=False, draw"),
-        ("scores_new_clients", "personal-deploys"),
-        ("readings", "method_readings.py"),
-        ("init_server", "return a ServerState from init_params"),
-    ],
-)
-def test_a_method_declaring_a_folded_name_is_refused(old, hint):
-    with pytest.raises(TypeError, match=re.escape(f"Old.{old} is no longer read: ") + ".*" + hint):
-        type("Old", (Method,), {old: None})

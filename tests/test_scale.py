@@ -386,10 +386,6 @@ def test_unknown_launcher_and_missing_engine_are_user_errors(workdir, monkeypatc
     runner = CliRunner()
     bad = runner.invoke(app, ["run", "--suite", "tiny", "--launcher", "dask"])
     assert bad.exit_code == 2 and "--launcher 'dask' is unknown" in bad.output
-    for value in ("ray", "lockstep"):  # the removed alias, in both of its old meanings
-        old = runner.invoke(app, ["run", "--suite", "tiny", "--executor", value])
-        assert old.exit_code == 2 and "--executor was removed" in old.output
-        assert "--launcher" in old.output and "--client-executor" in old.output
     monkeypatch.setitem(sys.modules, "ray", None)  # as if the extra were not installed
     missing = runner.invoke(app, ["run", "--suite", "tiny", "--launcher", "ray"])
     assert missing.exit_code == 2 and "needs ray: pip install ray" in missing.output

@@ -38,6 +38,7 @@ class Listable(str, Enum):
     datasets = "datasets"
     partitions = "partitions"
     backbones = "backbones"
+    strategies = "strategies"
 
 
 @app.command("list")
@@ -51,12 +52,14 @@ def list_(
         bool, typer.Option("--presets", help="methods: list each one's named presets too")
     ] = False,
 ) -> None:
-    """List the registered suites, methods, datasets, partitions or backbones.
+    """List the registered suites, methods, datasets, partitions, backbones or strategies.
 
     Components of other installed packages (entry points `fpbench.methods`, ...) are listed
     with the package they come from. A method's presets (paper rows, `preset = "name"` in a
-    suite) are listed under it with `--presets`, or when a pattern narrows the list."""
-    from fpbench.registry import BACKBONES, DATASETS, METHODS, PARTITIONS
+    suite) are listed under it with `--presets`, or when a pattern narrows the list. A
+    strategy is listed with its settings' defaults (`strategy = { name = "fedprox", mu = 0.01 }`
+    in a method entry)."""
+    from fpbench.registry import BACKBONES, DATASETS, METHODS, PARTITIONS, STRATEGIES
     from fpbench.suites import list_suites
 
     if presets and what is not Listable.methods:
@@ -77,11 +80,14 @@ def list_(
         "datasets": DATASETS,
         "partitions": PARTITIONS,
         "backbones": BACKBONES,
+        "strategies": STRATEGIES,
     }[what.value]
     rows = [
         (name, _summary_line(registry.get(name)), registry.source(name))
         for name in _matching(registry.names(), pattern, what)
     ]
+    if what is Listable.strategies:
+        rows = [(n, d + _settings(STRATEGIES.get(n)), s) for n, d, s in rows]
     if what is Listable.methods and (presets or pattern != "*"):
         rows = [r for row in rows for r in [row, *preset_rows(row[0], row[2])]]
     if what is Listable.backbones:  # fpbench.backbones.custom
@@ -98,6 +104,13 @@ def list_(
     for row in rows:
         table.add_row(*row)
     console.print(table)
+
+
+def _settings(strategy: Any) -> str:
+    """A strategy's settings and their defaults, e.g. ' Settings: mu=0.01.'"""
+    fields = strategy.Config.model_fields
+    shown = ", ".join(f"{k}={f.default!r}" for k, f in fields.items())
+    return escape(f" Settings: {shown}.") if shown else " No settings."
 
 
 def _matching(names: list[str], pattern: str, what: Listable) -> list[str]:
@@ -292,7 +305,10 @@ def table(
     if ci and not frame.empty and frame.groupby(CELL)["seed"].nunique().max() < 2:
         ci = False  # a Student-t interval needs two seeds: say so instead of a bare title
         notes = ["--ci: every cell has one seed, so no confidence interval (it needs two)", *notes]
-    summary = summary_table(frame, metric or DEFAULT_METRICS, suite=name, ci=ci)
+    from fpbench.report.federation import table_index
+
+    index = table_index(frame)
+    summary = summary_table(frame, metric or DEFAULT_METRICS, index=index, suite=name, ci=ci)
     if fmt is TableFormat.term:
         _print_term(
             summary,

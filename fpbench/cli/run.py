@@ -101,9 +101,6 @@ def run(
         str,
         typer.Option("--launcher", help="where cells run: local, submitit-local, slurm or ray"),
     ] = "local",
-    executor: Annotated[
-        str | None, typer.Option("--executor", hidden=True, help="removed: see --launcher")
-    ] = None,
     client_executor: Annotated[
         str | None, typer.Option(help="client training: lockstep or reference")
     ] = None,
@@ -187,12 +184,6 @@ def run(
     from fpbench.methods.gpt_fl import require_generated
     from fpbench.store import Store
 
-    if executor is not None:
-        raise FpbenchError(
-            f"--executor was removed: where cells run is --launcher (local, submitit-local, "
-            f"slurm, ray), how a round's clients train is --client-executor (lockstep, "
-            f"reference); got --executor {executor}"
-        )
     loaded, cells = load_cells(suite, sets, method, seed, dataset, partition)
     if data_root is not None:  # read by every worker through the environment
         os.environ["FPBENCH_DATA"] = str(data_root.expanduser().absolute())

@@ -189,12 +189,13 @@ def compare(
     (p < alpha). Accuracies in percentage points."""
     import pandas as pd
 
-    from fpbench.report.compare import compare_methods
+    from fpbench.cli.summary import with_stored_federation
+    from fpbench.report.compare import compare_methods, federation_of
     from fpbench.report.tables import SHORT_METRICS, is_percent
 
     name = suite_name(suite)
     with open_store(db, must_exist=True) as store:
-        frame = store.metrics(suite=name)
+        frame = with_stored_federation(store, store.metrics(suite=name))
     found = compare_methods(
         frame, method_a, method_b, metric or DEFAULT_METRICS, alpha=alpha, suite=name
     )
@@ -203,6 +204,7 @@ def compare(
         f"suite {name}: B = {method_b} vs A = {method_a}, paired by seed (paired t-test, "
         f"alpha {alpha:g}; {level} t-interval of the mean difference)"
     )
+    fed = federation_of(frame, method_a, method_b)  # (learner, strategy) of A and B, if known
     number = {"justify": "right", "no_wrap": True}
     table.add_column("dataset / partition", overflow="fold", ratio=1)
     table.add_column("metric")
@@ -246,3 +248,9 @@ def compare(
     )
     for line in per_seed:
         console.print(line, highlight=False)
+    if fed:
+        (learner_a, strategy_a), (learner_b, strategy_b) = fed
+        console.print(
+            f"learner: A {learner_a}, B {learner_b}; strategy: A {strategy_a}, B {strategy_b}",
+            highlight=False,
+        )

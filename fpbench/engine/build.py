@@ -16,6 +16,7 @@ from fpbench.errors import FpbenchError
 from fpbench.methods.base import Method, TaskInfo
 from fpbench.registry import METHODS
 from fpbench.specs import BackboneRef, RunConfig
+from fpbench.strategies import build_strategy
 
 
 def resolve_device(name: str) -> torch.device:
@@ -76,7 +77,9 @@ def build_method(
         train_labels=task.data.train_labels,
         coarse_of_class=task.data.coarse_of_class,
     )
-    return method_cls(method_cls.Config(**cfg.method.args), backbone, info)
+    method = method_cls(method_cls.Config(**cfg.method.args), backbone, info)
+    build_strategy(cfg.method.strategy).bind(method)  # e.g. FedOTP's personal prompts
+    return method
 
 
 def build_populations(
@@ -93,7 +96,8 @@ def build_populations(
         method = build_method(cfg, task, device, pretrained, backbones)
         everyone = Cohort(None, tuple(range(task.num_clients)), cfg.train)
         targets = _targets(cfg, method, task, cache)
-        return [Population("", method, _inputs(cfg, method, task, cache), (everyone,), targets)]
+        inputs, strategy = _inputs(cfg, method, task, cache), build_strategy(cfg.method.strategy)
+        return [Population("", method, inputs, (everyone,), targets, strategy)]
     het = cfg.model_het
     if het.num_clients != task.num_clients:
         raise FpbenchError(
@@ -114,7 +118,8 @@ def build_populations(
         method = build_method(sub, task, device, pretrained, backbones)
         key = f"{i}-{ref.name}"
         inputs, targets = _inputs(sub, method, task, cache), _targets(sub, method, task, cache)
-        populations.append(Population(key, method, inputs, tuple(members), targets))
+        strategy = build_strategy(cfg.method.strategy)
+        populations.append(Population(key, method, inputs, tuple(members), targets, strategy))
     return populations
 
 

@@ -26,6 +26,7 @@ from fpbench.engine.seeding import client_batches, derive_seed
 from fpbench.engine.task import Task
 from fpbench.methods.base import Context, Method, Phase, ServerState, training_loss
 from fpbench.specs import Augment, TrainConfig
+from fpbench.strategies import Strategy
 
 
 @dataclass
@@ -36,6 +37,7 @@ class LocalResult:
     params: dict[str, Tensor]
     stats: dict[str, Tensor]
     loss: Tensor  # (K,) mean training loss of each client over its local steps
+    lr_steps: Tensor | None = None  # (K,) the run's lr summed over each client's steps
 
 
 def train_clients(
@@ -51,8 +53,11 @@ def train_clients(
     inputs: Inputs | None = None,
     precision: str = "fp32",
     reuse_frozen: bool = True,
+    strategy: Strategy | None = None,
 ) -> LocalResult:
     """Local training of this round's clients with the chosen executor.
+
+    `strategy`: what a client adds to its loss (`Strategy.client_term`; None: nothing).
 
     `reuse_frozen=False` recomputes at every step the lower blocks that a phase does not train,
     instead of keeping their states for the phase (same result; for tests and the benchmark).
@@ -72,6 +77,7 @@ def train_clients(
                 train_together(
                     method, server, task, inputs, ids, cfg,
                     round_idx=round_idx, seed=seed, earlier=earlier, reuse_frozen=reuse_frozen,
+                    strategy=strategy,
                 )
             )  # fmt: skip
             earlier = {k: earlier.get(k, 0) + v.sum(0) for k, v in results[-1].stats.items()}
@@ -87,6 +93,9 @@ def concat_results(results: list[LocalResult]) -> LocalResult:
         params={k: torch.cat([r.params[k] for r in results]) for k in results[0].params},
         stats={k: torch.cat([r.stats[k] for r in results]) for k in results[0].stats},
         loss=torch.cat([r.loss for r in results]),
+        lr_steps=None
+        if any(r.lr_steps is None for r in results)
+        else torch.cat([r.lr_steps for r in results]),
     )
 
 
@@ -127,11 +136,14 @@ def train_together(
     seed: int,
     earlier: dict[str, Tensor] | None = None,
     reuse_frozen: bool = True,
+    strategy: Strategy | None = None,
 ) -> LocalResult:
     """Train K clients together: one forward/backward per step over all their minibatches.
 
     `earlier` holds the statistics of the clients trained before these in the same round,
-    summed over them (empty in lockstep, where every client trains in one pass).
+    summed over them (empty in lockstep, where every client trains in one pass). A strategy's
+    `client_term` is added to each client's loss in the backward pass only (the loss recorded is
+    the learner's); its `client_step` follows each optimiser step.
     """
     device = task.priors.device
     ids = torch.tensor(client_ids, dtype=torch.long)
@@ -141,6 +153,7 @@ def train_together(
     stats: dict[str, Tensor] = {}  # what the forwards recorded, combined over the steps
     loss_sum = torch.zeros(k, device=device)
     loss_steps = torch.zeros(k, device=device)
+    lr_steps = torch.zeros(k, device=device, dtype=torch.float64)
     budget = [cfg.max_local_steps] * k  # optimiser steps each client has left (None: no cap)
     lr = round_lr(cfg, round_idx)
     for phase_idx, phase in enumerate(method.phases(cfg.local_epochs, tuple(params))):
@@ -152,7 +165,8 @@ def train_together(
         leaves = {n: p.detach().requires_grad_(n in phase.trainable) for n, p in params.items()}
         opt = phase_optimizer(cfg, [leaves[n] for n in phase.trainable], phase, lr)
         for epoch in range(phase.epochs):
-            opt.scale_lr(epoch_factor(cfg, epoch, phase.epochs))
+            factor = epoch_factor(cfg, epoch, phase.epochs)
+            opt.scale_lr(factor)
             seeds = [derive_seed(seed, round_idx, c, phase_idx, epoch) for c in client_ids]
             cap = budget if phase.trainable else [None] * k  # scoring takes no optimiser step
             batches = [
@@ -173,13 +187,21 @@ def train_together(
                         method, leaves, task, inputs, batches, step, ctx, k, stats, views, hidden
                     )
                 if phase.trainable:  # a phase that trains nothing only scores its batches
+                    objective = per_client
+                    if strategy is not None:
+                        term = strategy.client_term(server, ids.to(device), leaves)
+                        if term is not None:
+                            objective = per_client + term * active
                     opt.zero_grad()
-                    per_client.sum().backward()
+                    objective.sum().backward()
                     opt.step(active)
+                    if strategy is not None:
+                        strategy.client_step(server, ids.to(device), leaves, lr * factor, active)
+                    lr_steps += active * (lr * factor)
                 loss_sum += per_client.detach()
                 loss_steps += active
         params = {n: t.detach() for n, t in leaves.items()}
-    return LocalResult(ids, params, stats, loss_sum / loss_steps.clamp(min=1))
+    return LocalResult(ids, params, stats, loss_sum / loss_steps.clamp(min=1), lr_steps)
 
 
 def phase_optimizer(

@@ -16,7 +16,7 @@ mean local accuracy of a profile's participating clients.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from torch import Tensor
@@ -26,6 +26,7 @@ from fpbench.engine.metrics import EvalCounts
 from fpbench.engine.scoring import Target
 from fpbench.methods.base import Method, ServerState
 from fpbench.specs import ModelHet, TrainConfig
+from fpbench.strategies import FedAvg, Strategy
 
 SEP = "/"  # population key / parameter name, in a packed server state
 
@@ -48,6 +49,7 @@ class Population:
     inputs: Inputs
     cohorts: tuple[Cohort, ...]
     targets: tuple[Target, ...] = ()  # the evaluation mode's scored sets (`eval_modes`)
+    strategy: Strategy = field(default_factory=FedAvg)  # how its server state is federated
 
     @property
     def clients(self) -> list[int]:

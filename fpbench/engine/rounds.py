@@ -185,10 +185,12 @@ def play_round(
             continue
         weights = train_task.aggregation_weights[local.client_ids].to(device)
         if not cfg.train.centralized:  # the centralized reference communicates nothing
-            d, u = pop.method.communication(servers[pop.key])
+            d, u = pop.strategy.communication(pop.method, servers[pop.key])
             down, up = down + _nbytes(d) * len(weights), up + _nbytes(u) * len(weights)
         updates = Updates(local.params, local.client_ids.to(device), weights, local.stats)
-        servers[pop.key] = pop.method.aggregate(servers[pop.key], updates)
+        servers[pop.key] = pop.strategy.aggregate(
+            pop.method, servers[pop.key], updates, local.lr_steps
+        )
         losses.append(local.loss)
         weight[pop.key] = float(weights.sum())
     if _sharing(cfg):
@@ -259,6 +261,7 @@ def _train_population(
             executor=cfg.runtime.executor,
             inputs=population.inputs,
             precision=precision,
+            strategy=population.strategy,
         )
         for cohort in cohorts
         if (ids := participants(cohort, client_ids))

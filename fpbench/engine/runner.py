@@ -231,6 +231,8 @@ def stored_config(cfg: RunConfig, device: torch.device) -> dict:
     train settings (`unseen_clients`, ...) included, the precision as it computes on `device`
     ("auto" resolved to bf16 or fp32), so each run records the numerics its numbers came from."""
     config = cfg.model_dump(mode="json")
+    if config["method"]["strategy"] is None:  # the method's own federation, as before the field
+        del config["method"]["strategy"]
     config["runtime"]["precision"] = resolve_precision(cfg.runtime.precision, device)
     return config
 

@@ -57,6 +57,9 @@ def method_for(method: Method, task: Task, where: str) -> Method:
     other = type(method)(method.cfg, method.backbone, task_info(task))
     names = [f"class {k}" for k in range(task.data.num_classes + 1)]
     probe = type(method)(method.cfg, method.backbone, task_info(task, names))
+    bound = {k: v for k, v in vars(method).items() if k in ("personal", "inference")}
+    for instance in (other, probe):  # what the cell's strategy set (`Strategy.bind`)
+        vars(instance).update(bound)
     if _shapes(method) != _shapes(other) or _shapes(method) != _shapes(probe):
         raise FpbenchError(
             f"method {method.name} cannot be scored on other classes ({where}): its trained "

@@ -15,46 +15,9 @@ work: the backbone recalls what depends on nothing the current phase trains
 statistics it records, in training its own loss where it has one) and writes into nothing;
 what the engine hands it (`Context`) is read-only.
 
-Decisions (issue #32; counts in docs/method-interface.md):
-* `adapt` (and `adapt_samples` before it) folds into `client_params`: what a client is
-  evaluated with is that hook's answer (`training=False`), and Per-FedAvg's adapted params are
-  exactly that, so a second hook (and the engine's `adapts` test) was one name too many. At
-  evaluation the engine hands it `draw(n)`, one batch of each client's train data, loaded only
-  when called: a method that does not adapt pays nothing and sees no data. Where no client
-  data exists (an evaluation mode's other set, a global model), `draw` raises.
-* `optimizer_settings` and `OptimizerSettings` fold into `Phase.optimizers`: a tensor's own
-  optimiser is part of the local schedule, a plain dict per tensor (optimizer, lr, momentum,
-  weight_decay), checked when the phase is made.
-* `scores_new_clients` folds into `inference`, as the value "personal-deploys".
-* `loss` folds into the forward's `Output.loss`: a forward given the batch's labels
-  (`ctx.labels`, in training) returns its own per-sample objective where it is not
-  cross-entropy plus a term (Per-FedAvg's meta-step, FedEM's responsibilities), as a model
-  given labels returns its loss; the engine reads `loss`, else cross-entropy + `aux_loss`.
-  One forward then holds a method's training math, and no second entry point recomputes it.
-* `PresetConfig` folds into `MethodConfig` (`PRESETS`, and a config with presets declares its
-  `preset` field: a field on every config would change every stored config).
-* `readings` leaves the interface: it is paper-protocol data, read only by the protocol checks,
-  listed by registry name in `fpbench/report/method_readings.py`.
-* `TestSplit` goes: `round_metrics`' `test` is a callable, `test(fn) -> (outputs, labels)`.
-  `Inference` is the documented set of values of `inference`, not a type a method imports.
-* `init_server` folds into `init_params`, which returns the trainable tensors or, where the
-  server keeps more (buffers, per-client rows, another state), the whole `ServerState`. 13 of
-  the hook's 18 overrides only added buffers to the default state and now return
-  `ServerState(params, buffers=...)`: the `personal` tensors among its params are still copied
-  into one row per client, so the rule is the dict's. The other 5 build a state of their own,
-  now beside their parameters. `Method.init_server(gen)` stays as the engine's entry point,
-  provided like `__init__` and refused in a subclass: the engine, measurements and scripts keep
-  one name for the state before round 1, and a method writes its start in one place.
-* `client_params` and `communication` stay hooks: their overrides do different kinds of work
-  (tensors generated, added or swapped; buffers, generated rows or first-round-only tensors
-  counted as sent, often different up and down), so no declaration covers them without a rule
-  as long as a hook. The overrides, method by method, are counted in docs/method-interface.md.
-  `round_metrics` stays too: its diagnostics read the state after aggregation and after the
-  populations of a model-heterogeneous run share tensors, and SGPT's scores the test split.
-* `Context.earlier` stays, read-only: SGPT's reference code lets a client read the selection
-  counts of the clients trained before it in the round ("sequential"), which only the reference
-  executor can reproduce; it is always empty in lockstep, so no other method sees a difference.
-  It now carries the earlier clients' `Output.stats`, the only statistics there are.
+How the clients are federated is the cell's strategy (`fpbench.strategies`): FedAvg through
+`aggregate` by default. The rules an author needs beyond these types are on one page,
+docs/method-interface.md; the decisions behind the interface are in git history.
 """
 
 from __future__ import annotations
@@ -68,16 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from fpbench.lazy import F, torch
-
-# batched_queries, init_linear, init_prompts and per_client_linear moved to helpers; re-exported
-# only for code written before the move (import them from helpers): drop once none is left.
-from fpbench.methods.helpers import (  # noqa: F401
-    batched_queries,
-    init_linear,
-    init_prompts,
-    per_client_linear,
-    weighted_mean,
-)
+from fpbench.methods.helpers import weighted_mean
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -417,8 +371,6 @@ class Method:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        for old in _FOLDED.keys() & vars(cls).keys():  # a method written before #32's folds
-            raise TypeError(f"{cls.__name__}.{old} is no longer read: {_FOLDED[old]}")
         own = vars(cls).get("client_params")
         if own is not None and not _takes_draw(own):
             raise TypeError(
@@ -430,15 +382,3 @@ class Method:
 def _takes_draw(fn: Callable[..., Any]) -> bool:
     params = inspect.signature(fn).parameters.values()
     return any(p.name == "draw" or p.kind is p.VAR_KEYWORD for p in params)
-
-
-# names a method no longer declares (issue #32), and where their content went
-_FOLDED = {
-    "readings": "a method's readings are listed by name in fpbench/report/method_readings.py",
-    "optimizer_settings": "name a tensor's own optimiser in Phase.optimizers (`phases`)",
-    "adapt_samples": "client_params(..., training=False, draw) draws its own batch: draw(n)",
-    "scores_new_clients": 'set inference = "personal-deploys"',
-    "init_server": "return a ServerState from init_params",
-    "loss": "a forward given ctx.labels returns its training loss in Output.loss",
-    "adapt": "adapt in client_params(server, client_ids, training=False, draw): draw(n)",
-}

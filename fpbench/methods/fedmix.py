@@ -40,7 +40,7 @@ from pydantic import Field
 from fpbench.errors import FpbenchError
 from fpbench.lazy import F, torch
 from fpbench.methods.base import Context, Output, ServerState, Updates
-from fpbench.methods.fedvpt import ShallowPromptModel, VPTConfig
+from fpbench.methods.fedvpt import VPTConfig, VPTModel
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def fedmix_loss(
 
 
 @METHODS.register()
-class FedMix(ShallowPromptModel):
+class FedMix(VPTModel):
     name = "fedmix"
     Config = FedMixConfig
 

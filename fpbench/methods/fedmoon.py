@@ -30,7 +30,7 @@ from pydantic import Field
 
 from fpbench.lazy import F, torch
 from fpbench.methods.base import Context, Output, Phase, ServerState, Updates
-from fpbench.methods.fedvpt import ShallowPromptModel, VPTConfig
+from fpbench.methods.fedvpt import VPTConfig, VPTModel
 from fpbench.methods.helpers import per_client_linear
 from fpbench.registry import METHODS
 
@@ -54,7 +54,7 @@ def model_contrastive_loss(z: Tensor, z_glob: Tensor, z_prev: Tensor, tau: float
 
 
 @METHODS.register()
-class FedMoon(ShallowPromptModel):
+class FedMoon(VPTModel):
     name = "fedmoon"
     Config = MoonConfig
     personal = frozenset({"prev_prompts"})

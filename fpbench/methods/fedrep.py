@@ -16,7 +16,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from fpbench.methods.base import Phase
-from fpbench.methods.fedvpt import ShallowPromptModel, VPTConfig
+from fpbench.methods.fedvpt import VPTConfig, VPTModel
 from fpbench.registry import METHODS
 
 
@@ -31,7 +31,7 @@ class FedRepConfig(VPTConfig):
 
 
 @METHODS.register()
-class FedRep(ShallowPromptModel):
+class FedRep(VPTModel):
     name = "fedrep"
     Config = FedRepConfig
     inference = "personal"

@@ -4,7 +4,7 @@ Visual Prompt Tuning (Jia et al., ECCV 2022), federated with FedAvg (McMahan et 
 the baselines "FedVPT" and "FedVPT-D" of SGPT (Deng et al., CVPR 2024) and PEP-FedPT. Client:
 learnable prompt tokens and a linear head on the final cls token, trained with cross-entropy.
 Server: FedAvg of prompts and head, weighted by client train sizes. The two differ only in the
-prompt style, so they are two rows of `VARIANTS`:
+prompt style (`VPTModel.style`):
 
 - FedVPT (shallow): `prompt_len` tokens inserted after cls before block 0; default 5, FGPT's
   VPT-shallow setting.
@@ -14,7 +14,7 @@ prompt style, so they are two rows of `VARIANTS`:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field
 
@@ -69,33 +69,17 @@ class VPTModel(Method):
         return per_client_linear(feats.cls, params["head_w"], params["head_b"], client_index)
 
 
-ShallowPromptModel = VPTModel  # the shallow style, which the FedVPT-based methods build on
+@METHODS.register()
+class FedVPT(VPTModel):
+    """FedVPT: VPT-shallow prompts plus a linear head, trained with FedAvg."""
+
+    name = "fedvpt"
 
 
-class Variant(NamedTuple):
-    cls: str  # the class's name in this module
-    name: str  # registry name
-    style: Literal["shallow", "deep"]
-    Config: type[MethodConfig]
-    doc: str  # one line for `fpbench list methods`
+@METHODS.register()
+class FedVPTDeep(VPTModel):
+    """FedVPT-D: VPT-deep prompts at every layer plus a linear head, trained with FedAvg."""
 
-
-VARIANTS = (
-    Variant(
-        "FedVPT", "fedvpt", "shallow", VPTConfig,
-        "FedVPT: VPT-shallow prompts plus a linear head, trained with FedAvg.",
-    ),
-    Variant(
-        "FedVPTDeep", "fedvpt-d", "deep", DeepConfig,
-        "FedVPT-D: VPT-deep prompts at every layer plus a linear head, trained with FedAvg.",
-    ),
-)  # fmt: skip
-
-
-def _register(row: Variant) -> type[VPTModel]:
-    """The row's method class, registered."""
-    attrs = {"name": row.name, "style": row.style, "Config": row.Config, "__doc__": row.doc}
-    return METHODS.register()(type(row.cls, (VPTModel,), {**attrs, "__module__": __name__}))
-
-
-FedVPT, FedVPTDeep = (_register(row) for row in VARIANTS)
+    name = "fedvpt-d"
+    style = "deep"
+    Config = DeepConfig

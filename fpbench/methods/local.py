@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fpbench.methods.base import ServerState
-from fpbench.methods.fedvpt import ShallowPromptModel
+from fpbench.methods.fedvpt import VPTModel
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 @METHODS.register()
-class Local(ShallowPromptModel):
+class Local(VPTModel):
     name = "local"
     inference = "personal"
     personal = frozenset({"prompts", "head_w", "head_b"})

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from fpbench.methods.fedvpt import ShallowPromptModel, VPTConfig
+from fpbench.methods.fedvpt import VPTConfig, VPTModel
 from fpbench.registry import METHODS
 
 
@@ -28,7 +28,7 @@ class PPTConfig(VPTConfig):
 
 
 @METHODS.register()
-class PPT(ShallowPromptModel):
+class PPT(VPTModel):
     name = "p-pt"
     Config = PPTConfig
     inference = "personal-deploys"  # new clients: initial prompts + federated head (docstring)

@@ -26,7 +26,7 @@ from pydantic import Field
 
 from fpbench.lazy import F, torch
 from fpbench.methods.base import Context, Output, ServerState
-from fpbench.methods.fedvpt import ShallowPromptModel, VPTConfig
+from fpbench.methods.fedvpt import VPTConfig, VPTModel
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ def inner_half(client_index: Tensor) -> Tensor:
 
 
 @METHODS.register()
-class PerFedAvg(ShallowPromptModel):
+class PerFedAvg(VPTModel):
     name = "per-fedavg"
     Config = PerFedAvgConfig
     inference = "personal"

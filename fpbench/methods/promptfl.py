@@ -7,6 +7,9 @@ CLIP, starting from the global context. Server: the context averaged with weight
 the clients' train sizes (FedOTP's re-implementation; the released PromptFL averages uniformly,
 and in its code every upload aliased one live tensor). Inference: the global context for every
 client. Defaults: CoOp's 16 random context vectors, class token at the end.
+
+PromptFL is a preset of a composition: the learner `coop` (CoOp's context on a frozen CLIP) with
+the strategy `fedavg`; `coop` takes any other strategy (`strategy = { name = "fedprox" }`).
 """
 
 from __future__ import annotations
@@ -16,5 +19,15 @@ from fpbench.registry import METHODS
 
 
 @METHODS.register()
-class PromptFL(CoOpModel):
+class CoOp(CoOpModel):
+    """CoOp (Zhou et al., IJCV 2022): a learned context shared by every class, on a frozen CLIP;
+    federated by the cell's strategy (FedAvg: PromptFL)."""
+
+    name = "coop"
+
+
+@METHODS.register()
+class PromptFL(CoOp):
+    """PromptFL: the learner coop with FedAvg."""
+
     name = "promptfl"

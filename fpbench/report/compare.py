@@ -83,6 +83,19 @@ def compare_methods(
     )
 
 
+def federation_of(
+    metrics: pd.DataFrame, a: str, b: str
+) -> tuple[tuple[str, str], tuple[str, str]] | None:
+    """The (learner, strategy) of methods a and b, where the frame has those columns."""
+    if not {"learner", "strategy"} <= set(metrics.columns):
+        return None
+    out = []
+    for method in (a, b):
+        rows = metrics[metrics["method"] == method]
+        out.append((str(rows["learner"].iloc[0]), str(rows["strategy"].iloc[0])))
+    return out[0], out[1]
+
+
 def paired_test(a: Sequence[float], b: Sequence[float], alpha: float = 0.05) -> dict:
     """Mean and sample std of the differences b - a, their (1 - alpha) Student-t interval,
     the paired t statistic and two-sided p, and the verdict (see the module docstring)."""

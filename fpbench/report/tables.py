@@ -19,7 +19,7 @@ from fpbench.errors import FpbenchError
 SUMMARY_PATTERN = r"_last\d+"
 FORMATS = ("md", "csv", "latex")
 MISSING = "-"
-RUN_LABELS = ["suite", "method", "dataset", "partition", "seed"]
+RUN_LABELS = ["suite", "method", "learner", "strategy", "dataset", "partition", "seed"]
 
 
 def no_results_error(suite: str | None = None) -> FpbenchError:
