@@ -306,7 +306,7 @@ def test_local_label_space_option_keeps_old_run_keys() -> None:
     from fpbench.specs import Component, RunConfig, TrainConfig
 
     comp = Component(name="synthetic", label="synthetic")
-    base = RunConfig(suite="s", seed=0, dataset=comp, partition=comp, method=comp)
+    base = RunConfig(suite="s", seed=0, dataset=comp, partition=comp, method=comp.model_dump())
     assert "local_label_space" not in base.identity()["train"]
     client = base.model_copy(update={"train": TrainConfig(local_label_space="client")})
     assert client.identity()["train"]["local_label_space"] == "client"

@@ -149,7 +149,7 @@ def _cfg(partition: str, **args) -> RunConfig:
         seed=0,
         dataset=Component(name="synthetic", label="d"),
         partition=Component(name=partition, label="p", args=args),
-        method=Component(name="head-tune", label="m"),
+        method={"name": "head-tune", "label": "m"},
     )
     return _validate_components(cfg, "test")
 

@@ -23,7 +23,7 @@ COLUMNS = ("learner", "strategy")
 def with_federation(frame: pd.DataFrame, configs: Mapping[int, dict[str, Any]]) -> pd.DataFrame:
     """`frame` (with a run_id column) with `learner` and `strategy` columns, from each run's
     stored config; unchanged where no run names a strategy."""
-    if frame.empty or not any(c["method"].get("strategy") for c in configs.values()):
+    if frame.empty or not any(c.get("method", {}).get("strategy") for c in configs.values()):
         return frame
     learner = {i: _learner(c["method"]["name"]) for i, c in configs.items()}
     strategy = {i: strategy_label(c) for i, c in configs.items()}
