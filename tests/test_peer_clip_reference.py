@@ -34,7 +34,7 @@ def test_fpbench_computes_what_the_official_code_computes(name, tmp_path):
     if kind == "kgcoop":
         assert d["score"] < 1e-6
     if kind == "cocoop":  # every meta-net tensor gets a gradient: the comparison is not of zeros
-        assert d["meta_grad_min"] > 1e-3, d
+        assert d["meta_grad_min"] > 1e-5, d  # far above the differences (1e-7)
     if kind == "prograd":
         assert d["zero_shot"] < 1e-5
         assert d["conflict"] == (0.0 if "no conflict" in name else 1.0)

@@ -40,6 +40,7 @@ from fpbench.report.protocol import (
     lookup,
 )
 
+TWIN_BLOCKS = 2  # the twin backbones' depth (vit-test, clip-test)
 TWIN_DATASET = {"num_classes": 6, "image_size": 16, "train_per_class": 12, "test_per_class": 6}
 TWIN_CLIENTS = 4
 TWIN_ROUNDS = 3
@@ -99,6 +100,9 @@ def offline_twin(config: Mapping[str, Any], schedule_free: bool = False) -> dict
         k: None if k.endswith("_layers") and isinstance(v, list) else v
         for k, v in {**method.get("args", {}), **OFFLINE_ARGS.get(method["name"], {})}.items()
     }
+    for k, v in method["args"].items():  # one block index (SGPT's query_layer): the twin's last
+        if k.endswith("_layer") and isinstance(v, int) and v > TWIN_BLOCKS - 1:
+            method["args"][k] = TWIN_BLOCKS - 1
     if (method["args"].get("num_groups") or 0) > TWIN_WIDTH:  # orthogonal keys need <= width
         method["args"]["num_groups"] = TWIN_WIDTH
     if method["args"].get("select_encoder") not in (None, "backbone"):  # hub weights: offline,
@@ -138,6 +142,13 @@ def offline_twin(config: Mapping[str, Any], schedule_free: bool = False) -> dict
         het = {**het, "profiles": profiles}
         args["num_clients"] = sum(p["clients"] for p in profiles)
     data = {**TWIN_DATASET, "num_classes": max(TWIN_DATASET["num_classes"], args["num_clients"])}
+    evaluation = cfg.get("evaluation")
+    if evaluation and evaluation.get("targets"):  # real target datasets: synthetic ones, sized
+        targets = [  # as the source, their own seeds
+            {**t, "name": "synthetic", "args": {**TWIN_DATASET, "seed": 11 + i}}
+            for i, t in enumerate(evaluation["targets"])
+        ]
+        cfg = {**cfg, "evaluation": {**evaluation, "targets": targets}}
     return {
         **cfg,
         "dataset": {"name": "synthetic", "label": cfg["dataset"]["label"], "args": data},
