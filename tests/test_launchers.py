@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.machinery
 import os
 import queue
+import signal
 import sys
 import types
 from concurrent.futures import Future
@@ -544,8 +545,9 @@ def test_run_cells_runs_one_local_job_in_this_process(tmp_path, monkeypatch):
 def test_a_pool_worker_takes_its_threads_queue_and_the_next_gpu(monkeypatch):
     import multiprocessing as mp
 
-    threads = []
+    threads, handlers = [], {}
     monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(dispatch.signal, "signal", handlers.__setitem__)  # not pytest's own
     monkeypatch.setattr(cell_task, "_worker", {})
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
     counter = mp.get_context("fork").Value("i", 0)
@@ -555,8 +557,47 @@ def test_a_pool_worker_takes_its_threads_queue_and_the_next_gpu(monkeypatch):
         gpus.append(os.environ["CUDA_VISIBLE_DEVICES"])
     assert (threads, gpus, counter.value) == ([2, 2, 2], ["4", "6", "4"], 3)
     assert cell_task._worker == {"events": "events"}
+    assert handlers == {signal.SIGINT: dispatch._on_sigint_in_worker}
     dispatch._init_worker("q", 1, [], counter)  # one GPU or none: left as it is
     assert (os.environ["CUDA_VISIBLE_DEVICES"], counter.value) == ("4", 3)
+
+
+def test_sigint_stops_a_workers_cell_as_ctrl_c_and_an_idle_worker_quietly(monkeypatch):
+    seen = []
+    monkeypatch.setattr(dispatch, "run_one", lambda *a: seen.append(a) or ("done", None))
+    assert dispatch._run_in_worker("cfg", "url") == ("done", None)
+    assert (seen, dispatch._busy) == ([("cfg", "url")], False)  # idle again after the cell
+
+    def interrupted(*a):
+        assert dispatch._busy  # a cell is running: Ctrl-C reaches it
+        dispatch._on_sigint_in_worker(signal.SIGINT, None)
+
+    monkeypatch.setattr(dispatch, "run_one", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        dispatch._run_in_worker("cfg")
+    with pytest.raises(SystemExit) as stop:  # waiting for a cell: nothing to store
+        dispatch._on_sigint_in_worker(signal.SIGINT, None)
+    assert stop.value.code == 130
+
+
+def test_sigint_to_an_idle_pool_worker_exits_it_130_without_a_traceback(capfd):
+    """What the driver's SIGTERM sends every worker: one waiting for its next cell (in
+    `call_queue.get`) used to print a KeyboardInterrupt traceback (CI, 2026-12-02)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = mp.get_context("spawn")
+    init = (ctx.Queue(), 1, [], ctx.Value("i", 0))
+    pool = ProcessPoolExecutor(1, ctx, initializer=dispatch._init_worker, initargs=init)
+    try:
+        assert pool.submit(os.getpid).result(timeout=120) > 0  # started, now idle
+        (worker,) = pool._processes.values()
+        os.kill(worker.pid, signal.SIGINT)
+        worker.join(timeout=60)
+        assert worker.exitcode == 130
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    assert "Traceback" not in capfd.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import signal
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from contextlib import contextmanager
@@ -187,7 +188,28 @@ def _serial(
     return [finish(cfg, run_one(cfg, url, *args), observer) for cfg in cells]
 
 
+_busy = False  # a pool worker is running a cell (Ctrl-C stores it) or waiting for one
+
+
+def _on_sigint_in_worker(signum: int, frame: object) -> None:
+    """Ctrl-C, or the driver passing on SIGTERM: a running cell is stored as interrupted; an
+    idle worker has nothing to store and exits quietly instead of printing a traceback."""
+    if _busy:
+        raise KeyboardInterrupt
+    raise SystemExit(128 + signum)
+
+
+def _run_in_worker(*args: Any) -> Outcome:
+    global _busy
+    _busy = True
+    try:
+        return run_one(*args)
+    finally:
+        _busy = False
+
+
 def _init_worker(events: Any, threads: int, gpu_slots: list[str], counter: Any) -> None:
+    signal.signal(signal.SIGINT, _on_sigint_in_worker)
     torch.set_num_threads(threads)  # N workers share the cores instead of oversubscribing
     set_worker_events(events)
     if gpu_slots:  # several runs per GPU, workers spread over the visible GPUs
@@ -215,7 +237,7 @@ def _pool(
     pool = ProcessPoolExecutor(dispatch.jobs, ctx, initializer=_init_worker, initargs=init)
     try:
         futures = {
-            pool.submit(run_one, c, url, str(ckpt), dispatch.claim_timeout): c for c in cells
+            pool.submit(_run_in_worker, c, url, str(ckpt), dispatch.claim_timeout): c for c in cells
         }
         pending = set(futures)
         while pending:
