@@ -137,7 +137,9 @@ def test_estimate_of_one_method_and_an_unknown_one(tmp_path) -> None:
 def test_a_shape_whose_fake_images_do_not_fit_is_reported_not_allocated(monkeypatch) -> None:
     import fpbench.measure.estimate as est
 
-    suite = load_suite("inat")  # 155,941 images of 224px: 23.5 GB of fake uint8 images
+    suite = load_suite("pep-table2")  # its iNaturalist cells: 155,941 images of 224px, 23.5 GB
+    inat = [c for c in suite.cells if c.dataset.name == "inat-user-120k"]
+    suite = suite.model_copy(update={"cells": inat})
     monkeypatch.setattr(est, "free_bytes", lambda device: 16 * 2**30)
     found = estimate(suite, torch.device("cpu"), rounds=1, max_shapes=1)
     assert found[0].measured is None and found[0].cell_s is None

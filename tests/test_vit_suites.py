@@ -56,7 +56,7 @@ def test_fedpr_trains_with_its_own_adam_in_sgpts_suites_and_sgd_in_pep_fedpts():
         assert cells, name
         for c in cells:
             assert (c.train.optimizer, c.train.lr, c.train.weight_decay) == ("adam", 0.1, 0.0)
-    for name in ("heldout", "inat", "pep-table1", "pep-table2", "pep-table16"):
+    for name in ("heldout", "pep-table1", "pep-table2", "pep-table16"):
         cells = [c for c in load_suite(name).cells if c.method.name == "fedpr"]
         assert cells, name
         for c in cells:

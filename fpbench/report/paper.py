@@ -16,6 +16,10 @@ median of a run's measured round times (a median, so the rounds that also evalua
 A column with `mean_of = [keys]` or `hm_of = [key, key]` selects no runs: it averages (or takes
 the harmonic mean of) the row's values in those columns to its left (the field's "Average").
 
+A `[[figures]]` entry (`name`, `suite`, `tables`, `caption`) names a suite that draws one of the
+paper's figures (with `fpbench plot`) and the tables whose protocol its cells run: they are
+checked as cells feeding those tables (`fpbench.report.protocol.feeding_cells`).
+
 Adding a paper or table is a new data file or a new `[[tables]]` entry, not new code.
 """
 
@@ -110,11 +114,22 @@ class PaperTable:
 
 
 @dataclass(frozen=True)
+class Figure:
+    """A figure of the paper drawn from `suite`, whose cells run the protocol of `tables`."""
+
+    name: str
+    suite: str
+    tables: tuple[int, ...]
+    caption: str = ""
+
+
+@dataclass(frozen=True)
 class Paper:
     name: str
     title: str
     source: str
     tables: tuple[PaperTable, ...]
+    figures: tuple[Figure, ...] = ()
 
     def table(self, number: int) -> PaperTable:
         for t in self.tables:
@@ -163,7 +178,22 @@ def load_paper(name: str, root: Path = PAPERS_DIR) -> Paper:
     data = paper_data(name, root)
     tables = tuple(sorted((_table(name, path, t) for t in data.get("tables", [])),
                           key=lambda t: t.number))  # fmt: skip
-    return Paper(name, data.get("title", name), data.get("source", ""), tables)
+    numbers = {t.number for t in tables}
+    figures = tuple(_figure(path, f, numbers) for f in data.get("figures", []))
+    return Paper(name, data.get("title", name), data.get("source", ""), tables, figures)
+
+
+def _figure(path: Path, f: Mapping[str, Any], numbers: set[int]) -> Figure:
+    where = f"{path.name} figure {f.get('name', '?')!r}"
+    unknown = sorted(set(f) - {"name", "suite", "tables", "caption"})
+    if unknown or not {"name", "suite", "tables"} <= set(f):
+        raise FpbenchError(
+            f"{where}: needs name, suite and tables (and a caption); got {sorted(f)}"
+        )
+    tables = tuple(int(n) for n in f["tables"])
+    if not tables or set(tables) - numbers:
+        raise FpbenchError(f"{where}: tables {list(tables)}; the paper has {sorted(numbers)}")
+    return Figure(str(f["name"]), str(f["suite"]), tables, str(f.get("caption", "")))
 
 
 def _line(d: Mapping[str, Any]) -> Line:

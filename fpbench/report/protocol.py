@@ -260,7 +260,8 @@ def _free_rule(raw: Mapping[str, Any], at: str) -> Rule:
 
 
 def feeding_cells(paper: Paper, suites: Mapping[str, Any] | None = None) -> list[FedCell]:
-    """Every suite cell that feeds a table of `paper`, each once, with the tables it feeds.
+    """Every suite cell that feeds a table of `paper`, each once, with the tables it feeds
+    (a figure's cells feed the tables whose protocol the figure names).
 
     `suites` maps a suite name to its `Suite` (tests pass in-memory suites); by default each is
     read with `fpbench.suites.load_suite`.
@@ -277,6 +278,11 @@ def feeding_cells(paper: Paper, suites: Mapping[str, Any] | None = None) -> list
             for cfg in loaded[name].cells:
                 if _selects(spec, cfg):
                     found.setdefault(cfg.run_key, (cfg, set()))[1].add(table.number)
+    for figure in paper.figures:  # a figure's suite runs the protocol of the tables it names
+        if figure.suite not in loaded:
+            loaded[figure.suite] = load_suite(figure.suite)
+        for cfg in loaded[figure.suite].cells:
+            found.setdefault(cfg.run_key, (cfg, set()))[1].update(figure.tables)
     return [_fed(cfg, tables) for cfg, tables in found.values()]
 
 

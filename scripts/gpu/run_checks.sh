@@ -107,7 +107,7 @@ fi
 want estimate-sgpt && step estimate-sgpt 120 $PY -m fpbench estimate --suite sgpt-table1 \
   --method sgpt --max-shapes 2 --device cuda --json "$OUT/estimate-sgpt.json"
 if want estimate; then
-  for suite in ${ESTIMATE_SUITES:-inat clip-fewshot pep-table1 sdfed-sweeps}; do
+  for suite in ${ESTIMATE_SUITES:-pep-table2 clip-fewshot pep-table1 sdfed-sweeps}; do
     step "estimate-$suite" "${ESTIMATE_CAP_S:-75}" $PY -m fpbench estimate --suite "$suite" \
       --max-shapes 1 --rounds 1 --device cuda --json "$OUT/estimate-$suite.json"
   done
