@@ -172,6 +172,14 @@ class RuntimeConfig(_Strict):
 
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     executor: Literal["reference", "lockstep"] = "lockstep"
+    lockstep_samples: int | None = Field(
+        None,
+        ge=1,
+        description="most samples in one lockstep forward: a step's client batches are cut at "
+        "client boundaries into chunks of at most this many (a client's batch alone may be more), "
+        "whose backward passes add to the same per-client gradients before the one optimiser "
+        "step; bounds the activations held at once; None: one forward over all of them",
+    )
     precision: Literal["auto", "fp32", "bf16", "bf16-frozen"] = Field(
         "auto",
         description="auto: bf16 autocast on CUDA, fp32 on CPU; bf16-frozen: bf16 autocast and a "

@@ -17,6 +17,7 @@ import torch
 from fpbench.engine.augment import uniforms
 from fpbench.engine.executor import (
     LocalResult,
+    chunk_rows,
     concat_results,
     epoch_factor,
     phase_optimizer,
@@ -333,3 +334,15 @@ def test_record_sums_statistics_and_maximises_max_ones():
     record(stats, {"n": torch.tensor([1.0, 2.0]), "max_v": torch.tensor([3.0, 1.0])})
     record(stats, {"n": torch.tensor([1.0, 1.0]), "max_v": torch.tensor([2.0, 5.0])})
     assert stats["n"].tolist() == [2.0, 3.0] and stats["max_v"].tolist() == [3.0, 5.0]
+
+
+def test_chunk_rows_cuts_whole_clients_up_to_the_limit():
+    def b(*sizes):
+        return [torch.arange(n) for n in sizes]
+
+    batches = [b(3, 3), b(2), b(5, 1), [], b(4, 4)]  # rows' batch sizes per step; row 3 has none
+    assert chunk_rows(batches, 0, None) == [[0, 1, 2, 4]]
+    assert chunk_rows(batches, 0, 5) == [[0, 1], [2], [4]]  # 3 + 2, then 5, then 4
+    assert chunk_rows(batches, 0, 4) == [[0], [1], [2], [4]]  # row 2's 5 samples alone
+    assert chunk_rows(batches, 1, 5) == [[0, 2], [4]]  # step 1: rows 0, 2 and 4 (3 + 1, 4)
+    assert chunk_rows(batches, 1, 100) == [[0, 2, 4]]

@@ -697,3 +697,33 @@ def test_a_round_played_alone_counts_its_own_clients_as_the_trained_ones(tiny):
     _, rows, _ = rounds.play_round([pop], seeded_server(pop.method), task, cfg, 0, ids[1:2], [])
     assert [v for c, n, v, _ in rows if n == "clients_untrained"] == [2.0]
     assert [c for c, n, *_ in rows if n == "acc_local"] == [ids[1]]
+
+
+def test_a_cells_lockstep_samples_cut_each_step_into_chunks_of_whole_clients(tmp_path, monkeypatch):
+    """`runtime.lockstep_samples` reaches the executor: every training forward holds at most
+    that many samples (or one client's batch), and the stored values equal the unchunked run's.
+
+    Catches: the setting not passed by `rounds` (one forward over all clients), or a chunk's
+    backward lost (the chunked run's values differ)."""
+    forward, sizes = FedVPT.forward, []
+
+    def spy(self, params, x, client_index, ctx):
+        if ctx.training:
+            sizes.append((len(x), len(set(client_index.tolist()))))
+        return forward(self, params, x, client_index, ctx)
+
+    monkeypatch.setattr(FedVPT, "forward", spy)
+    values = []
+    for limit in (None, 4):
+        cfg = _with(tiny_config("fedvpt", rounds=1), runtime={"lockstep_samples": limit})
+        sizes.clear()
+        with Store(f"sqlite:///{tmp_path / f'{limit}.db'}") as store:
+            assert run_cell(cfg, store, checkpoint_dir=tmp_path / str(limit)).status == "done"
+            values.append(store.metrics()["value"].tolist())
+        clients = max(n for _, n in sizes)
+        if limit is None:
+            assert clients > 1  # lockstep: every client of the step in one forward
+            batch = cfg.train.batch_size
+        else:
+            assert clients == 1 and max(s for s, _ in sizes) <= max(limit, batch)
+    assert values[1] == pytest.approx(values[0], abs=1e-6)

@@ -3,9 +3,11 @@
 Both run the same function, `train_together`; they differ only in how many clients it trains at
 once. Together, each local step draws one minibatch per client that still has one, concatenates
 them, runs one forward and one backward, and minimises the sum over clients of each client's
-mean loss, so every client's gradient is what it would be alone. Each client's batch order comes
-from its own generator, seeded by (seed, round, client, phase, epoch), so training together never
-changes the data a client sees, and a resumed run replays exactly.
+mean loss, so every client's gradient is what it would be alone. `lockstep_samples` bounds the
+samples of one forward: the step's client batches are cut into chunks of whole clients, each
+chunk's backward adds to its clients' gradients, and one optimiser step follows. Each client's
+batch order comes from its own generator, seeded by (seed, round, client, phase, epoch), so
+training together never changes the data a client sees, and a resumed run replays exactly.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def train_clients(
     precision: str = "fp32",
     reuse_frozen: bool = True,
     strategy: Strategy | None = None,
+    lockstep_samples: int | None = None,
 ) -> LocalResult:
     """Local training of this round's clients with the chosen executor.
 
@@ -77,7 +80,7 @@ def train_clients(
                 train_together(
                     method, server, task, inputs, ids, cfg,
                     round_idx=round_idx, seed=seed, earlier=earlier, reuse_frozen=reuse_frozen,
-                    strategy=strategy,
+                    strategy=strategy, lockstep_samples=lockstep_samples,
                 )
             )  # fmt: skip
             earlier = {k: earlier.get(k, 0) + v.sum(0) for k, v in results[-1].stats.items()}
@@ -137,8 +140,10 @@ def train_together(
     earlier: dict[str, Tensor] | None = None,
     reuse_frozen: bool = True,
     strategy: Strategy | None = None,
+    lockstep_samples: int | None = None,
 ) -> LocalResult:
-    """Train K clients together: one forward/backward per step over all their minibatches.
+    """Train K clients together: one forward/backward per step over all their minibatches
+    (or per chunk of at most `lockstep_samples` of them, see `chunk_rows`).
 
     `earlier` holds the statistics of the clients trained before these in the same round,
     summed over them (empty in lockstep, where every client trains in one pass). A strategy's
@@ -182,18 +187,32 @@ def train_together(
                 ]
             for step in range(max(len(b) for b in batches)):
                 active = torch.tensor([step < len(b) for b in batches], device=device)
-                with torch.enable_grad() if phase.trainable else torch.no_grad():
-                    per_client = _step(
-                        method, leaves, task, inputs, batches, step, ctx, k, stats, views, hidden
-                    )
+                chunks = chunk_rows(batches, step, lockstep_samples)
+                if phase.trainable:
+                    opt.zero_grad()
+                per_client = torch.zeros(k, device=device)
+                for chunk in chunks:
+                    with torch.enable_grad() if phase.trainable else torch.no_grad():
+                        part = _step(
+                            method, leaves, task, inputs, batches, step, ctx, k, stats, views,
+                            hidden, chunk,
+                        )  # fmt: skip
+                    if len(chunks) == 1:
+                        per_client = part
+                    else:  # this chunk's activations are freed before the next one's
+                        if phase.trainable:
+                            part.sum().backward()
+                        per_client = per_client + part.detach()
                 if phase.trainable:  # a phase that trains nothing only scores its batches
-                    objective = per_client
+                    objective = per_client if len(chunks) == 1 else None
                     if strategy is not None:
                         term = strategy.client_term(server, ids.to(device), leaves)
                         if term is not None:
-                            objective = per_client + term * active
-                    opt.zero_grad()
-                    objective.sum().backward()
+                            objective = (
+                                term * active if objective is None else objective + term * active
+                            )
+                    if objective is not None:
+                        objective.sum().backward()
                     opt.step(active)
                     if strategy is not None:
                         strategy.client_step(server, ids.to(device), leaves, lr * factor, active)
@@ -202,6 +221,25 @@ def train_together(
                 loss_steps += active
         params = {n: t.detach() for n, t in leaves.items()}
     return LocalResult(ids, params, stats, loss_sum / loss_steps.clamp(min=1), lr_steps)
+
+
+def chunk_rows(batches: list[list[Tensor]], step: int, limit: int | None) -> list[list[int]]:
+    """The rows with a batch at `step`, cut in order into chunks of whole clients holding at
+    most `limit` samples each (a client's batch alone may hold more); None: one chunk."""
+    rows = [row for row, b in enumerate(batches) if step < len(b)]
+    if limit is None:
+        return [rows]
+    chunks: list[list[int]] = []
+    size = 0
+    for row in rows:
+        n = len(batches[row][step])
+        if chunks and size + n <= limit:
+            chunks[-1].append(row)
+            size += n
+        else:
+            chunks.append([row])
+            size = n
+    return chunks
 
 
 def phase_optimizer(
@@ -257,16 +295,18 @@ def _step(
     stats: dict[str, Tensor],
     views: tuple[Augment, Tensor] | None = None,
     hidden: PhaseStates | None = None,
+    only: list[int] | None = None,
 ) -> Tensor:
     """Per-client mean loss (K,) of one lockstep minibatch (`training_loss` of the forward's
-    result); zero for clients without a batch. The statistics the forward returns are added to
-    `stats` (see `record`).
+    result) over the rows `only` (None: every row with a batch); zero for the other clients.
+    The statistics the forward returns are added to `stats` (see `record`).
 
     `views`: the augmentation and each row's epoch seed (K,), which with a sample's index fixes
     its random view (see `fpbench.engine.augment`). Without one, the backbone recalls frozen
     work and, given `hidden`, the phase's kept states (`fpbench.backbones.recall`).
     """
-    parts = [(row, b[step]) for row, b in enumerate(batches) if step < len(b)]
+    chosen = range(len(batches)) if only is None else only
+    parts = [(row, batches[row][step]) for row in chosen if step < len(batches[row])]
     idx = torch.cat([b for _, b in parts])
     rows = torch.cat([torch.full((len(b),), row, dtype=torch.long) for row, b in parts])
     rows = rows.to(idx.device)

@@ -262,6 +262,7 @@ def _train_population(
             inputs=population.inputs,
             precision=precision,
             strategy=population.strategy,
+            lockstep_samples=cfg.runtime.lockstep_samples,
         )
         for cohort in cohorts
         if (ids := participants(cohort, client_ids))

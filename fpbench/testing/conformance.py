@@ -16,29 +16,35 @@ from fpbench.testing.tiny import seeded_server
 Tiny = Callable  # the `tiny` fixture: tiny(method, **train) -> (cfg, task, method)
 
 
-def _round(method, task, cfg, executor: str, server=None) -> tuple:
+def _round(method, task, cfg, executor: str, server=None, lockstep_samples=None) -> tuple:
     """One round of local training in the cell's numerics, as the runner computes it (without
     them, CPU matmuls may round differently from one call to the next)."""
     server = server or seeded_server(method)
     ids = task.trainable_clients()
     with cell_numerics(cfg):
         local = train_clients(
-            method, server, task, ids, cfg.train, round_idx=0, seed=cfg.seed, executor=executor
-        )
+            method, server, task, ids, cfg.train, round_idx=0, seed=cfg.seed, executor=executor,
+            lockstep_samples=lockstep_samples,
+        )  # fmt: skip
     return server, local
 
 
 def check_executors_agree(tiny: Tiny, name: str) -> None:
     """The reference executor (one client at a time) and the lockstep one (all clients of the
-    round in one pass) give the same parameters, losses and statistics."""
+    round in one pass, or in chunks of whole clients: `lockstep_samples`) give the same
+    parameters, losses and statistics."""
     cfg, task, method = tiny(name, local_epochs=2, weight_decay=1e-3, grad_clip=1.0)
     server, ref = _round(method, task, cfg, "reference")
     _, lock = _round(method, task, cfg, "lockstep", server)
-    assert ref.client_ids.tolist() == lock.client_ids.tolist()
-    for k in ref.params:
-        torch.testing.assert_close(lock.params[k], ref.params[k], atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(lock.loss, ref.loss, atol=1e-5, rtol=1e-5)
-    assert ref.stats.keys() == lock.stats.keys()
+    _, chunked = _round(method, task, cfg, "lockstep", server, lockstep_samples=1)
+    for other in (lock, chunked):  # chunked: every client's batch a forward of its own
+        assert ref.client_ids.tolist() == other.client_ids.tolist()
+        for k in ref.params:
+            torch.testing.assert_close(other.params[k], ref.params[k], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(other.loss, ref.loss, atol=1e-5, rtol=1e-5)
+        assert ref.stats.keys() == other.stats.keys()
+    for k in lock.stats:  # both lockstep: every client's statistics in the one round's sums
+        torch.testing.assert_close(chunked.stats[k], lock.stats[k], atol=1e-5, rtol=1e-5)
 
 
 def check_recalled_equals_recomputed(tiny: Tiny, name: str) -> None:
