@@ -12,8 +12,10 @@ def test_sdfed_table4_draws_each_clients_local_prompt_length_from_4_to_64():
     assert {c.method.args["stretch_target"] for c in sdfed} == {"fixed"}
 
 
-FEDPR_SUITES = {"sgpt-table1": 0.01, "sgpt-table2": 0.01, "label-het": 0.01, "feature-het": 0.01,
-                "pep-table1": 0.1, "pep-table2": 0.1, "pep-table16": 0.1, "heldout": 0.1}  # fmt: skip
+FEDPR_SUITES = {
+    "sgpt-table1": 0.01, "sgpt-table2": 0.01, "label-het": 0.01, "feature-het": 0.01,
+    "pep-table1": 0.1, "pep-table2": 0.1, "pep-table16": 0.1, "heldout": 0.1,
+}  # fmt: skip
 
 
 def test_fedpr_head_trains_as_the_other_baselines_heads_not_at_fedprs_adam():

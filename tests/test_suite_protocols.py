@@ -231,9 +231,10 @@ def test_a_departure_from_a_stated_value_says_why_it_cannot_be_run():
 )
 def test_the_suites_whose_reference_augments_train_with_random_resized_crop_and_flip(suite):
     """FLiP's train transform (imageloader.py:145-146): random-resized-crop, then a flip (in
-    flip-compare-own every method's own, which is the same but for FedTPG's: none)."""
+    flip-compare-own every method's own, which is the same but for FedTPG's and FedMVP's:
+    none)."""
     for cell in _cells(suite):
-        if suite == "flip-compare-own" and cell.method == "fedtpg":
+        if suite == "flip-compare-own" and cell.method in ("fedtpg", "fedmvp"):
             assert cell.config["train"]["augment"] == {"hflip": False, "rotate": 0.0}
             continue
         assert cell.config["train"]["augment"] == {
@@ -242,6 +243,138 @@ def test_the_suites_whose_reference_augments_train_with_random_resized_crop_and_
         }, cell.name  # fmt: skip
     text = "".join(p.read_text() for p in PROTOCOLS_DIR.glob("*.toml"))
     assert "random_resized_crop+random_flip" not in text  # no rule declares it impossible
+
+
+# -- the recipes of the methods whose official code is checked out ----------------------------
+
+# fpbench method -> its official checkout (../peer/Name): the recipe's sources are that code
+OFFICIAL = {
+    "kgcoop": "KgCoOp", "prograd": "Prompt-align", "bpl": "Bayesian-Prompt-Learning",
+    "fedpha": "FedPHA", "fedmvp": "FedMVP", "plot": "PLOT", "promptfolio": "PromptFolio",
+    "fedotp": "FedOTP",
+}  # fmt: skip
+# (optimizer, lr, momentum, weight decay, batch, schedule, precision) of the official code
+OWN = {
+    "kgcoop": ("sgd", 0.002, 0.9, 5e-4, 128, "cosine", "fp16"),  # vit_b16_ep100_ctxv1.yaml
+    "prograd": ("sgd", 0.002, 0.9, 5e-4, 32, "cosine", "fp16"),  # ProGrad/rn50.yaml
+    "bpl": ("sgd", 0.002, 0.9, 5e-4, 1, "cosine", "fp16"),  # VPT/vit_b16_c4_ep10_batch1_ctxv1
+    "plot": ("sgd", 0.002, 0.9, 5e-4, 128, "cosine", "fp16"),  # PLOT/rn50.yaml
+    "fedpha": ("sgd", 0.001, 0.9, 5e-4, 32, "exp", "fp16"),  # configs/datasets/*.yaml
+    "fedmvp": ("sgd", 0.003, 0.9, 1e-5, 128, "cosine", "fp16"),  # config/defaults.py
+}
+
+
+@pytest.mark.parametrize("method", sorted(OFFICIAL))
+def test_a_method_with_an_official_checkout_has_its_recipe_and_precision_from_that_code(method):
+    recipe = load_recipes(PROTOCOLS_DIR)[method]
+    name = OFFICIAL[method]
+    assert recipe["args"]["source"].startswith(f"{name}/")  # not FLiP's port
+    assert recipe["precision"]["source"].startswith(f"{name}/")  # a code line, not a spec note
+    assert recipe["precision"]["value"] == "fp16"
+    assert recipe["precision"]["deviation"]["runs"] == "auto"
+    assert "no fp16" in recipe["precision"]["deviation"]["impossible"]
+    if method in OWN:
+        got = tuple(recipe[k]["value"] for k in ("optimizer", "lr", "momentum", "weight_decay"))
+        got += tuple(recipe[k]["value"] for k in ("batch_size", "lr_schedule", "precision"))
+        assert got == OWN[method]
+
+
+def test_the_federated_recipes_state_their_rounds_and_local_work():
+    recipes = load_recipes(PROTOCOLS_DIR)
+    fedpha, fedmvp = recipes["fedpha"], recipes["fedmvp"]
+    assert (fedpha["rounds"]["value"], fedpha["local_epochs"]["value"]) == (50, 1)
+    assert (fedmvp["rounds"]["value"], fedmvp["max_local_steps"]["value"]) == (100, 1)
+    assert fedmvp["augment"]["value"] == {"hflip": False, "rotate": 0.0}
+    # the centrally trained prompt learners leave the federation to the suite
+    for method in ("kgcoop", "prograd", "bpl", "plot"):
+        assert {"rounds", "local_epochs", "max_local_steps"} & set(recipes[method]) == set()
+
+
+def test_proda_alone_has_no_recipe_its_defaults_are_flips_port():
+    recipes = load_recipes(PROTOCOLS_DIR)
+    assert set(recipes["proda"]) == {"args"}
+    assert recipes["proda"]["args"]["source"].startswith("flip/flcore/models/clip/ProDA.py:")
+    bare = {m for m, r in recipes.items() if set(r) == {"args"}}
+    assert bare == {"proda", "zero-shot"}
+
+
+def test_flip_compare_own_runs_every_methods_own_recipe_in_every_cell():
+    """Each setting of a method's recipe is what its cells run: the stated value, or where
+    fpbench cannot run it (fp16) the declared deviation's."""
+    from fpbench.report.protocol import same
+    from fpbench.report.recipes import SETTINGS
+
+    recipes = load_recipes(PROTOCOLS_DIR)
+    checked = set()
+    for cell in _cells("flip-compare-own"):
+        name = cell.config["method"]["name"]
+        for key, spec in recipes.get(name, {}).items():
+            if key == "args":
+                continue
+            want = spec["deviation"]["runs"] if "deviation" in spec else spec["value"]
+            section, field = SETTINGS[key].split(".")
+            assert same(cell.config[section][field], want), (cell.name, key, want)
+            checked.add(name)
+    assert set(OWN) <= checked
+    for name, (opt, lr, mom, wd, batch, schedule, _) in OWN.items():
+        got = {
+            (c.train.optimizer, c.train.lr, c.train.momentum, c.train.weight_decay,
+             c.train.batch_size, c.train.lr_schedule, c.runtime.precision)
+            for c in _suite("flip-compare-own").cells if c.method.name == name
+        }  # fmt: skip
+        assert got == {(opt, lr, mom, wd, batch, schedule, "auto")}, name
+    fedmvp = [c.train for c in _suite("flip-compare-own").cells if c.method.name == "fedmvp"]
+    assert {(t.rounds, t.max_local_steps) for t in fedmvp} == {(100, 1)}
+
+
+def test_flip_compare_declares_each_departure_from_the_new_recipes():
+    rows = {
+        (r["match"], r["path"]): (r["anchor"], r["fpbench runs"])
+        for r in suite_deviations(_proto("flip-compare"))
+    }
+    assert rows[("method.name=kgcoop", "train.batch_size")] == ("128", "16")
+    assert rows[("method.name=prograd", "train.batch_size")] == ("32", "16")
+    assert rows[("method.name=plot", "train.batch_size")] == ("128", "16")
+    assert rows[("method.name=fedpha", "train.lr_schedule")] == ("exp", "cosine")
+    assert rows[("method.name=fedmvp", "train.rounds")] == ("100", "50")
+    assert rows[("method.name=fedmvp", "train.max_local_steps")] == ("1", "null")
+    for method in OWN:
+        assert rows[(f"method.name={method}", "runtime.precision")] == ("fp16", "auto")
+
+
+# FLiP's prompts for its KgCoOp, ProGrad and PLOT ports: --num_context 4 (main.py:166), no
+# --ctx_init (main.py:169, random tokens), --num_prompt=1 (run_batch.sh:27)
+FLIP_PROMPTS = {
+    "kgcoop": {"n_ctx": 4, "ctx_init": ""},
+    "prograd": {"n_ctx": 4, "init_from_template": False},
+    "plot": {"n_ctx": 4, "n_prompts": 1},
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLIP_PROMPTS))
+def test_flip_compare_runs_flips_prompts_and_flip_compare_own_the_official_ones(name, tiny):
+    from fpbench.testing.tiny import seeded_server, with_config
+
+    def args(suite):
+        got = [c.method.args for c in _suite(suite).cells if c.method.name == name]
+        assert got and all(a == got[0] for a in got)
+        return got[0]
+
+    flip, own = args("flip-compare"), args("flip-compare-own")
+    assert {k: flip[k] for k in FLIP_PROMPTS[name]} == FLIP_PROMPTS[name]
+    _, _, method = tiny(name)
+    assert own == method.Config().model_dump(mode="json")  # the official defaults
+    ctx = seeded_server(with_config(method, **flip)).params["ctx"]
+    own_ctx = seeded_server(with_config(method, **own)).params["ctx"]
+    # FLiP's: four tokens drawn as its CoOp's (promptfl's random context of 4)
+    _, _, coop = tiny("promptfl")
+    coop_ctx = seeded_server(with_config(coop, n_ctx=4)).params["ctx"]
+    if name == "plot":
+        assert (tuple(ctx.shape[:2]), tuple(own_ctx.shape[:2])) == ((1, 4), (4, 16))
+        torch.testing.assert_close(ctx[0], coop_ctx)
+    else:
+        assert (ctx.shape[0], own_ctx.shape[0]) == (4, {"kgcoop": 4, "prograd": 16}[name])
+        torch.testing.assert_close(ctx, coop_ctx)
 
 
 # -- the checker catches a changed suite -------------------------------------------------------
