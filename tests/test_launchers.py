@@ -685,7 +685,8 @@ def test_a_pool_runs_each_cell_in_a_worker_and_replays_its_progress(tmp_path, mo
         dispatch._init_worker,
         (ctx.events, 2, ["0", "1"], ("counter", "i", 0)),
     )
-    assert pool.submitted == [(dispatch._run_in_worker, s, "u", str(tmp_path), 4.0) for s in range(3)]
+    run = dispatch._run_in_worker
+    assert pool.submitted == [(run, s, "u", str(tmp_path), 4.0) for s in range(3)]
     assert waits == [(3, 0.25, "FIRST_COMPLETED")]
     assert pool.shut == (True, True)
     progress = [("start", 0), ("stage", "frozen", 2, 4), ("round", 1, {"acc": 0.5})]
