@@ -150,6 +150,8 @@ def _run_cell(
         interrupted = CellInterrupted(cfg, 0 if last is None else last + 1)
         why = getattr(e, "signal_name", "Ctrl-C")
         message = f"interrupted {rounds_stored(interrupted)} ({why})"
+        if callable(own := getattr(e, "stored_text", None)):  # a stop with its own words
+            message = own(rounds_stored(interrupted))  # (a tune trial pruned)
         store.finish_run(record.id, owner, "interrupted", error=message)
         raise interrupted from None
     except BaseException as e:
