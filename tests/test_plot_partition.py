@@ -20,6 +20,7 @@ from fpbench.report.partition_plot import (
     partition_figure,
     select_cell,
     suite_partition,
+    suite_partitions,
 )
 from fpbench.suites import load_suite
 
@@ -135,6 +136,8 @@ def test_cli_writes_png_and_pdf(suite_file, tmp_path):
         str(suite_file),
         "--partition",
         "iid",
+        "--seed",
+        "0",
         "--out",
         str(out),
     ]
@@ -142,6 +145,87 @@ def test_cli_writes_png_and_pdf(suite_file, tmp_path):
     assert result.exit_code == 0, result.output
     assert out.read_bytes().startswith(PNG)
     assert out.with_suffix(".pdf").read_bytes().startswith(b"%PDF")
-    bad = CliRunner().invoke(app, [*args[:-2], "--seed", "7", "--out", str(out)])
+    bad = CliRunner().invoke(app, [*args[:-4], "--seed", "7", "--out", str(out)])
     assert bad.exit_code == 2
     assert "--seed 7" in bad.output
+
+
+EVERY = """
+name = "every-part"
+seeds = [0, 1]
+
+[defaults]
+backbone = { name = "vit-test" }
+dataset = { num_classes = 4, image_size = 16, train_per_class = 8, test_per_class = 2 }
+partition = { num_clients = 2, heldout_frac = 0.0 }
+
+[[datasets]]
+name = "synthetic"
+
+[[partitions]]
+name = "class-blocks"
+label = "blocks"
+classes_per_client = 2
+
+[[partitions]]
+name = "iid"
+
+[[methods]]
+name = "fedvpt"
+
+[[methods]]
+name = "head-tune"
+"""
+
+
+def test_every_distinct_partition_of_a_suite_one_figure_each(tmp_path):
+    """class-blocks deals the same clients whatever the seed: one figure for both seeds; iid
+    deals each seed its own: one figure per seed. The two methods add nothing."""
+    suite = tmp_path / "every-part.toml"
+    suite.write_text(EVERY)
+    views = suite_partitions(load_suite(str(suite)).cells)
+    assert [name for name, _ in views] == [
+        "synthetic-blocks",
+        "synthetic-iid-s0",
+        "synthetic-iid-s1",
+    ]
+    titles = [v.title for _, v in views]
+    assert (
+        titles[0] == "synthetic / blocks / seeds 0, 1 (suite every-part): train samples per class"
+    )
+    assert titles[1].startswith("synthetic / iid / seed 0 (suite every-part)")
+    assert views[0][1].counts.tolist() == [[8, 8, 0, 0], [0, 0, 8, 8]]
+    one = suite_partitions(load_suite(str(suite)).cells[:1])  # the view of one cell, as before
+    assert (
+        one[0][1].counts.tolist()
+        == suite_partition(load_suite(str(suite)).cells[0]).counts.tolist()
+    )
+    out = tmp_path / "plots" / "part.png"
+    result = CliRunner().invoke(
+        app, ["plot", "partition", "--suite", str(suite), "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    names = ("synthetic-blocks", "synthetic-iid-s0", "synthetic-iid-s1")
+    written = sorted(p.name for p in out.parent.iterdir())
+    assert written == [f"part-{n}.{ext}" for n in names for ext in ("pdf", "png")]
+    assert (out.parent / "part-synthetic-iid-s1.png").read_bytes().startswith(PNG)
+    folder = tmp_path / "folder"
+    args = ["plot", "partition", "--suite", str(suite), "--partition", "iid", "--out", str(folder)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    written = sorted(p.name for p in folder.iterdir())
+    assert written == [f"{n}.{ext}" for n in names[1:] for ext in ("pdf", "png")]
+    single = tmp_path / "blocks.svg"
+    args = [
+        "plot",
+        "partition",
+        "--suite",
+        str(suite),
+        "--partition",
+        "blocks",
+        "--out",
+        str(single),
+    ]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert single.is_file() and not single.with_suffix(".pdf").exists()  # one figure: --out

@@ -113,6 +113,7 @@ def test_a_requeued_slurm_job_takes_over_its_own_claim(tmp_path, monkeypatch):
     run_id = _new_run(store)
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "77")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # requeued once
     _set_claim(store, run_id, "node1:999999:aa:job=77_3")  # before preemption, other node
     assert store.claim_run(run_id, new_owner())
     _set_claim(store, run_id, "node1:999999:aa:job=77_4")  # another array task: alive

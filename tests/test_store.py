@@ -302,7 +302,12 @@ def _set_claim(store: Store, run_id: int, **values: object) -> None:
 
 
 def test_new_owner_names_host_pid_and_slurm_job(monkeypatch) -> None:
-    for name in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_JOB_ID"):
+    for name in (
+        "SLURM_ARRAY_JOB_ID",
+        "SLURM_ARRAY_TASK_ID",
+        "SLURM_JOB_ID",
+        "SLURM_RESTART_COUNT",
+    ):
         monkeypatch.delenv(name, raising=False)
     host, pid, rand = new_owner().split(":")
     assert (host, pid) == (socket.gethostname(), str(os.getpid()))
@@ -313,10 +318,17 @@ def test_new_owner_names_host_pid_and_slurm_job(monkeypatch) -> None:
     assert new_owner().endswith(":job=5_")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
     assert new_owner().endswith(":job=5_3")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")  # requeued twice
+    assert new_owner().endswith(":job=5_3:restart=2")
 
 
 def test_owner_is_gone_only_for_a_dead_process_of_this_host_or_this_slurm_job(monkeypatch) -> None:
-    for name in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_JOB_ID"):
+    for name in (
+        "SLURM_ARRAY_JOB_ID",
+        "SLURM_ARRAY_TASK_ID",
+        "SLURM_JOB_ID",
+        "SLURM_RESTART_COUNT",
+    ):
         monkeypatch.delenv(name, raising=False)
     host = socket.gethostname()
     assert not claims.owner_is_gone(None) and not claims.owner_is_gone("")
@@ -335,6 +347,8 @@ def test_owner_is_gone_only_for_a_dead_process_of_this_host_or_this_slurm_job(mo
     other_job = f"elsewhere:{os.getpid()}:abcd:job=9"
     assert not claims.owner_is_gone(other_job)
     monkeypatch.setenv("SLURM_JOB_ID", "9")
+    assert not claims.owner_is_gone(other_job)  # this job's own incarnation, on another host
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     assert claims.owner_is_gone(other_job)  # this job was requeued: its earlier run is gone
     assert not claims.owner_is_gone(f"elsewhere:{os.getpid()}:abcd:job=91")
 

@@ -351,6 +351,46 @@ def test_tune_end_to_end_then_the_best_entry_runs_as_a_suite_with_tuned_rows(wor
         assert con.execute("select count(*) from trials").fetchone() == (2,)
 
 
+def test_a_pruned_trial_is_stored_as_pruned_with_its_round_and_rule_not_as_ctrl_c(
+    workdir, monkeypatch
+):
+    import optuna
+
+    (workdir / "space.toml").write_text(SPACE)
+    monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: self.number == 1)
+    result = _tune()
+    assert result.exit_code == 0, result.output
+    with sqlite3.connect(workdir / "t.db") as con:
+        runs = con.execute("select id, status, error from runs order by id").fetchall()
+        states = [s for (s,) in con.execute("select state from trials order by number")]
+        (pruned_at,) = con.execute(  # the round-0 validation metric of each trial's cell
+            "select value from metrics where run_id = ? and name = 'acc_global' and round = 0",
+            (runs[1][0],),
+        ).fetchone()
+        (median,) = con.execute(
+            "select value from metrics where run_id = ? and name = 'acc_global' and round = 0",
+            (runs[0][0],),
+        ).fetchone()
+        (attr,) = con.execute(
+            "select value_json from trial_user_attributes where key = 'pruned'"
+        ).fetchone()
+    assert states == ["COMPLETE", "PRUNED"]
+    assert [(status, error) for _, status, error in runs][0] == ("done", None)
+    rule = (
+        "the median rule (Optuna's MedianPruner, after 2 complete trials): at step 0 trial 1's "
+        f"best acc_global so far was {pruned_at:.4g}, the median of 1 complete trial(s) there "
+        f"{median:.4g}"
+    )
+    assert runs[1][1:] == (
+        "interrupted",  # resumable: a later trial drawing these values resumes it
+        f"pruned after round 1/2 by {rule}; not a failure: a trial with these values resumes it",
+    )
+    assert "Ctrl-C" not in runs[1][2]
+    where = f"pruned after round 1/2 of fedvpt / synthetic / pathological / seed 0 by {rule}"
+    assert json.loads(attr) == where
+    assert f"-> {where} (2/2 done)" in " ".join(result.output.split())
+
+
 @pytest.mark.slow
 def test_a_killed_tune_continues_its_study_and_resumes_the_cell(workdir, monkeypatch):
     (workdir / "space.toml").write_text(SPACE)

@@ -18,11 +18,20 @@ VisionTransformer) or `open_clip:<arch>@<tag>` (`fpbench.backbones.custom`).
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fpbench.backbones.catalog import CLIP_SPECS, VIT_SPECS, VIT_TEST_ARCH, BackboneSpec, ClipSpec
+from fpbench.backbones.catalog import (
+    CLIP_SPECS,
+    VIT_SPECS,
+    VIT_TEST_ARCH,
+    BackboneSpec,
+    ClipSpec,
+    _hub_reachable,
+)
 from fpbench.backbones.custom import RESOLVERS
 from fpbench.registry import BACKBONES
 
@@ -38,6 +47,7 @@ __all__ = [
     "PromptedViT",
     "ViTFeatures",
     "create_backbone",
+    "missing_weights",
     "preprocess_images",
 ]
 
@@ -84,3 +94,19 @@ def create_backbone(
         FpbenchError: unknown name, missing or unfitting weights file, hub weights unavailable.
     """
     return BACKBONES.get(name).create(weights=weights, cache_dir=cache_dir, pretrained=pretrained)
+
+
+def missing_weights(cells: Iterable[Any]) -> list[str]:
+    """One message per distinct backbone of `cells` (model_het profiles' too) whose weights
+    are not here: a `backbone.weights` file that does not exist, or hub weights neither in the
+    local Hugging Face cache nor downloadable (no network, or HF_HUB_OFFLINE). Loads nothing
+    and downloads nothing; the hub is probed (once) only for weights not cached. Backbones
+    built offline (vit-test, vit-smoke, clip-test, ...) need nothing."""
+    refs = {}
+    for cfg in cells:
+        profiles = cfg.model_het.profiles if cfg.model_het else ()
+        for ref in (cfg.backbone, *(p.backbone for p in profiles if p.backbone)):
+            refs.setdefault((ref.name, ref.weights), ref)
+    reachable = functools.cache(_hub_reachable)
+    found = (BACKBONES.get(name).missing(weights, reachable) for name, weights in refs)
+    return list(dict.fromkeys(m for m in found if m is not None))

@@ -14,7 +14,7 @@ import json
 import os
 import socket
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -102,6 +102,18 @@ class BackboneSpec:
 
         return PromptedViT(model, name=self.name, mean=self.mean, std=self.std)
 
+    def missing(self, weights: str | None, reachable: Callable[[], bool]) -> str | None:
+        """What `create` would miss to build this backbone (its message), else None.
+
+        Loads nothing: a named file must exist; hub weights must be in the Hugging Face cache
+        `create` reads, or the hub reachable (`reachable`, asked only then) to download them.
+        """
+        if weights is not None:
+            return _missing_file(Path(weights).expanduser().absolute(), self.name)
+        if self.pretrained != "hub" or _hub_cached_file(self.timm_name) is not None:
+            return None  # built offline (seeded or fpbench's own pretraining), or cached
+        return None if reachable() else self._download_hint("no network, or HF_HUB_OFFLINE is set")
+
     def _timm(self, **kwargs: Any) -> VisionTransformer:
         """timm.create_model with a seeded init that leaves the global RNG untouched."""
         import timm
@@ -112,11 +124,8 @@ class BackboneSpec:
 
     def _from_file(self, path: Path) -> VisionTransformer:
         """Load a local weights file through timm's `pretrained_cfg_overlay=dict(file=...)`."""
-        if not path.is_file():
-            raise FpbenchError(
-                f"backbone weights file {str(path)!r} for {self.name} does not exist; "
-                "fix backbone.weights in the suite"
-            )
+        if (missing := _missing_file(path, self.name)) is not None:
+            raise FpbenchError(missing)
         overlay: dict[str, Any] = {"file": str(path), "custom_load": path.suffix == ".npz"}
         if self.pretrained != "hub":
             overlay["num_classes"] = 0  # fpbench's own files have no head: load strictly
@@ -171,6 +180,16 @@ def _hub_cached_file(timm_name: str) -> Path | None:
         if isinstance(found, str):
             return Path(found)
     return None
+
+
+def _missing_file(path: Path, name: str) -> str | None:
+    """The message for a `backbone.weights` file that is not there, else None."""
+    if path.is_file():
+        return None
+    return (
+        f"backbone weights file {str(path)!r} for {name} does not exist; "
+        "fix backbone.weights in the suite"
+    )
 
 
 def _first_line(err: BaseException) -> str:
@@ -241,10 +260,7 @@ class ClipSpec:
         elif self.pretrained == "seeded":
             model = self._from_file(self._seeded_file(cache_dir))
         elif self.pretrained == "file":
-            raise FpbenchError(
-                f"{self.name} names no pretrained tag: give backbone.weights = PATH, or a tag "
-                f"(open_clip:{self.model_name}@TAG; `open_clip.list_pretrained()` lists them)"
-            )
+            raise FpbenchError(self._tagless())
         else:
             model = self._from_openai()
         from fpbench.backbones.clip import PromptedCLIP, openai_tokenizer
@@ -253,6 +269,26 @@ class ClipSpec:
         tokenizer = open_clip.get_tokenizer(self.model_name) if own else openai_tokenizer()
 
         return PromptedCLIP(model, name=self.name, tokenizer=tokenizer)
+
+    def missing(self, weights: str | None, reachable: Callable[[], bool]) -> str | None:
+        """What `create` would miss to build this backbone (its message), else None.
+
+        Loads nothing: a named file must exist; OpenAI-tagged weights must be in the Hugging
+        Face cache `create` reads, or the hub reachable (`reachable`, asked only then).
+        """
+        if weights is not None:
+            return _missing_file(Path(weights).expanduser().absolute(), self.name)
+        if self.pretrained == "file":
+            return self._tagless()
+        if self.pretrained == "seeded" or hf_cached_file(self.hf_repo) is not None:
+            return None
+        return None if reachable() else self._download_hint("no network, or HF_HUB_OFFLINE is set")
+
+    def _tagless(self) -> str:
+        return (
+            f"{self.name} names no pretrained tag: give backbone.weights = PATH, or a tag "
+            f"(open_clip:{self.model_name}@TAG; `open_clip.list_pretrained()` lists them)"
+        )
 
     def _random(self) -> nn.Module:
         import open_clip
@@ -278,11 +314,8 @@ class ClipSpec:
     def _from_file(self, path: Path) -> nn.Module:
         import open_clip
 
-        if not path.is_file():
-            raise FpbenchError(
-                f"backbone weights file {str(path)!r} for {self.name} does not exist; "
-                "fix backbone.weights in the suite"
-            )
+        if (missing := _missing_file(path, self.name)) is not None:
+            raise FpbenchError(missing)
         try:  # OpenAI's TorchScript archives (.pt) cannot load with weights_only=True
             return open_clip.create_model(
                 self.model_name, pretrained=str(path), weights_only=path.suffix != ".pt"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -149,7 +150,8 @@ def run(
         Path | None, typer.Option(help="datasets root (default: $FPBENCH_DATA, else ./data)")
     ] = None,
     dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="list the cells and their status")
+        bool,
+        typer.Option("--dry-run", help="list the cells, their status and missing data or weights"),
     ] = False,
     log: Annotated[
         list[str] | None,
@@ -173,11 +175,15 @@ def run(
 ) -> None:
     """Run (or resume) every cell of a suite; finished cells are skipped.
 
+    Missing datasets, generated files and backbone weights are named in one error before
+    anything is written.
+
     A --db containing {run_key} gives every cell its own SQLite file (see `fpbench db merge`).
     With --set, the cells are stored under the suite name NAME+PATH=VALUE,... (runtime.*
     paths excepted), so tables never mix them with the suite's own cells.
     """
     _passive_waits()  # before torch is imported
+    from fpbench.backbones import missing_weights
     from fpbench.data.prepared import data_root as data_root_of
     from fpbench.data.prepared import require_present
     from fpbench.methods.fedmvp import require_descriptions
@@ -218,7 +224,8 @@ def run(
     root = data_root_of()
     _all_present(  # before anything is written; every missing input named at once
         [lambda n=name: require_present([n], root) for name in dict.fromkeys(needed)]
-        + [lambda: require_generated(cells), lambda: require_descriptions(cells)]
+        + [lambda: require_generated(cells), lambda: require_descriptions(cells)],
+        missing_weights(cells),  # no loading, no download: files and the hub cache
     )
     url = Store.url_from_path_or_url(db if "://" in db else Path(db).absolute())
     dispatch = Dispatch(
@@ -278,14 +285,16 @@ def run(
     _report_results(loaded.name, results, loaded.name if sets else suite, db)
 
 
-def _all_present(checks) -> None:
-    """Run every check; one error naming each missing dataset or file, not only the first."""
+def _all_present(checks, known: Sequence[str] = ()) -> None:
+    """Run every check; one error naming each missing dataset, file or backbone's weights
+    (`known`: problems found already), not only the first."""
     problems = []
     for check in checks:
         try:
             check()
         except FpbenchError as e:
             problems.append(str(e))
+    problems += known
     if len(problems) == 1:
         raise FpbenchError(problems[0])
     if problems:
@@ -449,6 +458,7 @@ def _data_text(states: list[str]) -> str:
 
 
 def _print_cells(suite: str, cells, db: str) -> None:
+    from fpbench.backbones import missing_weights
     from fpbench.data.prepared import data_root, dataset_state
 
     # no database yet: every cell is new, and a dry run creates nothing
@@ -485,6 +495,8 @@ def _print_cells(suite: str, cells, db: str) -> None:
         console.print("interrupted: stopped by Ctrl-C or SIGTERM; a rerun resumes it")
     if "missing" in data.values():
         console.print(f"data missing under {root}: see `fpbench data status`")
+    for problem in missing_weights(cells):  # as the run would refuse them, before the cells
+        console.print(f"weights missing: {problem}", highlight=False, markup=False)
 
 
 def _status_text(record) -> str:

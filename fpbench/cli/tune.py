@@ -129,7 +129,7 @@ def tune(
         ended = (
             f"{metric} {trial.value:.4f}"
             if trial.value is not None and trial.state.name == "COMPLETE"
-            else trial.state.name.lower()
+            else trial.user_attrs.get("pruned") or trial.state.name.lower()
         )
         console.print(
             f"{label} trial {trial.number}: {shown} -> {ended} ({done}/{total} done)",

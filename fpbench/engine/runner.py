@@ -43,6 +43,15 @@ class CellInterrupted(KeyboardInterrupt):
         )
 
 
+_exit_reasons: list[str] = []  # why this process was asked to exit (SystemExit) mid-cell
+
+
+def note_exit(reason: str) -> None:
+    """Say why the SystemExit about to stop this process's cell comes (e.g. "SLURM preempted or
+    timed out the job; requeued"): the cell is stored `interrupted` with it, not `failed`."""
+    _exit_reasons.append(reason)
+
+
 def rounds_stored(stop: CellInterrupted) -> str:
     """'after round 2/3' (rounds counted from 1, as progress shows them) or 'before round 1/3'."""
     total = stop.cfg.train.rounds
@@ -145,12 +154,18 @@ def _run_cell(
             elapsed = run_rounds(cfg, populations, task, store, record.id, folder, observer, owner)
     except ClaimLost as e:
         return CellResult(cfg, "skipped", str(e))
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM as `fpbench run` raises it
-        last = store.last_round(record.id)
+    except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C, SIGTERM as `fpbench run` raises
+        last = store.last_round(record.id)  # it, or an exit asked for (submitit's requeue)
         interrupted = CellInterrupted(cfg, 0 if last is None else last + 1)
         why = getattr(e, "signal_name", "Ctrl-C")
+        if isinstance(e, SystemExit):
+            why = _exit_reasons[-1] if _exit_reasons else f"exit {e.code} asked for"
         message = f"interrupted {rounds_stored(interrupted)} ({why})"
+        if callable(own := getattr(e, "stored_text", None)):  # a stop with its own words
+            message = own(rounds_stored(interrupted))  # (a tune trial pruned)
         store.finish_run(record.id, owner, "interrupted", error=message)
+        if isinstance(e, SystemExit):
+            raise  # the process exits as asked; the cell is resumable, not failed
         raise interrupted from None
     except BaseException as e:
         with contextlib.suppress(Exception):  # never masking what ended the cell

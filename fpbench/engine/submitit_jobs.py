@@ -17,6 +17,7 @@ import submitit  # optional extra; `dispatch.validate` checks it is installed
 
 from fpbench.engine.cell_task import Dispatch, Outcome, finish, run_one, visible_gpus
 from fpbench.engine.observer import CellResult, Observer
+from fpbench.engine.runner import note_exit
 from fpbench.errors import FpbenchError
 from fpbench.specs import RunConfig
 
@@ -24,12 +25,24 @@ POLL_S = 0.5
 
 
 class CellJob(submitit.helpers.Checkpointable):
-    """One cell as a submitit job; requeued with the same arguments when preempted."""
+    """One cell as a submitit job; requeued with the same arguments when preempted.
+
+    On preemption or near its time limit SLURM signals the job; submitit calls `checkpoint`,
+    requeues the job and exits it (SystemExit) in the middle of the cell's round: the cell is
+    stored `interrupted` (not `failed`) with that reason, and the requeued job, the same job id
+    with a higher SLURM_RESTART_COUNT, takes its claim over at once and resumes from the last
+    stored round (`fpbench.store.claims.owner_is_gone`).
+    """
 
     def __call__(
         self, cfg: RunConfig, url: str, checkpoint_dir: str, claim_timeout: float
     ) -> Outcome:
         return run_one(cfg, url, checkpoint_dir, claim_timeout)
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """Requeue with the same arguments (the cell resumes from its stored rounds)."""
+        note_exit("SLURM preempted or timed out the job; requeued")
+        return super().checkpoint(*args, **kwargs)
 
 
 def run_submitit(

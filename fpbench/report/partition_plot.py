@@ -1,15 +1,18 @@
 """Per-client class histograms of a partition (SGPT Fig. 7), drawn before any run.
 
 `suite_partition` builds the clients of one suite cell exactly as a run would (same dataset
-config, partition config and seed); `class_counts` counts each client's train samples per class;
+config, partition config and seed); `suite_partitions` does so for every distinct (dataset,
+partition, seed) of a suite's cells, one view per distinct picture (seeds that deal the same
+counts share one); `class_counts` counts each client's train samples per class;
 `partition_figure` draws them as stacked bars or as a clients x classes heatmap, held-out clients
 marked. Figures use matplotlib's object API on an Agg canvas; only the CLI saves them.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from matplotlib import colormaps
@@ -41,6 +44,18 @@ def select_cell(cells: Sequence, dataset: str | None, partition: str | None, see
     Raises:
         FpbenchError: a filter matches no cell (the message lists the valid values).
     """
+    return select_cells(cells, dataset, partition, seed)[0]
+
+
+def select_cells(
+    cells: Sequence, dataset: str | None, partition: str | None, seed: int | None
+) -> list:
+    """The cells of a suite matching the dataset / partition labels and the seed (None: any).
+
+    Raises:
+        FpbenchError: a filter matches no cell (the message lists the valid values).
+    """
+    cells = list(cells)
     for field, want in (("dataset", dataset), ("partition", partition), ("seed", seed)):
         if want is None:
             continue
@@ -49,7 +64,7 @@ def select_cell(cells: Sequence, dataset: str | None, partition: str | None, see
             shown = ", ".join(str(v) for v in valid)
             raise FpbenchError(f"--{field} {want!r} is not in the suite; valid: {shown}")
         cells = [c for c in cells if _field(c, field) == want]
-    return cells[0]
+    return cells
 
 
 def _field(cell, field: str):
@@ -70,6 +85,79 @@ def suite_partition(cell) -> PartitionView:
     )
     counts = class_counts(clients, labels, data.num_classes)
     return PartitionView(counts, [c.heldout for c in clients], list(data.class_names), title)
+
+
+def suite_partitions(cells: Sequence) -> list[tuple[str, PartitionView]]:
+    """(name, view) of every distinct partition the cells deal, in suite order.
+
+    Cells of one dataset config, partition config and seed deal the same clients (the method
+    plays no part), so each such triple is built once, each dataset loaded once. Seeds of one
+    (dataset, partition) that deal the same per-client counts and held-out clients draw the same
+    picture: it is kept once, its title naming them all. Names are `<dataset>-<partition>`, with
+    `-s<seed>` (the picture's first seed) where the seeds of that pair draw different pictures;
+    characters other than letters, digits, `_`, `.` and `-` become `_`.
+    """
+    from fpbench.engine.task import load_dataset
+    from fpbench.partition import make_clients
+
+    pairs: dict[tuple[str, str], tuple[object, list[int]]] = {}
+    for c in cells:  # (dataset config, partition config) -> a cell of it, its seeds
+        key = (c.dataset.model_dump_json(), c.partition.model_dump_json())
+        cell, seeds = pairs.setdefault(key, (c, []))
+        if c.seed not in seeds:
+            seeds.append(c.seed)
+    datasets: dict[str, object] = {}
+    named: list[tuple[str, PartitionView]] = []
+    taken: set[str] = set()
+    for (data_key, _), (cell, seeds) in pairs.items():
+        if data_key not in datasets:
+            datasets[data_key] = load_dataset(cell.dataset)
+        data = datasets[data_key]
+        labels = data.train_labels.cpu().numpy()
+        pictures: list[tuple[PartitionView, list[int]]] = []
+        for seed in seeds:
+            clients = make_clients(cell.partition.name, cell.partition.args, data, seed=seed)
+            counts = class_counts(clients, labels, data.num_classes)
+            heldout = [c.heldout for c in clients]
+            same = next(
+                (
+                    s
+                    for v, s in pictures
+                    if v.heldout == heldout and np.array_equal(v.counts, counts)
+                ),
+                None,
+            )
+            if same is not None:
+                same.append(seed)
+            else:
+                pictures.append(
+                    (PartitionView(counts, heldout, list(data.class_names), ""), [seed])
+                )
+        base = _slug(f"{cell.dataset.label}-{cell.partition.label}")
+        for view, shown in pictures:
+            name = base if len(pictures) == 1 else f"{base}-s{shown[0]}"
+            name = _unique(name, taken)
+            which = f"seed{'s' if len(shown) > 1 else ''} {', '.join(map(str, shown))}"
+            title = (
+                f"{cell.dataset.label} / {cell.partition.label} / {which} "
+                f"(suite {cell.suite}): train samples per class"
+            )
+            named.append((name, replace(view, title=title)))
+    return named
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    """`name`, or `name-2`, `name-3`, ... where labels of distinct configs coincide."""
+    found, n = name, 1
+    while found in taken:
+        n += 1
+        found = f"{name}-{n}"
+    taken.add(found)
+    return found
 
 
 def class_counts(clients: Sequence[Client], labels: np.ndarray, num_classes: int) -> np.ndarray:

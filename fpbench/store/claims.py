@@ -31,10 +31,14 @@ class ClaimLost(RuntimeError):
 
 
 def new_owner() -> str:
-    """A claim owner id unique to this process: 'host:pid:random[:job=SLURM job]'."""
+    """A claim owner id unique to this process: 'host:pid:random[:job=SLURM job[:restart=N]]'
+    (N: SLURM_RESTART_COUNT, how often the job was requeued; absent the first time)."""
     owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     job = _slurm_job()
-    return f"{owner}:job={job}" if job else owner
+    if not job:
+        return owner
+    restart = _slurm_restart()
+    return f"{owner}:job={job}" + (f":restart={restart}" if restart else "")
 
 
 def _slurm_job() -> str | None:
@@ -45,12 +49,33 @@ def _slurm_job() -> str | None:
     return env.get("SLURM_JOB_ID")
 
 
+def _slurm_restart() -> int:
+    """How often SLURM restarted (requeued) this job: SLURM_RESTART_COUNT, 0 when unset."""
+    count = os.environ.get("SLURM_RESTART_COUNT", "").strip()
+    return int(count) if count.isdigit() else 0
+
+
+def _owner_job(owner: str) -> tuple[str, int] | None:
+    """(SLURM job, restart count) named in a claim owner id, if any."""
+    _, found, tag = owner.partition(":job=")
+    if not found:
+        return None
+    job, _, rest = tag.partition(":restart=")
+    return job, int(rest) if rest.isdigit() else 0
+
+
 def owner_is_gone(owner: str | None) -> bool:
-    """Whether `owner` is a dead process of this host, or an earlier run of this SLURM job."""
+    """Whether `owner` is a dead process of this host, or an earlier run of this SLURM job.
+
+    An earlier run of this job: the same job (array task) id with a smaller restart count, the
+    incarnation SLURM requeued this one after (preemption, time limit, node failure), which is
+    gone wherever it ran. A process of this same incarnation (another task of an `srun`, a shell
+    attached with `srun --jobid`) is judged as any other: by its pid on this host.
+    """
     if not owner:
         return False
-    job = _slurm_job()
-    if job and owner.endswith(f":job={job}"):
+    job, theirs = _slurm_job(), _owner_job(owner)
+    if job and theirs is not None and theirs[0] == job and theirs[1] < _slurm_restart():
         return True  # preempted and requeued: the previous incarnation is gone
     host, _, rest = owner.partition(":")
     pid = rest.partition(":")[0]

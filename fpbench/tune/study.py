@@ -4,8 +4,9 @@ A trial's cells are the suite's cells of the method with the trial's values, the
 and `train.validation` set (`--set` paths), stored under a suite name of their own,
 `NAME+tune-<hash of the values>`, so tables never mix them with the suite's. Each evaluated round's
 stored validation metric is reported to the trial (step: the cell's position times the rounds,
-plus the round) and Optuna's pruner may stop it there; a stopped cell is stored `interrupted` and
-resumes if a later trial draws the same values. The objective is the mean over the trial's cells
+plus the round) and Optuna's pruner may stop it there; a stopped cell is stored `interrupted`, its
+text saying "pruned after round k/N by the median rule ..." (never Ctrl-C's), and resumes if a
+later trial draws the same values. The objective is the mean over the trial's cells
 of the metric's stored summary (`<metric>_last<summary_window>`).
 
 Resuming: a trial that was interrupted (Ctrl-C) or whose process died (its heartbeat went silent)
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,7 +81,19 @@ class CellsFailed(Exception):
 
 
 class _Pruned(KeyboardInterrupt):
-    """Raised in the round loop to stop a pruned trial's cell (stored as interrupted)."""
+    """Raised in the round loop to stop a pruned trial's cell: stored `interrupted` (a later
+    trial drawing the same values resumes it), its text saying it was pruned and by what rule,
+    never "(Ctrl-C)" (see `fpbench.engine.runner`)."""
+
+    def __init__(self, step: int, rule: str = "the tuner's pruner") -> None:
+        super().__init__(step)
+        self.step, self.rule = step, rule
+
+    def stored_text(self, rounds: str) -> str:
+        """The run's stored text; `rounds`: 'after round 2/3', as the runner says it."""
+        return (
+            f"pruned {rounds} by {self.rule}; not a failure: a trial with these values resumes it"
+        )
 
 
 def study_name(suite: str, label: str, space: tuple[Param, ...], budget: Budget) -> str:
@@ -112,8 +126,9 @@ class _Pruning(Observer):
     def __init__(self, trial: Any, metric: str, cells: list[RunConfig], store: Store) -> None:
         self.trial, self.metric, self.store = trial, metric, store
         self.offset = {c.run_key: i * c.train.rounds for i, c in enumerate(cells)}
-        self.reported: set[int] = set()
+        self.reported: dict[int, float] = {}  # step -> the value reported there
         self.pruned: int | None = None  # the step it was pruned at
+        self.pruned_text = ""  # where and why, for the trial's `pruned` user attribute
 
     def cell_start(self, cfg: RunConfig, start_round: int) -> None:
         if start_round:  # resumed: the rounds stored before
@@ -127,11 +142,40 @@ class _Pruning(Observer):
         for r, value in stored_curve(self.store, cfg.run_key, self.metric):
             step = self.offset[cfg.run_key] + r
             if step not in self.reported:
-                self.reported.add(step)
+                self.reported[step] = value
                 self.trial.report(value, step)
                 if self.trial.should_prune():
+                    from fpbench.engine.runner import cell_label
+
                     self.pruned = step
-                    raise _Pruned(step)
+                    rule = self._rule(step)
+                    self.pruned_text = (
+                        f"pruned after round {r + 1}/{cfg.train.rounds} of {cell_label(cfg)} "
+                        f"by {rule}"
+                    )
+                    raise _Pruned(step, rule)
+
+    def _rule(self, step: int) -> str:
+        """The rule that pruned at `step`, with what Optuna's MedianPruner compares there: the
+        trial's best value so far and the median of the complete trials' values at that step."""
+        rule = f"the median rule (Optuna's MedianPruner, after {PRUNER_STARTUP} complete trials)"
+        study = getattr(self.trial, "study", None)
+        if study is None:
+            return rule
+        from optuna.trial import TrialState
+
+        done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        values = [t.intermediate_values[step] for t in done if step in t.intermediate_values]
+        values = [v for v in values if math.isfinite(v)]
+        if not values:
+            return rule
+        maximize = study.direction.name == "MAXIMIZE"
+        best = (max if maximize else min)(self.reported.values())
+        return (
+            f"{rule}: at step {step} trial {self.trial.number}'s best {self.metric} so far was "
+            f"{best:.4g}, the median of {len(values)} complete trial(s) there "
+            f"{statistics.median(values):.4g}"
+        )
 
 
 def stored_curve(store: Store, run_key: str, metric: str) -> list[tuple[int, float]]:
@@ -267,7 +311,8 @@ def tune_method(
             except KeyboardInterrupt:
                 if watcher.pruned is None:
                     raise
-                raise optuna.TrialPruned(f"pruned at step {watcher.pruned}") from None
+                trial.set_user_attr("pruned", watcher.pruned_text)
+                raise optuna.TrialPruned(watcher.pruned_text) from None
             failed = [r for r in results if r.status == "failed"]
             if failed:
                 trial.set_user_attr("failed", failed[0].error)
