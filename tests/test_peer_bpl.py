@@ -1,4 +1,4 @@
-"""BPL against its official code, by execution (scripts/peer/official_bpl.py; checkout used:
+"""BPL against its official code, by execution (tests/peer/official_bpl.py; checkout used:
 saic-fi/Bayesian-Prompt-Learning 8a73fff). Without the checkout its cases skip with one line
 saying how to get it. Same weights, context, posterior and Monte Carlo draws: the initial
 context bit for bit, the log mean softmax and the loss to 1e-5, every trained tensor's gradient

@@ -1,5 +1,5 @@
 """fpbench's federated CLIP prompt methods (#34) against their official code, by execution
-(scripts/peer/official_clip_fl.py: unmodified checkouts by path, same weights, prompts and
+(tests/peer/official_clip_fl.py: unmodified checkouts by path, same weights, prompts and
 images). Without a checkout a case skips with one line saying how to get it.
 
 FedPGP (TianyuCuiOvO/FedPGP d43045b): the official CustomCLIP and trainer step; logits, loss

@@ -1,5 +1,5 @@
 """fpbench's pFedMoAP and FedPHA against their official code, by execution
-(scripts/peer/official_clip_fl_2025.py: unmodified checkouts by path, same weights, prompts and
+(tests/peer/official_clip_fl_2025.py: unmodified checkouts by path, same weights, prompts and
 images). Without a checkout a case skips with one line saying how to get it.
 
 pFedMoAP (ljaiverson/pFedMoAP a481de3): logits, and the cross-entropy gradients of the context

@@ -1,5 +1,5 @@
 """Zero-shot CLIP, CoCoOp, KgCoOp and ProGrad against their official code, by execution
-(scripts/peer/clip_reference.py; checkouts used: KaiyangZhou/CoOp ff61507, htyao89/KgCoOp
+(tests/peer/clip_reference.py; checkouts used: KaiyangZhou/CoOp ff61507, htyao89/KgCoOp
 c43ccc3, BeierZhu/Prompt-align 1b76203). Without a checkout its cases skip with one line saying
 how to get it. Logits agree to 1e-5 and gradients to 1e-5 relative to their scale, the initial
 contexts bit for bit; CoCoOp's four meta-net tensors each get a non-zero gradient (also from a

@@ -1,4 +1,4 @@
-"""fpbench's FedMVP against its official code, by execution (scripts/peer/official_fedmvp.py:
+"""fpbench's FedMVP against its official code, by execution (tests/peer/official_fedmvp.py:
 the checkout mainaksingha01/FedMVP 246800e by path, same CLIP weights, prompt-net tensors,
 class names, attribute descriptions and images). Without the checkout a case skips with one line
 saying how to get it.

@@ -1,5 +1,5 @@
 """fpbench's PLOT on a ViT against FLiP's port of it (0-ml/flip ec3a848,
-`flcore/models/clip/PLOT.py`), by execution (scripts/peer/flip_plot.py: the checkout's
+`flcore/models/clip/PLOT.py`), by execution (tests/peer/flip_plot.py: the checkout's
 modules imported unmodified by path). Without the checkout every case skips with a line saying
 how to get it. The initial contexts are bit-identical (the same N(0, 0.02^2) draw), logits agree
 to 1e-5 and the contexts' gradient to 1e-5 relative to its scale; the official PLOT's RN path is

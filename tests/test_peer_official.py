@@ -1,7 +1,7 @@
 """fpbench against the official code of CoOp (PromptFL's prompt learner), FedOTP, SGPT and
 FedPR's optimiser, by execution.
 
-The official checkouts are run unmodified by path (scripts/peer/official.py says how to get
+The official checkouts are run unmodified by path (tests/peer/official.py says how to get
 them); without them every test here skips with a line saying so. The initial contexts are
 bit-identical (CoOp's N(0, 0.02^2) draw from the same seed, or an init phrase's embeddings);
 logits and gradients agree to

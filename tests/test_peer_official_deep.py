@@ -1,6 +1,6 @@
 """fpbench's MaPLe, PromptSRC and PLOT against their official code, by execution.
 
-The official checkouts run unmodified by path (scripts/peer/official_deep.py says how to get
+The official checkouts run unmodified by path (tests/peer/official_deep.py says how to get
 them and what is stubbed); without them every test here skips with a line saying so. The
 initial contexts are bit-identical (the phrase's embeddings; PLOT's N(0, 0.02^2) draw from the
 same seed); logits, PromptSRC's whole loss (cross-entropy plus the self-regulating terms, from

@@ -1,5 +1,5 @@
 """fpbench's server steps against each official code's own, by execution
-(scripts/peer/official_server.py: the official aggregation functions and methods read from the
+(tests/peer/official_server.py: the official aggregation functions and methods read from the
 unmodified checkouts by path, on clients of unequal train sizes). Without a checkout a case
 skips with one line saying how to get it.
 

@@ -6,7 +6,7 @@
 #   B. timings, one at a time: the bf16 matmul ceiling, every paper's device-hours
 #      (scripts/gpu/paper_costs.py), `fpbench bench` at ViT-B/16, a paper-sized SGPT run
 #      (scripts/gpu/paper_run.py), the official SGPT code next to fpbench
-#      (scripts/peer/sgpt_side_by_side.py) and `fpbench estimate` of the paper run's cell and of
+#      (tests/peer/sgpt_side_by_side.py) and `fpbench estimate` of the paper run's cell and of
 #      one shape of each backbone family.
 # Usage, from the repository root, with CUDA:
 #   OUT=DIR BUDGET_S=520 PEER=path/to/SGPT PEER_SCRIPTS=path/to/peer-sgpt scripts/gpu/run_checks.sh
@@ -97,7 +97,7 @@ want paper-run-nondet && step paper-run-nondet 80 $PY scripts/gpu/paper_run.py -
   --scratch /tmp/paper-run --no-deterministic --json "$OUT/paper-run-nondet.json"
 if want side-by-side && [[ -n ${PEER:-} ]]; then
   # shellcheck disable=SC2086  # SIDE_PRECISIONS holds several precisions
-  step side-by-side 160 $PY scripts/peer/sgpt_side_by_side.py --peer "$PEER" \
+  step side-by-side 160 $PY tests/peer/sgpt_side_by_side.py --peer "$PEER" \
     --peer-scripts "$PEER_SCRIPTS" --setting vit-b16 --rounds "${SIDE_ROUNDS:-5}" --device cuda \
     --precision ${SIDE_PRECISIONS:-bf16 fp32} --scratch /tmp/side-by-side \
     --json "$OUT/side-by-side.json"

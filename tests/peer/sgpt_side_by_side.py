@@ -10,7 +10,7 @@ runs the same setting as a suite written to the scratch folder, once per `--prec
 official code runs fp32). Prints wall time per round and per run of each side and the ratios
 (official / fpbench: above 1 means fpbench is faster).
 
-    python scripts/peer/sgpt_side_by_side.py --peer /path/to/SGPT --setting tiny --rounds 1
+    python tests/peer/sgpt_side_by_side.py --peer /path/to/SGPT --setting tiny --rounds 1
 
 Settings (the peer README's): `tiny` (ViT 192 wide, 3 heads, MLP 768, 4 blocks, patch 16: the
 registered `vit-ti16-d4`; G = 4, shared blocks 0-1, group blocks 2-3) and `vit-b16` (ViT-B/16;

@@ -22,7 +22,7 @@ FPBENCH_PEER_FEDOTP, FPBENCH_PEER_SGPT, FPBENCH_PEER_FEDPR):
     git clone https://github.com/ubc-tea/SGPT ../peer/SGPT   # + pip install 'fpbench[peer]'
     git clone https://github.com/chunmeifeng/FedPR ../peer/FedPR
 
-`python scripts/peer/official.py` prints the largest differences of every case (a case whose
+`python tests/peer/official.py` prints the largest differences of every case (a case whose
 checkout is absent prints why); tests/test_peer_official.py asserts them.
 """
 

@@ -21,7 +21,7 @@ its own source text and called on a stand-in trainer holding the prompt learner.
     git clone https://github.com/htyao89/KgCoOp ../peer/KgCoOp           # c43ccc3
     git clone https://github.com/BeierZhu/Prompt-align ../peer/Prompt-align   # 1b76203
 
-`python scripts/peer/clip_reference.py` prints the largest differences of every case;
+`python tests/peer/clip_reference.py` prints the largest differences of every case;
 tests/test_peer_clip_reference.py asserts them.
 """
 

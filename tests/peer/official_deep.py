@@ -16,7 +16,7 @@ the same weights instead of a download. Checkouts (or FPBENCH_PEER_MAPLE, _PROMP
     git clone https://github.com/muzairkhattak/PromptSRC ../peer/PromptSRC
     git clone https://github.com/CHENGY12/PLOT ../peer/PLOT
 
-`python scripts/peer/official_deep.py` prints the largest differences of every case;
+`python tests/peer/official_deep.py` prints the largest differences of every case;
 tests/test_peer_official_deep.py asserts them.
 """
 

@@ -14,7 +14,7 @@ must (its bias broadcast assumes a batch of one).
 
     git clone https://github.com/saic-fi/Bayesian-Prompt-Learning ../peer/Bayesian-Prompt-Learning
 
-`python scripts/peer/official_bpl.py` prints the largest differences of every case;
+`python tests/peer/official_bpl.py` prints the largest differences of every case;
 tests/test_peer_bpl.py asserts them.
 """
 

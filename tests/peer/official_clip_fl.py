@@ -39,7 +39,7 @@ FPBENCH_PEER_PROMPTFOLIO, FPBENCH_PEER_FEDTPG, FPBENCH_PEER_DPFPL; FedTPG also n
     git clone https://github.com/PanBikang/PromptFolio ../peer/PromptFolio
     git clone https://github.com/microsoft/PersonalizedFL ../peer/PersonalizedFL
 
-`python scripts/peer/official_clip_fl.py` prints the largest differences of every case;
+`python tests/peer/official_clip_fl.py` prints the largest differences of every case;
 tests/test_peer_clip_fl.py asserts them.
 """
 

@@ -27,7 +27,7 @@ Get the checkout next to the repository (or set FPBENCH_PEER_FEDMVP):
 
     git clone https://github.com/mainaksingha01/FedMVP ../peer/FedMVP
 
-`python scripts/peer/official_fedmvp.py` prints the largest differences of every case;
+`python tests/peer/official_fedmvp.py` prints the largest differences of every case;
 tests/test_peer_fedmvp.py asserts them.
 """
 

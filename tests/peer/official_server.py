@@ -36,7 +36,7 @@ Covered (each official code at the commit the README names):
 * PromptSRC (`trainers/promptsrc.py` `build_model`'s Gaussian weights and `forward_backward`'s
   GPA over epochs): fpbench's server GPA over rounds, one round an epoch.
 
-`python scripts/peer/official_server.py` prints the largest differences of every case;
+`python tests/peer/official_server.py` prints the largest differences of every case;
 tests/test_peer_server.py asserts them.
 """
 

@@ -16,7 +16,7 @@ FPBENCH_PEER_FLIP):
 
     git clone https://github.com/0-ml/flip ../peer/flip
 
-`python scripts/peer/flip_plot.py` prints the largest differences of every case;
+`python tests/peer/flip_plot.py` prints the largest differences of every case;
 tests/test_peer_flip_plot.py asserts them.
 """
 

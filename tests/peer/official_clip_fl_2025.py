@@ -25,7 +25,7 @@ Get the checkouts next to the repository (or set FPBENCH_PEER_PFEDMOAP, FPBENCH_
     git clone https://github.com/ljaiverson/pFedMoAP ../peer/pFedMoAP
     git clone https://github.com/CYFang6/FedPHA ../peer/FedPHA
 
-`python scripts/peer/official_clip_fl_2025.py` prints the largest differences of every case;
+`python tests/peer/official_clip_fl_2025.py` prints the largest differences of every case;
 tests/test_peer_clip_fl_2025.py asserts them.
 """
 

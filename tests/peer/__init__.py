@@ -1,4 +1,4 @@
-"""What the differential tests against official code share: a script of scripts/peer loaded by
+"""What the differential tests against official code share: a script of tests/peer loaded by
 path, its cases as test parameters (those named fast in the default run, the rest marked slow),
 and a case run, or skipped with the line saying how to get its checkout."""
 
@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-SCRIPTS = Path(__file__).parents[1] / "scripts" / "peer"
+SCRIPTS = Path(__file__).parent  # the harnesses beside this file
 
 
 def load_script(name: str) -> ModuleType:
-    """scripts/peer/`name`.py, loaded by path (a fresh module each call)."""
+    """tests/peer/`name`.py, loaded by path (a fresh module each call)."""
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
