@@ -118,3 +118,35 @@ def test_dry_run_fits_80_columns(db):
     result = render("run", "--suite", "tiny.toml", "--dry-run", "--db", "new.db")
     assert result.exit_code == 0, result.output
     check_fits(result)
+
+
+GROUPS = [p for p, c in ALL if hasattr(c, "commands")]
+
+
+def listed_summaries(help_text: str) -> dict[str, str]:
+    """Each command's summary in a help screen's Commands section, wrapped lines joined."""
+    said: dict[str, str] = {}
+    name = None
+    for line in help_text.split("Commands:\n", 1)[1].splitlines():
+        if line[:2] == "  " and line[2:3] != " ":
+            name, _, rest = line.strip().partition(" ")
+            said[name] = rest.strip()
+        elif line.strip() and name:
+            said[name] += " " + line.strip()
+    return said
+
+
+@pytest.mark.parametrize("path", GROUPS, ids=lambda p: " ".join(p) or "fpbench")
+def test_every_group_lists_each_command_summary_whole(path):
+    """Click cuts a first sentence longer than the room left with '...' (and a sentence with
+    'Fig. 1' in it at the dot): each listed summary is its short_help or first paragraph, whole."""
+    result = render(*path, "--help")
+    assert result.exit_code == 0, result.output
+    group = dict(ALL)[path]
+    said = listed_summaries(result.stdout)
+    assert sorted(said) == sorted(n for n, c in group.commands.items() if not c.hidden)
+    for name, summary in said.items():
+        command = group.commands[name]
+        whole = command.short_help or (command.help or "").strip().split("\n\n")[0]
+        assert summary == " ".join(whole.split()), (name, summary)
+        assert not summary.endswith("..."), (name, summary)

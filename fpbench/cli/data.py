@@ -42,7 +42,7 @@ def dataset_rows(root: Path) -> list[tuple[str, str, str, str]]:
     return rows
 
 
-@data_app.command("status")
+@data_app.command("status", short_help="Which datasets are present or missing, and where they go.")
 @user_errors
 def status(root: RootOpt = None) -> None:
     """Which datasets are present (prepared / raw files) or missing, and where they go."""
@@ -68,7 +68,7 @@ def _config(cls: Any, args: dict[str, Any]) -> Any:
         raise FpbenchError(f"--set {field}: {first['msg']} (dataset {cls.name!r})") from None
 
 
-@data_app.command("prepare")
+@data_app.command("prepare", short_help="Decode a dataset's files once into the prepared cache.")
 @user_errors
 def prepare(
     name: Annotated[str, typer.Argument(help="dataset name (see `fpbench data status`)")],
@@ -114,7 +114,9 @@ def _progress(bar: Progress) -> Callable[[str, int, int], None]:
     return update
 
 
-@data_app.command("generate-gpt-fl")
+@data_app.command(
+    "generate-gpt-fl", short_help="Generate GPT-FL's synthetic images with a local model."
+)
 @user_errors
 def generate_gpt_fl(
     name: Annotated[str, typer.Argument(help="dataset whose class names are drawn")],

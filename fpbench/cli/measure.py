@@ -24,7 +24,7 @@ from fpbench.cli.common import (
 from fpbench.errors import FpbenchError
 
 
-@app.command("bench")
+@app.command("bench", short_help="Time the executors, caches and evaluation on this machine.")
 @user_errors
 def bench_cmd(
     backbone: Annotated[str, typer.Option(help="backbone to measure")] = "vit-smoke",

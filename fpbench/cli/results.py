@@ -41,7 +41,7 @@ class Listable(str, Enum):
     strategies = "strategies"
 
 
-@app.command("list")
+@app.command("list", short_help="List registered suites, methods, datasets, partitions, etc.")
 @user_errors
 def list_(
     what: Annotated[Listable, typer.Argument(help="what to list")],
@@ -175,7 +175,7 @@ def _summary_line(obj: Any) -> str:
     return ""
 
 
-@app.command()
+@app.command(short_help="Show one run: identity, status, cost, config, final metrics.")
 @user_errors
 def show(
     run_ref: Annotated[str, typer.Argument(metavar="RUN", help="run id or run_key prefix")],
@@ -232,7 +232,7 @@ class TableFormat(str, Enum):
     term = "term"
 
 
-@app.command()
+@app.command(short_help="Mean ± std over seeds of each method's final metrics.")
 @user_errors
 def table(
     suite: Annotated[str | None, typer.Option("--suite", "-s", help="suite name or .toml")] = None,
@@ -362,7 +362,7 @@ def _suite_metrics(db: str, suite: str) -> tuple[str, Any]:
         return name, store.metrics(suite=name)
 
 
-@plot_app.command("tradeoff")
+@plot_app.command("tradeoff", short_help="Global vs worst local accuracy per method (SGPT Fig. 1).")
 @user_errors
 def plot_tradeoff(
     suite: SuiteOpt,
