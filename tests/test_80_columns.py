@@ -150,3 +150,38 @@ def test_every_group_lists_each_command_summary_whole(path):
         whole = command.short_help or (command.help or "").strip().split("\n\n")[0]
         assert summary == " ".join(whole.split()), (name, summary)
         assert not summary.endswith("..."), (name, summary)
+
+
+LISTS = ["suites", "methods", "datasets", "partitions", "backbones", "strategies"]
+
+
+@pytest.mark.parametrize("what", LISTS)
+def test_every_list_fits_80_columns_with_names_whole(what):
+    from fpbench.registry import BACKBONES, DATASETS, METHODS, PARTITIONS, STRATEGIES
+    from fpbench.suites import list_suites
+
+    result = render("list", what)
+    assert result.exit_code == 0, result.output
+    check_fits(result)
+    names = (
+        list_suites()
+        if what == "suites"
+        else {"methods": METHODS, "datasets": DATASETS, "partitions": PARTITIONS,
+              "backbones": BACKBONES, "strategies": STRATEGIES}[what].names()
+    )  # fmt: skip
+    first_cells = {line.split("│")[1].strip() for line in result.stdout.splitlines() if "│" in line}
+    assert set(names) <= first_cells, sorted(set(names) - first_cells)  # each on one line, whole
+
+
+def test_list_descriptions_are_whole_paragraphs():
+    """A docstring's first line can stop mid-sentence; the listed description does not."""
+    result = render("list", "datasets", "imagenet")
+    said = " ".join(result.stdout.replace("│", " ").split())
+    assert "the 50,000 val images as test." in said, result.stdout
+
+
+def test_list_suites_says_what_each_needs_under_its_description_at_80():
+    result = render("list", "suites", "fgpt-table7")
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stdout.replace("│", " ").split())
+    assert "FGPT Table 7" in said and "needs: data cifar100; weights vit-b16-in21k" in said

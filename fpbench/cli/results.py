@@ -66,13 +66,22 @@ def list_(
         raise FpbenchError(f"--presets lists methods' presets; {what.value} have none")
 
     table = Table(title=what.value)
-    table.add_column("name")
+    table.add_column("name", no_wrap=True)  # names whole: never cut, never folded
     if what is Listable.suites:
-        table.add_column("cells", justify="right")
-        table.add_column("needs")
-        table.add_column("description")
-        for name in _matching(list_suites(), pattern, what):
-            table.add_row(name, *suite_row(name))
+        names = _matching(list_suites(), pattern, what)
+        table.add_column("cells", justify="right", no_wrap=True)
+        # "needs" beside the description only where both get room; else under it
+        apart = console.width >= WIDE_SUITES + max(map(len, names))
+        if apart:
+            table.add_column("needs", overflow="fold")
+        table.add_column("description" if apart else "description, needs", overflow="fold")
+        for name in names:
+            cells, needs, description = suite_row(name)
+            if apart:
+                table.add_row(name, cells, needs, description)
+            else:
+                said = needs if needs.startswith("[") else f"needs: {needs}"  # offline, invalid
+                table.add_row(name, cells, "\n".join(filter(None, [description, said])))
         console.print(table)
         return
     registry = {
@@ -99,8 +108,8 @@ def list_(
                 "open_clip",
             ),
         ]
-    table.add_column("description")
-    table.add_column("source")
+    table.add_column("description", overflow="fold")  # a word wider than the column folds
+    table.add_column("source", no_wrap=True)
     for row in rows:
         table.add_row(*row)
     console.print(table)
@@ -163,15 +172,17 @@ def suite_row(name: str) -> tuple[str, str, str]:
     return str(len(suite.cells)), "; ".join(needs) or "[green]offline[/]", escape(first)
 
 
+WIDE_SUITES = 100  # columns, besides the longest name, for `list suites`' needs beside the text
 OFFLINE = ("none", "smoke", "seeded")  # built without downloaded weights (catalog `pretrained`)
 
 
 def _summary_line(obj: Any) -> str:
-    """A component's one-line description: its own, its docstring's, or its module's."""
+    """A component's description: the first paragraph of its own, its docstring's or its
+    module's, its lines joined (a docstring's first line can end mid-sentence)."""
     module = sys.modules.get(getattr(obj, "__module__", ""), None)
     for text in (getattr(obj, "description", None), obj.__doc__, getattr(module, "__doc__", None)):
         if isinstance(text, str) and text.strip():
-            return text.strip().splitlines()[0]
+            return " ".join(text.strip().split("\n\n")[0].split())
     return ""
 
 
