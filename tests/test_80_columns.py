@@ -3,6 +3,8 @@ longer than 80, nothing cut with an ellipsis, Rich markup in help texts kept (`[
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -185,3 +187,33 @@ def test_list_suites_says_what_each_needs_under_its_description_at_80():
     assert result.exit_code == 0, result.output
     said = " ".join(result.stdout.replace("│", " ").split())
     assert "FGPT Table 7" in said and "needs: data cifar100; weights vit-b16-in21k" in said
+
+
+def test_data_status_on_an_empty_folder_reads_at_80(tmp_path, monkeypatch):
+    """A block per dataset, its instruction wrapped at spaces: a URL or path is never split (one
+    longer than the room stands alone on its line, whole)."""
+    from fpbench.cli.data import dataset_rows
+
+    monkeypatch.chdir(tmp_path)
+    result = render("data", "status", "--root", "data")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert "…" not in result.stdout
+    too_long = [line.strip() for line in lines if len(line) > WIDTH]
+    assert all(" " not in word and "/" in word for word in too_long), too_long
+    said = " ".join(result.stdout.split())
+    words = set(result.stdout.split())
+    for name, state, where, todo in dataset_rows(Path("data")):
+        assert f"{name} {state} {where}" in said  # one line: name, state, where
+        assert " ".join(todo.split()) in said, todo  # the instruction whole, in order
+        assert all(word in words for word in todo.split()), todo  # no word broken
+    assert lines[0] == "datasets under data"
+
+
+def test_data_status_keeps_its_table_where_it_fits(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["data", "status", "--root", "data"], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert "what to do" in result.stdout
+    row = next(line for line in result.stdout.splitlines() if "│ cifar100 " in line)
+    assert "missing" in row and "data/cifar-100-python" in row

@@ -92,6 +92,26 @@ def fit_table(title: str | None = None, **kwargs: Any):
     )
 
 
+def wrap(text: str, width: int, indent: str = "", first: str | None = None) -> list[str]:
+    """`text` in lines of at most `width` (where its words allow), broken only at spaces: a URL,
+    path or hyphenated name is never split, a word wider than the room stands on its own line.
+    Lines of the text stay lines; `first` (default `indent`) starts the first, `indent` the rest."""
+    import textwrap
+
+    lead = indent if first is None else first
+    out: list[str] = []
+    for line in text.splitlines() or [""]:
+        out += textwrap.wrap(
+            line,
+            width=max(width, len(lead) + 1, len(indent) + 1),
+            initial_indent=lead if not out else indent,
+            subsequent_indent=indent,
+            break_long_words=False,
+            break_on_hyphens=False,
+        ) or [lead if not out else indent]
+    return out
+
+
 def plural(n: int, noun: str) -> str:
     """'1 cell', '5 cells' (nouns whose plural adds an s)."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
