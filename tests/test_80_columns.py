@@ -217,3 +217,52 @@ def test_data_status_keeps_its_table_where_it_fits(tmp_path, monkeypatch):
     assert "what to do" in result.stdout
     row = next(line for line in result.stdout.splitlines() if "│ cifar100 " in line)
     assert "missing" in row and "data/cifar-100-python" in row
+
+
+def test_estimate_plan_of_a_paper_suite_reads_at_80(monkeypatch):
+    """sgpt-table1's shapes are numbered in the table and each described whole below it."""
+    from fpbench.cli.measure import describe
+    from fpbench.measure.estimate import estimate
+    from fpbench.suites import load_suite
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = render("estimate", "--suite", "sgpt-table1", "--dry")
+    assert result.exit_code == 0, result.output
+    check_fits(result)
+    found = estimate(load_suite("sgpt-table1"), None, "auto", 2, None, lambda *a: None)
+    listed = result.stdout.split("shapes:\n", 1)[1].split("assumptions:", 1)[0]
+    said = " ".join(listed.split())
+    for i, e in enumerate(found, 1):
+        assert f" {i} {describe(e)} " in f" {said} ", describe(e)
+    rows = [line.split("│")[1:3] for line in result.stdout.splitlines() if "│" in line]
+    assert [(n.strip(), c.strip()) for n, c in rows] == [
+        (str(i), str(e.cells)) for i, e in enumerate(found, 1)
+    ]
+
+
+def test_estimate_keeps_a_shape_in_its_row_where_that_fits(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = ["estimate", "--suite", "sgpt-table1", "--dry"]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    assert "shapes:" not in result.stdout
+    assert "│ head-tune | vit-b16-in21k | cifar100 32px 50,000/10,000 | 5/100 clients |" in (
+        result.stdout
+    )
+
+
+def test_wrap_shape_breaks_after_a_bar():
+    from fpbench.cli.measure import wrap_shape
+
+    text = "a-method | a-backbone | data 32px 1/2 | 5/100 clients | b40 x 5 ep | 60 rounds"
+    assert wrap_shape(text, 40, "  1  ", "     ") == [
+        "  1  a-method | a-backbone |",
+        "     data 32px 1/2 | 5/100 clients |",
+        "     b40 x 5 ep | 60 rounds",
+    ]
+    assert wrap_shape("one part much wider than the room", 16, "  1  ", "     ") == [
+        "  1  one part",
+        "     much wider",
+        "     than the",
+        "     room",
+    ]
