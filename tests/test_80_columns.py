@@ -1,5 +1,7 @@
 """Every help screen and table reads at 80 columns, off a terminal (COLUMNS=80) as on one: no line
-longer than 80, nothing cut with an ellipsis, Rich markup in help texts kept (`[low, high]`)."""
+longer than 80, nothing cut with an ellipsis, Rich markup in help texts kept (`[low, high]`),
+each group's command summaries whole, every `list` with its names whole, `data status` and the
+`estimate` plan as blocks where a table would fold them, and errors wrapped at spaces."""
 
 from __future__ import annotations
 
@@ -266,3 +268,32 @@ def test_wrap_shape_breaks_after_a_bar():
         "     than the",
         "     room",
     ]
+
+
+def test_a_long_error_wraps_to_80_columns_at_spaces():
+    """`unknown suite 'sgpt'. Valid: <every suite>` was one line of about 1,000 characters."""
+    from fpbench.errors import FpbenchError
+    from fpbench.suites import find_suite
+    from tests.conftest import error_messages
+
+    with pytest.raises(FpbenchError) as raised:
+        find_suite("sgpt")
+    result = render("estimate", "--suite", "sgpt", "--dry")
+    assert result.exit_code == 2
+    check_fits(result)
+    first, *rest = result.stderr.splitlines()
+    assert first.startswith("error: unknown suite 'sgpt'. Valid: ") and len(rest) > 5
+    assert all(line.startswith("  ") and not line.startswith("   ") for line in rest)
+    assert error_messages(result.stderr) == [f"error: {raised.value}"]  # the same text, whole
+
+
+def test_wrap_breaks_only_at_spaces_and_keeps_lines():
+    from fpbench.cli.common import wrap
+
+    url = "https://example.org/a-very-long/path-that-is/wider-than-the-room.tar.gz"
+    assert wrap(f"get {url} and unpack it", 30, "  ", first="error: ") == [
+        "error: get",
+        f"  {url}",
+        "  and unpack it",
+    ]
+    assert wrap("one two\nthree", 80, "  ") == ["  one two", "  three"]

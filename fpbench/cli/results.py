@@ -24,6 +24,7 @@ from fpbench.cli.common import (
     console,
     err,
     open_store,
+    print_error,
     save_figure,
     suite_name,
     user_errors,
@@ -216,7 +217,7 @@ def show(
     if stale:
         console.print(f"stale: running, but {stale}; a rerun takes it over and resumes it")
     if record.error:
-        err.print(f"[red]error:[/] {escape(record.error)}", highlight=False)
+        print_error(record.error)
     if record.traceback:
         err.print(record.traceback.rstrip(), markup=False, highlight=False)
     console.print_json(json.dumps(record.config))
