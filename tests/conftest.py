@@ -41,6 +41,22 @@ def _command_of(app: typer.Typer) -> object:
 typer.testing._get_command = _command_of  # typer.testing's `get_command`, the one invoke calls
 
 
+def error_messages(text: str) -> list[str]:
+    """Each `error: ...` message in a command's output, the lines it is wrapped over (indented
+    by two spaces) joined by a space, as it reads unwrapped."""
+    out: list[str] = []
+    joining = False
+    for line in text.splitlines():
+        if line.startswith("error: "):
+            out.append(line)
+            joining = True
+        elif joining and line.startswith("  "):
+            out[-1] += " " + line[2:]
+        else:
+            joining = False
+    return out
+
+
 @pytest.fixture
 def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The test's folder as the working directory, with `TINY_SUITE_TOML` as the suite "tiny"

@@ -171,7 +171,10 @@ def test_console_script_reports_errors_without_traceback(workdir):
     )
     assert proc.returncode == 2
     assert "unknown suite" in proc.stderr and "Traceback" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
+    first, *rest = proc.stderr.strip().splitlines()  # one message, wrapped to 80 columns
+    assert first.startswith("error: unknown suite 'nope'. Valid: ")
+    assert all(line.startswith("  ") and len(line) <= 80 for line in [first, *rest][1:])
+    assert len(first) <= 80
 
 
 def test_list_filters_by_pattern_and_lists_presets(monkeypatch):

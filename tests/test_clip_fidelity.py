@@ -116,13 +116,13 @@ def test_gpt_fl_run_without_images_stops_before_writing_anything(tmp_path, monke
     from typer.testing import CliRunner
 
     from fpbench.cli import app
+    from tests.conftest import error_messages
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "gptfl.toml").write_text(GPT_FL_SUITE)
     result = CliRunner().invoke(app, ["run", "--suite", "gptfl.toml", "--db", "results/x.db"])
     assert result.exit_code == 2, result.stdout
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == [
+    assert error_messages(result.stderr) == [
         "error: gpt-fl needs generated images in 'generated/synthetic': run `fpbench data "
         "generate-gpt-fl synthetic --out generated/synthetic --model /path/to/text-to-image`"
     ]

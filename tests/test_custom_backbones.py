@@ -16,7 +16,7 @@ from fpbench.cli import app
 from fpbench.errors import FpbenchError
 from fpbench.registry import BACKBONES
 from fpbench.store import Store
-from tests.conftest import TINY_SUITE_TOML
+from tests.conftest import TINY_SUITE_TOML, error_messages
 
 DEIT = "deit_tiny_distilled_patch16_224"  # 2 prefix tokens (class + distillation)
 CLIP2 = "fpbench-test-clip2"  # unlike clip-test: GELU, joint width 24, 24 px images, 1 layer
@@ -121,8 +121,10 @@ def test_suite_with_an_unpromptable_backbone_exits_2_with_one_line(tmp_path, mon
     suite.write_text(TINY_SUITE_TOML.replace('"vit-test"', '"timm:resnet18"'))
     result = CliRunner().invoke(app, ["run", "--suite", str(suite)])
     assert result.exit_code == 2
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and "timm model 'resnet18' is a ResNet, not a ViT" in lines[0]
+    first, *rest = [line for line in result.output.splitlines() if line.strip()]
+    assert first.startswith("error: ") and all(x.startswith("  ") for x in rest)  # one message
+    (message,) = error_messages(result.output)
+    assert "timm model 'resnet18' is a ResNet, not a ViT" in message
     assert not (tmp_path / "results").exists()  # nothing written
 
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from fpbench.cli import app
 from fpbench.errors import FpbenchError
 from fpbench.store import Store
-from tests.conftest import TINY_SUITE_TOML
+from tests.conftest import TINY_SUITE_TOML, error_messages
 
 
 def _cli(*args: str) -> tuple[int, str, str]:
@@ -24,9 +24,11 @@ def _cli(*args: str) -> tuple[int, str, str]:
 
 
 def _one_error_line(stderr: str, expected: str) -> None:
+    """Nothing but one `error:` message, wrapped to the width (its later lines indented)."""
     lines = [line for line in stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
-    assert expected in lines[0], stderr
+    assert lines[0].startswith("error: ") and all(x.startswith("  ") for x in lines[1:]), stderr
+    (message,) = error_messages(stderr)
+    assert expected in message, stderr
 
 
 @pytest.fixture
@@ -96,7 +98,7 @@ def test_a_foreign_database_is_refused_by_every_command_and_left_unchanged(workd
         code, _, stderr = _cli(*args)
         assert code == 2, (args, stderr)
         _one_error_line(stderr, expected)
-        assert "fpbench writes only databases it created" in stderr
+        assert "fpbench writes only databases it created" in error_messages(stderr)[0]
         assert db.read_bytes() == before, args  # byte for byte
         assert sorted(p.name for p in workdir.glob("other.db*")) == ["other.db"], args
     assert not (workdir / "merged.db").exists()

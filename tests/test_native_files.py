@@ -14,6 +14,7 @@ from fpbench.cli import app
 from fpbench.data.cifar import Cifar10, Cifar100
 from fpbench.data.prepared import pickle_field
 from fpbench.errors import FpbenchError
+from tests.conftest import error_messages
 from tests.test_datasets import write_cifar10, write_cifar100
 
 
@@ -106,8 +107,8 @@ def test_malformed_file_is_one_line_and_exit_2_from_the_cli(tmp_path):
     path = _break(tmp_path, "test", "no-fine")
     result = CliRunner().invoke(app, ["data", "prepare", "cifar100", "--root", str(tmp_path)])
     assert result.exit_code == 2
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert lines[-1].startswith(f"error: malformed dataset file {path}: no 'fine_labels' entry")
+    (message,) = error_messages(result.output)
+    assert message.startswith(f"error: malformed dataset file {path}: no 'fine_labels' entry")
     assert "Traceback" not in result.output
 
 

@@ -24,7 +24,9 @@ plot_app = typer.Typer(help="Draw plots from the results database.", **PLAIN)
 
 db_app = typer.Typer(help="Maintain results databases (merge, check, diff).", **PLAIN)
 data_app = typer.Typer(
-    help="Real datasets: where they are (status) and preparing them once (prepare).", **PLAIN
+    help="Real datasets: where they are (status) and preparing them once (prepare).",
+    short_help="Real datasets: where they are (status), preparing them.",
+    **PLAIN,
 )
 app.add_typer(plot_app, name="plot")
 app.add_typer(db_app, name="db")

@@ -8,12 +8,13 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from fpbench.cli.apps import app
+from fpbench.cli.apps import PLAIN, app
 from fpbench.cli.common import console, user_errors
 
 cache_app = typer.Typer(
     help="fpbench's cache folder: frozen features and queries, self-made weights (info, clear).",
-    no_args_is_help=True,
+    short_help="fpbench's cache folder: what it holds (info), clearing it.",
+    **PLAIN,
 )
 app.add_typer(cache_app, name="cache")
 
@@ -53,7 +54,7 @@ def info(frozen_dir: FrozenDirOpt = None) -> None:
     console.print(table)
 
 
-@cache_app.command("clear")
+@cache_app.command("clear", short_help="Remove fpbench's own files from its cache folder.")
 @user_errors
 def clear(
     frozen_only: Annotated[

@@ -10,7 +10,6 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 
 from fpbench.errors import FpbenchError
 
@@ -20,17 +19,27 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def user_errors(fn: F) -> F:
-    """Turn an FpbenchError into one red line on stderr and exit code 2."""
+    """Turn an FpbenchError into one red `error:` message on stderr and exit code 2."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except FpbenchError as e:
-            err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
+            print_error(str(e))
             raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def print_error(message: str) -> None:
+    """`error: MESSAGE` on stderr, wrapped to its width at spaces (a URL or path is never split),
+    the lines after the first indented by two spaces."""
+    from rich.text import Text
+
+    for i, line in enumerate(wrap(message, err.width, "  ", first="error: ")):
+        text = Text.assemble(("error:", "red"), line[len("error:") :]) if i == 0 else Text(line)
+        err.print(text, highlight=False, soft_wrap=True)
 
 
 DEFAULT_DB = "results/fpbench.db"
@@ -90,6 +99,26 @@ def fit_table(title: str | None = None, **kwargs: Any):
         min_width=width,
         **kwargs,
     )
+
+
+def wrap(text: str, width: int, indent: str = "", first: str | None = None) -> list[str]:
+    """`text` in lines of at most `width` (where its words allow), broken only at spaces: a URL,
+    path or hyphenated name is never split, a word wider than the room stands on its own line.
+    Lines of the text stay lines; `first` (default `indent`) starts the first, `indent` the rest."""
+    import textwrap
+
+    lead = indent if first is None else first
+    out: list[str] = []
+    for line in text.splitlines() or [""]:
+        out += textwrap.wrap(
+            line,
+            width=max(width, len(lead) + 1, len(indent) + 1),
+            initial_indent=lead if not out else indent,
+            subsequent_indent=indent,
+            break_long_words=False,
+            break_on_hyphens=False,
+        ) or [lead if not out else indent]
+    return out
 
 
 def plural(n: int, noun: str) -> str:

@@ -7,11 +7,13 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from fpbench.cli.apps import data_app
-from fpbench.cli.common import console, err, parse_sets, user_errors
+from fpbench.cli.common import console, err, parse_sets, user_errors, wrap
 from fpbench.errors import FpbenchError
 
 RootOpt = Annotated[
@@ -42,19 +44,35 @@ def dataset_rows(root: Path) -> list[tuple[str, str, str, str]]:
     return rows
 
 
-@data_app.command("status")
+@data_app.command("status", short_help="Which datasets are present or missing, and where they go.")
 @user_errors
 def status(root: RootOpt = None) -> None:
     """Which datasets are present (prepared / raw files) or missing, and where they go."""
     from fpbench.data.prepared import data_root
 
     base = data_root(root)
-    table = Table(title=f"datasets under {base}")
-    for col in ("dataset", "state", "where", "what to do"):
-        table.add_column(col, overflow="fold")
-    for name, state, where, todo in dataset_rows(base):
-        table.add_row(name, f"[{STYLE[state]}]{state}[/]", where, todo)
-    console.print(table)
+    rows = dataset_rows(base)
+    name_w, state_w, where_w = (max(len(r[i]) for r in rows) for i in range(3))
+    longest_word = max(len(w) for r in rows for w in r[3].split())
+    # the table where its "what to do" column gets 40 columns or its longest word (a URL, a
+    # path), besides the others whole and the frame (13); else a block per dataset
+    if console.width >= name_w + state_w + where_w + max(40, longest_word) + 13:
+        table = Table(title=f"datasets under {base}")
+        for col in ("dataset", "state", "where"):
+            table.add_column(col, no_wrap=True)
+        table.add_column("what to do", overflow="fold")
+        for name, state, where, todo in rows:
+            table.add_row(name, f"[{STYLE[state]}]{state}[/]", where, escape(todo))
+        console.print(table)
+        return
+    console.print(f"datasets under {base}", highlight=False, markup=False, soft_wrap=True)
+    for name, state, where, todo in rows:
+        head = Text.assemble(
+            name.ljust(name_w), "  ", (state.ljust(state_w), STYLE[state]), "  ", where
+        )
+        console.print(head, highlight=False, soft_wrap=True)
+        for line in wrap(todo, console.width, indent="    "):
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 def _config(cls: Any, args: dict[str, Any]) -> Any:
@@ -68,7 +86,7 @@ def _config(cls: Any, args: dict[str, Any]) -> Any:
         raise FpbenchError(f"--set {field}: {first['msg']} (dataset {cls.name!r})") from None
 
 
-@data_app.command("prepare")
+@data_app.command("prepare", short_help="Decode a dataset's files once into the prepared cache.")
 @user_errors
 def prepare(
     name: Annotated[str, typer.Argument(help="dataset name (see `fpbench data status`)")],
@@ -114,7 +132,9 @@ def _progress(bar: Progress) -> Callable[[str, int, int], None]:
     return update
 
 
-@data_app.command("generate-gpt-fl")
+@data_app.command(
+    "generate-gpt-fl", short_help="Generate GPT-FL's synthetic images with a local model."
+)
 @user_errors
 def generate_gpt_fl(
     name: Annotated[str, typer.Argument(help="dataset whose class names are drawn")],

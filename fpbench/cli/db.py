@@ -31,7 +31,7 @@ def _same_database(a: str, b: str) -> bool:
     return a == b
 
 
-@db_app.command("merge")
+@db_app.command("merge", short_help="Fold databases into OUT; merging again changes nothing.")
 @user_errors
 def merge(
     out: Annotated[str, typer.Argument(help="output database: a path or SQLAlchemy URL")],
@@ -97,7 +97,7 @@ def _copy_params(src_url: str, out_url: str) -> int:
     return copied
 
 
-@db_app.command("check")
+@db_app.command("check", short_help="Verify every run's rounds and list unfinished runs.")
 @user_errors
 def check(
     db: Annotated[str, typer.Argument(help="database to check: a path or SQLAlchemy URL")],
@@ -169,7 +169,7 @@ def diff(
         raise typer.Exit(1)
 
 
-@db_app.command("delete")
+@db_app.command("delete", short_help="Delete runs with their rounds and metrics (reset or drop).")
 @user_errors
 def delete(
     runs: Annotated[

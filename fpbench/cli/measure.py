@@ -19,12 +19,13 @@ from fpbench.cli.common import (
     load_cells,
     plural,
     user_errors,
+    wrap,
     write_or_print,
 )
 from fpbench.errors import FpbenchError
 
 
-@app.command("bench")
+@app.command("bench", short_help="Time the executors, caches and evaluation on this machine.")
 @user_errors
 def bench_cmd(
     backbone: Annotated[str, typer.Option(help="backbone to measure")] = "vit-smoke",
@@ -197,7 +198,7 @@ def estimate_cmd(
 
         with stages.reporting(stage):
             found = estimate(loaded, dev, precision, rounds, max_shapes, show, batches=scaled)
-    console.print(_table(loaded.name, found, "plan only" if dev is None else str(dev)))
+    _print_estimates(loaded.name, found, "plan only" if dev is None else str(dev))
     measured = [e for e in found if e.total_s is not None]
     cells = sum(e.cells for e in found)
     if measured:
@@ -211,24 +212,46 @@ def estimate_cmd(
         if e.error:
             err.print(f"shape {e.shape.method} / {e.shape.backbone} not measured: {e.error}")
     told = ASSUMPTIONS + (SCALED_ASSUMPTIONS if scaled else ())
-    console.print("assumptions:\n" + "\n".join(f"  - {a}" for a in told))
+    console.print("assumptions:", highlight=False)
+    for line in (x for a in told for x in wrap(a, console.width, "    ", first="  - ")):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
     if json_out:
         write_or_print(json.dumps([as_dict(e) for e in found], indent=2), json_out)
 
 
-def _table(suite: str, found: list, where: str) -> Table:
+def _print_estimates(suite: str, found: list, where: str) -> None:
+    """The estimates' table with each shape in its row where that fits the width; else the
+    shapes numbered in the table and each described whole below it, wrapped at ' | '."""
+    described = [describe(e) for e in found]
+    table = _table(suite, found, where, described)
+    if console.measure(table, options=console.options.update_width(10**6)).maximum <= console.width:
+        console.print(table)
+        return
+    console.print(_table(suite, found, where, None))
+    console.print("shapes:", highlight=False)
+    room = len(str(len(found)))
+    for i, text in enumerate(described, 1):
+        for line in wrap_shape(text, console.width, f"  {i:>{room}}  ", " " * (room + 4)):
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def _table(suite: str, found: list, where: str, described: list[str] | None) -> Table:
+    """The estimates, a row a shape: its description (`described`) or its number."""
     from fpbench.measure.estimate import frozen_s
     from fpbench.units import human_bytes
 
     table = Table(title=f"fpbench estimate: {suite} ({plural(len(found), 'shape')}, {where})")
-    table.add_column("shape")
+    if described is None:
+        table.add_column("shape", justify="right", no_wrap=True)
+    else:
+        table.add_column("shape")
     for name in ("cells", "s/round", "s/eval", "frozen s", "peak mem", "h/cell", "h total"):
-        table.add_column(name, justify="right")
-    for e in found:
+        table.add_column(name, justify="right", no_wrap=True)  # numbers whole
+    for i, e in enumerate(found):
         s, m = e.shape, e.measured
         frozen = None if m is None else frozen_s(s, m)
         table.add_row(
-            describe(e),
+            str(i + 1) if described is None else described[i],
             str(e.cells),
             _s(m.train_round_s if m else None),
             _s(m.eval_s if m else None),
@@ -238,6 +261,28 @@ def _table(suite: str, found: list, where: str) -> Table:
             _h(e.total_s),
         )
     return table
+
+
+def wrap_shape(text: str, width: int, first: str, indent: str) -> list[str]:
+    """A shape's description in lines of at most `width`, broken after a ' |' (a part wider
+    than the room broken at its spaces); `first` starts the first line, `indent` the rest."""
+    parts = text.split(" | ")
+    lines, line, lead = [], "", first
+    for i, part in enumerate(parts):
+        tail = "" if i == len(parts) - 1 else " |"
+        if line and len(lead + line + " | " + part + tail) > width:
+            lines.append(lead + line + " |")
+            line, lead = "", indent
+        line = f"{line} | {part}" if line else part
+    lines.append(lead + line)
+    out: list[str] = []
+    for x in lines:  # a part wider than the room on its own line, at its spaces
+        out += (
+            [x]
+            if len(x) <= width
+            else wrap(x.strip(), width, indent, x[: len(x) - len(x.lstrip())])
+        )
+    return out
 
 
 def describe(e) -> str:

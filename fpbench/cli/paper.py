@@ -211,7 +211,7 @@ def _load(db: str, suite: str):
     return name, results
 
 
-@plot_app.command("heldout")
+@plot_app.command("heldout", short_help="Participating vs held-out client accuracy per method.")
 @user_errors
 def plot_heldout(
     suite: SuiteOpt,
@@ -231,7 +231,7 @@ def plot_heldout(
     save_figure(heldout(res.metrics, x=x, y=y, suite=name), out, pdf_beside=True)
 
 
-@plot_app.command("sweep")
+@plot_app.command("sweep", short_help="A metric against a swept hyperparameter (from run configs).")
 @user_errors
 def plot_sweep(
     suite: SuiteOpt,
@@ -247,7 +247,9 @@ def plot_sweep(
     save_figure(sweep(res.metrics, res.configs, param, metric, suite=name), out, pdf_beside=True)
 
 
-@plot_app.command("heatmap")
+@plot_app.command(
+    "heatmap", short_help="A metric over a 2-D grid of hyperparameters (SDFed Fig. 5)."
+)
 @user_errors
 def plot_heatmap(
     suite: SuiteOpt,
@@ -264,7 +266,7 @@ def plot_heatmap(
     save_figure(heatmap(res.metrics, res.configs, x, y, metric, suite=name), out, pdf_beside=True)
 
 
-@plot_app.command("comm")
+@plot_app.command("comm", short_help="Accuracy vs cumulative bytes, or the cost to reach --target.")
 @user_errors
 def plot_comm(
     suite: SuiteOpt,

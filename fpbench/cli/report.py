@@ -23,7 +23,7 @@ from fpbench.cli.common import (
 )
 
 
-@app.command("report")
+@app.command("report", short_help="One self-contained HTML page of a suite's results.")
 @user_errors
 def report(
     suite: SuiteOpt,
@@ -40,7 +40,9 @@ def report(
     console.print(f"wrote {page}")
 
 
-@plot_app.command("partition")
+@plot_app.command(
+    "partition", short_help="Per-client class histogram of a partition (SGPT Fig. 7)."
+)
 @user_errors
 def plot_partition(
     suite: SuiteOpt,

@@ -24,6 +24,7 @@ from fpbench.cli.common import (
     console,
     err,
     open_store,
+    print_error,
     save_figure,
     suite_name,
     user_errors,
@@ -41,7 +42,7 @@ class Listable(str, Enum):
     strategies = "strategies"
 
 
-@app.command("list")
+@app.command("list", short_help="List registered suites, methods, datasets, partitions, etc.")
 @user_errors
 def list_(
     what: Annotated[Listable, typer.Argument(help="what to list")],
@@ -66,13 +67,22 @@ def list_(
         raise FpbenchError(f"--presets lists methods' presets; {what.value} have none")
 
     table = Table(title=what.value)
-    table.add_column("name")
+    table.add_column("name", no_wrap=True)  # names whole: never cut, never folded
     if what is Listable.suites:
-        table.add_column("cells", justify="right")
-        table.add_column("needs")
-        table.add_column("description")
-        for name in _matching(list_suites(), pattern, what):
-            table.add_row(name, *suite_row(name))
+        names = _matching(list_suites(), pattern, what)
+        table.add_column("cells", justify="right", no_wrap=True)
+        # "needs" beside the description only where both get room; else under it
+        apart = console.width >= WIDE_SUITES + max(map(len, names))
+        if apart:
+            table.add_column("needs", overflow="fold")
+        table.add_column("description" if apart else "description, needs", overflow="fold")
+        for name in names:
+            cells, needs, description = suite_row(name)
+            if apart:
+                table.add_row(name, cells, needs, description)
+            else:
+                said = needs if needs.startswith("[") else f"needs: {needs}"  # offline, invalid
+                table.add_row(name, cells, "\n".join(filter(None, [description, said])))
         console.print(table)
         return
     registry = {
@@ -99,8 +109,8 @@ def list_(
                 "open_clip",
             ),
         ]
-    table.add_column("description")
-    table.add_column("source")
+    table.add_column("description", overflow="fold")  # a word wider than the column folds
+    table.add_column("source", no_wrap=True)
     for row in rows:
         table.add_row(*row)
     console.print(table)
@@ -163,19 +173,21 @@ def suite_row(name: str) -> tuple[str, str, str]:
     return str(len(suite.cells)), "; ".join(needs) or "[green]offline[/]", escape(first)
 
 
+WIDE_SUITES = 100  # columns, besides the longest name, for `list suites`' needs beside the text
 OFFLINE = ("none", "smoke", "seeded")  # built without downloaded weights (catalog `pretrained`)
 
 
 def _summary_line(obj: Any) -> str:
-    """A component's one-line description: its own, its docstring's, or its module's."""
+    """A component's description: the first paragraph of its own, its docstring's or its
+    module's, its lines joined (a docstring's first line can end mid-sentence)."""
     module = sys.modules.get(getattr(obj, "__module__", ""), None)
     for text in (getattr(obj, "description", None), obj.__doc__, getattr(module, "__doc__", None)):
         if isinstance(text, str) and text.strip():
-            return text.strip().splitlines()[0]
+            return " ".join(text.strip().split("\n\n")[0].split())
     return ""
 
 
-@app.command()
+@app.command(short_help="Show one run: identity, status, cost, config, final metrics.")
 @user_errors
 def show(
     run_ref: Annotated[str, typer.Argument(metavar="RUN", help="run id or run_key prefix")],
@@ -205,7 +217,7 @@ def show(
     if stale:
         console.print(f"stale: running, but {stale}; a rerun takes it over and resumes it")
     if record.error:
-        err.print(f"[red]error:[/] {escape(record.error)}", highlight=False)
+        print_error(record.error)
     if record.traceback:
         err.print(record.traceback.rstrip(), markup=False, highlight=False)
     console.print_json(json.dumps(record.config))
@@ -232,7 +244,7 @@ class TableFormat(str, Enum):
     term = "term"
 
 
-@app.command()
+@app.command(short_help="Mean ± std over seeds of each method's final metrics.")
 @user_errors
 def table(
     suite: Annotated[str | None, typer.Option("--suite", "-s", help="suite name or .toml")] = None,
@@ -362,7 +374,7 @@ def _suite_metrics(db: str, suite: str) -> tuple[str, Any]:
         return name, store.metrics(suite=name)
 
 
-@plot_app.command("tradeoff")
+@plot_app.command("tradeoff", short_help="Global vs worst local accuracy per method (SGPT Fig. 1).")
 @user_errors
 def plot_tradeoff(
     suite: SuiteOpt,

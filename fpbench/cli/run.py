@@ -81,7 +81,7 @@ class _ProgressObserver:
         self.progress.advance(self.cells)
 
 
-@app.command()
+@app.command(short_help="Run or resume every cell of a suite, skipping finished ones.")
 @user_errors
 def run(
     suite: SuiteOpt = "smoke",

@@ -61,7 +61,7 @@ def export_params(
     console.print(f"wrote {out} (run {record.id}, {n} tensors)", highlight=False)
 
 
-@app.command("evaluate")
+@app.command("evaluate", short_help="Score a finished run's trained state again.")
 @user_errors
 def evaluate_cmd(
     run_ref: Annotated[str, typer.Argument(metavar="RUN", help="run id or run_key prefix")],

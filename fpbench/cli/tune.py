@@ -12,7 +12,7 @@ from fpbench.cli.common import DEFAULT_DB, DbOpt, SuiteOpt, console, err, user_e
 from fpbench.errors import FpbenchError
 
 
-@app.command()
+@app.command(short_help="Search each method's hyperparameters (Optuna), one budget.")
 @user_errors
 def tune(
     suite: SuiteOpt = "smoke",

@@ -36,7 +36,7 @@ RunsMethodOpt = Annotated[
 ]
 
 
-@app.command("runs")
+@app.command("runs", short_help="List a database's runs with their headline accuracies.")
 @user_errors
 def runs(
     suite: RunsSuiteOpt = None,
@@ -128,7 +128,7 @@ class ExportFormat(str, Enum):
     parquet = "parquet"
 
 
-@app.command("export")
+@app.command("export", short_help="Write per-round and per-client metrics as CSV or Parquet.")
 @user_errors
 def export(
     out: Annotated[Path, typer.Argument(help="folder for runs, rounds and clients .csv/.parquet")],
@@ -172,7 +172,7 @@ def export(
         console.print(f"wrote {path} ({rows} row{'s' if rows != 1 else ''})", highlight=False)
 
 
-@app.command("compare")
+@app.command("compare", short_help="Compare two methods seed by seed (paired t-test).")
 @user_errors
 def compare(
     method_a: Annotated[str, typer.Argument(metavar="A", help="method label (the baseline)")],
