@@ -48,11 +48,12 @@ def covering_cells(paper: str) -> list[FedCell]:
 
 
 def _distinct_twins(paper: str) -> list[FedCell]:
-    """One cell per distinct offline twin (labels and suite names aside)."""
+    """One cell per distinct offline twin (labels, suite names and seeds aside: a path is free
+    of a seed's draw as of any other)."""
     seen: dict[str, FedCell] = {}
     for cell in _cells(paper):
         twin = offline_twin(cell.config)
-        twin = {k: v for k, v in twin.items() if k != "suite"}
+        twin = {k: v for k, v in twin.items() if k not in ("suite", "seed")}
         for part in ("dataset", "partition", "method"):
             twin[part] = {k: v for k, v in twin[part].items() if k != "label"}
         seen.setdefault(json.dumps(twin, sort_keys=True), cell)
