@@ -196,7 +196,7 @@ def _on_sigint_in_worker(signum: int, frame: object) -> None:
     idle worker has nothing to store and exits quietly instead of printing a traceback."""
     if _busy:
         raise KeyboardInterrupt
-    raise SystemExit(128 + signum)
+    os._exit(128 + signum)  # no finalizers: nothing of an idle worker's is left to flush
 
 
 def _run_in_worker(*args: Any) -> Outcome:
