@@ -190,28 +190,24 @@ def train_together(
                 chunks = chunk_rows(batches, step, lockstep_samples)
                 if phase.trainable:
                     opt.zero_grad()
-                per_client = torch.zeros(k, device=device)
+                per_client = None
                 for chunk in chunks:
                     with torch.enable_grad() if phase.trainable else torch.no_grad():
                         part = _step(
                             method, leaves, task, inputs, batches, step, ctx, k, stats, views,
                             hidden, chunk,
                         )  # fmt: skip
-                    if len(chunks) == 1:
-                        per_client = part
-                    else:  # this chunk's activations are freed before the next one's
-                        if phase.trainable:
-                            part.sum().backward()
-                        per_client = per_client + part.detach()
+                    if len(chunks) > 1 and phase.trainable:  # free this chunk's activations
+                        part.sum().backward()  # before the next chunk's forward
+                        part = part.detach()
+                    per_client = part if per_client is None else per_client + part
                 if phase.trainable:  # a phase that trains nothing only scores its batches
-                    objective = per_client if len(chunks) == 1 else None
+                    objective = per_client if len(chunks) == 1 else 0  # not backpropagated yet
                     if strategy is not None:
                         term = strategy.client_term(server, ids.to(device), leaves)
                         if term is not None:
-                            objective = (
-                                term * active if objective is None else objective + term * active
-                            )
-                    if objective is not None:
+                            objective = objective + term * active
+                    if isinstance(objective, Tensor):
                         objective.sum().backward()
                     opt.step(active)
                     if strategy is not None:
