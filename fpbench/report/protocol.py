@@ -269,19 +269,20 @@ def feeding_cells(paper: Paper, suites: Mapping[str, Any] | None = None) -> list
     from fpbench.suites import load_suite
 
     loaded: dict[str, Any] = dict(suites or {})
+
+    def cells(name: str) -> Any:
+        if name not in loaded:
+            loaded[name] = load_suite(name)
+        return loaded[name].cells
+
     found: dict[str, tuple[Any, set[int]]] = {}
     for table in paper.tables:
         for spec in _specs(table):
-            name = str(spec["suite"])
-            if name not in loaded:
-                loaded[name] = load_suite(name)
-            for cfg in loaded[name].cells:
+            for cfg in cells(str(spec["suite"])):
                 if _selects(spec, cfg):
                     found.setdefault(cfg.run_key, (cfg, set()))[1].add(table.number)
     for figure in paper.figures:  # a figure's suite runs the protocol of the tables it names
-        if figure.suite not in loaded:
-            loaded[figure.suite] = load_suite(figure.suite)
-        for cfg in loaded[figure.suite].cells:
+        for cfg in cells(figure.suite):
             found.setdefault(cfg.run_key, (cfg, set()))[1].update(figure.tables)
     return [_fed(cfg, tables) for cfg, tables in found.values()]
 
