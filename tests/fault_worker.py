@@ -14,6 +14,8 @@ FAULT (K: the round, or the training step for kill-at-step; ignored where not ne
   sigterm               SIGTERM (SLURM's time limit, scancel, timeout) at the start of round K
   disk-full-checkpoint  round K's checkpoint write fails: no space left on device
   disk-full-db          round K's database write fails: database or disk is full
+  slow-rounds           every round starts K seconds late, in `--jobs` pool workers too (so a
+                        signal sent once a cell has started finds it still running)
 Used by tests/test_fault_campaign.py.
 """
 
@@ -131,6 +133,18 @@ def inject(fault: str, k: int) -> None:
             return play(populations, server, task, cfg, r, *args, **kwargs)
 
         rounds.play_round = play_round
+    elif fault == "slow-rounds":
+        import time
+
+        from fpbench.engine import rounds
+
+        play = rounds.play_round
+
+        def late_round(*args, **kwargs):
+            time.sleep(k)
+            return play(*args, **kwargs)
+
+        rounds.play_round = late_round
     elif fault == "disk-full-checkpoint":
         _patch_checkpoint_save(k, _disk_full)
     elif fault == "disk-full-db":
@@ -147,12 +161,18 @@ def inject(fault: str, k: int) -> None:
         raise SystemExit(f"unknown fault {fault!r}")
 
 
+WORKER_FAULTS = {"slow-rounds"}
+WORKER_FAULT_ENV = "FPBENCH_TEST_WORKER_FAULT"
+
+
 def main() -> None:
     fault, k, sep, *args = sys.argv[1:]
     assert sep == "--", sys.argv
     # Ctrl-C as at a terminal, whatever the launching shell left (a background job ignores SIGINT)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     inject(fault, int(k))
+    if fault in WORKER_FAULTS:  # spawned pool workers import this module as __mp_main__
+        os.environ[WORKER_FAULT_ENV] = f"{fault} {k}"
     from fpbench.cli import main as cli
 
     sys.argv = ["fpbench", "run", *args]
@@ -162,3 +182,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+elif __name__ == "__mp_main__" and WORKER_FAULT_ENV in os.environ:
+    _fault, _k = os.environ[WORKER_FAULT_ENV].split()
+    inject(_fault, int(_k))

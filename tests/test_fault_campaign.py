@@ -225,9 +225,9 @@ def test_sigterm_then_rerun(folder, reference, fedvpt_key):
 def test_sigterm_from_outside_stops_every_worker_of_a_pool(folder, reference):
     """`kill PID` (or `timeout`) on a `--jobs 2` driver: its workers stop too, storing their
     cells interrupted, not `running`; the rerun completes them to the uninterrupted rows."""
-    driver = _start(folder, "none", 0, "pool.db", "--jobs", "2")
+    driver = _start(folder, "slow-rounds", 1, "pool.db", "--jobs", "2")
     for line in driver.stdout:  # plain log lines off a terminal: a cell has started (its row
-        if line.split()[1:2] == ["start"]:  # is claimed), its rounds not yet run
+        if line.split()[1:2] == ["start"]:  # is claimed), its rounds (1 s late each) not yet run
             break
     driver.send_signal(signal.SIGTERM)
     _, stderr = driver.communicate(timeout=TIMEOUT_S)
