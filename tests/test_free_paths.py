@@ -1,7 +1,7 @@
-"""Every free path of the paper protocols is proven free: perturbed on the cell's offline twin
-(`fpbench.report.free_proof`), the stored results stay bit-identical.
+"""Every free path of the paper and suite protocols is proven free: perturbed on the cell's
+offline twin (`fpbench.report.free_proof`), the stored results stay bit-identical.
 
-The default run proves, for each paper, a few cells that together carry every (rule, path) pair
+The default run proves, for each protocol, a few cells that together carry every (rule, path) pair
 its free rules cover; the slow sweep proves one cell of every distinct twin. The machinery is
 held to catching a free path that changes a number (TPFL's `eval_last` as it was marked, and a
 learning rate)."""
@@ -23,11 +23,23 @@ from fpbench.report.free_proof import (
 )
 from fpbench.report.paper import list_papers, load_paper
 from fpbench.report.protocol import FedCell, feeding_cells, load_protocol, parse_protocol
+from fpbench.report.suite_protocol import list_suite_protocols, load_suite_protocol, suite_cells
+
+SUITE = "suite:"  # a suite protocol's name here: "suite:flip-compare"
 
 
 @cache
 def _cells(paper: str) -> tuple[FedCell, ...]:
+    if paper.startswith(SUITE):
+        return tuple(suite_cells(paper.removeprefix(SUITE)))
     return tuple(feeding_cells(load_paper(paper)))
+
+
+@cache
+def _blocks(paper: str) -> list:
+    if paper.startswith(SUITE):
+        return load_suite_protocol(paper.removeprefix(SUITE)).blocks
+    return load_protocol(paper)
 
 
 def _pairs(blocks, cell) -> set[tuple[int, str, str]]:
@@ -37,7 +49,7 @@ def _pairs(blocks, cell) -> set[tuple[int, str, str]]:
 def covering_cells(paper: str) -> list[FedCell]:
     """Few cells that together carry every (block, rule, path) free pair of the paper (greedy,
     the cell carrying the most uncovered pairs first)."""
-    blocks = load_protocol(paper)
+    blocks = _blocks(paper)
     todo = set().union(*(_pairs(blocks, c) for c in _cells(paper)))
     chosen = []
     while todo:
@@ -61,12 +73,13 @@ def _distinct_twins(paper: str) -> list[FedCell]:
 
 
 # SDFed's covering cells include the model-heterogeneous runs (a ResNet CLIP, 10 clients): ~1 min
-QUICK = [pytest.param(p, marks=pytest.mark.slow) if p == "sdfed" else p for p in list_papers()]
+PROTOCOLS = [*list_papers(), *(SUITE + s for s in list_suite_protocols())]
+QUICK = [pytest.param(p, marks=pytest.mark.slow) if p == "sdfed" else p for p in PROTOCOLS]
 
 
 @pytest.mark.parametrize("paper", QUICK)
 def test_every_free_path_of_the_paper_is_proven_free(paper, tmp_path):
-    blocks = load_protocol(paper)
+    blocks = _blocks(paper)
     problems = []
     for i, cell in enumerate(covering_cells(paper)):
         problems += prove(cell, blocks, tmp_path / str(i)).problems
@@ -74,9 +87,9 @@ def test_every_free_path_of_the_paper_is_proven_free(paper, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("paper", list_papers())
+@pytest.mark.parametrize("paper", PROTOCOLS)
 def test_every_free_path_of_every_distinct_twin_is_proven_free(paper, tmp_path):
-    blocks = load_protocol(paper)
+    blocks = _blocks(paper)
     problems = []
     for i, cell in enumerate(_distinct_twins(paper)):
         problems += prove(cell, blocks, tmp_path / str(i)).problems
@@ -153,3 +166,15 @@ def test_a_rule_may_name_its_perturbation_and_the_twin_keeps_the_recipe():
     assert twin["method"] == cell.config["method"] and twin["backbone"]["name"] == "clip-test"
     # TPFL's Dassl class blocks: 3 clients of the twin's 6 classes (4 would leave one none)
     assert (twin["dataset"]["name"], twin["partition"]["args"]["num_clients"]) == ("synthetic", 3)
+
+
+def test_a_held_out_domain_twin_holds_out_a_synthetic_style_domain():
+    """clip-lodo's cells hold out a real dataset's domain: the twin holds out d1 of three."""
+    from fpbench.specs import RunConfig
+
+    cell = next(c for c in _cells(SUITE + "clip-lodo") if c.dataset == "officehome-no-art")
+    assert cell.config["evaluation"]["domain"] == "Art"
+    twin = offline_twin(cell.config)
+    assert twin["evaluation"] == {**cell.config["evaluation"], "domain": "d1"}
+    assert twin["dataset"]["args"]["num_domains"] == 3
+    assert RunConfig.model_validate(twin).evaluation.domain == "d1"

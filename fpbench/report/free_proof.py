@@ -43,6 +43,7 @@ from fpbench.report.protocol import (
 TWIN_BLOCKS = 2  # the twin backbones' depth (vit-test, clip-test)
 TWIN_DATASET = {"num_classes": 6, "image_size": 16, "train_per_class": 12, "test_per_class": 6}
 TWIN_CLIENTS = 4
+TWIN_DOMAINS = 3  # a held-out-domain twin's synthetic style domains d0, d1, d2 (d1 held out)
 TWIN_ROUNDS = 3
 TWIN_WIDTH = 32  # the test backbones' feature width
 SCHEDULE = ("train.eval_every", "train.eval_last", "train.summary_window")
@@ -149,6 +150,9 @@ def offline_twin(config: Mapping[str, Any], schedule_free: bool = False) -> dict
             for i, t in enumerate(evaluation["targets"])
         ]
         cfg = {**cfg, "evaluation": {**evaluation, "targets": targets}}
+    if evaluation and evaluation.get("domain"):  # a held-out domain: synthetic style domains
+        data["num_domains"] = TWIN_DOMAINS
+        cfg = {**cfg, "evaluation": {**evaluation, "domain": "d1"}}
     return {
         **cfg,
         "dataset": {"name": "synthetic", "label": cfg["dataset"]["label"], "args": data},
