@@ -50,14 +50,23 @@ def test_sgpt_suites_give_fedvpt_one_prompt_token():
 
 def test_fedpr_trains_with_its_own_adam_in_sgpts_suites_and_sgd_in_pep_fedpts():
     """SGPT gives no optimiser for FedPR (its own code's Adam runs); PEP-FedPT's A.3.2 states
-    SGD with momentum as the default optimiser, so its suites run it (issue 44)."""
+    SGD with momentum as the default optimiser, so its suites run it (issue 44); feature-het's
+    60-client grid is PEP-FedPT Table 2's, on its recipe."""
+
+    def fedpr(name: str, pep: bool) -> list:
+        """FedPR's cells of `name`; in feature-het those of PEP-FedPT's grid or of SGPT's."""
+        return [
+            c for c in load_suite(name).cells if c.method.name == "fedpr"
+            and (name != "feature-het" or (c.partition.label == "domain-60") == pep)
+        ]  # fmt: skip
+
     for name in ("sgpt-table1", "sgpt-table2", "label-het", "feature-het"):
-        cells = [c for c in load_suite(name).cells if c.method.name == "fedpr"]
+        cells = fedpr(name, pep=False)
         assert cells, name
         for c in cells:
             assert (c.train.optimizer, c.train.lr, c.train.weight_decay) == ("adam", 0.1, 0.0)
-    for name in ("heldout", "pep-table1", "pep-table2", "pep-table16"):
-        cells = [c for c in load_suite(name).cells if c.method.name == "fedpr"]
+    for name in ("heldout", "pep-table1", "pep-table2", "pep-table16", "feature-het"):
+        cells = fedpr(name, pep=True)
         assert cells, name
         for c in cells:
             assert (c.train.optimizer, c.train.lr, c.train.momentum) == ("sgd", 0.1, 0.9)
