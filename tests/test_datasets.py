@@ -683,8 +683,9 @@ def test_real_suites_protocols() -> None:
     assert c.train.participation == 0.05 and c.train.local_epochs == 5
     t = by[("tiny-imagenet", "dir-0.3")]
     assert t.partition.args["num_clients"] == 200 and t.train.participation == 0.025
-    f = by[("five-dataset", "4-per-source")]
+    f = by[("five-dataset", "per-dataset")]
     assert f.partition.args["clients_per_domain"] == 4 and f.train.participation == 0.1
+    assert f.dataset.args["test_per_source"] == 1000  # equal client test sets (SGPT Table 1)
     cc = by[("cifar100-c", "path-s2")]
     assert cc.partition.args["num_clients"] == 50 and cc.dataset.args["per_domain"] == 1000
 
