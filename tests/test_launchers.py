@@ -9,6 +9,7 @@ import os
 import queue
 import signal
 import sys
+import time
 import types
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -594,7 +595,11 @@ def test_sigint_to_an_idle_pool_worker_exits_it_130_without_a_traceback(capfd):
         assert pool.submit(os.getpid).result(timeout=120) > 0  # started, now idle
         (worker,) = pool._processes.values()
         os.kill(worker.pid, signal.SIGINT)
-        worker.join(timeout=60)
+        # the executor's own thread reaps its dead worker too: a join here can race its waitpid
+        # (ECHILD, exitcode still None), so wait until the status is recorded by either
+        deadline = time.monotonic() + 60
+        while worker.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert worker.exitcode == 130
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
