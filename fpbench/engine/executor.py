@@ -27,6 +27,7 @@ from fpbench.engine.precision import autocast, start_params
 from fpbench.engine.seeding import client_batches, derive_seed
 from fpbench.engine.task import Task
 from fpbench.methods.base import Context, Method, Phase, ServerState, training_loss
+from fpbench.packing import consecutive_chunks
 from fpbench.specs import Augment, TrainConfig
 from fpbench.strategies import Strategy
 
@@ -225,17 +226,8 @@ def chunk_rows(batches: list[list[Tensor]], step: int, limit: int | None) -> lis
     rows = [row for row, b in enumerate(batches) if step < len(b)]
     if limit is None:
         return [rows]
-    chunks: list[list[int]] = []
-    size = 0
-    for row in rows:
-        n = len(batches[row][step])
-        if chunks and size + n <= limit:
-            chunks[-1].append(row)
-            size += n
-        else:
-            chunks.append([row])
-            size = n
-    return chunks
+    sizes = [len(batches[row][step]) for row in rows]
+    return [[rows[i] for i in chunk] for chunk in consecutive_chunks(sizes, limit)]
 
 
 def phase_optimizer(

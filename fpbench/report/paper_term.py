@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from fpbench.packing import consecutive_chunks
 from fpbench.report.paper import Cell, FilledTable, Line
 from fpbench.report.paper_cells import CLOSE, DASH, diff_text, footer, ours_text, paper_text
 
@@ -51,27 +52,13 @@ def panels(filled: FilledTable, width: int) -> list[tuple[str, list[Line]]]:
     out: list[tuple[str, list[Line]]] = []
     for title, cols in groups.items():
         needs = [_content_width(filled, c) + PADDING for c in cols]
-        count = len(_greedy(needs, room))
+        count = len(consecutive_chunks(needs, room))
         size = -(-len(cols) // count)  # the same number of panels, evenly filled
         even = [list(range(i, min(i + size, len(cols)))) for i in range(0, len(cols), size)]
         if any(sum(needs[i] for i in chunk) > room for chunk in even):
-            even = _greedy(needs, room)
+            even = consecutive_chunks(needs, room)
         out += [(title, [cols[i] for i in chunk]) for chunk in even]
     return out
-
-
-def _greedy(needs: list[int], room: int) -> list[list[int]]:
-    """Indices cut into consecutive chunks, each as long as fits `room` (at least one)."""
-    chunks: list[list[int]] = []
-    used = room + 1
-    for i, need in enumerate(needs):
-        if chunks and used + need <= room:
-            chunks[-1].append(i)
-            used += need
-        else:
-            chunks.append([i])
-            used = need
-    return chunks
 
 
 def _content_width(filled: FilledTable, col: Line) -> int:
