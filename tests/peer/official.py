@@ -173,6 +173,23 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().double() - b.detach().double()).abs().max())
 
 
+def _train_step(
+    ours: Any, start: dict[str, torch.Tensor], images: torch.Tensor, labels: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """fpbench's side of a one-client step from `start`: (its leaves, their gradients set; the
+    mean training loss; the evaluation logits)."""
+    from fpbench.methods.base import Context, training_loss
+
+    params = {k: v.unsqueeze(0).clone().requires_grad_(True) for k, v in start.items()}
+    rows = torch.zeros(len(images), dtype=torch.long)
+    train = Context(training=True, labels=labels)
+    loss = training_loss(ours.forward(params, images, rows, train), labels)[0].mean()
+    loss.backward()
+    with torch.no_grad():
+        logits = ours.forward(params, images, rows, Context(training=False))
+    return params, loss, logits
+
+
 # -- CoOp ----------------------------------------------------------------------------------------
 
 

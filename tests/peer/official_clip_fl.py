@@ -91,7 +91,6 @@ def fedpgp_case(folder: Path, n_ctx: int = 4, bottleneck: int = 2, mu: float = 0
     V, Sigma from the seeded global generator against fpbench's from a seeded one), `logits`,
     `loss`, `grad_U`, `grad_V`, `grad_sigma` and, for scale, `grad_max`.
     """
-    from fpbench.methods.base import Context, training_loss
 
     clip_model, pgp = REF.load_official(FEDPGP, "trainers.fedpgp", "Dassl.dassl")
     path, state = REF.weights(REF.VIT, VIT_NAME, folder)
@@ -129,12 +128,7 @@ def fedpgp_case(folder: Path, n_ctx: int = 4, bottleneck: int = 2, mu: float = 0
         official.eval()
         logits_theirs = official(images)
 
-    params = {k: v.unsqueeze(0).clone().requires_grad_(True) for k, v in start.items()}
-    rows = torch.zeros(batch, dtype=torch.long)
-    train = Context(training=True, labels=labels)
-    loss = training_loss(ours.forward(params, images, rows, train), labels)[0].mean()
-    loss.backward()
-    logits_ours = ours.forward(params, images, rows, Context(training=False))
+    params, loss, logits_ours = REF._train_step(ours, start, images, labels)
     out = {"init": init, "logits": REF._diff(logits_ours, logits_theirs),
            "loss": REF._diff(loss, losses[0])}  # fmt: skip
     for k in ("U", "V", "sigma"):

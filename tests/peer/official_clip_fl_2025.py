@@ -157,7 +157,6 @@ def fedpha_case(folder: Path, arch: str = "vit", n_ctx: int = 4, ratio: float = 
     prompt), `loss` (the official step's, against the mean of fpbench's per-sample loss),
     `grad_global`, `grad_local` and, for scale, `grad_max`.
     """
-    from fpbench.methods.base import Context, training_loss
 
     clip_model, pha = REF.load_official(FEDPHA, "trainers.GL_SVDMSE", "Dassl.dassl")
     spec, size = (REF.VIT, 32) if arch == "vit" else (REF.RN, 64)
@@ -199,13 +198,7 @@ def fedpha_case(folder: Path, arch: str = "vit", n_ctx: int = 4, ratio: float = 
         official.eval()
         logits_theirs = official(images)
 
-    params = {k: v.unsqueeze(0).clone().requires_grad_(True) for k, v in start.items()}
-    rows = torch.zeros(batch, dtype=torch.long)
-    train = Context(training=True, labels=labels)
-    loss = training_loss(ours.forward(params, images, rows, train), labels)[0].mean()
-    loss.backward()
-    with torch.no_grad():
-        logits_ours = ours.forward(params, images, rows, Context(training=False))
+    params, loss, logits_ours = REF._train_step(ours, start, images, labels)
     out["logits"] = REF._diff(logits_ours, logits_theirs)
     out["loss"] = REF._diff(loss, losses[0])
     out["grad_global"] = REF._diff(params["global_ctx"].grad[0], learner.ctx_global.grad[0])
