@@ -3,10 +3,11 @@
 A `[[protocol]]` rule may mark a path free ("it cannot change the table's number"). That is a
 claim about the code, and this module tests it. Each feeding cell gets an *offline twin*
 (`offline_twin`): the same method, method arguments, training recipe and runtime, on the
-test-sized backbone of its family (`vit-test`, `clip-test`), synthetic data and a few clients,
-and a few rounds (where an evaluation-schedule path is free, as many as keep the schedule's shape:
-the last `eval_last` rounds and one `eval_every` stride before them). The twin runs once as it
-is and once with every free path perturbed; `prove` compares every stored value
+test-sized backbone of its family (`vit-test`, `clip-test`), synthetic data (a held-out domain
+one of its synthetic style domains) and a few clients, and a few rounds (where an
+evaluation-schedule path is free, as many as keep the schedule's shape: the last `eval_last`
+rounds and one `eval_every` stride before them). The twin runs once as it is and once with every
+free path perturbed; `prove` compares every stored value
 (`fpbench.store.diff.values`: each round's loss and bytes, each metric row) bit for bit and,
 where they differ, names the paths that change a number, one at a time.
 
