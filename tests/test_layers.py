@@ -10,7 +10,7 @@ import fpbench
 
 # Each top-level module or package of fpbench, lowest first; a unit imports only lower ones.
 LAYERS = [
-    {"fpbench", "errors", "lazy", "stages", "shipped", "units"},
+    {"fpbench", "errors", "lazy", "packing", "stages", "shipped", "units"},
     {"registry", "determinism", "store", "specs"},
     {"data", "suites", "tiny"},
     {"partition", "backbones"},
