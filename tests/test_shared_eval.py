@@ -30,6 +30,7 @@ def _perturbed(server, names: tuple[str, ...], seed: int = 1):
 def _without_sharing(monkeypatch, method, server, task, batch_size: int):
     with monkeypatch.context() as m:
         m.setattr(vit_module, "shared_site", lambda tokens: None)
+        m.setattr(vit_module, "shared_forward", lambda x, key: None)
         return evaluate(method, server, task, batch_size=batch_size)
 
 
@@ -82,18 +83,18 @@ def test_shared_scores_are_bit_identical_to_each_clients_own(
 def test_fedrep_runs_each_block_once_per_test_sample_on_the_full_split(tiny, monkeypatch):
     """FedRep's clients share the prompts and differ in their heads: on the full split every
     block computes each test sample once (then one head per client), where without sharing it
-    computes it once per participant; the local sets cost the same either way."""
+    computes it once per participant; a participant's local samples are read from its full
+    split, so they cost nothing more (held-out clients have no personal head: not scored)."""
     _, task, method = tiny("fedrep")
     server = _perturbed(seeded_server(method), ("head_w", "head_b"))
     participants = int((~task.heldout).sum())
-    local = sum(len(task.test_idx[c]) for c in range(task.num_clients) if not task.heldout[c])
     m = len(task.data.test_labels)
     seen = _block_items(monkeypatch, method)
     evaluate(method, server, task, batch_size=16)
-    assert seen == [local + m] * method.backbone.depth
+    assert seen == [m] * method.backbone.depth
     seen[:] = [0] * len(seen)
     _without_sharing(monkeypatch, method, server, task, 16)
-    assert seen == [local + participants * m] * method.backbone.depth
+    assert seen == [participants * m] * method.backbone.depth
 
 
 def test_pep_fedpt_shares_the_blocks_below_its_class_conditioned_prompts(tiny, monkeypatch):
@@ -106,7 +107,9 @@ def test_pep_fedpt_shares_the_blocks_below_its_class_conditioned_prompts(tiny, m
     first = min(method.layers)
     assert 0 < first < method.backbone.depth
     participants = int((~task.heldout).sum())
-    local = sum(len(i) for i in task.test_idx)  # client-conditioned: the held-out one too
+    # client-conditioned: the held-out client scores its local samples alone
+    local = sum(len(i) for i, held in zip(task.test_idx, task.heldout, strict=True) if held)
+    assert local > 0
     m = len(task.data.test_labels)
     seen = _block_items(monkeypatch, method)
     evaluate(method, server, task, batch_size=16)
@@ -119,12 +122,11 @@ def test_fedem_shares_its_components_before_the_clients_mixture(tiny, monkeypatc
     sample), each client mixing them with its own weights."""
     _, task, method = tiny("fedem")
     server = _perturbed(seeded_server(method), ("pi",))
-    local = sum(len(task.test_idx[c]) for c in range(task.num_clients) if not task.heldout[c])
     m = len(task.data.test_labels)
     seen = _block_items(monkeypatch, method)
     evaluate(method, server, task, batch_size=16)
     assert method.cfg.learners == 3
-    assert seen == [3 * (local + m)] * method.backbone.depth
+    assert seen == [3 * m] * method.backbone.depth
 
 
 def test_slots_of_a_block_and_of_repeated_items():
@@ -137,24 +139,27 @@ def test_slots_of_a_block_and_of_repeated_items():
 
 
 def test_a_site_stores_the_first_item_of_each_slot_and_reuses_only_equal_values():
-    """`map`: the first item of each new slot is computed and stored; a later item of a stored
-    slot takes the stored value only where its input is exactly equal, else it is computed."""
+    """`begin` marks the first item of each new slot to store and the items of stored slots;
+    `same` is true only where a known item's value equals the stored one exactly; `get` reads
+    consecutive slots as a view of the stored values, others as a copy."""
     shared = SharedStates(torch.arange(3), 3)
-    site = shared.site((1, 1))
-    calls: list[int] = []
-
-    def fn(x):
-        calls.append(len(x))
-        return x * 2
-
-    x = torch.tensor([[1.0], [2.0], [1.0]])
+    site = shared.site(1, 1)
     slots = torch.tensor([0, 1, 0])
-    assert site.map(x, slots, fn).tolist() == [[2.0], [4.0], [2.0]]
-    assert calls == [3] and site.filled.tolist() == [True, True, False]
+    fill, known = site.begin(slots)
+    assert fill.tolist() == [True, True, False] and known.tolist() == [False] * 3
+    assert site.store("in", slots[fill], torch.tensor([[1.0], [2.0]]))
+    site.filled[slots[fill]] = True
+    fill, known = site.begin(torch.tensor([0, 1, 2]))
+    assert fill.tolist() == [False, False, True] and known.tolist() == [True, True, False]
     y = torch.tensor([[1.0], [5.0], [0.0]])
-    assert site.map(y, torch.tensor([0, 1, 2]), fn).tolist() == [[2.0], [10.0], [0.0]]
-    assert calls == [3, 2]  # slot 0 reused; slot 1 differs; slot 2 new (and stored)
-    assert site.get("in", torch.tensor([1, 2])).tolist() == [[2.0], [0.0]]
+    assert site.same("in", torch.tensor([0, 1, 2]), y, known).tolist() == [True, False, False]
+    both = torch.tensor([True, True])
+    assert site.same("in", torch.tensor([0, 1]), y[:2], both).tolist() == [True, False]
+    assert site.same("in", torch.tensor([0, 1]), torch.tensor([[1.0], [2.0]]), both).all()
+    assert not site.store("in", torch.tensor([2]), torch.tensor([[1.0, 2.0]]))  # other shape
+    view = site.get("in", torch.tensor([0, 1]))
+    assert view.tolist() == [[1.0], [2.0]] and view.data_ptr() == site.values["in"].data_ptr()
+    assert site.get("in", torch.tensor([1, 0])).tolist() == [[2.0], [1.0]]
 
 
 @pytest.mark.parametrize("name", ["fedrep", "pep-fedpt"])
@@ -225,3 +230,82 @@ def test_a_run_with_full_split_clients_none_stores_no_full_split_metric(tmp_path
     assert full <= names and not full & {k[0] for k in values["none"]}
     kept = {k: v for k, v in values["all"].items() if not k[0].startswith(tuple(full))}
     assert values["none"] == kept
+
+
+def test_fedrep_embeds_each_test_sample_once_and_local_scores_come_from_the_full_split(
+    tiny, monkeypatch
+):
+    """A forward whose prompts equal those stored for its samples is taken whole from the
+    first client's (not even the patch embedding runs again); each participant's local counts
+    and ECE equal a separate local pass's (`full_split="none"` scores the local sets alone)."""
+    _, task, method = tiny("fedrep")
+    server = _perturbed(seeded_server(method), ("head_w", "head_b"))
+    embedded = [0]
+    method.backbone.vit.patch_embed.register_forward_hook(
+        lambda mod, args, out: embedded.__setitem__(0, embedded[0] + args[0].shape[0])
+    )
+    got = evaluate(method, server, task, batch_size=16)
+    assert embedded == [len(task.data.test_labels)]
+    alone = evaluate(method, server, task, batch_size=16, full_split="none")
+    for f in ("correct_local", "ece_local"):
+        np.testing.assert_array_equal(getattr(got, f), getattr(alone, f), err_msg=f)
+
+
+def test_clip_text_features_run_once_per_chunk_and_block(tiny, monkeypatch):
+    """CLIP's text encoder keeps its last call within an evaluation: the clients of a chunk
+    (stacked contexts) scored on a block of the full split encode their prompts once, not once
+    per client, and the scores are bit for bit those computed without (`last_call` off)."""
+    import fpbench.backbones.clip as clip_module
+
+    _, task, method = tiny("coop-local")
+    server = _perturbed(seeded_server(method), ("ctx",))
+    calls = [0]
+    inner = type(method.backbone)._encode_prompts
+
+    def counted(self, *args):
+        calls[0] += 1
+        return inner(self, *args)
+
+    monkeypatch.setattr(type(method.backbone), "_encode_prompts", counted)
+    got = evaluate(method, server, task, batch_size=64)
+    participants = int((~task.heldout).sum())
+    assert len(task.data.test_labels) <= 64 and participants == 3  # one block, chunks of 2
+    assert calls == [2]
+    with monkeypatch.context() as m:
+        m.setattr(clip_module, "last_call", lambda key, inputs, fn: fn())
+        calls[0] = 0
+        _same(got, evaluate(method, server, task, batch_size=64))
+    assert calls == [participants]
+
+
+def test_one_row_expanded_is_compared_once_and_stays_exact():
+    """A site stored from one row expanded (stride 0) compares a later expanded value by that
+    row alone; a store of any other rows drops the shortcut, so comparisons stay per item."""
+    shared = SharedStates(torch.arange(4), 4)
+    site = shared.site(1, 1)
+    row = torch.tensor([[1.0, 2.0]])
+    assert site.store("p", torch.tensor([0, 1]), row.expand(2, 2))
+    site.filled[:2] = True
+    assert torch.equal(site.uniform["p"], row[0])
+    known = torch.tensor([True, True])
+    assert site.same("p", torch.tensor([0, 1]), row.expand(2, 2), known).tolist() == [True] * 2
+    other = torch.tensor([[1.0, 3.0]]).expand(2, 2)
+    assert site.same("p", torch.tensor([0, 1]), other, known).tolist() == [False] * 2
+    assert site.store("p", torch.tensor([2]), torch.tensor([[1.0, 2.0]]))  # a copy, not a view
+    assert "p" not in site.uniform
+    site.filled[2] = True
+    three = torch.tensor([True] * 3)
+    assert site.same("p", torch.tensor([0, 1, 2]), row.expand(3, 2), three).all()
+
+
+def test_rows_of_expands_one_clients_row_only_without_gradients():
+    from fpbench.methods.helpers import rows_of
+
+    t = torch.arange(12.0).view(3, 4)
+    same = torch.tensor([2, 2, 2])
+    with torch.no_grad():
+        one = rows_of(t, same)
+        assert one.stride(0) == 0 and torch.equal(one, t[same])
+        mixed = rows_of(t, torch.tensor([2, 0, 2]))
+        assert mixed.stride(0) == 4 and torch.equal(mixed, t[torch.tensor([2, 0, 2])])
+    assert rows_of(t, same).stride(0) == 4  # training: a gather (its backward a scatter)

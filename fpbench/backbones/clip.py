@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fpbench.backbones.frozen_linear import freeze_linears
-from fpbench.backbones.recall import recalled
+from fpbench.backbones.recall import autocast_key, last_call, recalled
 from fpbench.errors import FpbenchError
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -156,6 +156,10 @@ class PromptedCLIP(nn.Module):
         fraction of the cost (prompts are ~10-30 of 77 tokens).
         """
 
+        key = (id(self), "text", truncate, autocast_key(embeds))
+        return last_call(key, (embeds, ids), lambda: self._encode_prompts(embeds, ids, truncate))
+
+    def _encode_prompts(self, embeds: Tensor, ids: Tensor, truncate: bool) -> Tensor:
         model = self.model
         cast = model.transformer.get_cast_dtype()
         n = int(ids.argmax(-1).max()) + 1 if truncate else ids.shape[1]

@@ -14,7 +14,9 @@ tensor that the current phase trains:
   requires grad depend only on the images and on lower prompts that this phase does not train,
   so `PhaseStates` keeps them per (row, sample) for the phase, with the lower prompts that gave
   them: a slot is reused only where the prompts handed in now are exactly those;
-* evaluation level: where one evaluation scores many clients' models on the same test samples,
+* evaluation level: within an evaluation, a function of tensors alone (CLIP's text features of
+  prompt embeddings) keeps its last call, reused while its inputs are exactly equal
+  (`last_call`); where one evaluation scores many clients' models on the same test samples,
   `SharedStates` keeps, per sample and call site, the first model's hidden states entering and
   leaving each block (and the prompts it inserted); another client's item reuses them while its
   own values are exactly equal (compared, never assumed), so whatever every client shares (the
@@ -54,6 +56,7 @@ class Recall:
     calls: int = field(default=0)  # prompted forwards seen so far in this batch
     shared: SharedStates | None = None  # evaluation level (scoring many clients' models)
     sites: int = field(default=0)  # shared call sites seen so far in this batch
+    forwards: int = field(default=0)  # shared whole forwards seen so far in this batch
 
 
 def shared_site(tokens: Tensor) -> tuple[_Site, Tensor] | None:
@@ -67,10 +70,79 @@ def shared_site(tokens: Tensor) -> tuple[_Site, Tensor] | None:
     if slots is None:
         return None
     found.sites += 1
-    return found.shared.site((found.sites, tokens.shape[0] // len(found.idx))), slots
+    return found.shared.site(found.sites, tokens.shape[0] // len(found.idx)), slots
+
+
+def shared_forward(x: Tensor, key: tuple) -> tuple[_Site, Tensor] | None:
+    """The next evaluation-level whole-forward site of the engine's batch, where x is that
+    batch itself (so item i is the image of test sample idx[i]), and the slots (B,) of its
+    items; `key` names what else the forward's values depend on besides its images and the
+    values compared item by item. None where no such batch is being scored."""
+    found = current(x)
+    if found is None or found.shared is None or found.idx is None:
+        return None
+    slots = found.shared.slots(found.idx, x.shape[0])
+    if slots is None or x.shape[0] != len(found.idx):
+        return None
+    found.forwards += 1
+    return found.shared.site(("forward", found.forwards, *key), 1), slots
 
 
 _CURRENT: ContextVar[Recall | None] = ContextVar("fpbench_recall", default=None)
+
+
+class LastCalls:
+    """One evaluation's last call of each keyed function of tensors: its output is reused
+    while the function is called again on exactly equal inputs (compared, never assumed)."""
+
+    def __init__(self) -> None:
+        self.last: dict[object, tuple[tuple[Tensor, ...], Tensor]] = {}
+
+    def get(self, key: object, inputs: tuple[Tensor, ...], fn: Callable[[], Tensor]) -> Tensor:
+        """fn(), a value of `inputs` alone under `key`, or the last call's where they are equal."""
+        held = self.last.get(key)
+        if held is not None and all(map(_equal, held[0], inputs)):
+            return held[1]
+        out = fn()
+        self.last[key] = (tuple(t.detach().clone() for t in inputs), out.detach())
+        return out
+
+
+def autocast_key(x: Tensor) -> tuple:
+    """The autocast state a computation on x runs under (its values depend on it)."""
+    kind = x.device.type
+    try:
+        on = torch.is_autocast_enabled(kind)
+        return (on, torch.get_autocast_dtype(kind) if on else None)
+    except (AttributeError, TypeError):  # torch < 2.4: no per-device queries
+        return (torch.is_autocast_cpu_enabled() if kind == "cpu" else torch.is_autocast_enabled(),)
+
+
+def _equal(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+_EVALUATION: ContextVar[LastCalls | None] = ContextVar("fpbench_evaluation", default=None)
+
+
+@contextmanager
+def evaluating() -> Iterator[None]:
+    """Within: an evaluation, whose backbones keep their last calls (`last_call`)."""
+    token = _EVALUATION.set(LastCalls())
+    try:
+        yield
+    finally:
+        _EVALUATION.reset(token)
+
+
+def last_call(key: object, inputs: tuple[Tensor, ...], fn: Callable[[], Tensor]) -> Tensor:
+    """fn(), a value of `inputs` alone: within an evaluation and without gradients, the last
+    call's under the same key where the inputs are exactly equal (every client's model of a
+    shared prompt asks for the same text features batch after batch); else computed."""
+    memo = _EVALUATION.get()
+    if memo is None or torch.is_grad_enabled():
+        return fn()
+    return memo.get(key, inputs, fn)
 
 
 @contextmanager
@@ -190,10 +262,11 @@ class SharedStates:
         out = base.repeat_interleave(q) * q + sub
         return torch.where(base.repeat_interleave(q) >= 0, out, -1)
 
-    def site(self, key: tuple) -> _Site:
-        if key not in self.sites:
-            self.sites[key] = _Site(self.size * key[1], self.slot.device)
-        return self.sites[key]
+    def site(self, key: object, repeats: int) -> _Site:
+        """The call site `key`, whose batches take each sample `repeats` times in a row."""
+        if (key, repeats) not in self.sites:
+            self.sites[key, repeats] = _Site(self.size * repeats, self.slot.device)
+        return self.sites[key, repeats]
 
 
 class _Site:
@@ -202,6 +275,7 @@ class _Site:
     def __init__(self, size: int, device: torch.device) -> None:
         self.filled = torch.zeros(size, dtype=torch.bool, device=device)
         self.values: dict[str, Tensor] = {}
+        self.uniform: dict[str, Tensor] = {}  # name -> the one row every stored row equals
 
     def begin(self, slots: Tensor) -> tuple[Tensor, Tensor]:
         """(fill, known): the items (B,) bool whose values this call stores (the first item of
@@ -222,6 +296,12 @@ class _Site:
         if stored is None or stored.shape[1:] != value.shape[1:] or stored.dtype != value.dtype:
             return torch.zeros_like(known)
         if bool(known.all()):
+            one = self.uniform.get(name)
+            if one is not None and value.stride(0) == 0:  # one row against one row
+                return torch.full_like(known, torch.equal(one, value[0]))
+            at = _run(slots)
+            if at is not None and torch.equal(stored[at], value):  # one pass, the usual case
+                return torch.ones_like(known)
             return (stored[slots] == value).flatten(1).all(1)
         out = torch.zeros_like(known)
         if bool(known.any()):
@@ -229,34 +309,35 @@ class _Site:
             out[rows] = (stored[slots[rows]] == value[rows]).flatten(1).all(1)
         return out
 
-    def store(self, name: str, slots: Tensor, value: Tensor) -> bool:
-        """Keep value (b, ...) at slots (b,); False (nothing kept) for a value of another shape
-        or dtype than the site's (then those slots must not be marked filled)."""
+    def store(self, name: str, slots: Tensor, value: Tensor, items: Tensor | None = None) -> bool:
+        """Keep value[items] (b, ...) at slots (b,) (items: a bool mask, None: all); False
+        (nothing kept) for a value of another shape or dtype than the site's (then those slots
+        must not be marked filled). A value of one row expanded (stride 0) is remembered as the
+        row every stored row equals, while every store is such a row, and the same one."""
         stored = self.values.get(name)
-        if stored is None:
+        first = stored is None
+        if first:
             stored = self.values[name] = value.new_empty(len(self.filled), *value.shape[1:])
         if stored.shape[1:] != value.shape[1:] or stored.dtype != value.dtype:
             return False
-        stored[slots] = value.detach()
+        one = value[0].detach() if len(value) and value.stride(0) == 0 else None
+        if one is None or not (first or torch.equal(self.uniform.get(name, one), one)):
+            self.uniform.pop(name, None)
+        elif first:
+            self.uniform[name] = one.clone()
+        stored[slots] = (value if items is None else value[items]).detach()
         return True
 
     def get(self, name: str, slots: Tensor) -> Tensor:
-        return self.values[name][slots]
+        at = _run(slots)
+        return self.values[name][slots if at is None else at]
 
-    def map(self, x: Tensor, slots: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
-        """fn(x) for the items (B, ...) of x, reusing the stored value where x is equal."""
-        fill, known = self.begin(slots)
-        hit = self.same("in", slots, x, known)
-        live = (~hit).nonzero().squeeze(1)
-        new = fn(x[live]) if len(live) else None
-        if new is None:
-            return self.get("out", slots)
-        out = new.new_empty(len(x), *new.shape[1:])
-        out[live] = new
-        if bool(hit.any()):
-            out[hit] = self.get("out", slots[hit])
-        if bool(fill.any()):
-            kept = self.store("in", slots[fill], x[fill])
-            kept = self.store("out", slots[fill], out[fill]) and kept
-            self.filled[slots[fill]] = kept
-        return out
+
+def _run(slots: Tensor) -> slice | None:
+    """slots as a slice where they are consecutive ascending slots (a view instead of a copy)."""
+    first = int(slots[0]) if len(slots) else -1
+    if first < 0 or int(slots[-1]) != first + len(slots) - 1:
+        return None
+    if len(slots) > 2 and not bool((slots.diff() == 1).all()):
+        return None
+    return slice(first, first + len(slots))

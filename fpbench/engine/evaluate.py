@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fpbench.backbones.recall import SharedStates
+from fpbench.backbones.recall import SharedStates, evaluating
 from fpbench.engine.inputs import Inputs
 from fpbench.engine.metrics import EvalCounts, expected_calibration_error, macro_f1
 from fpbench.engine.precision import Draw, autocast, start_params
@@ -66,7 +66,9 @@ def _shared_logits(
     row = torch.tensor(rows, device=block.device).repeat_interleave(len(block))
     for start in range(0, len(pos), batch_size):
         at = pos[start : start + batch_size]
-        x, part, r = images[at], block[at], row[start : start + batch_size]
+        whole = len(at) == len(block) and start % len(block) == 0  # one row's whole block
+        x = images if whole else images[at]
+        part, r = block[at], row[start : start + batch_size]
         with inputs.recall(x, "test", part, r, None, shared):
             out = method.forward(params, x, r, ctx)
         yield as_logits(out)
@@ -137,7 +139,7 @@ def evaluate(
     scores stay NaN.
     """
     inputs = inputs or Inputs.of(method, task)
-    with autocast(task.priors.device, precision):
+    with autocast(task.priors.device, precision), evaluating():
         if method.inference == "global":
             return _evaluate_global(method, server, task, inputs, batch_size, label_space)
         return _evaluate_per_client(
@@ -258,24 +260,31 @@ def _evaluate_per_client(
         ctx = Context(
             training=False, priors=task.priors[ids.to(task.priors.device)], buffers=server.buffers
         )
-        local = [task.test_idx[c] for c in ids.tolist()]
         allowed = None if classes is None else classes[ids.to(classes.device)]  # (K, C)
-        correct, confs = _correct(method, params, inputs, local, ctx, batch_size, allowed)
-        for row, c in enumerate(ids.tolist()):
-            correct_local[c] = int(correct[row].sum())
-            ece_local[c] = _ece(confs[row], correct[row])
         participants = [
             row
             for row, c in enumerate(ids.tolist())
             if not task.heldout[c] and (scored is None or c in scored)
         ]
         if participants:
-            chunks.append((ids, params, ctx, participants))
-    for c, (pred, conf) in _full_split(method, chunks, inputs, batch_size).items():
+            chunks.append((ids, params, ctx, participants, allowed))
+        alone = [row for row in range(len(ids)) if row not in participants]
+        if alone:  # the others score their local test samples here
+            local = [task.test_idx[c] for c in ids[alone].tolist()]
+            mask = None if allowed is None else allowed[alone]
+            correct, confs = _correct(method, params, inputs, local, ctx, batch_size, mask, alone)
+            for k, c in enumerate(ids[alone].tolist()):
+                correct_local[c] = int(correct[k].sum())
+                ece_local[c] = _ece(confs[k], correct[k])
+    for c, (pred, conf, local) in _full_split(method, chunks, inputs, batch_size).items():
         hit = pred == data.test_labels
         global_acc[c] = hit.float().mean().item()
         f1_global[c] = _f1(pred, data.test_labels, data.num_classes)
         ece_global[c] = _ece(conf, hit)
+        local_pred, local_conf = local
+        right = local_pred == data.test_labels[task.test_idx[c]]
+        correct_local[c] = int(right.sum())
+        ece_local[c] = _ece(local_conf, right)
     return EvalCounts(
         correct_local=correct_local,
         total_local=np.array([len(idx) for idx in task.test_idx]),
@@ -291,11 +300,13 @@ def _evaluate_per_client(
 
 def _full_split(
     method: Method,
-    chunks: list[tuple[Tensor, dict[str, Tensor], Context, list[int]]],
+    chunks: list[tuple[Tensor, dict[str, Tensor], Context, list[int], Tensor | None]],
     inputs: Inputs,
     batch_size: int,
-) -> dict[int, tuple[Tensor, Tensor]]:
-    """Each listed client's predictions (M,) and confidences (M,) on the full test split.
+) -> dict[int, tuple[Tensor, Tensor, tuple[Tensor, Tensor]]]:
+    """Each listed client's predictions (M,) and confidences (M,) on the full test split, and
+    those on its local test samples (restricted to the chunk's allowed classes, if given),
+    taken from the same logits.
 
     The split is scored a block of `batch_size` samples at a time, by every chunk's clients
     in turn, each block's images preprocessed once; the backbone keeps, per sample, the states
@@ -303,14 +314,17 @@ def _full_split(
     equal (`fpbench.backbones.recall.SharedStates`): the work the clients' models share is
     done once per sample, the rest per client. The values are those of one client at a time.
     """
-    labels = inputs.task.data.test_labels
+    task = inputs.task
+    labels = task.data.test_labels
     everything = torch.arange(len(labels), device=labels.device)
     preds: dict[int, list[Tensor]] = {}
     confs: dict[int, list[Tensor]] = {}
-    for block in everything.split(batch_size):
+    local: dict[int, list[Tensor]] = {}  # each client's logits of its local samples, in order
+    mine = _local_positions(chunks, task.test_idx, batch_size)
+    for b, block in enumerate(everything.split(batch_size)):
         images = inputs.test(block)
         shared = SharedStates(block, len(labels))
-        for ids, params, ctx, rows in chunks:
+        for ids, params, ctx, rows, _ in chunks:
             batches = _shared_logits(
                 method, params, inputs, block, images, rows, ctx, batch_size, shared
             )
@@ -319,7 +333,40 @@ def _full_split(
                 c = int(ids[row])
                 preds.setdefault(c, []).append(part.argmax(-1))
                 confs.setdefault(c, []).append(confidence(part))
-    return {c: (torch.cat(preds[c]), torch.cat(confs[c])) for c in preds}
+                if (c, b) in mine:
+                    local.setdefault(c, []).append(part[mine[c, b]])
+    out: dict[int, tuple[Tensor, Tensor, tuple[Tensor, Tensor]]] = {}
+    for ids, _, _, rows, allowed in chunks:
+        for row in rows:
+            c = int(ids[row])
+            full = (torch.cat(preds[c]), torch.cat(confs[c]))
+            if c not in local:  # no local test samples
+                out[c] = (*full, (full[0][:0], full[1][:0]))
+                continue
+            order = task.test_idx[c].argsort().argsort()  # block order -> test_idx order
+            logits = torch.cat(local[c])[order.to(labels.device)]  # (n_c, C)
+            if allowed is not None:
+                logits = _masked(logits, allowed[row].to(logits.device))
+            out[c] = (*full, (logits.argmax(-1), confidence(logits)))
+    return out
+
+
+def _local_positions(
+    chunks: list[tuple[Tensor, dict[str, Tensor], Context, list[int], Tensor | None]],
+    test_idx: list[Tensor],
+    batch_size: int,
+) -> dict[tuple[int, int], Tensor]:
+    """(client, block) -> the positions in that block of the client's local test samples, in
+    ascending order, for the chunks' listed clients (blocks of `batch_size` samples)."""
+    out: dict[tuple[int, int], Tensor] = {}
+    for ids, _, _, rows, _ in chunks:
+        for row in rows:
+            c = int(ids[row])
+            idx = test_idx[c].sort().values
+            blocks, counts = torch.unique_consecutive(idx // batch_size, return_counts=True)
+            for b, group in zip(blocks.tolist(), idx.split(counts.tolist()), strict=True):
+                out[c, b] = group % batch_size
+    return out
 
 
 def _draws(
@@ -371,13 +418,14 @@ def _correct(
     ctx: Context,
     batch_size: int,
     allowed: Tensor | None = None,
+    rows: list[int] | None = None,
 ) -> tuple[list[Tensor], list[Tensor]]:
-    """Per row k: a bool tensor of which of the test samples idx[k] row k predicts right, and
-    the confidences of those predictions.
+    """Per k: a bool tensor of which of the test samples idx[k] param row rows[k] (default k)
+    predicts right, and the confidences of those predictions.
 
-    `allowed` (K, C) bool, if given, restricts row k's predictions to the classes allowed[k].
+    `allowed` (K, C) bool, if given, restricts the k-th predictions to the classes allowed[k].
     """
-    preds, confs = _predicted(method, params, inputs, idx, ctx, batch_size, allowed)
+    preds, confs = _predicted(method, params, inputs, idx, ctx, batch_size, allowed, rows)
     labels = inputs.task.data.test_labels
     return [p == labels[i] for p, i in zip(preds, idx, strict=True)], confs
 
@@ -390,12 +438,14 @@ def _predicted(
     ctx: Context,
     batch_size: int,
     allowed: Tensor | None = None,
+    rows: list[int] | None = None,
 ) -> tuple[list[Tensor], list[Tensor]]:
-    """Per row k: the labels row k predicts for its test samples idx[k] and their confidences
-    (see `_correct`)."""
-    flat, rows = _flat(idx)
-    mask = None if allowed is None else allowed[rows.to(allowed.device)]  # (M, C)
-    pred, conf = predict(method, params, inputs, flat, rows, ctx, batch_size, mask)
+    """Per k: the labels param row rows[k] (default k) predicts for its test samples idx[k]
+    and their confidences (see `_correct`)."""
+    flat, part = _flat(idx)
+    mask = None if allowed is None else allowed[part.to(allowed.device)]  # (M, C)
+    at = part if rows is None else torch.tensor(rows, device=part.device)[part]
+    pred, conf = predict(method, params, inputs, flat, at, ctx, batch_size, mask)
     sizes = [len(t) for t in idx]
     return list(pred.split(sizes)), list(conf.split(sizes))
 

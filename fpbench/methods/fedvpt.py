@@ -20,7 +20,7 @@ from pydantic import Field
 
 from fpbench.lazy import torch
 from fpbench.methods.base import Context, Method, MethodConfig
-from fpbench.methods.helpers import init_linear, init_prompts, per_client_linear
+from fpbench.methods.helpers import init_linear, init_prompts, per_client_linear, rows_of
 from fpbench.registry import METHODS
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ class VPTModel(Method):
 
     def _prompts(self, params: dict[str, Tensor], client_index: Tensor) -> dict[int, Tensor]:
         """Each sample's prompts by the block they enter before: (B, p, d) each."""
-        prompts = params["prompts"][client_index]  # (B, p, d) or (B, L, p, d)
+        prompts = rows_of(params["prompts"], client_index)  # (B, p, d) or (B, L, p, d)
         if self.style == "shallow":
             return {0: prompts}
         return {layer: prompts[:, layer] for layer in range(prompts.shape[1])}

@@ -51,6 +51,17 @@ def init_prompts(gen: torch.Generator, length: int, dim: int, patch_size: int) -
     return (torch.rand(length, dim, generator=gen) * 2 - 1) * v
 
 
+def rows_of(t: Tensor, client_index: Tensor) -> Tensor:
+    """Each sample's row of a per-client tensor t (K, ...): t[client_index] (B, ...). Without
+    gradients, where every sample is one client's, that row expanded instead (the same values
+    in one row of memory, compared once where an evaluation shares work across clients)."""
+    if not torch.is_grad_enabled() and len(client_index) > 1:
+        first = client_index[:1]
+        if bool((client_index == first).all()):
+            return t[first].expand(len(client_index), *t.shape[1:])
+    return t[client_index]
+
+
 def per_client_linear(feats: Tensor, w: Tensor, b: Tensor, client_index: Tensor) -> Tensor:
     """Apply each sample's client head: feats (B, d), w (K, C, d), b (K, C) -> (B, C).
 
