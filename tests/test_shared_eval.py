@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fpbench.backbones.vit as vit_module
+import fpbench.methods.helpers as helpers_module
 from fpbench.backbones.recall import SharedStates
 from fpbench.engine.evaluate import evaluate
 from fpbench.testing.tiny import seeded_server, with_config
@@ -31,6 +32,7 @@ def _without_sharing(monkeypatch, method, server, task, batch_size: int):
     with monkeypatch.context() as m:
         m.setattr(vit_module, "shared_site", lambda tokens: None)
         m.setattr(vit_module, "shared_forward", lambda x, key: None)
+        m.setattr(helpers_module, "last_call", lambda key, inputs, fn: fn())
         return evaluate(method, server, task, batch_size=batch_size)
 
 
@@ -309,3 +311,34 @@ def test_rows_of_expands_one_clients_row_only_without_gradients():
         mixed = rows_of(t, torch.tensor([2, 0, 2]))
         assert mixed.stride(0) == 4 and torch.equal(mixed, t[torch.tensor([2, 0, 2])])
     assert rows_of(t, same).stride(0) == 4  # training: a gather (its backward a scatter)
+
+
+def test_last_call_reuses_only_equal_inputs_within_an_evaluation_without_gradients():
+    from fpbench.backbones.recall import evaluating, last_call
+
+    calls: list[float] = []
+
+    def fn(x):
+        calls.append(float(x.sum()))
+        return x * 2
+
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([1.0, 3.0])
+    with torch.no_grad():
+        last_call("k", (a,), lambda: fn(a))
+        last_call("k", (a,), lambda: fn(a))
+        assert calls == [3.0, 3.0]  # no evaluation: computed every time
+        with evaluating():
+            first = last_call("k", (a,), lambda: fn(a))
+            again = last_call("k", (a.clone(),), lambda: fn(a))
+            assert again is first and calls == [3.0, 3.0, 3.0]
+            last_call("k", (b,), lambda: fn(b))  # other values
+            last_call("k", (a.double(),), lambda: fn(a))  # other dtype
+            last_call("j", (a.double(),), lambda: fn(a))  # other key
+            assert calls == [3.0] * 3 + [4.0, 3.0, 3.0]
+            a.add_(1.0)  # the kept inputs are copies: an in-place change is seen
+            last_call("k", (a,), lambda: fn(a))
+            assert calls[-1] == 5.0
+    with evaluating():
+        last_call("k", (a,), lambda: fn(a))
+        last_call("k", (a,), lambda: fn(a))
+    assert calls[-2:] == [5.0, 5.0]  # with gradients: computed

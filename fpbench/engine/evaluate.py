@@ -329,10 +329,11 @@ def _full_split(
                 method, params, inputs, block, images, rows, ctx, batch_size, shared
             )
             logits = torch.cat([b.float() for b in batches])  # (R * S, C), row-major
-            for row, part in zip(rows, logits.split(len(block)), strict=True):
+            pred, conf = logits.argmax(-1).split(len(block)), confidence(logits).split(len(block))
+            for k, (row, part) in enumerate(zip(rows, logits.split(len(block)), strict=True)):
                 c = int(ids[row])
-                preds.setdefault(c, []).append(part.argmax(-1))
-                confs.setdefault(c, []).append(confidence(part))
+                preds.setdefault(c, []).append(pred[k])
+                confs.setdefault(c, []).append(conf[k])
                 if (c, b) in mine:
                     local.setdefault(c, []).append(part[mine[c, b]])
     out: dict[int, tuple[Tensor, Tensor, tuple[Tensor, Tensor]]] = {}

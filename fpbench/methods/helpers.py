@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from fpbench.backbones.recall import last_call
 from fpbench.lazy import torch
 
 if TYPE_CHECKING:
@@ -72,5 +73,10 @@ def per_client_linear(feats: Tensor, w: Tensor, b: Tensor, client_index: Tensor)
     if w.shape[0] == 1:
         return feats @ w[0].T + b[0]
     k, c, d = w.shape
-    logits = (feats @ w.reshape(k * c, d).T).view(-1, k, c) + b  # (B, K, C)
+
+    def dense() -> Tensor:
+        return (feats @ w.reshape(k * c, d).T).view(-1, k, c) + b  # (B, K, C)
+
+    # within an evaluation, a chunk's clients scoring the same features reuse the product
+    logits = last_call("per_client_linear", (feats, w, b), dense)
     return logits[torch.arange(len(feats), device=feats.device), client_index]
