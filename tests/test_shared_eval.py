@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
+import fpbench.backbones.clip as clip_module
 import fpbench.backbones.vit as vit_module
 import fpbench.methods.helpers as helpers_module
 from fpbench.backbones.recall import SharedStates
@@ -33,6 +34,7 @@ def _without_sharing(monkeypatch, method, server, task, batch_size: int):
         m.setattr(vit_module, "shared_site", lambda tokens: None)
         m.setattr(vit_module, "shared_forward", lambda x, key: None)
         m.setattr(helpers_module, "last_call", lambda key, inputs, fn: fn())
+        m.setattr(clip_module, "last_call", lambda key, inputs, fn: fn())
         return evaluate(method, server, task, batch_size=batch_size)
 
 
@@ -79,6 +81,21 @@ def test_shared_scores_are_bit_identical_to_each_clients_own(
     server = _perturbed(seeded_server(method), tuple(k for k in differ if k in method.personal))
     got = evaluate(method, server, task, batch_size=batch_size)
     _same(got, _without_sharing(monkeypatch, method, server, task, batch_size))
+    assert np.isfinite(got.global_acc[~task.heldout.numpy()]).all()
+
+
+@pytest.mark.parametrize(
+    "name", ["coop-local", "fedotp", "fedpgp", "pfedmoap", "promptfolio", "powder", "sdfed"]
+)
+def test_clip_personal_scores_are_bit_identical_to_each_clients_own(tiny, monkeypatch, name):
+    """The CLIP field's personal and client-conditioned methods, every personal tensor
+    perturbed per client: the evaluation with its kept last calls equals the one without."""
+    _, task, method = tiny(name)
+    server = seeded_server(method)
+    floats = tuple(k for k in method.personal if server.personal[k].is_floating_point())
+    server = _perturbed(server, floats)
+    got = evaluate(method, server, task, batch_size=64)
+    _same(got, _without_sharing(monkeypatch, method, server, task, 64))
     assert np.isfinite(got.global_acc[~task.heldout.numpy()]).all()
 
 
