@@ -153,17 +153,19 @@ class PromptedCLIP(nn.Module):
 
         With `truncate`, tokens after the last EOT are dropped: under the causal mask they never
         reach an EOT output, so the features agree with the full pass up to float rounding, at a
-        fraction of the cost (prompts are ~10-30 of 77 tokens).
+        fraction of the cost (prompts are ~10-30 of 77 tokens). Within an evaluation the last
+        call's features are reused while the (truncated) embeddings and ids are exactly equal
+        (`fpbench.backbones.recall.last_call`).
         """
-
-        key = (id(self), "text", truncate, autocast_key(embeds))
-        return last_call(key, (embeds, ids), lambda: self._encode_prompts(embeds, ids, truncate))
-
-    def _encode_prompts(self, embeds: Tensor, ids: Tensor, truncate: bool) -> Tensor:
-        model = self.model
-        cast = model.transformer.get_cast_dtype()
         n = int(ids.argmax(-1).max()) + 1 if truncate else ids.shape[1]
         embeds, ids = embeds[:, :n], ids[:, :n]
+        key = (id(self), "text", autocast_key(embeds))
+        return last_call(key, (embeds, ids), lambda: self._encode_prompts(embeds, ids))
+
+    def _encode_prompts(self, embeds: Tensor, ids: Tensor) -> Tensor:
+        model = self.model
+        cast = model.transformer.get_cast_dtype()
+        n = ids.shape[1]
         x = embeds.to(cast) + model.positional_embedding[:n].to(cast)  # (N, n, d)
         mask = model.attn_mask[:n, :n] if model.attn_mask is not None else None
         return _text_head(model, model.transformer(x, attn_mask=mask), ids)
