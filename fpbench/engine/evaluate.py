@@ -316,39 +316,49 @@ def _full_split(
     """
     task = inputs.task
     labels = task.data.test_labels
-    everything = torch.arange(len(labels), device=labels.device)
-    preds: dict[int, list[Tensor]] = {}
-    confs: dict[int, list[Tensor]] = {}
-    local: dict[int, list[Tensor]] = {}  # each client's logits of its local samples, in order
+    device = labels.device
+    clients = [int(ids[row]) for ids, _, _, rows, _ in chunks for row in rows]
+    allowed = [None if a is None else a[row] for ids, _, _, rows, a in chunks for row in rows]
+    first = np.cumsum([0] + [len(rows) for _, _, _, rows, _ in chunks]).tolist()
+    # outputs allocated once, before the loop: small long-lived pieces allocated between the
+    # loop's large temporaries would fragment the CPU heap (glibc), growing the process by
+    # about the size of the logits at every (chunk, block)
+    preds = torch.empty(len(clients), len(labels), dtype=torch.long, device=device)
+    confs = torch.empty(len(clients), len(labels), device=device)
+    sizes = [len(task.test_idx[c]) for c in clients]
+    offset = dict(zip(clients, np.cumsum([0, *sizes]).tolist()[:-1], strict=True))
+    filled = dict.fromkeys(clients, 0)
+    local: Tensor | None = None  # every client's logits of its local samples, in block order
     mine = _local_positions(chunks, task.test_idx, batch_size)
-    for b, block in enumerate(everything.split(batch_size)):
+    for n, block in enumerate(torch.arange(len(labels), device=device).split(batch_size)):
         images = inputs.test(block)
         shared = SharedStates(block, len(labels))
-        for ids, params, ctx, rows, _ in chunks:
+        span = slice(int(block[0]), int(block[-1]) + 1)
+        for j, (ids, params, ctx, rows, _) in enumerate(chunks):
             batches = _shared_logits(
                 method, params, inputs, block, images, rows, ctx, batch_size, shared
             )
-            logits = torch.cat([b.float() for b in batches])  # (R * S, C), row-major
+            logits = torch.cat([part.float() for part in batches])  # (R * S, C), row-major
+            if local is None:
+                local = logits.new_empty(sum(sizes), logits.shape[1])
             pred, conf = logits.argmax(-1).split(len(block)), confidence(logits).split(len(block))
             for k, (row, part) in enumerate(zip(rows, logits.split(len(block)), strict=True)):
-                c = int(ids[row])
-                preds.setdefault(c, []).append(pred[k])
-                confs.setdefault(c, []).append(conf[k])
-                if (c, b) in mine:
-                    local.setdefault(c, []).append(part[mine[c, b]])
+                c, i = int(ids[row]), first[j] + k
+                preds[i, span], confs[i, span] = pred[k], conf[k]
+                if (c, n) in mine:
+                    start = offset[c] + filled[c]
+                    local[start : start + len(mine[c, n])] = part[mine[c, n]]
+                    filled[c] += len(mine[c, n])
     out: dict[int, tuple[Tensor, Tensor, tuple[Tensor, Tensor]]] = {}
-    for ids, _, _, rows, allowed in chunks:
-        for row in rows:
-            c = int(ids[row])
-            full = (torch.cat(preds[c]), torch.cat(confs[c]))
-            if c not in local:  # no local test samples
-                out[c] = (*full, (full[0][:0], full[1][:0]))
-                continue
-            order = task.test_idx[c].argsort().argsort()  # block order -> test_idx order
-            logits = torch.cat(local[c])[order.to(labels.device)]  # (n_c, C)
-            if allowed is not None:
-                logits = _masked(logits, allowed[row].to(logits.device))
-            out[c] = (*full, (logits.argmax(-1), confidence(logits)))
+    for i, (c, size) in enumerate(zip(clients, sizes, strict=True)):
+        if local is None or not size:  # no local test samples
+            out[c] = (preds[i], confs[i], (preds[i][:0], confs[i][:0]))
+            continue
+        order = task.test_idx[c].argsort().argsort()  # block order -> test_idx order
+        logits = local[offset[c] : offset[c] + size][order.to(device)]  # (n_c, C)
+        if allowed[i] is not None:
+            logits = _masked(logits, allowed[i].to(logits.device))
+        out[c] = (preds[i], confs[i], (logits.argmax(-1), confidence(logits)))
     return out
 
 
