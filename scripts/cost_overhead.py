@@ -21,16 +21,16 @@ from contextlib import nullcontext
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from fpbench.engine.build import build_populations, resolve_device
+from fpbench.engine.build import resolve_device
+from fpbench.engine.cell import Cell
 from fpbench.engine.cost import count_flops
 from fpbench.engine.inputs import FeatureCache
 from fpbench.engine.rounds import play_round
 from fpbench.engine.runner import cell_numerics
-from fpbench.engine.task import build_task
 from fpbench.suites import expand_suite
 
 
-def cell(args: argparse.Namespace):
+def config(args: argparse.Namespace):
     raw = {
         "seeds": [0],
         "defaults": {
@@ -64,15 +64,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--flop-counter-mode", action="store_true", help="also time FlopCounterMode")
     args = ap.parse_args()
-    cfg = cell(args)
+    cfg = config(args)
     device = resolve_device(args.device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     with cell_numerics(cfg):
-        task = build_task(cfg, device)
-        pops = build_populations(cfg, task, device, FeatureCache(), pretrained=False)
-        server = pops[0].method.init_server(torch.Generator().manual_seed(0)).to(device)
-        ids = task.trainable_clients()
-        play_round(pops, server, task, cfg, 0, ids, [], ids)  # warm-up: the frozen passes
+        cell = Cell.build(cfg, device, cache=FeatureCache(), pretrained=False)
+        cell = cell.with_schedule([cell.task.trainable_clients()] * 2)  # every client, twice
+        server = cell.populations[0].method.init_server(torch.Generator().manual_seed(0))
+        server = server.to(device)
+        play_round(cell, server, 0, [])  # warm-up: the frozen passes
         ways = {"plain": nullcontext, "counted": count_flops}
         if args.flop_counter_mode:
             ways["FlopCounterMode"] = lambda: FlopCounterMode(display=False)
@@ -83,7 +83,7 @@ def main() -> None:
                 sync()
                 start = time.perf_counter()
                 with mode() as found:
-                    play_round(pops, server, task, cfg, 1, ids, [], ids)
+                    play_round(cell, server, 1, [])
                 sync()
                 times[way].append(time.perf_counter() - start)
                 flops = found.total if way == "counted" else flops

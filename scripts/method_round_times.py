@@ -34,17 +34,16 @@ def _counter(backbone) -> tuple[list[int], object]:
 
 
 def measure(name: str, repeats: int) -> dict[str, float]:
-    from fpbench.engine.build import build_method
+    from fpbench.engine.cell import Cell
     from fpbench.engine.executor import train_clients
-    from fpbench.engine.inputs import FeatureCache, Inputs
-    from fpbench.engine.task import build_task
+    from fpbench.engine.inputs import FeatureCache
     from fpbench.testing.tiny import seeded_server, tiny_config
 
     cfg = tiny_config(name, local_epochs=2)
-    task = build_task(cfg, torch.device("cpu"))
-    method = build_method(cfg, task, torch.device("cpu"))
+    cell = Cell.build(cfg, torch.device("cpu"), cache=FeatureCache())
+    task, (population,) = cell.task, cell.populations
+    method, inputs = population.method, population.inputs
     server = seeded_server(method)
-    inputs = Inputs.of(method, task, FeatureCache(), batch_size=16)
     ids = task.trainable_clients()
 
     def one_round() -> None:

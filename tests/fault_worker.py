@@ -127,10 +127,10 @@ def inject(fault: str, k: int) -> None:
         play = rounds.play_round
         signum = signal.SIGINT if fault == "ctrl-c" else signal.SIGTERM
 
-        def play_round(populations, server, task, cfg, r, *args, **kwargs):
+        def play_round(cell, server, r, *args, **kwargs):
             if r == k:
                 os.kill(os.getpid(), signum)
-            return play(populations, server, task, cfg, r, *args, **kwargs)
+            return play(cell, server, r, *args, **kwargs)
 
         rounds.play_round = play_round
     elif fault == "slow-rounds":

@@ -22,14 +22,13 @@ from fpbench.engine.artifacts import (
     FORMAT,
     keep_params,
     load_params,
-    on_train_split,
     params_path,
     read_npz,
     rescore,
     write_npz,
 )
 from fpbench.engine.seeding import derive_seed
-from fpbench.engine.task import build_task
+from fpbench.engine.task import build_task, on_train_split
 from fpbench.errors import FpbenchError
 from fpbench.methods.base import ServerState
 from tests.conftest import tiny_config
@@ -184,14 +183,14 @@ def evaluated(monkeypatch):
         yield
         inside[0] = False
 
-    def record(populations, servers, task, cfg, precision, history, r, clients):
+    def record(cell, servers, history, r, clients):
         seen.append(
             {
-                "populations": populations,
+                "populations": cell.populations,
                 "servers": servers,
-                "task": task,
-                "cfg": cfg,
-                "precision": precision,
+                "task": cell.task,
+                "cfg": cell.cfg,
+                "precision": cell.precision,
                 "history": history,
                 "r": r,
                 "seen": clients,

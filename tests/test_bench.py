@@ -120,7 +120,8 @@ def test_bench_methods_times_the_engines_round_and_evaluation(tmp_path, monkeypa
         real = getattr(rounds, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
-            calls.append((_name, args[5] if _name == "play_round" else args[-1]))
+            cell = args[0]  # the round's clients, and the clients seen that evaluation reads
+            calls.append((_name, cell.schedule[args[2]] if _name == "play_round" else args[-1]))
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(rounds, name, spy)

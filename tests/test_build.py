@@ -153,7 +153,7 @@ def test_model_het_builds_one_population_per_backbone_in_profile_order(monkeypat
     0 | 1, 2 | 3; a and c share the first population, b has the second."""
     made = []
     real = build_mod.build_method
-    monkeypatch.setattr(build_mod, "build_method", lambda *a: made.append(a) or real(*a))
+    monkeypatch.setattr(build_mod, "build_method", lambda *a, **k: made.append(a) or real(*a, **k))
     cfg = _het(
         [
             {"name": "a", "clients": 1},

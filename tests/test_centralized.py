@@ -19,7 +19,7 @@ from fpbench.engine.executor import train_clients
 from fpbench.engine.rounds import check_centralized, play_round, pooled
 from fpbench.engine.task import build_task
 from fpbench.errors import FpbenchError
-from fpbench.testing.tiny import seeded_server, tiny_config
+from fpbench.testing.tiny import cell_of, seeded_server, tiny_config
 
 CPU = torch.device("cpu")
 
@@ -67,7 +67,7 @@ def test_a_centralized_round_trains_the_pooled_client_alone_and_scores_every_cli
     (pop,) = build_populations(cfg, task, CPU)
     server = seeded_server(pop.method)
     sampled = task.trainable_clients()[1:]  # the round's two clients (participation 0.5)
-    new, rows, scalars = play_round([pop], server, task, cfg, 0, sampled, [])
+    new, rows, scalars = play_round(cell_of(cfg, task, [pop], sampled), server, 0, [])
     alone = train_clients(
         pop.method, server, pooled(task, sampled), [0], cfg.train, round_idx=0, seed=0
     )
@@ -104,7 +104,7 @@ def test_a_centralized_step_cap_is_the_round_clients_budget(fpbench_cache, monke
         "train_clients",
         lambda *a, **kw: handed.append((kw["inputs"], kw["executor"])) or train(*a, **kw),
     )
-    new, _, _ = play_round([pop], server, task, cfg, 0, sampled, [])
+    new, _, _ = play_round(cell_of(cfg, task, [pop], sampled), server, 0, [])
     assert len(handed) == 1 and handed[0][0] is pop.inputs and handed[0][1] == "reference"
     pool = pooled(task, sampled)
     steps = {}

@@ -12,12 +12,13 @@ from typer.testing import CliRunner
 
 from fpbench.cli import app
 from fpbench.engine import cost, runner
+from fpbench.engine.cell import sampling_schedule
 from fpbench.engine.cost import PeakMemory, count_flops, uncounted
 from fpbench.engine.inputs import FeatureCache
-from fpbench.engine.rounds import sampling_schedule
 from fpbench.engine.runner import run_cell
 from fpbench.engine.task import build_task
 from fpbench.store import ClaimLost, Store
+from fpbench.testing.tiny import cell_of
 from fpbench.units import human_bytes, human_flops
 from tests.conftest import tiny_config
 
@@ -275,9 +276,9 @@ def test_the_count_equals_pytorch_s_flop_counter_on_a_round(tiny) -> None:
         pops = build_populations(cfg, task, torch.device("cpu"), FeatureCache())
         server = pops[0].method.init_server(torch.Generator().manual_seed(0))
         ids = task.trainable_clients()
-        play_round(pops, server, task, cfg, 0, ids, [], ids)  # the frozen passes, first
+        play_round(cell_of(cfg, task, pops, ids), server, 0, [])  # the frozen passes, first
         with count_flops() as ours:
-            play_round(pops, server, task, cfg, 1, ids, [], ids)
+            play_round(cell_of(cfg, task, pops, ids), server, 1, [])
         with FlopCounterMode(display=False) as theirs:
-            play_round(pops, server, task, cfg, 1, ids, [], ids)
+            play_round(cell_of(cfg, task, pops, ids), server, 1, [])
     assert ours.total == theirs.get_total_flops() > 0

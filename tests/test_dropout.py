@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from fpbench.engine.rounds import dropout_positions, sampling_schedule
+from fpbench.engine.cell import dropout_positions, sampling_schedule
 from fpbench.engine.runner import run_cell
 from fpbench.engine.seeding import derive_seed
 from fpbench.methods.fedvpt import FedVPT

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from fpbench.engine import checkpoint as ckpt_io
+from fpbench.engine.cell import sampling_schedule
 from fpbench.engine.evaluate import evaluate
 from fpbench.engine.observer import CellResult
-from fpbench.engine.rounds import sampling_schedule, should_eval
+from fpbench.engine.rounds import should_eval
 from fpbench.engine.runner import run_cell
 from fpbench.engine.seeding import derive_seed
 from fpbench.methods.base import Context

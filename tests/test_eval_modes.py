@@ -17,6 +17,7 @@ from fpbench.engine.task import build_task, load_dataset
 from fpbench.errors import FpbenchError
 from fpbench.specs import Evaluation
 from fpbench.suites import expand_suite
+from fpbench.testing.tiny import cell_of
 
 CPU = torch.device("cpu")
 
@@ -259,7 +260,7 @@ def test_novel_classes_are_scored_with_the_trained_prompts_over_their_names():
     (target,) = pop.targets
     assert target.method.task.class_names == ("c3", "c4")
     server = pop.method.init_server(torch.Generator().manual_seed(3))
-    out = score_targets([pop], {"": server}, cfg, "fp32", [0, 1, 2])
+    out = score_targets(cell_of(cfg, task, [pop], [0, 1, 2], "fp32"), {"": server}, [0, 1, 2])
     novel = target.task.data
     assert len(novel.test_labels) == 2 * 3
     expected = _independent_accuracy(pop.method, server.params["ctx"], novel)
@@ -275,7 +276,7 @@ def test_cross_dataset_scores_each_target_with_its_class_names():
     task = build_task(cfg, CPU)
     (pop,) = build_populations(cfg, task, CPU)
     server = pop.method.init_server(torch.Generator().manual_seed(4))
-    out = score_targets([pop], {"": server}, cfg, "fp32", [0, 1, 2])
+    out = score_targets(cell_of(cfg, task, [pop], [0, 1, 2], "fp32"), {"": server}, [0, 1, 2])
     data = pop.targets[0].task.data
     assert data.num_classes == 7 and len(data.test_labels) == 14
     expected = _independent_accuracy(pop.method, server.params["ctx"], data)
@@ -446,7 +447,9 @@ def test_a_personal_method_is_scored_with_each_trained_clients_own_prompts():
     server.personal = {
         k: v + 0.3 * torch.randn(v.shape, generator=gen) for k, v in server.personal.items()
     }
-    out = score_targets([pop], {"": server}, cfg, "fp32", [0, 2])  # client 1 never trained
+    out = score_targets(
+        cell_of(cfg, task, [pop], [0, 2], "fp32"), {"": server}, [0, 2]
+    )  # client 1 never trained
     data = target.task.data
     x = pop.method.backbone.preprocess(data.test_images)
     rows = torch.zeros(len(x), dtype=torch.long)
@@ -531,7 +534,7 @@ def test_score_targets_hands_evaluate_each_sets_method_task_inputs_and_the_preci
         return evaluate(*args, **kwargs)
 
     monkeypatch.setattr(rounds, "evaluate", spy)
-    out = score_targets([pop], {"": server}, cfg, "bf16", [0, 1, 2])
+    out = score_targets(cell_of(cfg, task, [pop], [0, 1, 2], "bf16"), {"": server}, [0, 1, 2])
     ((args, kwargs),) = calls
     (target,) = pop.targets
     assert args[0] is target.method and args[1] is server and args[2] is target.task

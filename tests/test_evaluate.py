@@ -309,7 +309,7 @@ def test_a_method_that_does_not_draw_loads_no_train_data(tiny, monkeypatch):
 def test_empty_predictions_are_empty_tensors_of_the_index_type():
     """No test sample to predict: an empty (0,) long tensor and an empty float one."""
     idx = torch.zeros(0, dtype=torch.long)
-    pred, conf = evaluation.predict(None, {}, None, idx, idx, None, 8)
+    pred, conf = evaluation.predict(evaluation.Predictor(None, {}, None, None, 8), idx, idx)
     assert (pred.shape, pred.dtype, conf.shape, conf.dtype) == (
         (0,),
         torch.long,

@@ -17,8 +17,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from fpbench.engine import cell_task, dispatch
-from fpbench.engine.cell_task import Dispatch
+from fpbench.engine import dispatch, runner
+from fpbench.engine.launch import Dispatch
 from fpbench.engine.observer import CellResult, Observer
 from fpbench.errors import FpbenchError
 from fpbench.store import Store
@@ -140,7 +140,7 @@ def test_ray_submits_every_cell_as_a_task_and_reports_each_as_it_ends(tmp_path, 
     assert ray.calls == [
         ("init", {"num_cpus": 3, "include_dashboard": False, "log_to_driver": False}),
         ("remote", {"num_cpus": 2, "num_gpus": 0.5}),
-        *[("submit", cell_task.run_one, s, "sqlite:///x.db", ck, 7.0) for s in range(3)],
+        *[("submit", runner.run_one, s, "sqlite:///x.db", ck, 7.0) for s in range(3)],
         ("wait", [0, 1, 2], 1, 1.0),
         ("wait", [0, 1], 1, 1.0),
         ("wait", [0], 1, 1.0),
@@ -522,7 +522,7 @@ def test_a_serial_run_shares_one_store_and_cache_or_opens_each_cells_database(
     url = f"sqlite:///{tmp_path / 's.db'}"
     d = Dispatch(claim_timeout=9.0)
     assert dispatch._serial(cells, url, tmp_path / "ck", d, obs) == ["r"]
-    assert seen == [(cells, url, tmp_path / "ck", obs, cell_task.worker_cache())]
+    assert seen == [(cells, url, tmp_path / "ck", obs, runner.worker_cache())]
     ran = []
     monkeypatch.setattr(dispatch, "run_one", lambda *a: ran.append(a) or ("failed", "x"))
     per_cell = f"sqlite:///{tmp_path}/c-{{run_key}}.db"
@@ -549,7 +549,7 @@ def test_a_pool_worker_takes_its_threads_queue_and_the_next_gpu(monkeypatch):
     threads, handlers = [], {}
     monkeypatch.setattr(torch, "set_num_threads", threads.append)
     monkeypatch.setattr(dispatch.signal, "signal", handlers.__setitem__)  # not pytest's own
-    monkeypatch.setattr(cell_task, "_worker", {})
+    monkeypatch.setattr(runner, "_worker", {})
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
     counter = mp.get_context("fork").Value("i", 0)
     gpus = []
@@ -557,7 +557,7 @@ def test_a_pool_worker_takes_its_threads_queue_and_the_next_gpu(monkeypatch):
         dispatch._init_worker("events", 2, ["4", "6"], counter)
         gpus.append(os.environ["CUDA_VISIBLE_DEVICES"])
     assert (threads, gpus, counter.value) == ([2, 2, 2], ["4", "6", "4"], 3)
-    assert cell_task._worker == {"events": "events"}
+    assert runner._worker == {"events": "events"}
     assert handlers == {signal.SIGINT: dispatch._on_sigint_in_worker}
     dispatch._init_worker("q", 1, [], counter)  # one GPU or none: left as it is
     assert (os.environ["CUDA_VISIBLE_DEVICES"], counter.value) == ("4", 3)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from fpbench import stages
+from fpbench.engine.cell import sampling_schedule
 from fpbench.engine.evaluate import evaluate
 from fpbench.engine.executor import train_clients
 from fpbench.engine.inputs import FeatureCache, FrozenSplit, Inputs, owners
-from fpbench.engine.rounds import sampling_schedule
 from fpbench.engine.runner import run_cell
 from fpbench.store import Store
 from tests.conftest import tiny_config

@@ -30,6 +30,7 @@ from fpbench.methods.base import ServerState
 from fpbench.specs import TrainConfig
 from fpbench.store import Store
 from fpbench.suites import expand_suite
+from fpbench.testing.tiny import cell_of
 
 CPU = torch.device("cpu")
 SDFED = {"name": "sdfed", "global_len": 4, "local_len": 4}
@@ -294,8 +295,9 @@ def test_a_round_shares_only_its_participants_and_names_each_groups_round_metric
             return {"probe": 10.0 + i}
 
         pop.method.round_metrics = probe
-    new, rows, _ = play_round(pops, pack(servers), task, cfg, 0, [3, 4], [])
-    alone, _, _ = play_round(pops[1:], pack({keys[1]: servers[keys[1]]}), task, cfg, 0, [3, 4], [])
+    new, rows, _ = play_round(cell_of(cfg, task, pops, [3, 4]), pack(servers), 0, [])
+    alone_cell = cell_of(cfg, task, pops[1:], [3, 4])
+    alone, _, _ = play_round(alone_cell, pack({keys[1]: servers[keys[1]]}), 0, [])
     want = unpack(alone, keys[1:])[keys[1]].params["ctx"]
     assert not torch.equal(want, servers[keys[1]].params["ctx"])  # it trained
     for key, state in unpack(new, keys).items():

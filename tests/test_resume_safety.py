@@ -177,10 +177,10 @@ def workdir(tmp_path, monkeypatch):
 def _ctrl_c_in_round(monkeypatch, k: int) -> None:
     play = rounds.play_round
 
-    def play_round(populations, server, task, cfg, r, *args, **kwargs):
+    def play_round(cell, server, r, *args, **kwargs):
         if r == k:
             raise KeyboardInterrupt
-        return play(populations, server, task, cfg, r, *args, **kwargs)
+        return play(cell, server, r, *args, **kwargs)
 
     monkeypatch.setattr(rounds, "play_round", play_round)
 
@@ -390,10 +390,10 @@ def test_sigterm_is_stored_as_interrupted_exits_143_and_a_rerun_resumes(workdir,
     assert _cli(*run, "--db", "whole.db")[0] == 0
     play = rounds.play_round
 
-    def play_round(populations, server, task, cfg, r, *args, **kwargs):
+    def play_round(cell, server, r, *args, **kwargs):
         if r == 1:
             os.kill(os.getpid(), signal.SIGTERM)
-        return play(populations, server, task, cfg, r, *args, **kwargs)
+        return play(cell, server, r, *args, **kwargs)
 
     with monkeypatch.context() as patched:
         patched.setattr(rounds, "play_round", play_round)

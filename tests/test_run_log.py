@@ -14,7 +14,7 @@ from fpbench import stages
 from fpbench.cli import app
 from fpbench.cli.run_log import LineObserver, clock, headline
 from fpbench.cli.summary import next_commands
-from fpbench.engine import cell_task
+from fpbench.engine import runner
 from tests.conftest import TINY_SUITE_TOML
 
 STAMP = r"\d\d:\d\d:\d\d "
@@ -129,7 +129,7 @@ def _tiny(tmp_path):
 def test_piped_run_prints_rounds_summary_and_next_commands(tmp_path, monkeypatch):
     """CliRunner's stdout is no terminal: plain lines, then the table and the next commands."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cell_task, "_worker", {})  # no frozen features kept from earlier tests
+    monkeypatch.setattr(runner, "_worker", {})  # no frozen features kept from earlier tests
     _tiny(tmp_path)
     result = CliRunner().invoke(app, ["run", "--suite", "tiny", "--db", "r.db"])
     assert result.exit_code == 0, result.output

@@ -12,6 +12,7 @@ from sqlalchemy import update
 
 import fpbench
 import fpbench.engine.runner as runner
+from fpbench.engine import cell as cell_module
 from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.observer import CellResult, Observer
 from fpbench.engine.runner import CellInterrupted, run_cell, run_suite
@@ -44,7 +45,7 @@ def test_a_crash_while_building_is_stored_as_failed_with_its_record(store, tmp_p
     """A bug while building the methods is recorded (a run, failed, its error and traceback),
     with the cell's identity, versions and device."""
     cfg = tiny_config(rounds=1)
-    monkeypatch.setattr(runner, "build_populations", _raise(_Boom("no method")))
+    monkeypatch.setattr(cell_module, "build_populations", _raise(_Boom("no method")))
     with pytest.raises(_Boom):
         run_cell(cfg, store, checkpoint_dir=tmp_path)
     record = store.find_run(cfg.run_key)
@@ -69,7 +70,7 @@ def test_a_crash_while_building_is_stored_as_failed_with_its_record(store, tmp_p
 def test_a_crash_while_building_leaves_a_run_another_driver_holds(store, tmp_path, monkeypatch):
     """The failure is stored only under a claim: a run another driver took meanwhile stays its."""
     cfg = tiny_config(rounds=1)
-    monkeypatch.setattr(runner, "build_populations", _raise(_Boom("no method")))
+    monkeypatch.setattr(cell_module, "build_populations", _raise(_Boom("no method")))
     monkeypatch.setattr(Store, "claim_run", lambda self, run_id, owner, **kw: False)
     with pytest.raises(_Boom):
         run_cell(cfg, store, checkpoint_dir=tmp_path)
@@ -79,7 +80,7 @@ def test_a_crash_while_building_leaves_a_run_another_driver_holds(store, tmp_pat
 
 def test_a_user_error_while_building_writes_no_run(store, tmp_path, monkeypatch):
     cfg = tiny_config(rounds=1)
-    monkeypatch.setattr(runner, "build_populations", _raise(FpbenchError("no weights")))
+    monkeypatch.setattr(cell_module, "build_populations", _raise(FpbenchError("no weights")))
     with pytest.raises(FpbenchError, match="no weights"):
         run_cell(cfg, store, checkpoint_dir=tmp_path)
     assert store.find_run(cfg.run_key) is None
@@ -94,7 +95,7 @@ def test_the_global_torch_seed_is_the_runs_before_building(store, tmp_path, monk
         seeds.append(torch.initial_seed())
         raise FpbenchError("stop here")
 
-    monkeypatch.setattr(runner, "build_task", spy)
+    monkeypatch.setattr(cell_module, "build_task", spy)
     with pytest.raises(FpbenchError):
         run_cell(cfg, store, checkpoint_dir=tmp_path)
     assert seeds == [derive_seed(3, "torch")]
@@ -102,7 +103,7 @@ def test_the_global_torch_seed_is_the_runs_before_building(store, tmp_path, monk
 
 def test_ctrl_c_while_preparing_is_an_interruption_of_no_round(store, tmp_path, monkeypatch):
     cfg = tiny_config(rounds=1)
-    monkeypatch.setattr(runner, "build_task", _raise(KeyboardInterrupt()))
+    monkeypatch.setattr(cell_module, "build_task", _raise(KeyboardInterrupt()))
     with pytest.raises(CellInterrupted) as info:
         run_cell(cfg, store, checkpoint_dir=tmp_path)
     assert info.value.round is None and info.value.cfg is cfg
@@ -120,7 +121,7 @@ class _Stages(Observer):
 
 def test_data_preparation_is_reported_as_a_stage_of_the_cell(store, tmp_path, monkeypatch):
     cfg = tiny_config(rounds=1)
-    monkeypatch.setattr(runner, "build_populations", _raise(FpbenchError("stop here")))
+    monkeypatch.setattr(cell_module, "build_populations", _raise(FpbenchError("stop here")))
     observer = _Stages()
     with pytest.raises(FpbenchError):
         run_cell(cfg, store, checkpoint_dir=tmp_path, observer=observer)
@@ -218,9 +219,9 @@ def test_a_finished_cell_keeps_its_params_and_drops_a_torn_checkpoint(store, tmp
     monkeypatch.setattr(runner, "keep_params", lambda *args: kept.append(args))
     run_rounds = runner.run_rounds
 
-    def torn_write(cfg, populations, task, store, run_id, folder, *rest):
-        run_rounds(cfg, populations, task, store, run_id, folder, *rest)
-        torn = ckpt_io.checkpoint_path(folder, cfg.run_key).with_suffix(".tmp")
+    def torn_write(cell, store, run_id, folder, *rest):
+        run_rounds(cell, store, run_id, folder, *rest)
+        torn = ckpt_io.checkpoint_path(folder, cell.cfg.run_key).with_suffix(".tmp")
         torn.write_text("torn")  # after the last save, which would replace it
         return 12.5  # the rounds' wall time
 
@@ -240,7 +241,7 @@ def test_a_cell_stored_done_is_skipped_before_building(store, tmp_path, monkeypa
     cfg = tiny_config(rounds=1)
     monkeypatch.setattr(runner, "run_rounds", lambda *args: 0.5)
     assert run_cell(cfg, store, checkpoint_dir=tmp_path) == CellResult(cfg, "done")
-    monkeypatch.setattr(runner, "build_task", _raise(AssertionError("built again")))
+    monkeypatch.setattr(cell_module, "build_task", _raise(AssertionError("built again")))
     assert run_cell(cfg, store, checkpoint_dir=tmp_path) == CellResult(cfg, "skipped", None)
 
 
@@ -251,8 +252,8 @@ def test_a_crash_after_the_claim_is_taken_writes_nothing_to_the_other_drivers_ru
     failure is stored (both are written under the cell's claim); the crash is re-raised."""
     cfg = tiny_config(rounds=1)
 
-    def taken_then_crash(cfg, populations, task, store, run_id, *rest):
-        _TakenOverAfter(store, cfg).round_end(cfg, 0, {})
+    def taken_then_crash(cell, store, run_id, *rest):
+        _TakenOverAfter(store, cell.cfg).round_end(cell.cfg, 0, {})
         raise _Boom("round broke")
 
     monkeypatch.setattr(runner, "run_rounds", taken_then_crash)
@@ -285,10 +286,10 @@ def test_a_suite_goes_on_after_a_crashed_cell_but_stops_at_a_user_error(
     crash = plain.model_copy(update={"seed": 1})
     run_rounds = runner.run_rounds
 
-    def crash_seed_1(cfg, *args):
-        if cfg.seed == 1:
+    def crash_seed_1(cell, *args):
+        if cell.cfg.seed == 1:
             raise _Boom("seed 1 broke")
-        return run_rounds(cfg, *args)
+        return run_rounds(cell, *args)
 
     monkeypatch.setattr(runner, "run_rounds", crash_seed_1)
     observer = _Ends()
@@ -298,7 +299,7 @@ def test_a_suite_goes_on_after_a_crashed_cell_but_stops_at_a_user_error(
         (plain, "done", None),
     ]
     assert observer.results == results
-    monkeypatch.setattr(runner, "build_task", _raise(FpbenchError("no data")))
+    monkeypatch.setattr(cell_module, "build_task", _raise(FpbenchError("no data")))
     with pytest.raises(FpbenchError, match="no data"):
         run_suite([plain.model_copy(update={"seed": 2}), plain], store, checkpoint_dir=tmp_path)
 
@@ -351,7 +352,7 @@ def test_a_crash_while_building_takes_over_a_claim_stale_by_the_cells_timeout(
     """A claim silent for longer than `claim_timeout` (here 60 s of 600 s's default) is taken
     over when the crash is recorded, as when the cell starts."""
     cfg = tiny_config(rounds=1)
-    monkeypatch.setattr(runner, "build_populations", _raise(_Boom("no method")))
+    monkeypatch.setattr(cell_module, "build_populations", _raise(_Boom("no method")))
     with pytest.raises(_Boom):
         run_cell(cfg, store, checkpoint_dir=tmp_path)
     run_id = store.find_run(cfg.run_key).id
@@ -415,7 +416,7 @@ def test_a_live_claim_of_another_driver_skips_the_cell_before_building(
     built, the claim left as it was."""
     cfg = tiny_config(rounds=1)
     _held_elsewhere(store, cfg, 120)
-    monkeypatch.setattr(runner, "build_task", _raise(AssertionError("built")))
+    monkeypatch.setattr(cell_module, "build_task", _raise(AssertionError("built")))
     result = run_cell(cfg, store, checkpoint_dir=tmp_path, claim_timeout=300)
     assert result == CellResult(cfg, "skipped", "claimed by another driver")
     record = store.find_run(cfg.run_key)
@@ -511,13 +512,13 @@ def test_a_suite_hands_each_cell_its_observer_and_feature_cache(store, tmp_path,
 
     cells = [tiny_config(rounds=1), tiny_config(rounds=1).model_copy(update={"seed": 1})]
     cache, handed = FeatureCache(), []
-    build = runner.build_populations
+    build = cell_module.build_populations
 
-    def spy(cfg, task, device, cache):
+    def spy(cfg, task, device, cache, *args, **kwargs):
         handed.append(cache)
-        return build(cfg, task, device, cache)
+        return build(cfg, task, device, cache, *args, **kwargs)
 
-    monkeypatch.setattr(runner, "build_populations", spy)
+    monkeypatch.setattr(cell_module, "build_populations", spy)
     observer = _Heard()
     results = run_suite(cells, store, checkpoint_dir=tmp_path, observer=observer, cache=cache)
     assert [r.status for r in results] == ["done", "done"] and observer.results == results
@@ -542,7 +543,7 @@ def test_a_rerun_refuses_its_checkpoint_when_the_database_lost_its_rounds(
     run_id = store.find_run(cfg.run_key).id
     with store._session.begin() as s:
         s.execute(delete(Round).where(Round.run_id == run_id))
-    monkeypatch.setattr(runner, "build_task", _raise(AssertionError("built")))
+    monkeypatch.setattr(cell_module, "build_task", _raise(AssertionError("built")))
     path = ckpt_io.checkpoint_path(ckpt_io.folder_for(tmp_path, store.database_id), cfg.run_key)
     with pytest.raises(FpbenchError) as info:
         run_cell(cfg, store, checkpoint_dir=tmp_path)

@@ -21,7 +21,8 @@ from typer.testing import CliRunner
 
 from fpbench.cli import app
 from fpbench.engine import checkpoint as ckpt_io
-from fpbench.engine.dispatch import Dispatch, run_cells
+from fpbench.engine.dispatch import run_cells
+from fpbench.engine.launch import Dispatch
 from fpbench.engine.rounds import Observer
 from fpbench.engine.runner import run_cell, run_suite
 from fpbench.errors import FpbenchError

@@ -22,13 +22,13 @@ import torch
 import fpbench.backbones.frozen_linear as frozen_linear
 import fpbench.engine.executor as executor
 import fpbench.engine.rounds as rounds
-import fpbench.engine.runner as runner
 import fpbench.engine.task as task_module
 from fpbench.backbones.recall import current
+from fpbench.engine import cell as cell_module
+from fpbench.engine.cell import sampling_schedule
 from fpbench.engine.executor import derive_seed, train_clients
 from fpbench.engine.metrics import domain_key
 from fpbench.engine.observer import Observer
-from fpbench.engine.rounds import sampling_schedule
 from fpbench.engine.runner import run_cell
 from fpbench.engine.task import aggregation_sizes, load_dataset
 from fpbench.errors import FpbenchError
@@ -108,7 +108,7 @@ def spied(tmp_path_factory):
     )
     cfg = _with(cfg, seed=SEED, runtime={"device": "cpu"})
     seen = Spied()
-    aggregate, build_task = FedVPT.aggregate, runner.build_task
+    aggregate, build_task = FedVPT.aggregate, cell_module.build_task
     make_optimizer, uniforms = executor.make_optimizer, executor.uniforms
     record_cost = Store.record_cost
 
@@ -143,7 +143,7 @@ def spied(tmp_path_factory):
         mp.setattr(FedVPT, "aggregate", spy_aggregate)
         mp.setattr(executor, "make_optimizer", spy_optimizer)
         mp.setattr(executor, "uniforms", spy_uniforms)
-        mp.setattr(runner, "build_task", spy_build_task)
+        mp.setattr(cell_module, "build_task", spy_build_task)
         mp.setattr(Store, "record_cost", spy_cost)
         mp.setattr(FedVPT, "round_metrics", probe)
         with Store(f"sqlite:///{tmp / 'r.db'}") as store:
@@ -608,7 +608,7 @@ def test_a_round_evaluates_with_the_runs_batch_size_inputs_and_label_space(tiny,
     Catches `label_space` dropped (every run evaluated over all classes) and another batch size.
     """
     from fpbench.engine.build import build_populations
-    from fpbench.testing.tiny import seeded_server
+    from fpbench.testing.tiny import cell_of, seeded_server
 
     cfg, task, _ = tiny("fedvpt", rounds=1, local_label_space="client", eval_batch_size=5)
     (pop,) = build_populations(cfg, task, torch.device("cpu"))
@@ -620,7 +620,9 @@ def test_a_round_evaluates_with_the_runs_batch_size_inputs_and_label_space(tiny,
         return evaluate(*args, **kwargs)
 
     monkeypatch.setattr(rounds, "evaluate", spy)
-    server, rows, _ = rounds.play_round([pop], seeded_server(pop.method), task, cfg, 0, [1, 2], [])
+    server, rows, _ = rounds.play_round(
+        cell_of(cfg, task, [pop], [1, 2]), seeded_server(pop.method), 0, []
+    )
     ((args, kwargs),) = calls
     assert args[0] is pop.method and args[2] is task and args[4] is pop.inputs
     assert torch.equal(args[1].params["prompts"], server.params["prompts"])
@@ -635,7 +637,7 @@ def test_the_forwards_stats_reach_aggregate_summed_over_the_round(tiny, monkeypa
 
     Catches `play_round` building the updates without the stats (aggregate sees none)."""
     from fpbench.engine.build import build_populations
-    from fpbench.testing.tiny import seeded_server
+    from fpbench.testing.tiny import cell_of, seeded_server
 
     cfg, task, _ = tiny("fedvpt", rounds=1, local_epochs=2)
     (pop,) = build_populations(cfg, task, torch.device("cpu"))
@@ -654,19 +656,20 @@ def test_the_forwards_stats_reach_aggregate_summed_over_the_round(tiny, monkeypa
     monkeypatch.setattr(FedVPT, "forward", counting)
     monkeypatch.setattr(FedVPT, "aggregate", spy)
     ids = [2, 0]
-    rounds.play_round([pop], seeded_server(pop.method), task, cfg, 0, ids, [])
+    rounds.play_round(cell_of(cfg, task, [pop], ids), seeded_server(pop.method), 0, [])
     (updates,) = handed
     assert updates.client_ids.tolist() == ids
     assert updates.stats["seen"].tolist() == [2.0 * len(task.train_idx[c]) for c in ids]
 
 
 def test_a_round_scores_its_modes_sets_in_the_runs_precision(tiny, monkeypatch):
-    """`evaluate_populations` hands `score_targets` the populations, the round's servers, the
-    config, the precision it was given and the clients seen so far, and stores what it returns.
+    """`evaluate_populations` hands `score_targets` the cell (whose precision it scores in,
+    see test_eval_modes), the round's servers and the clients seen so far, and stores what it
+    returns.
 
-    Catches the scored sets evaluated in another precision (None: fp32 whatever the run's)."""
+    Catches the scored sets not handed the cell or the seen clients."""
     from fpbench.engine.build import build_populations
-    from fpbench.testing.tiny import seeded_server
+    from fpbench.testing.tiny import cell_of, seeded_server
 
     cfg, task, _ = tiny("fedvpt", rounds=1)
     (pop,) = build_populations(cfg, task, torch.device("cpu"))
@@ -677,24 +680,29 @@ def test_a_round_scores_its_modes_sets_in_the_runs_precision(tiny, monkeypatch):
         return {"acc_probe": 0.25}
 
     monkeypatch.setattr(rounds, "score_targets", spy)
-    rows = rounds.evaluate_populations([pop], servers, task, cfg, "bf16", [], 0, [1, 2])
-    assert calls == [([pop], servers, cfg, "bf16", [1, 2])]
+    cell = cell_of(cfg, task, [pop], [1, 2], "bf16")
+    rows = rounds.evaluate_populations(cell, servers, [], 0, [0, 2])
+    assert calls == [(cell, servers, [0, 2])]
     assert (None, "acc_probe", 0.25, None) in rows
 
 
 def test_a_round_played_alone_counts_its_own_clients_as_the_trained_ones(tiny):
-    """`play_round` without `seen` (as the cost estimate plays it) scores a personal method's
-    clients sampled in this round; the others are untrained.
+    """`play_round` of a cell whose schedule has only this round's clients (as the cost
+    estimate plays it) scores a personal method's clients sampled in this round; the others
+    are untrained.
 
-    Catches the default dropped (`seen` left None: no client counts as trained, or a crash)."""
+    Catches the round's seen clients not read from the cell's schedule (none trained, or a
+    crash)."""
     from fpbench.engine.build import build_populations
-    from fpbench.testing.tiny import seeded_server
+    from fpbench.testing.tiny import cell_of, seeded_server
 
     cfg, task, _ = tiny("pfedpg", rounds=1)
     (pop,) = build_populations(cfg, task, torch.device("cpu"))
     ids = task.trainable_clients()
     assert len(ids) == 3 and cfg.train.unseen_clients == "exclude"
-    _, rows, _ = rounds.play_round([pop], seeded_server(pop.method), task, cfg, 0, ids[1:2], [])
+    _, rows, _ = rounds.play_round(
+        cell_of(cfg, task, [pop], ids[1:2]), seeded_server(pop.method), 0, []
+    )
     assert [v for c, n, v, _ in rows if n == "clients_untrained"] == [2.0]
     assert [c for c, n, *_ in rows if n == "acc_local"] == [ids[1]]
 

@@ -218,7 +218,8 @@ def run(
     from fpbench.cli.trackers import TrackingObserver, make_trackers
 
     trackers = make_trackers(log or [], log_dir)  # a missing package: before anything runs
-    from fpbench.engine.dispatch import CELL_KEY, Dispatch, run_cells, validate  # imports torch
+    from fpbench.engine.dispatch import CELL_KEY, run_cells, validate  # imports torch
+    from fpbench.engine.launch import Dispatch
 
     needed = [name for c in cells for name in _datasets_of(c)]  # cross-dataset targets too
     root = data_root_of()

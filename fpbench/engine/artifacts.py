@@ -107,41 +107,12 @@ def rescore(
     `split = "train"` scores the train split instead: each client on its own train samples
     (`acc_local`), and the whole train split where the test split would be (`acc_global`).
     """
-    from fpbench.engine.build import build_populations, resolve_precision
+    from fpbench.engine.cell import Cell
     from fpbench.engine.numerics import cell_numerics
     from fpbench.engine.populations import unpack
-    from fpbench.engine.rounds import evaluate_populations, sampling_schedule
-    from fpbench.engine.seeding import derive_seed
-    from fpbench.engine.task import build_task
+    from fpbench.engine.rounds import evaluate_populations
 
     with cell_numerics(cfg):
-        torch.manual_seed(derive_seed(cfg.seed, "torch"))
-        task = build_task(cfg, device)
-        if split == "train":
-            task = on_train_split(task)
-        elif split != "test":
-            raise FpbenchError(f"--split must be test or train, got {split!r}")
-        populations = build_populations(cfg, task, device)
-        servers = unpack(ckpt.server.to(device), [pop.key for pop in populations])
-        train = cfg.train
-        schedule = sampling_schedule(
-            cfg.seed, train.rounds, task.trainable_clients(), train.participation, train.dropout
-        )
-        seen = sorted({c for ids in schedule[: ckpt.round + 1] for c in ids})
-        precision = resolve_precision(cfg.runtime.precision, device)
-        return evaluate_populations(populations, servers, task, cfg, precision, [], -1, seen)
-
-
-def on_train_split(task):
-    """The task with its train split in the test split's place (and each client's train
-    samples as its local test set), for scoring a trained state on the data it trained on."""
-    import dataclasses
-
-    data = task.data
-    swapped = dataclasses.replace(
-        data,
-        test_images=data.train_images,
-        test_labels=data.train_labels,
-        test_domains=data.train_domains,
-    )
-    return dataclasses.replace(task, data=swapped, test_idx=list(task.train_idx))
+        cell = Cell.build(cfg, device, split=split)
+        servers = unpack(ckpt.server.to(device), [pop.key for pop in cell.populations])
+        return evaluate_populations(cell, servers, [], -1, cell.seen(ckpt.round))

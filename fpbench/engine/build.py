@@ -42,9 +42,13 @@ def build_method(
     device: torch.device,
     pretrained: bool = True,
     backbones: dict | None = None,
+    *,
+    precision: str | None = None,
 ) -> Method:
     """The cell's method on its backbone; `backbones` (random weights only) keeps each
-    architecture built once and hands out copies (`fpbench estimate` builds hundreds)."""
+    architecture built once and hands out copies (`fpbench estimate` builds hundreds).
+    `precision`: the cell's resolved one (default: `runtime.precision` on `device`)."""
+    precision = precision or resolve_precision(cfg.runtime.precision, device)
     key = (cfg.backbone.name, cfg.backbone.weights)
     if backbones is None or pretrained:
         backbone = create_backbone(key[0], weights=key[1], pretrained=pretrained)
@@ -55,9 +59,7 @@ def build_method(
     backbone = backbone.to(device)
     if cfg.backbone.mean is not None:  # the suite's input normalisation (e.g. the reference code's)
         backbone.mean, backbone.std = cfg.backbone.mean, cfg.backbone.std
-    if resolve_precision(cfg.runtime.precision, device) == "bf16-frozen" and hasattr(
-        backbone, "hold_bf16_blocks"
-    ):
+    if precision == "bf16-frozen" and hasattr(backbone, "hold_bf16_blocks"):
         backbone.hold_bf16_blocks()
     if cfg.runtime.compile and hasattr(backbone, "vit"):
         for blocks in (backbone.vit.blocks, *getattr(backbone, "_bf16_blocks", ())):
@@ -89,11 +91,13 @@ def build_populations(
     cache: FeatureCache | None = None,
     pretrained: bool = True,
     backbones: dict | None = None,
+    *,
+    precision: str | None = None,
 ) -> list[Population]:
     """One population of every client, or with `model_het` one population per distinct backbone
     (`pretrained=False`: random weights, as `fpbench estimate` times them)."""
     if cfg.model_het is None:
-        method = build_method(cfg, task, device, pretrained, backbones)
+        method = build_method(cfg, task, device, pretrained, backbones, precision=precision)
         everyone = Cohort(None, tuple(range(task.num_clients)), cfg.train)
         targets = _targets(cfg, method, task, cache)
         inputs, strategy = _inputs(cfg, method, task, cache), build_strategy(cfg.method.strategy)
@@ -115,7 +119,7 @@ def build_populations(
     populations = []
     for i, (ref, members) in enumerate(cohorts.items()):
         sub = cfg.model_copy(update={"backbone": ref})
-        method = build_method(sub, task, device, pretrained, backbones)
+        method = build_method(sub, task, device, pretrained, backbones, precision=precision)
         key = f"{i}-{ref.name}"
         inputs, targets = _inputs(sub, method, task, cache), _targets(sub, method, task, cache)
         strategy = build_strategy(cfg.method.strategy)

@@ -22,19 +22,18 @@ from typing import Any
 
 import torch
 
-from fpbench.engine.cell_task import (
+from fpbench.engine.launch import Dispatch, visible_gpus
+from fpbench.engine.observer import CellResult, Observer
+from fpbench.engine.runner import (
     CELL_KEY,
-    Dispatch,
     Outcome,
     cell_url,
     finish,
     run_one,
+    run_suite,
     set_worker_events,
-    visible_gpus,
     worker_cache,
 )
-from fpbench.engine.observer import CellResult, Observer
-from fpbench.engine.runner import run_suite
 from fpbench.errors import FpbenchError
 from fpbench.specs import RunConfig
 from fpbench.store import Store

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,60 +30,53 @@ from fpbench.errors import FpbenchError
 from fpbench.methods.base import Context, Method, ServerState, as_logits
 
 
+@dataclass(frozen=True)
+class Predictor:
+    """A set of clients' models ready to score test samples: the method, its parameter rows
+    (K, ...), the context, the inputs and the batch size."""
+
+    method: Method
+    params: dict[str, Tensor]
+    ctx: Context
+    inputs: Inputs
+    batch_size: int
+
+    def forward(self, x: Tensor, rows: Tensor) -> Tensor:
+        return as_logits(self.method.forward(self.params, x, rows, self.ctx))
+
+
 @torch.no_grad()
-def logits_of(
-    method: Method,
-    params: dict[str, Tensor],
-    inputs: Inputs,
-    idx: Tensor,
-    rows: Tensor,
-    ctx: Context,
-    batch_size: int,
-) -> Iterator[Tensor]:
+def logits_of(model: Predictor, idx: Tensor, rows: Tensor) -> Iterator[Tensor]:
     """Logits (B, C) of test samples idx (M,), batch by batch; rows[i] = the row of sample i."""
-    for start in range(0, len(idx), batch_size):
-        part = idx[start : start + batch_size]
+    inputs, size = model.inputs, model.batch_size
+    for start in range(0, len(idx), size):
+        part = idx[start : start + size]
         x = inputs.test(part)
         with inputs.recall(x, "test", part):
-            out = method.forward(params, x, rows[start : start + batch_size], ctx)
-        yield as_logits(out)
+            out = model.forward(x, rows[start : start + size])
+        yield out
 
 
 @torch.no_grad()
 def _shared_logits(
-    method: Method,
-    params: dict[str, Tensor],
-    inputs: Inputs,
-    block: Tensor,
-    images: Tensor,
-    rows: list[int],
-    ctx: Context,
-    batch_size: int,
-    shared: SharedStates,
+    model: Predictor, block: Tensor, images: Tensor, rows: list[int], shared: SharedStates
 ) -> Iterator[Tensor]:
     """Logits (B, C) of the test samples `block` (S,) (preprocessed: `images`) under each of
     the given rows in turn, batch by batch, with the states the rows share kept in `shared`."""
     pos = torch.arange(len(block), device=block.device).repeat(len(rows))  # (S * R,)
     row = torch.tensor(rows, device=block.device).repeat_interleave(len(block))
-    for start in range(0, len(pos), batch_size):
-        at = pos[start : start + batch_size]
+    for start in range(0, len(pos), model.batch_size):
+        at = pos[start : start + model.batch_size]
         whole = len(at) == len(block) and start % len(block) == 0  # one row's whole block
         x = images if whole else images[at]
-        part, r = block[at], row[start : start + batch_size]
-        with inputs.recall(x, "test", part, r, None, shared):
-            out = method.forward(params, x, r, ctx)
-        yield as_logits(out)
+        part, r = block[at], row[start : start + model.batch_size]
+        with model.inputs.recall(x, "test", part, r, None, shared):
+            out = model.forward(x, r)
+        yield out
 
 
 def predict(
-    method: Method,
-    params: dict[str, Tensor],
-    inputs: Inputs,
-    idx: Tensor,
-    rows: Tensor,
-    ctx: Context,
-    batch_size: int,
-    allowed: Tensor | None = None,
+    model: Predictor, idx: Tensor, rows: Tensor, allowed: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """Predicted labels (M,) for test samples idx (M,), and their top-1 confidences (M,) (max
     softmax, fp32); rows[i] = the param row of sample i.
@@ -90,13 +84,10 @@ def predict(
     `allowed` (M, C) bool, if given, restricts sample i's argmax to the classes allowed[i].
     """
     preds, confs = [], []
-    for start, logits in zip(
-        range(0, len(idx), batch_size),
-        logits_of(method, params, inputs, idx, rows, ctx, batch_size),
-        strict=True,
-    ):
+    size = model.batch_size
+    for start, logits in zip(range(0, len(idx), size), logits_of(model, idx, rows), strict=True):
         if allowed is not None:
-            keep = allowed[start : start + batch_size].to(logits.device)  # (B, C)
+            keep = allowed[start : start + size].to(logits.device)  # (B, C)
             logits = _masked(logits, keep)
         preds.append(logits.argmax(-1))
         confs.append(confidence(logits))
@@ -179,16 +170,18 @@ def _evaluate_global(
     zero = torch.zeros(1, dtype=torch.long)
     draws = _draws(method, task, inputs, None, "fp32")
     params = start_params(method, server, zero, task.priors.device, training=False, draws=draws)
-    ctx = Context(training=False, buffers=server.buffers)
+    model = Predictor(
+        method, params, Context(training=False, buffers=server.buffers), inputs, batch_size
+    )
     everything = torch.arange(len(data.test_labels), device=data.test_labels.device)
     rows = torch.zeros_like(everything)
     if label_space == "all":
-        pred, conf = predict(method, params, inputs, everything, rows, ctx, batch_size)
+        pred, conf = predict(model, everything, rows)
         correct = pred == data.test_labels
         local = [correct[idx] for idx in task.test_idx]
         local_conf = [conf[idx] for idx in task.test_idx]
     else:  # one forward: the test split's logits, masked per client for the local sets
-        batches = logits_of(method, params, inputs, everything, rows, ctx, batch_size)
+        batches = logits_of(model, everything, rows)
         empty = everything.new_zeros(0, data.num_classes, dtype=torch.float)
         logits = torch.cat([b.float() for b in batches] or [empty])  # (M, C)
         pred, conf = logits.argmax(-1), confidence(logits)
@@ -252,7 +245,7 @@ def _evaluate_per_client(
     classes = client_classes(task) if label_space == "client" else None  # (N, C)
     scored = full_split_sample(task, full_split)
     chunk = max(1, batch_size // 32)
-    chunks: list[tuple[Tensor, dict[str, Tensor], Context, list[int]]] = []
+    chunks: list[_Chunk] = []
     for start in range(0, len(clients), chunk):
         ids = torch.tensor(clients[start : start + chunk])
         draws = _draws(method, task, inputs, ids, precision)
@@ -266,17 +259,18 @@ def _evaluate_per_client(
             for row, c in enumerate(ids.tolist())
             if not task.heldout[c] and (scored is None or c in scored)
         ]
+        model = Predictor(method, params, ctx, inputs, batch_size)
         if participants:
-            chunks.append((ids, params, ctx, participants, allowed))
+            chunks.append(_Chunk(ids, model, participants, allowed))
         alone = [row for row in range(len(ids)) if row not in participants]
         if alone:  # the others score their local test samples here
             local = [task.test_idx[c] for c in ids[alone].tolist()]
             mask = None if allowed is None else allowed[alone]
-            correct, confs = _correct(method, params, inputs, local, ctx, batch_size, mask, alone)
+            correct, confs = _correct(model, local, mask, alone)
             for k, c in enumerate(ids[alone].tolist()):
                 correct_local[c] = int(correct[k].sum())
                 ece_local[c] = _ece(confs[k], correct[k])
-    for c, (pred, conf, local) in _full_split(method, chunks, inputs, batch_size).items():
+    for c, (pred, conf, local) in _full_split(chunks, inputs, batch_size).items():
         hit = pred == data.test_labels
         global_acc[c] = hit.float().mean().item()
         f1_global[c] = _f1(pred, data.test_labels, data.num_classes)
@@ -298,11 +292,19 @@ def _evaluate_per_client(
     )
 
 
+@dataclass(frozen=True)
+class _Chunk:
+    """Clients evaluated together: their ids (K,), their models, the rows among them that score
+    the full test split, and the classes each may predict locally ((K, C) bool, or None: all)."""
+
+    ids: Tensor
+    model: Predictor
+    rows: list[int]
+    allowed: Tensor | None
+
+
 def _full_split(
-    method: Method,
-    chunks: list[tuple[Tensor, dict[str, Tensor], Context, list[int], Tensor | None]],
-    inputs: Inputs,
-    batch_size: int,
+    chunks: list[_Chunk], inputs: Inputs, batch_size: int
 ) -> dict[int, tuple[Tensor, Tensor, tuple[Tensor, Tensor]]]:
     """Each listed client's predictions (M,) and confidences (M,) on the full test split, and
     those on its local test samples (restricted to the chunk's allowed classes, if given),
@@ -317,9 +319,9 @@ def _full_split(
     task = inputs.task
     labels = task.data.test_labels
     device = labels.device
-    clients = [int(ids[row]) for ids, _, _, rows, _ in chunks for row in rows]
-    allowed = [None if a is None else a[row] for ids, _, _, rows, a in chunks for row in rows]
-    first = np.cumsum([0] + [len(rows) for _, _, _, rows, _ in chunks]).tolist()
+    clients = [int(ch.ids[row]) for ch in chunks for row in ch.rows]
+    allowed = [None if ch.allowed is None else ch.allowed[row] for ch in chunks for row in ch.rows]
+    first = np.cumsum([0] + [len(ch.rows) for ch in chunks]).tolist()
     # outputs allocated once, before the loop: small long-lived pieces allocated between the
     # loop's large temporaries would fragment the CPU heap (glibc), growing the process by
     # about the size of the logits at every (chunk, block)
@@ -334,16 +336,14 @@ def _full_split(
         images = inputs.test(block)
         shared = SharedStates(block, len(labels))
         span = slice(int(block[0]), int(block[-1]) + 1)
-        for j, (ids, params, ctx, rows, _) in enumerate(chunks):
-            batches = _shared_logits(
-                method, params, inputs, block, images, rows, ctx, batch_size, shared
-            )
+        for j, ch in enumerate(chunks):
+            batches = _shared_logits(ch.model, block, images, ch.rows, shared)
             logits = torch.cat([part.float() for part in batches])  # (R * S, C), row-major
             if local is None:
                 local = logits.new_empty(sum(sizes), logits.shape[1])
             pred, conf = logits.argmax(-1).split(len(block)), confidence(logits).split(len(block))
-            for k, (row, part) in enumerate(zip(rows, logits.split(len(block)), strict=True)):
-                c, i = int(ids[row]), first[j] + k
+            for k, (row, part) in enumerate(zip(ch.rows, logits.split(len(block)), strict=True)):
+                c, i = int(ch.ids[row]), first[j] + k
                 preds[i, span], confs[i, span] = pred[k], conf[k]
                 if (c, n) in mine:
                     start = offset[c] + filled[c]
@@ -363,16 +363,14 @@ def _full_split(
 
 
 def _local_positions(
-    chunks: list[tuple[Tensor, dict[str, Tensor], Context, list[int], Tensor | None]],
-    test_idx: list[Tensor],
-    batch_size: int,
+    chunks: list[_Chunk], test_idx: list[Tensor], batch_size: int
 ) -> dict[tuple[int, int], Tensor]:
     """(client, block) -> the positions in that block of the client's local test samples, in
     ascending order, for the chunks' listed clients (blocks of `batch_size` samples)."""
     out: dict[tuple[int, int], Tensor] = {}
-    for ids, _, _, rows, _ in chunks:
-        for row in rows:
-            c = int(ids[row])
+    for ch in chunks:
+        for row in ch.rows:
+            c = int(ch.ids[row])
             idx = test_idx[c].sort().values
             blocks, counts = torch.unique_consecutive(idx // batch_size, return_counts=True)
             for b, group in zip(blocks.tolist(), idx.split(counts.tolist()), strict=True):
@@ -422,12 +420,8 @@ def _draws(
 
 
 def _correct(
-    method: Method,
-    params: dict[str, Tensor],
-    inputs: Inputs,
+    model: Predictor,
     idx: list[Tensor],
-    ctx: Context,
-    batch_size: int,
     allowed: Tensor | None = None,
     rows: list[int] | None = None,
 ) -> tuple[list[Tensor], list[Tensor]]:
@@ -436,18 +430,14 @@ def _correct(
 
     `allowed` (K, C) bool, if given, restricts the k-th predictions to the classes allowed[k].
     """
-    preds, confs = _predicted(method, params, inputs, idx, ctx, batch_size, allowed, rows)
-    labels = inputs.task.data.test_labels
+    preds, confs = _predicted(model, idx, allowed, rows)
+    labels = model.inputs.task.data.test_labels
     return [p == labels[i] for p, i in zip(preds, idx, strict=True)], confs
 
 
 def _predicted(
-    method: Method,
-    params: dict[str, Tensor],
-    inputs: Inputs,
+    model: Predictor,
     idx: list[Tensor],
-    ctx: Context,
-    batch_size: int,
     allowed: Tensor | None = None,
     rows: list[int] | None = None,
 ) -> tuple[list[Tensor], list[Tensor]]:
@@ -456,7 +446,7 @@ def _predicted(
     flat, part = _flat(idx)
     mask = None if allowed is None else allowed[part.to(allowed.device)]  # (M, C)
     at = part if rows is None else torch.tensor(rows, device=part.device)[part]
-    pred, conf = predict(method, params, inputs, flat, at, ctx, batch_size, mask)
+    pred, conf = predict(model, flat, at, mask)
     sizes = [len(t) for t in idx]
     return list(pred.split(sizes)), list(conf.split(sizes))
 

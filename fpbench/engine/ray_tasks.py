@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fpbench.engine.cell_task import Dispatch, finish, run_one
+from fpbench.engine.launch import Dispatch
 from fpbench.engine.observer import CellResult, Observer
+from fpbench.engine.runner import finish, run_one
 from fpbench.specs import RunConfig
 
 POLL_S = 1.0

@@ -4,9 +4,8 @@ checkpoint and stored rows after every round."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 from torch import Tensor
 
 from fpbench.engine import checkpoint as ckpt_io
-from fpbench.engine.build import resolve_precision
+from fpbench.engine.cell import Cell
 from fpbench.engine.cost import count_flops
 from fpbench.engine.eval_modes import derived
 from fpbench.engine.evaluate import evaluate
@@ -53,36 +52,6 @@ class NonFiniteLoss(RuntimeError):
     """Local training produced a NaN or infinite loss: the cell fails (its error is stored)."""
 
 
-def sampling_schedule(
-    seed: int, rounds: int, clients: list[int], participation: float, dropout: float = 0.0
-) -> list[list[int]]:
-    """The clients of every round that report, pre-drawn from the seed so every method sees the
-    same ones: m = floor(participation * N) sampled, then `dropout_positions` of them fail."""
-    rng = np.random.default_rng(derive_seed(seed, "client-sampling"))
-    m = max(1, math.floor(participation * len(clients) + 1e-9))
-    sampled = [[int(c) for c in rng.choice(clients, m, replace=False)] for _ in range(rounds)]
-    if dropout == 0:
-        return sampled
-    failed = dropout_positions(seed, rounds, m, dropout)
-    return [
-        [c for i, c in enumerate(ids) if i not in gone]
-        for ids, gone in zip(sampled, failed, strict=True)
-    ]
-
-
-def dropout_positions(seed: int, rounds: int, m: int, dropout: float) -> list[set[int]]:
-    """Per round, the positions in the round's sample of m clients that fail to report: all but
-    max(1, floor((1 - dropout) * m)) of them, uniformly at random (FLiP's count of reporting
-    clients, 0-ml/flip flcore/servers/server_base.py:205-206, with at least one reporting).
-
-    Drawn from the seed alone (its own stream, "client-dropout"), so that the draw is the same
-    whatever the partition, the sampling, or the method.
-    """
-    rng = np.random.default_rng(derive_seed(seed, "client-dropout"))
-    k = m - max(1, math.floor((1 - dropout) * m + 1e-9))
-    return [{int(i) for i in rng.choice(m, k, replace=False)} for _ in range(rounds)]
-
-
 def should_eval(r: int, train: TrainConfig) -> bool:
     return (
         (r + 1) % train.eval_every == 0
@@ -92,9 +61,7 @@ def should_eval(r: int, train: TrainConfig) -> bool:
 
 
 def run_rounds(
-    cfg: RunConfig,
-    populations: list[Population],
-    task: Task,
+    cell: Cell,
     store: Store,
     run_id: int,
     checkpoint_dir: Path,
@@ -107,38 +74,28 @@ def run_rounds(
     the counter's overhead is in that round's `wall_s`). `checkpoint_dir`: this database's
     checkpoint folder (`checkpoint.folder_for`).
     """
-    device = task.priors.device
+    cfg, device = cell.cfg, cell.device
     path = ckpt_io.checkpoint_path(checkpoint_dir, cfg.run_key)
     bound_to = ckpt_io.binding(store.database_id, run_id)
-    check_centralized(cfg, populations)
+    check_centralized(cfg, cell.populations)
     ckpt = ckpt_io.load(path, cfg.run_key, device, bound_to)
     if ckpt is None:
         servers = {
             pop.key: pop.method.init_server(
                 torch.Generator().manual_seed(derive_seed(cfg.seed, "init-params"))
             ).to(device)
-            for pop in populations
+            for pop in cell.populations
         }
         if _sharing(cfg):
             servers = start_shared(servers)
         ckpt = ckpt_io.Checkpoint(cfg.run_key, -1, pack(servers), [], 0.0)
     store.truncate_after(run_id, ckpt.round)
     observer.cell_start(cfg, ckpt.round + 1)
-    schedule = sampling_schedule(
-        cfg.seed,
-        cfg.train.rounds,
-        task.trainable_clients(),
-        cfg.train.participation,
-        cfg.train.dropout,
-    )
     count = store.get_run(run_id).round_flops is None
     for r in range(ckpt.round + 1, cfg.train.rounds):
         start = time.perf_counter()
-        seen = sorted({c for ids in schedule[: r + 1] for c in ids})
         with count_flops() if count else nullcontext() as flops:
-            server, rows, scalars = play_round(
-                populations, ckpt.server, task, cfg, r, schedule[r], ckpt.history, seen
-            )
+            server, rows, scalars = play_round(cell, ckpt.server, r, ckpt.history)
         wall = time.perf_counter() - start
         store.write_round(run_id, r, wall_s=wall, metrics=rows, owner=owner, **scalars)
         if flops is not None:
@@ -156,29 +113,18 @@ def _sharing(cfg: RunConfig) -> bool:
     return cfg.model_het is not None and cfg.model_het.share == "shared"
 
 
-def play_round(
-    populations: list[Population],
-    server: ServerState,
-    task: Task,
-    cfg: RunConfig,
-    r: int,
-    client_ids: list[int],
-    history: list[dict[str, float]],
-    seen: list[int] | None = None,
-):
-    """One round: local training, aggregation, evaluation; returns the rows to store.
-
-    `seen`: the clients sampled in this or any earlier round (default: this round's).
-    """
-    device = task.priors.device
-    precision = resolve_precision(cfg.runtime.precision, device)
+def play_round(cell: Cell, server: ServerState, r: int, history: list[dict[str, float]]):
+    """Round r of the cell's schedule: local training, aggregation, evaluation; returns the
+    server state, the rows to store and the round's scalars."""
+    cfg, task, device, populations = cell.cfg, cell.task, cell.device, cell.populations
+    client_ids = cell.schedule[r]
     servers = unpack(server, [pop.key for pop in populations])
     losses, weight, up, down = [], {}, 0, 0
     central = cfg.train.centralized
     train_task, train_ids = (pooled(task, client_ids), [0]) if central else (task, client_ids)
     for pop in populations:
         local = _train_population(
-            pop, servers[pop.key], train_task, cfg, r, train_ids, precision, len(client_ids)
+            cell, pop, servers[pop.key], train_task, r, train_ids, len(client_ids)
         )
         if local is None:
             weight[pop.key] = 0.0
@@ -211,8 +157,7 @@ def play_round(
         count = max(params_trainable(s.params, s.personal) for s in servers.values())
         rows.append((None, "params_trainable", count, None))
     if should_eval(r, cfg.train):
-        seen = client_ids if seen is None else seen
-        rows += evaluate_populations(populations, servers, task, cfg, precision, history, r, seen)
+        rows += evaluate_populations(cell, servers, history, r, cell.seen(r))
     return pack(servers), rows, {"loss_train": loss, "bytes_up": up, "bytes_down": down}
 
 
@@ -228,13 +173,12 @@ def view_of_test(
 
 
 def _train_population(
+    cell: Cell,
     population: Population,
     server: ServerState,
     task: Task,
-    cfg: RunConfig,
     r: int,
     client_ids: list[int],
-    precision: str,
     sampled: int = 1,
 ) -> LocalResult | None:
     """Local training of this round's clients of one population, cohort by cohort (None: none).
@@ -242,6 +186,7 @@ def _train_population(
     Under `train.centralized`, `task` is the `pooled` one and its client 0 trains alone, its
     step cap (if any) `sampled` times the clients' (the budget of the round's clients).
     """
+    cfg = cell.cfg
     if cfg.train.centralized:
         train = population.cohorts[0].train
         if train.max_local_steps is not None:
@@ -260,7 +205,7 @@ def _train_population(
             seed=cfg.seed,
             executor=cfg.runtime.executor,
             inputs=population.inputs,
-            precision=precision,
+            precision=cell.precision,
             strategy=population.strategy,
             lockstep_samples=cfg.runtime.lockstep_samples,
         )
@@ -298,7 +243,7 @@ def pooled(task: Task, client_ids: list[int] | None = None) -> Task:
     )
 
 
-def check_centralized(cfg: RunConfig, populations: list[Population]) -> None:
+def check_centralized(cfg: RunConfig, populations: Sequence[Population]) -> None:
     """`train.centralized` needs one population of a global method without personal tensors."""
     if not cfg.train.centralized:
         return
@@ -314,16 +259,17 @@ def check_centralized(cfg: RunConfig, populations: list[Population]) -> None:
 
 
 def evaluate_populations(
-    populations: list[Population],
+    cell: Cell,
     servers: dict[str, ServerState],
-    task: Task,
-    cfg: RunConfig,
-    precision: str,
     history: list[dict[str, float]],
     r: int,
     seen: list[int],
 ) -> list[MetricRow]:
-    """Evaluate every population on its clients; the per-client and aggregate rows of the round."""
+    """Evaluate every population on its clients; the per-client and aggregate rows of round r.
+
+    `seen`: the clients sampled so far (`Cell.seen`), whom `train.unseen_clients` reads.
+    """
+    cfg, task, precision, populations = cell.cfg, cell.task, cell.precision, cell.populations
     single = len(populations) == 1
     counts = merge_counts(
         [
@@ -351,7 +297,7 @@ def evaluate_populations(
         names = [p.name for p in cfg.model_het.profiles]
         profiles = client_profiles(cfg.model_het)
         agg |= domain_accuracies(counts, profiles, names, prefix="acc_profile_")
-    agg |= score_targets(populations, servers, cfg, precision, seen)
+    agg |= score_targets(cell, servers, seen)
     agg |= derived(cfg.evaluation, agg)
     history.append(agg)
     rows = client_rows(counts) + [(None, k, v, None) for k, v in agg.items()]
@@ -360,15 +306,10 @@ def evaluate_populations(
     return rows
 
 
-def score_targets(
-    populations: list[Population],
-    servers: dict[str, ServerState],
-    cfg: RunConfig,
-    precision: str,
-    seen: list[int],
-) -> dict[str, float]:
+def score_targets(cell: Cell, servers: dict[str, ServerState], seen: list[int]) -> dict[str, float]:
     """`acc_<set>` / `ece_<set>` of each set the evaluation mode scores (`eval_modes`): the
     global model's, or the mean over the trained clients' own models, on its whole test split."""
+    cfg, precision, populations = cell.cfg, cell.precision, cell.populations
     out: dict[str, float] = {}
     single = len(populations) == 1
     for i, first in enumerate(populations[0].targets):
@@ -397,7 +338,7 @@ def score_targets(
 
 
 def mark_untrained(
-    counts: EvalCounts, populations: list[Population], seen: list[int], rule: str
+    counts: EvalCounts, populations: Sequence[Population], seen: list[int], rule: str
 ) -> EvalCounts:
     """Under `train.unseen_clients = "exclude"`, mark the personal methods' participating
     clients that no round has sampled yet (see `fpbench.engine.metrics`)."""

@@ -1,5 +1,6 @@
-"""A cell's lifecycle (claim, build, run its rounds, record the outcome) and the loop over a
-suite's cells."""
+"""A cell's lifecycle (claim, build, run its rounds, record the outcome), the loop over a
+suite's cells, and `run_one`: the task every launcher runs for one cell, in whichever process,
+with `finish`, the driver's end of it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import platform
 from pathlib import Path
 from traceback import format_exc
+from typing import Any
 
 import torch
 
@@ -14,15 +16,14 @@ import fpbench
 from fpbench import stages
 from fpbench.engine import checkpoint as ckpt_io
 from fpbench.engine.artifacts import keep_params
-from fpbench.engine.build import build_populations, resolve_device, resolve_precision
+from fpbench.engine.build import resolve_device, resolve_precision
+from fpbench.engine.cell import Cell
 from fpbench.engine.cost import PeakMemory
 from fpbench.engine.frozen_cache import effective_precision
 from fpbench.engine.inputs import FeatureCache
 from fpbench.engine.numerics import cell_numerics
 from fpbench.engine.observer import CellResult, Observer
 from fpbench.engine.rounds import run_rounds
-from fpbench.engine.seeding import derive_seed
-from fpbench.engine.task import build_task
 from fpbench.errors import FpbenchError
 from fpbench.specs import RunConfig
 from fpbench.store import CLAIM_TIMEOUT_S, ClaimLost, Store, claim_is_live, new_owner
@@ -133,12 +134,8 @@ def _run_cell(
     device = resolve_device(cfg.runtime.device)
     peak = PeakMemory(device)
     peak.start()
-    torch.manual_seed(derive_seed(cfg.seed, "torch"))
     try:  # reports reach the observer's `stage` (run_cell); so do the frozen passes' later
-        stages.report("preparing data", 0, 1)
-        task = build_task(cfg, device)
-        stages.report("preparing data", 1, 1)
-        populations = build_populations(cfg, task, device, cache)
+        cell = Cell.build(cfg, device, cache=cache)
     except Exception as e:
         if not isinstance(e, FpbenchError):  # a crash (a bug, out of memory) is recorded
             record = record or _create_record(cfg, store, device)
@@ -151,7 +148,7 @@ def _run_cell(
         return CellResult(cfg, "skipped", "claimed by another driver")
     try:
         with store.keep_alive(record.id, owner, claim_timeout / 4):
-            elapsed = run_rounds(cfg, populations, task, store, record.id, folder, observer, owner)
+            elapsed = run_rounds(cell, store, record.id, folder, observer, owner)
     except ClaimLost as e:
         return CellResult(cfg, "skipped", str(e))
     except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C, SIGTERM as `fpbench run` raises
@@ -263,3 +260,81 @@ def _device_name(device: torch.device, cfg: RunConfig) -> str:
     numerics = resolve_precision(cfg.runtime.precision, device)
     frozen = effective_precision(cfg.runtime.frozen_precision, device)
     return f"{name} ({numerics}{'' if frozen == 'fp32' else f', frozen {frozen}'})"
+
+
+CELL_KEY = "{run_key}"  # placeholder in a database URL: one database per cell
+
+Outcome = tuple[str, str | None]  # (done | skipped | failed | error, message)
+
+
+def cell_url(url: str, cfg: RunConfig) -> str:
+    """The database of one cell: `url` with `{run_key}` filled in."""
+    return url.replace(CELL_KEY, cfg.run_key)
+
+
+_worker: dict[str, Any] = {}  # per worker process: the event queue and the feature cache
+
+
+class _QueueObserver(Observer):
+    """Forwards a worker's progress to the driver."""
+
+    def __init__(self, events: Any) -> None:
+        self.events = events
+
+    def cell_start(self, cfg: RunConfig, start_round: int) -> None:
+        self.events.put(("start", cfg.run_key, start_round, {}))
+
+    def round_end(self, cfg: RunConfig, round_idx: int, metrics: dict[str, float]) -> None:
+        self.events.put(("round", cfg.run_key, round_idx, metrics))
+
+    def stage(self, cfg: RunConfig | None, what: str, done: int, total: int) -> None:
+        if cfg is not None:
+            self.events.put(("stage", cfg.run_key, done, {"what": what, "total": total}))
+
+
+def run_one(
+    cfg: RunConfig,
+    url: str,
+    checkpoint_dir: str,
+    claim_timeout: float = CLAIM_TIMEOUT_S,
+    observer: Observer | None = None,
+) -> Outcome:
+    """Run one cell in this process and return (status, message); never raises for a cell."""
+    events = _worker.get("events")
+    if observer is None:
+        observer = _QueueObserver(events) if events is not None else Observer()
+    try:
+        with Store(cell_url(url, cfg)) as store:
+            result = run_cell(
+                cfg,
+                store,
+                checkpoint_dir=Path(checkpoint_dir),
+                observer=observer,
+                cache=worker_cache(),
+                claim_timeout=claim_timeout,
+            )
+    except FpbenchError as e:
+        return ("error", str(e))
+    except Exception as e:  # recorded as failed in the database by run_cell
+        return ("failed", error_text(e))
+    return (result.status, result.error)
+
+
+def finish(cfg: RunConfig, outcome: Outcome, observer: Observer) -> CellResult:
+    """The driver's end of one cell: a user error stops everything, the rest is reported."""
+    status, message = outcome
+    if status == "error":
+        raise FpbenchError(message or "a cell failed with a user error")
+    result = CellResult(cfg, status, message)
+    observer.cell_end(result)
+    return result
+
+
+def worker_cache() -> FeatureCache:
+    """This process's feature cache, shared by the cells it runs."""
+    return _worker.setdefault("cache", FeatureCache())
+
+
+def set_worker_events(events: Any) -> None:
+    """A pool worker's queue, to which its cells' progress goes."""
+    _worker["events"] = events

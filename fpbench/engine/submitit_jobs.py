@@ -15,9 +15,9 @@ from typing import Any
 
 import submitit  # optional extra; `dispatch.validate` checks it is installed
 
-from fpbench.engine.cell_task import Dispatch, Outcome, finish, run_one, visible_gpus
+from fpbench.engine.launch import Dispatch, visible_gpus
 from fpbench.engine.observer import CellResult, Observer
-from fpbench.engine.runner import note_exit
+from fpbench.engine.runner import Outcome, finish, note_exit, run_one
 from fpbench.errors import FpbenchError
 from fpbench.specs import RunConfig
 

@@ -88,6 +88,19 @@ def build_task(cfg: RunConfig, device: torch.device) -> Task:
     return task
 
 
+def on_train_split(task: Task) -> Task:
+    """The task with its train split in the test split's place (and each client's train
+    samples as its local test set), for scoring a trained state on the data it trained on."""
+    data = task.data
+    swapped = dataclasses.replace(
+        data,
+        test_images=data.train_images,
+        test_labels=data.train_labels,
+        test_domains=data.train_domains,
+    )
+    return dataclasses.replace(task, data=swapped, test_idx=list(task.train_idx))
+
+
 def task_of(
     data: ImageDataset,
     partition: Component,

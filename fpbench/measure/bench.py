@@ -22,12 +22,12 @@ from collections.abc import Callable
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from fpbench.engine.build import build_method, resolve_device, resolve_precision
+from fpbench.engine.build import resolve_device, resolve_precision
+from fpbench.engine.cell import Cell
 from fpbench.engine.evaluate import evaluate
 from fpbench.engine.executor import train_clients
 from fpbench.engine.inputs import FeatureCache, Inputs
 from fpbench.engine.precision import autocast
-from fpbench.engine.task import build_task
 from fpbench.suites import expand_suite
 
 # Dense bf16 tensor-core peaks (FLOP/s), from the vendors' data sheets.
@@ -55,8 +55,8 @@ def bench(
     dev = resolve_device(device)
     prec = resolve_precision(precision, dev)
     cfg = _config(backbone, clients, batch, steps, dev, prec)
-    task = build_task(cfg, dev)
-    fedvpt = build_method(cfg, task, dev, pretrained=False)
+    cell = Cell.build(cfg, dev, pretrained=False)
+    task, fedvpt = cell.task, cell.populations[0].method
     ids = task.trainable_clients()
     samples = sum(len(task.train_idx[c]) for c in ids)
     out: dict[str, object] = {
@@ -124,7 +124,7 @@ def _with_method(cfg, task, dev: torch.device, name: str):
     """The config with another method (default args), and that method built."""
     method_cfg = cfg.method.model_copy(update={"name": name, "args": {}})
     cfg = cfg.model_copy(update={"method": method_cfg})
-    return cfg, build_method(cfg, task, dev, pretrained=False)
+    return cfg, Cell.build(cfg, dev, pretrained=False, task=task).populations[0].method
 
 
 def _headtune(

@@ -350,9 +350,9 @@ def measure(
     """Time the parts of `rounds` rounds of the cell on fake data (see the module docstring),
     through the engine's own round (`fpbench.engine.rounds.play_round`). A round's time is
     the mean of the rounds, or with `warm` the fastest (the first pays one-time warm-up)."""
-    from fpbench.engine.build import build_populations
+    from fpbench.engine.cell import Cell, sampling_schedule
     from fpbench.engine.cost import PeakMemory
-    from fpbench.engine.rounds import evaluate_populations, play_round, sampling_schedule
+    from fpbench.engine.rounds import evaluate_populations, play_round
     from fpbench.engine.seeding import derive_seed
     from fpbench.engine.task import task_of
 
@@ -377,16 +377,17 @@ def measure(
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     start = time.perf_counter()
     backbones = None if memo is None else memo.backbones
-    populations = build_populations(cfg, task, device, pretrained=False, backbones=backbones)
+    cell = Cell.build(cfg, device, pretrained=False, backbones=backbones, task=task)
+    share = shape.per_round / shape.trainable
+    cell = cell.with_schedule(sampling_schedule(0, rounds, task.trainable_clients(), share))
+    (population,) = cell.populations
     gen = torch.Generator().manual_seed(derive_seed(cfg.seed, "init-params"))
-    server = populations[0].method.init_server(gen).to(device)
+    server = population.method.init_server(gen).to(device)
     sync()
     setup = time.perf_counter() - start
-    splits = {s.what: s for s in populations[0].inputs.discover(populations[0].method, server)}
-    share = shape.per_round / shape.trainable
-    schedule = sampling_schedule(0, rounds, task.trainable_clients(), share)
+    splits = {s.what: s for s in population.inputs.discover(population.method, server)}
     frozen_s, frozen_n, train_s = 0.0, 0, []
-    for r, ids in enumerate(schedule):
+    for r, ids in enumerate(cell.schedule):
         idx = torch.cat([task.train_idx[c] for c in ids])
         start = time.perf_counter()
         before = sum(s.computed for s in splits.values())
@@ -397,7 +398,7 @@ def measure(
         frozen_s += time.perf_counter() - start
         frozen_n += sum(s.computed for s in splits.values()) - before
         start = time.perf_counter()
-        server, _, _ = play_round(populations, server, task, cfg, r, ids, [])
+        server, _, _ = play_round(cell, server, r, [])
         sync()
         train_s.append(time.perf_counter() - start)
     start = time.perf_counter()
@@ -407,8 +408,7 @@ def measure(
     sync()
     test_frozen = time.perf_counter() - start
     start = time.perf_counter()
-    seen = sorted({c for ids in schedule for c in ids})
-    evaluate_populations(populations, {"": server}, task, cfg, precision, [], 0, seen)
+    evaluate_populations(cell, {"": server}, [], 0, cell.seen(rounds - 1))
     sync()
     return Measurement(
         setup_s=setup,

@@ -4,7 +4,7 @@ timed on the tiny federation of the conformance tests, to compare two commits me
 Each method runs on the tiny federation of `fpbench.tiny`, the conformance tests' one (synthetic
 data, 6 classes of 16 px, 4 clients, one held out, batch 8, one local epoch) with the test-sized
 backbone of its family (`vit-test`, or `clip-test` for a CLIP method), through the engine's own
-code: the populations a cell builds (`fpbench.engine.build.build_populations`, frozen values kept in
+code: the cell as the engine builds it (`fpbench.engine.cell.Cell`, frozen values kept in
 memory), a round of local training of every trainable client with the run's executor and the
 aggregation (`fpbench.engine.rounds.play_round`), and one evaluation
 (`evaluate_populations`), all as the cell computes (`fpbench.engine.numerics.cell_numerics`).
@@ -53,32 +53,25 @@ def tiny_cell(method: str, device: torch.device, precision: str) -> RunConfig:
 
 def time_method(cfg: RunConfig, device: torch.device, repeats: int) -> MethodTime:
     """Time one method's cell (see the module docstring)."""
-    from fpbench.engine.build import build_populations, resolve_precision
+    from fpbench.engine.cell import Cell
     from fpbench.engine.numerics import cell_numerics
     from fpbench.engine.rounds import evaluate_populations, play_round
     from fpbench.engine.seeding import derive_seed
-    from fpbench.engine.task import build_task
     from fpbench.measure.estimate import _offline_args
 
     cfg = _offline_args(cfg)
-    precision = resolve_precision(cfg.runtime.precision, device)
     with cell_numerics(cfg):
-        task = build_task(cfg, device)
-        populations = build_populations(cfg, task, device, pretrained=False)
+        cell = Cell.build(cfg, device, pretrained=False)
+        cell = cell.with_schedule([cell.task.trainable_clients()])  # every client trains
+        (population,) = cell.populations
         gen = torch.Generator().manual_seed(derive_seed(cfg.seed, "init-params"))
-        server = populations[0].method.init_server(gen).to(device)
-        ids = task.trainable_clients()
-        trained, first_round, _ = _timed(
-            lambda: play_round(populations, server, task, cfg, 0, ids, [])[0], device
-        )
-        servers = {populations[0].key: trained}
-        evaluate = lambda: evaluate_populations(  # noqa: E731
-            populations, servers, task, cfg, precision, [], 0, ids
-        )
+        server = population.method.init_server(gen).to(device)
+        trained, first_round, _ = _timed(lambda: play_round(cell, server, 0, [])[0], device)
+        servers = {population.key: trained}
+        evaluate = lambda: evaluate_populations(cell, servers, [], 0, cell.seen(0))  # noqa: E731
         _, first_eval, _ = _timed(evaluate, device)
         rounds = [
-            _timed(lambda: play_round(populations, server, task, cfg, 0, ids, []), device)[1:]
-            for _ in range(repeats)
+            _timed(lambda: play_round(cell, server, 0, []), device)[1:] for _ in range(repeats)
         ]
         evals = [_timed(evaluate, device)[1] for _ in range(repeats)]
     return MethodTime(

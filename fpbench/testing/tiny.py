@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fpbench.engine.build import build_method
-from fpbench.engine.task import build_task
+from fpbench.engine.cell import Cell
+from fpbench.engine.populations import Population
+from fpbench.engine.task import Task
 from fpbench.specs import RunConfig
 from fpbench.suites import expand_suite
 from fpbench.tiny import OFFLINE_ARGS, TINY, tiny_suite  # noqa: F401  (re-exported)
@@ -52,6 +53,18 @@ def tiny_config(method: str = "fedvpt", **train) -> RunConfig:
     return expand_suite(tiny_suite(method, **train), name="tiny").cells[0]
 
 
+def cell_of(
+    cfg: RunConfig,
+    task: Task,
+    populations: list[Population],
+    ids: list[int],
+    precision: str = "fp32",
+) -> Cell:
+    """A cell of parts built apart, every round's clients `ids` (a test playing one round)."""
+    schedule = [list(ids)] * max(cfg.train.rounds, 1)
+    return Cell(cfg, task.priors.device, precision, task, tuple(populations), schedule)
+
+
 @pytest.fixture
 def fpbench_cache(tmp_path_factory, monkeypatch) -> Path:
     """An fpbench cache folder of the test's own (frozen values, seeded weights), in and below
@@ -71,7 +84,7 @@ def tiny(fpbench_cache) -> Callable:
 
     def make(method: str = "fedvpt", **train):
         cfg = tiny_config(method, **train)
-        task = build_task(cfg, torch.device("cpu"))
-        return cfg, task, build_method(cfg, task, torch.device("cpu"))
+        cell = Cell.build(cfg, torch.device("cpu"))
+        return cfg, cell.task, cell.populations[0].method
 
     return make

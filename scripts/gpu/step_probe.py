@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from fpbench.engine.build import build_populations
+from fpbench.engine.cell import Cell, sampling_schedule
 from fpbench.engine.executor import derive_seed
-from fpbench.engine.rounds import play_round, sampling_schedule
+from fpbench.engine.rounds import play_round
 from fpbench.engine.runner import cell_numerics
 from fpbench.engine.task import task_of
 from fpbench.measure.estimate import _offline_args, fake_dataset, shape_of
@@ -63,29 +63,30 @@ def build(cfg):
     part = {"num_clients": shape.num_clients, "heldout_frac": shape.heldout_frac}
     iid = Component(name="iid", label="iid", args=part)
     task = task_of(fake_dataset(shape, DEVICE), iid, 0, DEVICE)
-    pops = build_populations(cfg, task, DEVICE, pretrained=False)
+    cell = Cell.build(cfg, DEVICE, pretrained=False, task=task)
+    share = shape.per_round / shape.trainable
+    cell = cell.with_schedule(sampling_schedule(0, 8, task.trainable_clients(), share))
     gen = torch.Generator().manual_seed(derive_seed(cfg.seed, "init-params"))
-    server = pops[0].method.init_server(gen).to(DEVICE)
-    schedule = sampling_schedule(0, 8, task.trainable_clients(), shape.per_round / shape.trainable)
-    return shape, task, pops, server, schedule
+    server = cell.populations[0].method.init_server(gen).to(DEVICE)
+    return shape, cell, server
 
 
-def frozen_first(pops, task, ids) -> float:
-    """Compute the round's clients' frozen train values; seconds."""
+def frozen_first(cell, r) -> float:
+    """Compute round r's clients' frozen train values; seconds."""
     start = time.perf_counter()
-    idx = torch.cat([task.train_idx[c] for c in ids])
-    method = pops[0].method
+    idx = torch.cat([cell.task.train_idx[c] for c in cell.schedule[r]])
+    pop = cell.populations[0]
     gen = torch.Generator().manual_seed(0)
-    for split in pops[0].inputs.discover(method, method.init_server(gen).to(task.priors.device)):
+    for split in pop.inputs.discover(pop.method, pop.method.init_server(gen).to(DEVICE)):
         if split.what.endswith("(train)"):
             split[idx]
     sync()
     return time.perf_counter() - start
 
 
-def timed_round(pops, server, task, cfg, r, ids):
+def timed_round(cell, server, r):
     start = time.perf_counter()
-    server, _, _ = play_round(pops, server, task, cfg, r, ids, [])
+    server, _, _ = play_round(cell, server, r, [])
     sync()
     return server, time.perf_counter() - start
 
@@ -100,27 +101,27 @@ def probe_rounds(cfg, out: dict, profile_out: Path | None) -> None:
     from torch.utils.flop_counter import FlopCounterMode
 
     with cell_numerics(cfg):
-        shape, task, pops, server, schedule = build(cfg)
+        shape, cell, server = build(cfg)
         rounds = []
         for r in range(3):
-            fz = frozen_first(pops, task, schedule[r])
-            server, s = timed_round(pops, server, task, cfg, r, schedule[r])
+            fz = frozen_first(cell, r)
+            server, s = timed_round(cell, server, r)
             rounds.append({"round": r, "frozen_s": fz, "train_s": s})
             print(f"round {r}: frozen {fz:.2f} s, train {s:.2f} s", flush=True)
         r = 3
-        frozen_first(pops, task, schedule[r])
+        frozen_first(cell, r)
         with FlopCounterMode(display=False) as counter:
-            play_round(pops, server, task, cfg, r, schedule[r], [])
+            play_round(cell, server, r, [])
         flops = counter.get_total_flops()
-        _, s = timed_round(pops, server, task, cfg, r, schedule[r])
+        _, s = timed_round(cell, server, r)
         out["round_flops"] = flops
         out["round_s"] = s
         out["tflops"] = flops / s / 1e12
         print(f"round {r} again: {s:.2f} s, {flops / 1e12:.1f} TFLOP, {flops / s / 1e12:.0f} "
               "TFLOP/s", flush=True)  # fmt: skip
-        frozen_first(pops, task, schedule[4])
+        frozen_first(cell, 4)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            _, s = timed_round(pops, server, task, cfg, 4, schedule[4])
+            _, s = timed_round(cell, server, 4)
         out["profiled_round_s"] = s
         out["busy_fraction"] = busy_fraction(prof, s)
         print(f"profiled round: {s:.2f} s, device busy {out['busy_fraction']:.0%}", flush=True)
@@ -135,8 +136,8 @@ def probe_rounds(cfg, out: dict, profile_out: Path | None) -> None:
     with contextlib.suppress(Exception):
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.deterministic = False
-        frozen_first(pops, task, schedule[5])
-        _, s = timed_round(pops, server, task, cfg, 5, schedule[5])
+        frozen_first(cell, 5)
+        _, s = timed_round(cell, server, 5)
         out["nondeterministic_round_s"] = s
         print(f"round, deterministic mode off: {s:.2f} s", flush=True)
 
@@ -157,8 +158,8 @@ def precision(kind: str):
 def probe_select(cfg, n: int, topk: int, out: dict, name: str) -> None:
     """Queries of n train samples at three precisions: time and changed choices."""
     with cell_numerics(cfg):
-        _, task, pops, server, _ = build(cfg)
-        method = pops[0].method
+        _, cell, server = build(cfg)
+        task, method = cell.task, cell.populations[0].method
         fn = method.query  # Select's frozen query (SGPT, FGPT)
         keys = server.params["keys"] if "keys" in server.params else server.buffers["keys"]
         keys = keys.reshape(-1, keys.shape[-1]).float()
@@ -278,25 +279,25 @@ def probe_variant(
     cfg = cfg.model_copy(update={"runtime": runtime})
     name = f"{precision}{'+compile' if compiled else ''}{f'+{sdpa}' if sdpa else ''}"
     with cell_numerics(cfg), attention(sdpa):
-        _, task, pops, server, schedule = build(cfg)
+        _, cell, server = build(cfg)
         times = []
         for r in range(rounds):
-            frozen_first(pops, task, schedule[r])
-            server, s = timed_round(pops, server, task, cfg, r, schedule[r])
+            frozen_first(cell, r)
+            server, s = timed_round(cell, server, r)
             times.append(s)
             print(f"{name} round {r}: {s:.2f} s", flush=True)
-        frozen_first(pops, task, schedule[rounds])
-        once = timed_round(pops, server, task, cfg, rounds, schedule[rounds])[0]
+        frozen_first(cell, rounds)
+        once = timed_round(cell, server, rounds)[0]
         if profiled:
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                twice, s = timed_round(pops, server, task, cfg, rounds, schedule[rounds])
+                twice, s = timed_round(cell, server, rounds)
             print(f"{name} profiled round: {s:.2f} s, busy {busy_fraction(prof, s):.0%}")
             table = prof.key_averages()
             print(table.table(sort_by="self_device_time_total", row_limit=22), flush=True)
         else:
-            twice = timed_round(pops, server, task, cfg, rounds, schedule[rounds])[0]
+            twice = timed_round(cell, server, rounds)[0]
         same = all(torch.equal(once.params[k], twice.params[k]) for k in once.params)
     fig: dict = {"round_s": times, "deterministic": same}
     out.setdefault("round_flops", OVERRIDES.get("round_flops"))

@@ -1,4 +1,4 @@
-"""The task every launcher runs for one cell (`fpbench.engine.cell_task`), checked directly:
+"""The task every launcher runs for one cell (`fpbench.engine.runner.run_one`), checked directly:
 what `run_one` hands `run_cell` and returns, what the driver's `finish` does with it, the
 events a worker sends, its shared feature cache, and the GPUs a process sees. `run_cell` is
 replaced by a recorder, so no cell trains."""
@@ -10,18 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fpbench.engine import cell_task
-from fpbench.engine.cell_task import (
-    Dispatch,
-    cell_url,
-    finish,
-    run_one,
-    set_worker_events,
-    visible_gpus,
-    worker_cache,
-)
+from fpbench.engine import runner
 from fpbench.engine.inputs import FeatureCache
+from fpbench.engine.launch import Dispatch, visible_gpus
 from fpbench.engine.observer import CellResult, Observer
+from fpbench.engine.runner import cell_url, finish, run_one, set_worker_events, worker_cache
 from fpbench.errors import FpbenchError
 from tests.conftest import tiny_config
 
@@ -48,7 +41,7 @@ class _Ends(Observer):
 def worker(monkeypatch):
     """A fresh per-process state (no events queue, no cache), as in a new worker."""
     state: dict = {}
-    monkeypatch.setattr(cell_task, "_worker", state)
+    monkeypatch.setattr(runner, "_worker", state)
     return state
 
 
@@ -61,7 +54,7 @@ def calls(monkeypatch):
         seen.append({"cfg": cfg, "url": store.url, **kwargs})
         return CellResult(cfg, "done", None)
 
-    monkeypatch.setattr(cell_task, "run_cell", fake)
+    monkeypatch.setattr(runner, "run_cell", fake)
     return seen
 
 
@@ -104,12 +97,12 @@ def test_run_one_without_an_observer_sends_a_workers_progress_to_its_queue(worke
     assert worker["events"] is events
     run_one(cfg, url, str(tmp_path))
     sent = calls[1]["observer"]
-    assert isinstance(sent, cell_task._QueueObserver) and sent.events is events
+    assert isinstance(sent, runner._QueueObserver) and sent.events is events
 
 
 def test_the_queue_observer_sends_start_round_and_stage_events_of_its_cell():
     cfg, events = tiny_config(), _Events()
-    obs = cell_task._QueueObserver(events)
+    obs = runner._QueueObserver(events)
     obs.cell_start(cfg, 3)
     obs.round_end(cfg, 4, {"acc": 0.5})
     obs.stage(cfg, "frozen cls (train)", 7, 9)
@@ -134,14 +127,14 @@ def test_run_one_returns_a_cells_error_instead_of_raising(
     def fail(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(cell_task, "run_cell", fail)
+    monkeypatch.setattr(runner, "run_cell", fail)
     assert run_one(tiny_config(), f"sqlite:///{tmp_path}/r.db", str(tmp_path)) == outcome
 
 
 def test_run_one_returns_a_skipped_cells_status_and_message(worker, monkeypatch, tmp_path):
     cfg = tiny_config()
     monkeypatch.setattr(
-        cell_task, "run_cell", lambda cfg, store, **kw: CellResult(cfg, "skipped", "claimed")
+        runner, "run_cell", lambda cfg, store, **kw: CellResult(cfg, "skipped", "claimed")
     )
     assert run_one(cfg, f"sqlite:///{tmp_path}/r.db", str(tmp_path)) == ("skipped", "claimed")
 
